@@ -1,0 +1,42 @@
+# moe: `make train` then `make test` on a fresh machine. `make help` lists every target.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help setup train test test-slow smoke sweep-smoke report bench lint compile-neuron clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-15s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP) ## create .venv (CPU torch 2.13.0, pinned by constraints.txt) and install moe
+	@echo "venv ready: $(VENV)"
+
+train: $(STAMP) ## default run: tiny MoE, bundled data, CPU (a few minutes); ARGS='key=value ...' to override
+	$(PY) train.py $(ARGS)
+
+test: $(STAMP) ## fast test suite (the CI gate, under 15 minutes on 2 cores)
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: $(STAMP) ## slow tests: multi-process runs, kill-and-resume
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1 and gpu presets
+	$(PY) train.py run_name=smoke trainer.max_steps=20 trainer.val_check_interval=10 resume=false $(ARGS)
+	$(PY) train.py dry_run=true hardware=trn1 parallel=tp8_pp8_ep8 model=mixtral_8x7b
+	$(PY) train.py dry_run=true hardware=gpu parallel=dp2_ep8 model=mixtral_8x7b
+
+lint: $(STAMP) ## ruff check
+	$(VENV)/bin/ruff check .
+
+clean: ## remove runs/, multirun/ and caches (keeps .venv)
+	rm -rf runs multirun outputs .pytest_cache .ruff_cache
