@@ -1,0 +1,48 @@
+"""AdamW with an optional no-decay group, and linear warmup into cosine decay to a floor."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_decay_norms_and_biases: bool) -> list[dict]:
+    """Split parameters into decay and no-decay groups; 1-D tensors are norms and biases.
+
+    Each group carries a `name` (DeepSpeed's MoE group splitter needs one) and, through
+    `param.is_expert`, stays splittable into expert and non-expert groups later.
+    """
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if no_decay_norms_and_biases and p.ndim < 2 else decay).append(p)
+    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"name": "no_decay", "params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, opt_cfg) -> torch.optim.Optimizer:
+    """AdamW over `param_groups`; foreach kernels on CPU, fused where the device has them."""
+    groups = param_groups(model, opt_cfg.weight_decay, opt_cfg.no_decay_norms_and_biases)
+    return torch.optim.AdamW(groups, lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+
+
+def lr_at(step: int, opt_cfg, max_steps: int) -> float:
+    """Learning rate after `step` optimizer steps: linear warmup, cosine to min_lr, then flat."""
+    warmup = opt_cfg.warmup_steps
+    if warmup > 0 and step < warmup:
+        return opt_cfg.lr * (step + 1) / warmup
+    decay_steps = opt_cfg.decay_steps or max_steps
+    progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return opt_cfg.min_lr + (opt_cfg.lr - opt_cfg.min_lr) * cosine
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, opt_cfg, max_steps: int):
+    """A per-step LambdaLR whose factor is `lr_at(step) / lr`."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_at(step, opt_cfg, max_steps) / opt_cfg.lr
+    )

@@ -1,0 +1,129 @@
+"""cfg -> validated plan -> DataModule + LitMoE + strategy -> Trainer.fit -> run dir.
+
+`train.py` is a thin Hydra entry point around `train(cfg, run_dir)`; tests call it too.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from moe.callbacks import RunMetrics
+from moe.errors import UserError
+from moe.parallel.plan import make_plan
+from moe.strategies import build_strategy
+from moe.validate import validate
+
+
+def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
+    """Validate, then either print the dry-run plan or train into `run_dir`."""
+    validate(cfg)
+    if cfg.dry_run:
+        print(make_plan(cfg).render())
+        return None
+    run_dir = Path(run_dir)
+    bundle = build_strategy(cfg)
+    os.environ.update(bundle.env)
+    if bundle.num_threads:
+        torch.set_num_threads(bundle.num_threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    from moe.data import MoEDataModule
+    from moe.lit_module import LitMoE
+
+    datamodule = MoEDataModule(
+        cfg.data, micro_batch_size=cfg.trainer.micro_batch_size,
+        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches, max_steps=cfg.trainer.max_steps,
+        seed=cfg.seed, limit_val_batches=cfg.trainer.limit_val_batches,
+    )
+    datamodule.check_model(cfg.model)
+    module = LitMoE(cfg)
+    trainer = L.Trainer(
+        accelerator=bundle.accelerator, strategy=bundle.strategy, precision=bundle.precision,
+        plugins=bundle.plugins or None,
+        devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
+        max_steps=cfg.trainer.max_steps, accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
+        gradient_clip_val=cfg.optimizer.grad_clip or None, gradient_clip_algorithm="norm",
+        val_check_interval=cfg.trainer.val_check_interval * cfg.trainer.accumulate_grad_batches,
+        check_val_every_n_epoch=None, limit_val_batches=cfg.trainer.limit_val_batches,
+        num_sanity_val_steps=0, use_distributed_sampler=False,
+        logger=build_loggers(cfg, run_dir) or False,
+        callbacks=build_callbacks(cfg, run_dir, module),
+        default_root_dir=str(run_dir), enable_progress_bar=cfg.trainer.progress_bar,
+        deterministic=cfg.trainer.deterministic, enable_model_summary=False,
+    )
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    resume_from = str(ckpt) if cfg.resume and ckpt.exists() else None
+    if resume_from and trainer.is_global_zero:
+        print(f"resuming from {ckpt}")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    if trainer.is_global_zero:
+        print(f"run dir: {run_dir}  (metrics.csv, summary.json, checkpoints/)")
+    return run_dir
+
+
+def tokens_per_step(cfg) -> int:
+    dp = cfg.trainer.devices * cfg.trainer.num_nodes // (cfg.parallel.tp * cfg.parallel.pp)
+    return cfg.trainer.micro_batch_size * cfg.trainer.accumulate_grad_batches * dp * cfg.data.seq_len
+
+
+def build_callbacks(cfg, run_dir: Path, module) -> list:
+    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    callbacks = [
+        RunMetrics(
+            run_dir, log_every_n_steps=cfg.trainer.log_every_n_steps, tokens_per_step=tokens_per_step(cfg),
+            flops_per_token=module.model.flops_per_token(cfg.data.seq_len),
+            peak_flops_total=cfg.hardware.peak_tflops * 1e12 * world, key_config=key_config(cfg, module),
+        ),
+        ModelCheckpoint(
+            dirpath=run_dir / "checkpoints", filename="step-{step:06d}", auto_insert_metric_name=False,
+            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps, save_last=True,
+            save_top_k=cfg.trainer.keep_last_checkpoints, monitor="step", mode="max",
+        ),
+    ]
+    if cfg.trainer.progress_bar:
+        callbacks.append(RichProgressBar(leave=True))
+    return callbacks
+
+
+def build_loggers(cfg, run_dir: Path) -> list:
+    """Extra experiment trackers; metrics.csv is written regardless (logger=csv adds nothing)."""
+    kind = cfg.logger.kind
+    if kind == "csv":
+        return []
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return [TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", **cfg.logger.extra)]
+    if kind == "wandb":
+        try:
+            import wandb  # noqa: F401
+        except ImportError as err:
+            raise UserError("logger", "wandb", "pip install wandb -c constraints.txt, or use logger=csv",
+                            problem="needs the wandb package, which is not installed") from err
+        from lightning.pytorch.loggers import WandbLogger
+
+        return [WandbLogger(project=cfg.logger.project, name=cfg.run_name, save_dir=str(run_dir),
+                            offline=cfg.logger.offline, **cfg.logger.extra)]
+    raise UserError("logger.kind", kind, "use csv, wandb or tensorboard", problem="is not a known logger")
+
+
+def key_config(cfg, module) -> dict:
+    """The values a report compares runs by."""
+    total, active = module.model.num_params(active_only=False), module.model.num_params(active_only=True)
+    keys = ["model.name", "model.num_experts", "model.top_k", "moe_opt.name", "moe_opt.capacity_factor",
+            "moe_opt.eval_capacity_factor", "moe_opt.drop_policy", "moe_opt.aux_loss_coeff",
+            "moe_opt.z_loss_coeff", "parallel.name", "parallel.tp", "parallel.pp", "parallel.ep",
+            "hardware.name", "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size",
+            "trainer.accumulate_grad_batches", "trainer.max_steps", "data.name", "data.seq_len",
+            "optimizer.lr", "optimizer.min_lr", "seed", "run_name"]
+    values = {key: OmegaConf.select(cfg, key) for key in keys}
+    values.update({"params_total": total, "params_active": active,
+                   "precision": cfg.trainer.precision or cfg.hardware.precision,
+                   "global_batch_size": tokens_per_step(cfg) // cfg.data.seq_len})
+    return values

@@ -1,0 +1,53 @@
+"""The learning-rate schedule and AdamW parameter groups users configure in optimizer/."""
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from moe.config import OptimizerConfig
+from moe.optim import build_optimizer, build_scheduler, lr_at, param_groups
+
+
+def opt_cfg(**kw):
+    return OmegaConf.structured(OptimizerConfig(**kw))
+
+
+def test_warmup_is_linear_then_cosine_reaches_the_floor():
+    cfg = opt_cfg(lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert lr_at(0, cfg, 110) == pytest.approx(0.1)
+    assert lr_at(9, cfg, 110) == pytest.approx(1.0)
+    assert lr_at(10, cfg, 110) == pytest.approx(1.0)
+    assert lr_at(60, cfg, 110) == pytest.approx(0.1 + 0.9 * 0.5)  # half way down the cosine
+    assert lr_at(110, cfg, 110) == pytest.approx(0.1)
+    assert lr_at(500, cfg, 110) == pytest.approx(0.1)  # flat at the floor after decay_steps
+
+
+def test_decay_steps_overrides_max_steps():
+    cfg = opt_cfg(lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=20)
+    assert lr_at(10, cfg, 1000) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(20, cfg, 1000) == pytest.approx(0.0)
+
+
+def test_scheduler_applies_lr_at_each_step():
+    model = torch.nn.Linear(4, 4)
+    cfg = opt_cfg(lr=0.5, min_lr=0.05, warmup_steps=3)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, max_steps=10)
+    seen = []
+    for _ in range(10):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([lr_at(s, cfg, 10) for s in range(10)])
+
+
+def test_norms_and_biases_skip_weight_decay():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    groups = param_groups(model, weight_decay=0.1, no_decay_norms_and_biases=True)
+    by_name = {g["name"]: g for g in groups}
+    assert [p.shape for p in by_name["decay"]["params"]] == [torch.Size([4, 4])]
+    assert len(by_name["no_decay"]["params"]) == 3 and by_name["no_decay"]["weight_decay"] == 0.0
+    assert len(param_groups(model, 0.1, False)) == 1
+    optimizer = build_optimizer(model, opt_cfg(betas=[0.8, 0.9], eps=1e-5))
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.9) and optimizer.param_groups[0]["eps"] == 1e-5

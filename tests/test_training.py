@@ -1,0 +1,96 @@
+"""A short CPU run writes the run-dir contract (metrics.csv, summary.json, checkpoints) and learns."""
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import FAST_RUN, REPO
+
+from moe.callbacks import METRIC_COLUMNS
+
+SHORT = ("trainer.max_steps=40", "trainer.val_check_interval=20", "trainer.checkpoint_every_n_steps=20")
+
+
+def rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def train_rows(run_dir):
+    return [r for r in rows(run_dir) if r["loss"]]
+
+
+def test_short_run_writes_outputs_and_loss_falls(train_run):
+    run_dir, _ = train_run(*SHORT)
+    with open(run_dir / "metrics.csv", newline="") as f:
+        assert next(csv.reader(f)) == METRIC_COLUMNS
+    train = train_rows(run_dir)
+    assert [int(r["step"]) for r in train] == list(range(1, 41))
+    first, last = float(train[0]["loss"]), float(train[-1]["loss"])
+    assert last < first - 1.0, f"loss did not fall: {first} -> {last}"
+    for r in train:
+        assert float(r["lm_loss"]) <= float(r["loss"])
+        assert 0.9 < float(r["aux_loss"]) < 2.0  # 1.0 = balanced (Switch normalisation)
+        assert 0.0 <= float(r["drop_fraction"]) <= 1.0
+        assert float(r["tokens_per_s"]) > 0 and float(r["grad_norm"]) > 0 and float(r["lr"]) > 0
+        counts = json.loads(r["tokens_per_expert"])
+        assert len(counts) == 4 and all(len(layer) == 8 for layer in counts)  # tiny: 4 MoE layers, 8 experts
+        assert all(sum(layer) == 2 * int(r["tokens_per_forward"]) for layer in counts)  # top-2
+    val = [r for r in rows(run_dir) if r["val_loss"]]
+    assert [int(r["step"]) for r in val] == [20, 40]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 40
+    assert summary["final_loss"] == pytest.approx(last)
+    assert summary["best_loss"] <= summary["final_loss"]
+    assert summary["final_val_loss"] == pytest.approx(float(val[-1]["val_loss"]))
+    assert summary["tokens_seen"] == 40 * 8 * 128
+    assert summary["tokens_per_s"] > 0 and summary["peak_memory_mib"] > 0
+    assert summary["config"]["model.name"] == "tiny" and summary["config"]["moe_opt.capacity_factor"] == 1.25
+
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 40
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+
+
+def test_relaunch_after_a_kill_resumes_and_ends_at_the_same_step(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *FAST_RUN,
+           "trainer.max_steps=40", "trainer.checkpoint_every_n_steps=10", "trainer.val_check_interval=100"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run_dir / "checkpoints" / "step-000020.ckpt").exists():
+        assert proc.poll() is None and time.time() < deadline, "run ended before its step-20 checkpoint"
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(int(r["step"]) for r in train_rows(run_dir))
+    assert killed_at < 40
+
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from" in out.stdout
+    steps = [int(r["step"]) for r in train_rows(run_dir)]
+    assert steps == list(range(1, 41))  # every step once: rows past the checkpoint were replaced
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 40
+
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and json.loads((run_dir / "summary.json").read_text())["steps"] == 40
+
+
+@pytest.mark.slow
+def test_two_process_ddp_run(train_run):
+    run_dir, _ = train_run("parallel=dp2", "trainer.devices=2", "trainer.max_steps=20",
+                           "trainer.micro_batch_size=4", "trainer.val_check_interval=10", timeout=600)
+    train = train_rows(run_dir)
+    assert [int(r["step"]) for r in train] == list(range(1, 21))
+    assert float(train[-1]["loss"]) < float(train[0]["loss"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tokens_seen"] == 20 * 2 * 4 * 128  # global batch = micro 4 x dp 2

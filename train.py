@@ -1,0 +1,26 @@
+"""Train an MoE language model: `python train.py [group=preset ...] [key=value ...]`.
+
+Examples:
+    python train.py                                    # tiny model, bundled data, CPU
+    python train.py parallel=dp2 trainer.devices=2      # 2-process DDP over gloo
+    python train.py hardware=trn1 parallel=tp8_pp8_ep8 model=mixtral_8x7b dry_run=true
+    python train.py -m moe_opt.capacity_factor=1.0,1.25,1.5,2.0
+"""
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
+from moe.errors import exit_on_user_error
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    from moe.training import train
+
+    train(cfg, run_dir=HydraConfig.get().runtime.output_dir)
+
+
+if __name__ == "__main__":
+    main()
