@@ -1,0 +1,229 @@
+"""The config tree composes for every preset, and each cross-field rule fails with its named error."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import yaml
+from conftest import REPO, run_entry
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import moe.config  # noqa: F401  (registers train_schema)
+from moe.errors import ConfigError
+from moe.parallel.plan import make_plan
+from moe.validate import validate
+
+CONF = REPO / "conf"
+needs_data = pytest.mark.skipif(
+    not (CONF / "data" / "sample.yaml").exists(),
+    reason="conf/data/sample.yaml (the default data preset, owned by the data group) does not exist yet",
+)
+pytestmark = needs_data
+
+# trainer overrides that give each parallel preset the world it needs on each hardware
+WORLD = {"single": 1, "dp2": 2, "ep2": 2, "dp2_ep8": 16, "tp8_pp8_ep8": 512, "tp8_sp": 8}
+DEVICES_PER_NODE = {"cpu": 2, "cpu_deepspeed": 2, "gpu": 8, "trn1": 32}
+
+
+def presets(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@functools.cache
+def _composed(choices: tuple[str, ...]):
+    return compose_cfg(*choices)
+
+
+def make_cfg(*overrides: str):
+    """Compose once per set of group choices (slow), then apply `key.sub=value` overrides to a copy."""
+    choices = tuple(o for o in overrides if "." not in o.split("=")[0])
+    cfg = copy.deepcopy(_composed(choices))
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if "." in key:
+            OmegaConf.update(cfg, key, yaml.safe_load(value), merge=False)
+    return cfg
+
+
+def launch(hardware: str, parallel: str) -> list[str]:
+    world, per_node = WORLD[parallel], DEVICES_PER_NODE[hardware]
+    return [f"trainer.devices={min(world, per_node)}", f"trainer.num_nodes={max(1, world // per_node)}"]
+
+
+def test_default_matches_schema_defaults():
+    """The default presets spell out the dataclass defaults (tiny model, tuned AdamW, trainer)."""
+    cfg = make_cfg()
+    for group, schema in [("model", moe.config.ModelConfig), ("optimizer", moe.config.OptimizerConfig),
+                          ("trainer", moe.config.TrainerConfig), ("moe_opt", moe.config.MoEOptConfig),
+                          ("parallel", moe.config.ParallelConfig), ("hardware", moe.config.HardwareConfig)]:
+        defaults = OmegaConf.to_container(OmegaConf.structured(schema))
+        assert OmegaConf.to_container(cfg[group]) == defaults, group
+    validate(cfg)
+
+
+@pytest.mark.parametrize("group", ["model", "moe_opt", "optimizer", "trainer", "logger", "hardware"])
+def test_every_group_preset_composes_and_validates(group):
+    for name in presets(group):
+        # the seed optimizers warm up for 100-2000 steps: give them a run long enough for that
+        cfg = make_cfg(f"{group}={name}", *(["trainer.max_steps=5000"] if group == "optimizer" else []))
+        if "name" in cfg[group]:
+            assert cfg[group].name == name, f"{group}/{name}.yaml must set name: {name}"
+        validate(cfg)
+
+
+# (hardware, parallel) -> the field whose rule refuses it, or None when valid
+MATRIX_ERRORS = {
+    ("cpu", "dp2_ep8"): "parallel.zero_stage",  # plain DDP has no ZeRO
+    ("cpu", "tp8_pp8_ep8"): "parallel.tp",  # DDP has no tensor/pipeline parallelism
+    ("cpu", "tp8_sp"): "parallel.tp",
+}
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "cpu_deepspeed", "gpu", "trn1"])
+def test_hardware_x_parallel(hardware):
+    for parallel in presets("parallel"):
+        cfg = make_cfg(f"hardware={hardware}", f"parallel={parallel}", "model=mixtral_8x7b",
+                       *launch(hardware, parallel))
+        expected = MATRIX_ERRORS.get((hardware, parallel))
+        if expected is None:
+            validate(cfg)
+            plan = make_plan(cfg)
+            assert plan.world == WORLD[parallel] == plan.tp * plan.pp * plan.dp
+        else:
+            with pytest.raises(ConfigError) as err:
+                validate(cfg)
+            assert err.value.field == expected, (hardware, parallel, str(err.value))
+
+
+@pytest.mark.parametrize("experiment", ["karakuri_8x7b_trn1", "mixtral_8x7b_gpu_dp2_ep8"])
+def test_experiments_validate_at_their_own_world(experiment):
+    cfg = make_cfg(f"experiment={experiment}")
+    validate(cfg)  # no dry run: trainer.devices x num_nodes is the experiment's real cluster
+    assert cfg.run_name == experiment
+
+
+def test_karakuri_experiment_values():
+    cfg = make_cfg("experiment=karakuri_8x7b_trn1")
+    assert (cfg.model.name, cfg.model.position_encoding, cfg.hardware.name, cfg.parallel.name) == (
+        "mixtral_8x7b", "alibi", "trn1", "tp8_pp8_ep8")
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.data.seq_len) == (6e-5, 6e-6, 4096)
+    assert cfg.trainer.devices * cfg.trainer.num_nodes == 512
+    assert cfg.trainer.global_batch_size == 1024
+
+
+def test_dry_run_plans_the_layout_without_devices():
+    """A dry run of a 512-core layout validates with the default trainer.devices=1."""
+    overrides = ["hardware=trn1", "parallel=tp8_pp8_ep8", "model=mixtral_8x7b"]
+    with pytest.raises(ConfigError) as err:
+        validate(make_cfg(*overrides))
+    assert err.value.field == "parallel.tp" and "trainer.devices=32 trainer.num_nodes=2" in str(err.value)
+    validate(make_cfg(*overrides, "dry_run=true"))
+
+
+def test_unknown_key_and_wrong_type_fail_at_compose():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="model.hiden_size"):
+        compose_cfg("model.hiden_size=64")
+    with pytest.raises(ConfigCompositionException, match="model.num_layers"):
+        compose_cfg("model.num_layers=four")
+
+
+# One case per rule: (overrides, field, value, words from the problem)
+INVALID = [
+    (["trainer.max_steps=0"], "trainer.max_steps", 0, "positive"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size", 0, "at least 1"),
+    (["trainer.devices=3"], "trainer.devices", 3, "devices_per_node=2"),
+    (["parallel.ep=0"], "parallel.ep", 0, "at least 1"),
+    (["hardware.strategy=horovod"], "hardware.strategy", "horovod", "not a known strategy"),
+    (["parallel.tp=2", "trainer.devices=2"], "parallel.tp", 2, "DDP"),
+    (["parallel.pp=2", "trainer.devices=2"], "parallel.pp", 2, "DDP"),
+    (["hardware=cpu_deepspeed", "parallel.tp=2"], "parallel.tp", 2, "does not divide the world size 1"),
+    (["parallel=dp2"], "parallel.dp", 2, "world is 1"),
+    (["parallel.ep=3", "trainer.devices=2", "trainer.num_nodes=3"], "parallel.ep", 3, "num_experts=8"),
+    (["parallel=ep2"], "parallel.ep", 2, "data-parallel size 1"),
+    (["hardware=cpu_deepspeed", "trainer.devices=2", "parallel.zero_stage=1",
+      "parallel.hybrid_shard_degree=3"], "parallel.hybrid_shard_degree", 3, "does not divide"),
+    (["hardware=cpu_deepspeed", "trainer.devices=2", "parallel.hybrid_shard_degree=2"],
+     "parallel.hybrid_shard_degree", 2, "zero_stage=0"),
+    (["trainer.global_batch_size=10"], "trainer.global_batch_size", 10, "= 8"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", True, "tp > 1"),
+    (["hardware=cpu_deepspeed", "parallel.zero_stage=4"], "parallel.zero_stage", 4, "not a ZeRO stage"),
+    (["hardware=cpu_deepspeed", "parallel.zero_stage=3"], "parallel.zero_stage", 3, "ZeRO stage 3"),
+    (["hardware=trn1", "parallel.zero_stage=2"], "parallel.zero_stage", 2, "hardware=trn1"),
+    (["parallel.zero_stage=1"], "parallel.zero_stage", 1, "plain DDP"),
+    (["hardware=cpu_deepspeed", "parallel.tp=8", "trainer.devices=2", "trainer.num_nodes=4"],
+     "parallel.tp", 8, "num_heads=4"),
+    (["hardware=cpu_deepspeed", "parallel.pp=8", "trainer.devices=2", "trainer.num_nodes=4"],
+     "parallel.pp", 8, "num_layers=4"),
+    (["parallel.activation_checkpointing=sometimes"], "parallel.activation_checkpointing", "sometimes",
+     "not a known policy"),
+    (["parallel.activation_checkpointing_every_n=0"], "parallel.activation_checkpointing_every_n", 0,
+     "at least 1"),
+    (["model.hidden_size=130"], "model.hidden_size", 130, "num_heads=4"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads", 3, "num_heads=4"),
+    (["model.num_experts=0"], "model.num_experts", 0, "at least 1"),
+    (["model.top_k=9"], "model.top_k", 9, "num_experts=8"),
+    (["model.top_k=0"], "model.top_k", 0, "outside 1..num_experts"),
+    (["model.moe_layer_frequency=0"], "model.moe_layer_frequency", 0, "at least 1"),
+    (["data.seq_len=1024"], "data.seq_len", 1024, "max_position_embeddings=512"),
+    (["moe_opt.capacity_factor=0"], "moe_opt.capacity_factor", 0.0, "positive or null"),
+    (["moe_opt.eval_capacity_factor=-1"], "moe_opt.eval_capacity_factor", -1.0, "positive or null"),
+    (["moe_opt.drop_policy=random"], "moe_opt.drop_policy", "random", "not a known drop policy"),
+    (["moe_opt.router_dtype=int8"], "moe_opt.router_dtype", "int8", "not a known dtype"),
+    (["optimizer.lr=0"], "optimizer.lr", 0.0, "positive"),
+    (["optimizer.min_lr=0.01"], "optimizer.min_lr", 0.01, "lr=0.003"),
+    (["optimizer.warmup_steps=301"], "optimizer.warmup_steps", 301, "trainer.max_steps=300"),
+    (["optimizer.decay_steps=10"], "optimizer.warmup_steps", 20, "optimizer.decay_steps=10"),
+]
+
+
+@pytest.mark.parametrize("overrides,field,value,problem", INVALID, ids=[" ".join(c[0]) for c in INVALID])
+def test_rule_raises_named_error(overrides, field, value, problem):
+    with pytest.raises(ConfigError) as err:
+        validate(make_cfg(*overrides))
+    message = str(err.value)
+    assert (err.value.field, err.value.value) == (field, value), message
+    assert message.startswith(f"{field}={value!r} ") and problem in message and "Fix: " in message
+
+
+def test_dropless_and_switch_routing_are_valid():
+    validate(make_cfg("moe_opt=dropless"))
+    validate(make_cfg("model=tiny_switch", "moe_opt=switch"))
+
+
+# ------------------------------------------------------------------- the real entry point
+
+
+@pytest.mark.skipif(not (REPO / "train.py").exists(), reason="train.py (the lead's entry point) is missing")
+class TestEntryPoint:
+    def test_cfg_job_prints_composed_config(self):
+        proc = run_entry("train.py", "--cfg", "job", "experiment=karakuri_8x7b_trn1", check=True)
+        cfg = OmegaConf.create(proc.stdout)
+        assert (cfg.model.name, cfg.hardware.name, cfg.parallel.tp, cfg.trainer.num_nodes) == (
+            "mixtral_8x7b", "trn1", 8, 16)
+        proc = run_entry("train.py", "--cfg", "job", "model=tiny_switch", "moe_opt=switch", check=True)
+        cfg = OmegaConf.create(proc.stdout)
+        assert (cfg.model.top_k, cfg.moe_opt.drop_policy, cfg.moe_opt.jitter_eps) == (1, "position", 0.01)
+
+    def test_dry_run_prints_layout_and_exits_0(self):
+        proc = run_entry("train.py", "hardware=trn1", "parallel=tp8_pp8_ep8", "model=mixtral_8x7b",
+                         "dry_run=true", check=True)
+        out = proc.stdout
+        assert "512 x trn1 NeuronCore-v2 = 16 node(s) of 32" in out
+        assert "46.70B total, 12.88B active" in out
+        assert "tp 8 x pp 8 x dp 8 = 512" in out
+        assert "trainer.devices=32 trainer.num_nodes=16" in out
+
+    def test_invalid_config_exits_2_with_the_fix(self):
+        proc = run_entry("train.py", "parallel=dp2")
+        assert proc.returncode == 2
+        assert "parallel.dp=2" in proc.stderr and "trainer.devices=2" in proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -1,0 +1,156 @@
+"""Dry-run planner: parameter counts, layout (world, nodes, rank groups) and the memory verdict."""
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from moe.config import TrainConfig
+from moe.parallel.plan import count_params, make_plan, param_breakdown, rank_groups
+
+MODELS = {  # the presets' architecture values (conf/model/*.yaml), so these tests need no Hydra
+    "mixtral_8x7b": dict(name="mixtral_8x7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_layers=32, num_heads=32, num_kv_heads=8, max_position_embeddings=4096),
+    "mixtral_8x22b": dict(name="mixtral_8x22b", vocab_size=32768, hidden_size=6144, intermediate_size=16384,
+                          num_layers=56, num_heads=48, num_kv_heads=8, max_position_embeddings=65536),
+}
+HARDWARE = {
+    "gpu": dict(name="gpu", accelerator="gpu", strategy="deepspeed", backend="nccl", device_name="H100-80GB",
+                devices_per_node=8, device_memory_gib=80.0, peak_tflops=989.0, precision="bf16-mixed"),
+    "trn1": dict(name="trn1", accelerator="neuron", strategy="neuron", backend="xla",
+                 device_name="trn1 NeuronCore-v2", devices_per_node=32, device_memory_gib=16.0,
+                 peak_tflops=95.0, precision="bf16", neuron_precision="bf16_sr"),
+}
+TP8_PP8_EP8 = dict(name="tp8_pp8_ep8", tp=8, pp=8, ep=8, sequence_parallel=True, zero_stage=1,
+                   activation_checkpointing="moe_only")
+
+
+def cfg_of(model=None, hardware=None, parallel=None, **top):
+    """A typed TrainConfig with some groups replaced (what Hydra would compose)."""
+    cfg = OmegaConf.structured(TrainConfig)
+    for group, values in (("model", model), ("hardware", hardware), ("parallel", parallel)):
+        if values:
+            cfg[group] = OmegaConf.merge(cfg[group], values)
+    for key, value in top.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+def test_mixtral_8x7b_param_count():
+    total, active = count_params(cfg_of(model=MODELS["mixtral_8x7b"]).model)
+    assert total == 46_702_792_704  # 46.7B (Mistral AI)
+    assert active == 12_879_925_248  # 12.9B: 2 of 8 experts per layer
+    assert abs(total / 46.7e9 - 1) < 0.01 and abs(active / 12.9e9 - 1) < 0.01
+
+
+def test_mixtral_8x22b_param_count():
+    total, active = count_params(cfg_of(model=MODELS["mixtral_8x22b"]).model)
+    assert abs(total / 141e9 - 1) < 0.01 and abs(active / 39e9 - 1) < 0.01
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"top_k": 1}, {"moe_layer_frequency": 2, "dense_intermediate_size": 96},
+    {"tie_word_embeddings": True}, {"head_dim": 16},
+    {"shared_expert_intermediate_size": 64, "num_layers": 3, "moe_layer_frequency": 3},
+])
+def test_count_matches_the_built_model(overrides):
+    """The arithmetic equals numel() of moe/model.py's MoETransformer, for tiny variants."""
+    from moe.model import MoETransformer
+
+    cfg = cfg_of(model=overrides)
+    model = MoETransformer(cfg.model, cfg.moe_opt)
+    total, active = count_params(cfg.model)
+    assert total == sum(p.numel() for p in model.parameters())
+    assert active == model.num_params(active_only=True)
+
+
+def test_moe_layer_frequency_makes_every_second_layer_moe():
+    b = param_breakdown(cfg_of(model={**MODELS["mixtral_8x7b"], "moe_layer_frequency": 2}).model)
+    assert b.num_moe_layers == 16 and b.dense_mlp == 16 * 3 * 4096 * 14336
+
+
+def test_tp8_pp8_ep8_on_trn1_needs_16_nodes():
+    plan = make_plan(cfg_of(MODELS["mixtral_8x7b"], HARDWARE["trn1"], TP8_PP8_EP8, dry_run=True))
+    assert (plan.world, plan.nodes, plan.dp, plan.expert_dp) == (512, 16, 8, 1)
+    groups = {g.name: g for g in plan.groups}
+    assert groups["TP"].first == list(range(8)) and groups["TP"].count == 64
+    assert groups["PP"].first == [0, 64, 128, 192, 256, 320, 384, 448]
+    assert groups["DP"].first == [0, 8, 16, 24, 32, 40, 48, 56]
+    assert groups["EP"].first == groups["DP"].first  # dp == ep: the EP group is the whole DP group
+    text = plan.render()
+    assert "512 x trn1 NeuronCore-v2 = 16 node(s) of 32" in text
+    assert "To launch: trainer.devices=32 trainer.num_nodes=16" in text
+
+
+def test_rank_groups_follow_nxd_order():
+    """[PP, DP, TP] for dense, [PP, DP_exp, EP, TP] for experts: 2 x 4 x 2 world of 16."""
+    groups = {g.name: g for g in rank_groups(world=16, tp=2, pp=2, dp=4, ep=2)}
+    assert groups["DP"].first == [0, 2, 4, 6] and groups["DP"].count == 4
+    assert groups["EP"].first == [0, 2] and groups["EP"].count == 8
+    assert groups["expert-DP"].first == [0, 4] and groups["expert-DP"].size == 2
+    assert groups["PP"].first == [0, 8]
+
+
+def test_dp2_ep8_on_gpu_is_two_nodes():
+    parallel = dict(name="dp2_ep8", ep=8, dp=16, zero_stage=1, activation_checkpointing="full")
+    plan = make_plan(cfg_of(MODELS["mixtral_8x7b"], HARDWARE["gpu"], parallel, dry_run=True))
+    assert (plan.world, plan.nodes, plan.expert_dp) == (16, 2, 2)
+    assert {g.name: g.first for g in plan.groups}["expert-DP"] == [0, 8]
+
+
+def test_mixtral_on_one_gpu_does_not_fit():
+    plan = make_plan(cfg_of(MODELS["mixtral_8x7b"], HARDWARE["gpu"], dry_run=True))
+    mem = plan.memory
+    # 16 bytes per parameter (bf16 weights and grads, fp32 master + 2 moments), unsharded
+    assert mem.params + mem.grads + mem.optimizer == pytest.approx(46_702_792_704 * 16 / 2**30)
+    assert mem.verdict == "does not fit" and mem.headroom < 0
+    assert "does not fit" in plan.render()
+
+
+def test_moe_1b_fits_one_h100():
+    moe_1b = dict(name="moe_1b", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=16,
+                  num_heads=16, num_kv_heads=4, max_position_embeddings=4096)
+    cfg = cfg_of(moe_1b, HARDWARE["gpu"], dry_run=True)
+    OmegaConf.update(cfg, "data.seq_len", 2048)
+    OmegaConf.update(cfg, "trainer.micro_batch_size", 4)
+    plan = make_plan(cfg)
+    assert 1e9 < plan.params_total < 2e9 and plan.memory.verdict == "fits"
+
+
+def test_zero1_shards_optimizer_states_over_dp_and_experts_over_expert_dp():
+    model = MODELS["mixtral_8x7b"]
+    base = dict(ep=8, dp=16, activation_checkpointing="full")
+    plain = make_plan(cfg_of(model, HARDWARE["gpu"], {**base, "zero_stage": 0}, dry_run=True)).memory
+    zero1 = make_plan(cfg_of(model, HARDWARE["gpu"], {**base, "zero_stage": 1}, dry_run=True)).memory
+    b = param_breakdown(cfg_of(model=model).model)
+    expected = 12 * (b.non_expert / 16 + b.experts / 8 / 2) / 2**30  # dense over dp 16, experts over 16/8
+    assert zero1.optimizer == pytest.approx(expected)
+    assert plain.optimizer == pytest.approx(12 * (b.non_expert + b.experts / 8) / 2**30)
+    assert zero1.params == plain.params and zero1.grads == plain.grads
+    hybrid = make_plan(cfg_of(model, HARDWARE["gpu"], {**base, "zero_stage": 1, "hybrid_shard_degree": 4},
+                              dry_run=True)).memory
+    assert hybrid.optimizer == pytest.approx(12 * (b.non_expert / 4 + b.experts / 8 / 2) / 2**30)
+
+
+def test_activation_policies_order_and_sequence_parallel():
+    model = {**MODELS["mixtral_8x7b"], "moe_layer_frequency": 2}  # moe_only then differs from full
+
+    def act(policy, **parallel):
+        cfg = cfg_of(model, HARDWARE["trn1"], {"tp": 8, "activation_checkpointing": policy, **parallel},
+                     dry_run=True)
+        OmegaConf.update(cfg, "trainer.micro_batch_size", 1)
+        return make_plan(cfg).memory.activations
+
+    none, selective, moe_only, full = act("none"), act("selective"), act("moe_only"), act("full")
+    assert full < moe_only < none and full < selective < none
+    assert act("every_n", activation_checkpointing_every_n=1) == pytest.approx(full)
+    assert act("every_n", activation_checkpointing_every_n=2) < none
+    assert act("none", sequence_parallel=True) < none  # norms and layer inputs split over tp too
+
+
+def test_pipeline_keeps_microbatches_in_flight_on_the_first_stage():
+    model, parallel = MODELS["mixtral_8x7b"], {**TP8_PP8_EP8, "activation_checkpointing": "none"}
+    one = cfg_of(model, HARDWARE["trn1"], parallel, dry_run=True)
+    many = cfg_of(model, HARDWARE["trn1"], parallel, dry_run=True)
+    OmegaConf.update(many, "trainer.accumulate_grad_batches", 16)
+    first_one, first_many = make_plan(one).memory.activations, make_plan(many).memory.activations
+    assert first_many > 4 * first_one  # min(pp=8, 16) micro-batches held vs 1 (plus the logits)
