@@ -54,6 +54,9 @@ class MoEOptConfig:
     jitter_eps: float = 0.0  # multiplicative router-input noise U(1-eps, 1+eps), training only
     router_dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp32 recommended)
     normalize_top_k: Optional[bool] = None  # null: renormalise when top_k >= 2, raw prob for top-1
+    # load-balance statistics (f_i, P_i) over: ep = the expert-parallel group (this rank's tokens
+    # when ep=1) | dp = every data-parallel rank (global-batch balancing; same loss as one process)
+    aux_loss_group: str = "ep"
 
 
 @dataclass
@@ -131,6 +134,7 @@ class DataConfig:
 class TrainerConfig:
     """Loop length, batch arithmetic and checkpoint cadence."""
 
+    name: str = "default"
     devices: int = 1
     num_nodes: int = 1
     max_steps: int = 300
@@ -145,6 +149,12 @@ class TrainerConfig:
     keep_last_checkpoints: int = 2
     progress_bar: bool = True
     deterministic: bool = False
+    # loss-spike and NaN guard (moe/spike_guard.py, docs/FAULT_TOLERANCE.md)
+    skip_nonfinite: bool = True  # skip the update of a step whose loss or gradient is NaN/inf
+    spike_factor: float = 3.0  # spike: step loss > factor x mean of the last spike_window losses; 0 = off
+    spike_window: int = 50
+    spike_action: str = "warn"  # warn | skip (the update) | rollback (to the last checkpoint, skip since)
+    spike_max_rollbacks: int = 3  # past this many rollbacks in a run, a spike is skipped instead
 
 
 @dataclass
@@ -177,8 +187,11 @@ class TrainConfig:
 
 
 def register_configs() -> None:
-    """Register the typed root `train_schema` in Hydra's ConfigStore."""
+    """Register the typed root `train_schema`, and sweeps/*.yaml as the `sweep` group (`+sweep=NAME`)."""
+    from moe.sweeps import register_sweeps
+
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    register_sweeps()
 
 
 register_configs()
