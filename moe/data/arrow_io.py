@@ -1,0 +1,145 @@
+"""Packed blocks <-> Arrow: write splits with `datasets`, read them back memory-mapped.
+
+On disk (a `datasets.DatasetDict.save_to_disk` directory):
+  train/, validation/   columns `input_ids` (fixed-size list of seq_len + 1 tokens, uint16 when the
+                        vocabulary fits, else int32) and, when some tokens carry no loss, `loss_mask`
+                        (fixed-size list of uint8: 1 = this token is a training target)
+  tokenizer/            the tokenizer the blocks were made with
+  meta.json             written last: a directory without it is not a finished output
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+from datasets.arrow_writer import ArrowWriter
+from datasets.table import MemoryMappedTable
+
+from moe.errors import UserError
+
+SPLITS = ("train", "validation")
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
+
+
+def block_features(block_len: int, dtype: str, with_mask: bool) -> datasets.Features:
+    cols = {"input_ids": datasets.List(datasets.Value(dtype), length=block_len)}
+    if with_mask:
+        cols["loss_mask"] = datasets.List(datasets.Value("uint8"), length=block_len)
+    return datasets.Features(cols)
+
+
+class SplitWriter:
+    """Append [k, block_len] block arrays to one Arrow file."""
+
+    def __init__(self, path: Path, block_len: int, dtype: str, with_mask: bool):
+        self.path, self.block_len, self.dtype, self.with_mask = path, block_len, dtype, with_mask
+        self.features = block_features(block_len, dtype, with_mask)
+        self.writer = ArrowWriter(features=self.features, path=str(path))
+
+    def _fixed(self, arr: np.ndarray, dtype) -> pa.Array:
+        flat = pa.array(np.ascontiguousarray(arr, dtype=dtype).ravel())
+        return pa.FixedSizeListArray.from_arrays(flat, self.block_len)
+
+    def write(self, blocks: np.ndarray, masks: np.ndarray | None) -> None:
+        if not len(blocks):
+            return
+        cols = {"input_ids": self._fixed(blocks, self.dtype)}
+        if self.with_mask:
+            cols["loss_mask"] = self._fixed(masks, np.uint8)
+        self.writer.write_table(pa.table(cols, schema=self.features.arrow_schema))
+
+    def close(self, split: str, fingerprint: str) -> datasets.Dataset:
+        self.writer.finalize()
+        self.writer.close()
+        table = MemoryMappedTable.from_file(str(self.path))
+        return datasets.Dataset(table, info=datasets.DatasetInfo(features=self.features),
+                                split=datasets.NamedSplit(split), fingerprint=fingerprint)
+
+
+def save_splits(splits: dict[str, datasets.Dataset], out_dir: Path, one_file_per_split: bool) -> None:
+    # An empty split still gets one (empty) file, so every output has train/ and validation/.
+    num_shards = {name: 1 for name, ds in splits.items() if one_file_per_split or len(ds) == 0}
+    datasets.DatasetDict(splits).save_to_disk(str(out_dir), num_shards=num_shards)
+
+
+class PackedBlocks:
+    """One split's blocks, memory-mapped: `get(idx)` -> (ids [k, L+1] int64, mask [k, L+1] or None)."""
+
+    def __init__(self, ds: datasets.Dataset, block_len: int):
+        table = ds.data.table if hasattr(ds.data, "table") else ds.data
+        self.block_len = block_len
+        self.ids = [self._view(c) for c in table.column("input_ids").chunks]
+        self.masks = ([self._view(c) for c in table.column("loss_mask").chunks]
+                      if "loss_mask" in table.column_names else None)
+        lengths = [len(c) for c in self.ids]
+        self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    def _view(self, chunk: pa.FixedSizeListArray) -> np.ndarray:
+        return chunk.flatten().to_numpy(zero_copy_only=True).reshape(-1, self.block_len)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _gather(self, chunks: list[np.ndarray], idx: np.ndarray) -> np.ndarray:
+        if len(chunks) == 1:
+            return chunks[0][idx]
+        which = np.searchsorted(self.starts, idx, side="right") - 1
+        out = np.empty((len(idx), self.block_len), dtype=chunks[0].dtype)
+        for c in np.unique(which):
+            sel = which == c
+            out[sel] = chunks[c][idx[sel] - self.starts[c]]
+        return out
+
+    def get(self, idx) -> tuple[np.ndarray, np.ndarray | None]:
+        idx = np.asarray(idx, dtype=np.int64)
+        ids = self._gather(self.ids, idx).astype(np.int64)
+        mask = self._gather(self.masks, idx) if self.masks is not None else None
+        return ids, mask
+
+
+@dataclass
+class Prepared:
+    path: Path
+    meta: dict
+    splits: dict[str, PackedBlocks]
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / self.meta["tokenizer"]["dir"]
+
+
+def read_meta(path: str | Path, field: str = "data.path") -> dict:
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        problem = ("does not exist" if not path.exists()
+                   else "has no meta.json (not a finished data_prep.py output)")
+        raise UserError(field, str(path), "point it at a directory written by `python data_prep.py input=... "
+                        "output=DIR`", problem=problem)
+    return json.loads(meta_file.read_text())
+
+
+def load_prepared(path: str | Path, field: str = "data.path") -> Prepared:
+    """Open a data_prep.py output directory, memory-mapped."""
+    path = Path(path)
+    meta = read_meta(path, field)
+    dd = datasets.load_from_disk(str(path))
+    block_len = meta["seq_len"] + 1
+    return Prepared(path, meta, {name: PackedBlocks(dd[name], block_len) for name in SPLITS if name in dd})
+
+
+def apply_prepared_meta(cfg) -> None:
+    """For `data=prepared`, take data.seq_len from DIR/meta.json so validation checks the real length.
+
+    A missing directory is left for the DataModule to report (a dry run does not need the data).
+    """
+    path = cfg.data.path
+    if cfg.data.kind == "prepared" and path and (Path(path) / "meta.json").is_file():
+        cfg.data.seq_len = int(read_meta(path)["seq_len"])

@@ -1,0 +1,259 @@
+"""MoEDataModule: prepared Arrow dirs or online packing -> sharded, resumable micro-batches.
+
+`kind=prepared` memory-maps a data_prep.py output. `kind=online` runs the same pipeline
+from raw input at start-up into a cache keyed by the config, the tokenizer and the input
+files (size, mtime), so it yields exactly the blocks data_prep.py would write, and later
+runs open the cache instantly. Cache root: $MOE_DATA_CACHE, else ~/.cache/moe/data.
+
+Batches: `input_ids` [B, seq_len] and `labels` [B, seq_len] (next tokens, -100 where no loss).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from moe.data import tokenizer as tk
+from moe.data.arrow_io import PackedBlocks, load_prepared, read_meta
+from moe.data.pipeline import content_config, digest, prepare
+from moe.data.sampler import StreamSampler, validation_batches
+from moe.data.schema import PrepConfig, check_prep
+from moe.data.sources import describe_sources, resolve
+from moe.errors import UserError
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+IGNORE_INDEX = -100
+ONLINE_FIELDS = {"input": "path", "seed": "split_seed"}  # data_prep key -> data.* key
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOE_DATA_CACHE") or Path.home() / ".cache" / "moe" / "data").expanduser()
+
+
+def _local(path: str | None) -> str | None:
+    """A relative path that is missing from the working directory is tried against the repo root."""
+    if path is None or Path(path).expanduser().exists() or Path(path).is_absolute():
+        return path
+    alt = REPO_ROOT / path
+    return str(alt) if alt.exists() else path
+
+
+class BlockBatches(Dataset):
+    """Index array -> collated batch; blocks of L+1 become inputs [:-1] and labels [1:]."""
+
+    def __init__(self, blocks: PackedBlocks):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, idx) -> dict[str, torch.Tensor]:
+        ids, mask = self.blocks.get(idx)
+        labels = ids[:, 1:].copy()
+        if mask is not None:
+            labels[mask[:, 1:] == 0] = IGNORE_INDEX
+        inputs = torch.from_numpy(np.ascontiguousarray(ids[:, :-1]))
+        return {"input_ids": inputs, "labels": torch.from_numpy(labels)}
+
+
+class _ResumableLoader(DataLoader):
+    """Marks the loader resumable for Lightning: the DataModule's state_dict carries the position."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+def online_prep_config(cfg) -> PrepConfig:
+    """The data_prep config that online mode runs (data_prep.py with these values writes the same blocks)."""
+    if not cfg.path:
+        raise UserError("data.path", cfg.path, "pass data.path=FILE_OR_GLOB (raw jsonl/json/parquet/csv/txt)",
+                        problem="is required for data.kind=online")
+    if not cfg.tokenizer:
+        raise UserError("data.tokenizer", cfg.tokenizer, "pass data.tokenizer=DIR (holding tokenizer.json), "
+                        "or train one with `python data_prep.py vocab_size=N ...` and use data=prepared",
+                        problem="is required for data.kind=online")
+    prep = PrepConfig(
+        input=_local(cfg.path), format=cfg.format, text_column=cfg.text_column,
+        chat_template=cfg.chat_template, assistant_only_loss=cfg.assistant_only_loss,
+        tokenizer=_local(cfg.tokenizer), seq_len=cfg.seq_len,
+        val_fraction=cfg.val_fraction, seed=cfg.split_seed, packing=getattr(cfg, "packing", "concat"),
+        on_bad_row=getattr(cfg, "on_bad_row", "error"))
+    with _as_data_error():
+        check_prep(prep)
+    return prep
+
+
+@contextlib.contextmanager
+def _as_data_error():
+    """Re-raise a data_prep UserError under the train-side key (input -> data.path, ...)."""
+    try:
+        yield
+    except UserError as err:
+        if err.field.startswith(("data.", "model.")):
+            raise
+        field = ONLINE_FIELDS.get(err.field, err.field)
+        raise UserError(f"data.{field}", err.value, err.fix, err.problem) from None
+
+
+def online_cache_dir(prep: PrepConfig) -> Path:
+    """Cache path keyed by the content config, the tokenizer bytes and the input files' size and mtime."""
+    kind, items = resolve(prep.input)
+    stamp = [(p, os.stat(p).st_mtime_ns) for p in items] if kind not in ("hub",) else []
+    tok_file = Path(prep.tokenizer) / "tokenizer.json"
+    tok_sha = tk.file_sha256(tok_file) if tok_file.is_file() else str(prep.tokenizer)
+    key = digest(content_config(prep), describe_sources(kind, items), stamp, tok_sha)
+    return cache_root() / f"{Path(str(items[0])).stem}-{key[:16]}"
+
+
+class MoEDataModule(L.LightningDataModule):
+    def __init__(self, data_cfg, micro_batch_size: int, accumulate_grad_batches: int, max_steps: int,
+                 seed: int, limit_val_batches: int, dp_rank: int | None = None, dp_size: int | None = None):
+        super().__init__()
+        self.cfg = data_cfg
+        self.micro_batch_size, self.accumulate = micro_batch_size, accumulate_grad_batches
+        self.max_steps, self.seed, self.limit_val_batches = max_steps, seed, limit_val_batches
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.resume_micro_batches = 0
+        self.prepared = None
+        if data_cfg.kind == "prepared":
+            if not data_cfg.path:
+                raise UserError("data.path", data_cfg.path,
+                                "pass data.path=DIR, a `python data_prep.py` output",
+                                problem="is required for data=prepared")
+            self.dir = Path(_local(data_cfg.path)).expanduser().absolute()
+            self.meta = read_meta(self.dir)
+            self._check_prepared_tokenizer()
+            self._vocab_size = self.meta["tokenizer"]["vocab_size"]
+            if data_cfg.seq_len != self.meta["seq_len"]:
+                log.warning("data.seq_len=%s replaced by %s from %s/meta.json", data_cfg.seq_len,
+                            self.meta["seq_len"], self.dir)
+                data_cfg.seq_len = self.meta["seq_len"]  # downstream (throughput, MFU) reads cfg.data.seq_len
+        elif data_cfg.kind == "online":
+            self.prep = online_prep_config(data_cfg)
+            with _as_data_error():
+                self.dir = online_cache_dir(self.prep)
+            self.prep.output = str(self.dir)
+            self.meta = read_meta(self.dir) if (self.dir / "meta.json").is_file() else None
+            with _as_data_error():
+                self._vocab_size = self.meta["tokenizer"]["vocab_size"] if self.meta else self._online_vocab()
+        else:
+            raise UserError("data.kind", data_cfg.kind,
+                            "use prepared (data.path=DIR from data_prep.py) or online",
+                            problem="is not a data kind")
+
+    # ---- what train.py and inference read ----
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.meta["seq_len"] if self.meta else self.cfg.seq_len
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """Directory with the tokenizer.json the blocks were made with (online: built on first access)."""
+        if self.meta is None:
+            self.prepare_data()
+        return self.dir / self.meta["tokenizer"]["dir"]
+
+    def check_model(self, model_cfg) -> None:
+        if self.vocab_size > model_cfg.vocab_size:
+            raise UserError("model.vocab_size", model_cfg.vocab_size,
+                            f"set model.vocab_size={self.vocab_size} (or more; a multiple of 64 is faster on "
+                            "GPUs)",
+                            problem=f"is smaller than the tokenizer's {self.vocab_size} tokens ({self.dir})")
+        if self.seq_len > model_cfg.max_position_embeddings:
+            raise UserError("model.max_position_embeddings", model_cfg.max_position_embeddings,
+                            f"set model.max_position_embeddings={self.seq_len} or more, or prepare shorter "
+                            "blocks (data_prep.py seq_len=N / data.seq_len=N)",
+                            problem=f"is shorter than the data's seq_len {self.seq_len}")
+
+    def _check_prepared_tokenizer(self) -> None:
+        tok_dir = self.dir / self.meta["tokenizer"]["dir"]
+        if tk.file_sha256(tok_dir / "tokenizer.json") != self.meta["tokenizer"]["sha256"]:
+            raise UserError("data.path", str(self.dir), "re-run data_prep.py, or restore the tokenizer "
+                            "it wrote", problem="holds a tokenizer/tokenizer.json that changed since "
+                            "data_prep.py wrote it (sha256 differs from meta.json)")
+        if self.cfg.tokenizer:
+            given, _ = tk.load_tokenizer(_local(self.cfg.tokenizer), "data.tokenizer")
+            ours, _ = tk.load_tokenizer(tok_dir)
+            if given.get_vocab(with_added_tokens=True) != ours.get_vocab(with_added_tokens=True):
+                raise UserError("data.tokenizer", self.cfg.tokenizer, f"drop data.tokenizer (prepared dirs "
+                                f"carry their own, {tok_dir}), or re-run data_prep.py with this tokenizer",
+                                problem=f"has a different vocabulary from the one {self.dir} was tokenized "
+                                "with")
+
+    def _online_vocab(self) -> int:
+        tok, _ = tk.load_tokenizer(self.prep.tokenizer, "data.tokenizer")
+        if self.prep.format == "chat":
+            tk.add_special_tokens(tok, tk.template_markers(self.prep.chat_template))
+        return tk.vocab_size(tok)
+
+    # ---- Lightning hooks ----
+    def prepare_data(self) -> None:
+        """Online: build the cache once (atomic; when processes race, the first finished one is kept)."""
+        if self.cfg.kind == "online" and not (self.dir / "meta.json").is_file():
+            log.info("online data: packing %s into %s", self.prep.input, self.dir)
+            try:
+                with _as_data_error():
+                    prepare(self.prep)
+            except UserError:
+                if not (self.dir / "meta.json").is_file():  # else another process finished it first
+                    raise
+        if self.meta is None:
+            self.meta = read_meta(self.dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.prepared is None:
+            self.prepare_data()
+            self.prepared = load_prepared(self.dir)
+        trainer = getattr(self, "trainer", None)
+        if self.dp_rank is None:
+            self.dp_rank = trainer.global_rank if trainer is not None else 0
+        if self.dp_size is None:
+            self.dp_size = trainer.world_size if trainer is not None else 1
+
+    def train_sampler(self) -> StreamSampler:
+        return StreamSampler(len(self.prepared.splits["train"]), self.micro_batch_size,
+                             total=self.max_steps * self.accumulate, seed=self.seed, shuffle=self.cfg.shuffle,
+                             dp_rank=self.dp_rank, dp_size=self.dp_size, start=self.resume_micro_batches)
+
+    def _loader(self, blocks: PackedBlocks, sampler) -> DataLoader:
+        workers = self.cfg.num_workers
+        return _ResumableLoader(BlockBatches(blocks), sampler=sampler, batch_size=None, num_workers=workers,
+                                persistent_workers=workers > 0, pin_memory=torch.cuda.is_available())
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.prepared.splits["train"], self.train_sampler())
+
+    def val_dataloader(self) -> DataLoader:
+        blocks = self.prepared.splits.get("validation")
+        n = len(blocks) if blocks is not None else 0
+        batches = validation_batches(n, self.micro_batch_size, self.limit_val_batches, self.dp_rank,
+                                     self.dp_size)
+        return self._loader(blocks, batches) if batches else []
+
+    # ---- resume ----
+    def state_dict(self) -> dict:
+        trainer = getattr(self, "trainer", None)
+        consumed = trainer.global_step * self.accumulate if trainer is not None else self.resume_micro_batches
+        return {"micro_batches_consumed": int(consumed), "dp_size": self.dp_size, "seed": self.seed,
+                "train_blocks": len(self.prepared.splits["train"]) if self.prepared else None}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.resume_micro_batches = int(state_dict["micro_batches_consumed"])
+        saved = {k: state_dict.get(k) for k in ("dp_size", "seed")}
+        if saved["dp_size"] not in (None, self.dp_size) or saved["seed"] not in (None, self.seed):
+            log.warning("resuming with a different data order (saved %s, now dp_size=%s seed=%s): the stream "
+                        "position is kept, the blocks at it differ", saved, self.dp_size, self.seed)

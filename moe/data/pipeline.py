@@ -1,0 +1,315 @@
+"""data_prep pipeline: raw rows -> tokenizer -> token rows -> split -> packed blocks -> output dir.
+
+Everything is written under a hidden temporary directory beside the output and renamed
+at the end, meta.json last, so an interrupted run never leaves a directory that looks
+complete. The same config gives byte-identical output (no timestamps; the validation
+split and every fingerprint derive from the config and the inputs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from moe.data import tokenizer as tk
+from moe.data.arrow_io import SPLITS, SplitWriter, save_splits, token_dtype
+from moe.data.formats import BENIGN, FormatSpec, check_columns, needed_columns, render_batch
+from moe.data.packing import ConcatPacker, PadPacker
+from moe.data.schema import PrepConfig, check_prep
+from moe.data.sources import RawData, load_raw
+from moe.errors import UserError
+
+META_VERSION = 1
+# Config keys that cannot change the blocks; left out of meta.json and of fingerprints.
+NOT_CONTENT = ("output", "overwrite", "num_proc", "batch_size", "cache_dir")
+
+
+class Encoder:
+    """Batched map function: render rows, tokenize, append EOS; masks from assistant spans."""
+
+    def __init__(self, tok, spec: FormatSpec, eos_id: int, with_mask: bool, columns: list[str]):
+        self.tok, self.spec, self.eos_id, self.with_mask, self.columns = tok, spec, eos_id, with_mask, columns
+
+    def __call__(self, *columns: list) -> pa.Table:
+        texts, spans, reasons = render_batch(dict(zip(self.columns, columns, strict=True)), self.spec)
+        keep = [i for i, t in enumerate(texts) if t is not None]
+        good = [texts[i] for i in keep]
+        encode = self.tok.encode_batch if self.with_mask else self.tok.encode_batch_fast
+        encs = encode(good, add_special_tokens=False)
+        ids: list[list[int]] = [[] for _ in texts]
+        masks: list[list[int]] = [[] for _ in texts]
+        for i, enc in zip(keep, encs, strict=True):
+            ids[i] = enc.ids + [self.eos_id]
+            if self.with_mask:
+                starts = np.fromiter((s for s, _ in enc.offsets), dtype=np.int64, count=len(enc.ids))
+                m = np.zeros(len(starts), dtype=np.uint8)
+                for a, b in spans[i]:
+                    m |= (starts >= a) & (starts < b)
+                masks[i] = m.tolist() + [1]  # EOS closes the assistant's last turn: trained
+        # Arrow arrays built here skip datasets' per-value type inference (a few % of the run).
+        out = {"input_ids": pa.array(ids, type=pa.list_(pa.int32())),
+               "skip": pa.array(reasons, type=pa.string())}
+        if self.with_mask:
+            out["loss_mask"] = pa.array(masks, type=pa.list_(pa.uint8()))
+        return pa.table(out)
+
+
+def _features(with_mask: bool) -> datasets.Features:
+    cols = {"input_ids": datasets.List(datasets.Value("int32")), "skip": datasets.Value("string")}
+    if with_mask:
+        cols["loss_mask"] = datasets.List(datasets.Value("uint8"))
+    return datasets.Features(cols)
+
+
+def content_config(cfg: PrepConfig) -> dict:
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_CONTENT}
+
+
+def digest(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _as_prep_config(cfg) -> PrepConfig:
+    if isinstance(cfg, PrepConfig):
+        return cfg
+    if isinstance(cfg, DictConfig):
+        missing = [k for k in cfg if OmegaConf.is_missing(cfg, k)]
+        if missing:
+            raise UserError(missing[0], "???", f"pass {missing[0]}=VALUE on the command line",
+                            problem="is required by this preset")
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = dict(cfg)
+    if cfg.get("input") is not None and not isinstance(cfg["input"], str):
+        cfg["input"] = list(cfg["input"])
+    known = {f.name for f in dataclasses.fields(PrepConfig)}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise UserError(unknown[0], cfg[unknown[0]], f"use one of {sorted(known)}",
+                        problem="is not a data_prep key")
+    return PrepConfig(**cfg)
+
+
+def _texts_for_training(raw: datasets.Dataset, spec: FormatSpec, batch_size: int, markers: list[str]):
+    """Rendered texts of the good rows, special markers removed (they become whole tokens anyway)."""
+    for batch in raw.select_columns(needed_columns(spec, raw.column_names)).iter(batch_size=batch_size):
+        for text in render_batch(batch, spec)[0]:
+            if text is not None:
+                for m in markers:
+                    text = text.replace(m, "")
+                yield text
+
+
+def _tokenizer(cfg: PrepConfig, raw: datasets.Dataset, spec: FormatSpec, markers: list[str], progress: bool):
+    """(tokenizer, eos token, pad token or None, specials added for the template, where it came from)."""
+    if cfg.tokenizer is not None:
+        tok, tcfg = tk.load_tokenizer(cfg.tokenizer)
+        source = str(cfg.tokenizer)
+    else:
+        specials = list(dict.fromkeys([cfg.eos_token or tk.EOS, tk.PAD, *markers]))
+        tok = tk.train_bpe(_texts_for_training(raw, spec, cfg.batch_size, markers), cfg.vocab_size, specials,
+                           length=len(raw), show_progress=progress)
+        tcfg = {"eos_token": specials[0], "pad_token": tk.PAD}
+        source = f"trained byte-level BPE (vocab_size={cfg.vocab_size})"
+    added = tk.add_special_tokens(tok, markers) if markers else []
+    eos = tk.find_token(tok, tcfg, "eos_token", tk.EOS_CANDIDATES, cfg.eos_token)
+    if eos is None:
+        raise UserError("eos_token", None, "pass eos_token=TOKEN naming the tokenizer's end-of-text token",
+                        problem=f"could not be found in {cfg.tokenizer} (no eos_token in "
+                        f"tokenizer_config.json and none of {list(tk.EOS_CANDIDATES)} in the vocabulary)")
+    pad = tk.find_token(tok, tcfg, "pad_token", tk.PAD_CANDIDATES)
+    return tok, eos, pad, added, source
+
+
+def _count_skips(col: pa.ChunkedArray) -> Counter:
+    counts = Counter()
+    for item in pc.value_counts(col.drop_null()).to_pylist():
+        counts[item["values"]] = item["counts"]
+    return counts
+
+
+def _split_rows(valid: np.ndarray, n_rows: int, val_fraction: float, seed: int) -> np.ndarray:
+    """Per row: 0 = train, 1 = validation, -1 = unused. Validation rows are a seeded random share."""
+    n = len(valid)
+    n_val = int(np.ceil(val_fraction * n)) if val_fraction > 0 else 0
+    if val_fraction > 0 and n_val >= n:
+        raise UserError("val_fraction", val_fraction,
+                        "add rows or lower val_fraction (or 0 for no validation)",
+                        problem=f"leaves no training rows out of {n}")
+    assign = np.full(n_rows, -1, dtype=np.int8)
+    perm = np.random.default_rng(seed).permutation(n)
+    assign[valid[perm[n_val:]]] = 0
+    assign[valid[perm[:n_val]]] = 1
+    return assign
+
+
+def _flat(chunk: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, per-row lengths) of a list chunk, zero-copy."""
+    offsets = chunk.offsets.to_numpy()
+    return chunk.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]], np.diff(offsets)
+
+
+def _pack(table: pa.Table, assign: np.ndarray, packers: list, writers: list, progress: bool) -> None:
+    """One pass over the token rows in file order; each split's rows go to its packer and writer."""
+    ids_chunks = table.column("input_ids").chunks
+    has_mask = "loss_mask" in table.column_names
+    mask_chunks = table.column("loss_mask").chunks if has_mask else [None] * len(ids_chunks)
+    bar = tqdm(total=len(assign), desc="Packing", unit=" rows", disable=not progress)
+    row = 0
+    for ids_chunk, mask_chunk in zip(ids_chunks, mask_chunks, strict=True):
+        ids, lengths = _flat(ids_chunk)
+        mask = _flat(mask_chunk)[0] if mask_chunk is not None else None
+        split_of_row = assign[row:row + len(lengths)]
+        for split, (packer, writer) in enumerate(zip(packers, writers, strict=True)):
+            rows = split_of_row == split
+            if rows.any():
+                tokens = np.repeat(rows, lengths)
+                row_mask = mask[tokens] if mask is not None else None
+                writer.write(*packer.add(ids[tokens], row_mask, lengths[rows]))
+        row += len(lengths)
+        bar.update(len(lengths))
+    bar.close()
+
+
+def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> dict:
+    """Write splits + tokenizer into out_dir (using work for intermediates); returns the meta dict."""
+    raw: RawData = load_raw(cfg.input, on_bad_row=cfg.on_bad_row, work_dir=work, num_proc=cfg.num_proc,
+                            split=cfg.split, hub_config=cfg.hub_config, cache_dir=cfg.cache_dir)
+    if len(raw.dataset) == 0:
+        raise UserError("input", cfg.input, "point input at files with rows in them", problem="has no rows")
+    spec = FormatSpec(cfg.format, cfg.text_column, cfg.chat_template, blank_lines_ok=raw.kind == "text")
+    check_columns(spec, raw.dataset.column_names)
+    markers = tk.template_markers(cfg.chat_template) if cfg.format == "chat" else []
+    tok, eos, pad, added, tok_source = _tokenizer(cfg, raw.dataset, spec, markers, progress)
+    tok_sha = tk.save_tokenizer(tok, out_dir / "tokenizer", eos=eos, pad=pad, model_max_length=cfg.seq_len)
+    vocab = tk.vocab_size(tok)
+    eos_id, pad_id = tok.token_to_id(eos), tok.token_to_id(pad or eos)
+
+    fingerprint = digest(content_config(cfg), raw.sources, tok_sha)
+    with_mask = cfg.assistant_only_loss
+    columns = needed_columns(spec, raw.dataset.column_names)
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    if cfg.num_proc > 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # forked workers each encode serially
+    try:
+        tokenized = raw.dataset.map(
+            Encoder(tok, spec, eos_id, with_mask, columns), input_columns=columns, batched=True,
+            batch_size=cfg.batch_size, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+            remove_columns=raw.dataset.column_names, features=_features(with_mask),
+            cache_file_name=str(work / "tokenized.arrow"), new_fingerprint=fingerprint[:32],
+            desc="Tokenizing")
+    finally:
+        if parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
+    table = tokenized.data.table if hasattr(tokenized.data, "table") else tokenized.data
+
+    skips = _count_skips(table.column("skip"))
+    bad = {k: v for k, v in skips.items() if k not in BENIGN}
+    if bad and cfg.on_bad_row == "error":
+        first, reason = next((i, r) for i, r in enumerate(table.column("skip").to_pylist())
+                             if r is not None and r not in BENIGN)
+        raise UserError("input", cfg.input, "fix those rows, or pass on_bad_row=skip to drop them "
+                        "(counted in meta.json)", problem=f"has {sum(bad.values())} bad rows ({dict(bad)}); "
+                        f"the first is row {first} (0-based, in file order): {reason}")
+    skips.update(raw.skipped)
+    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    valid = np.flatnonzero(lengths > 0)
+    if not len(valid):
+        raise UserError("input", cfg.input, "check format/text_column match the data",
+                        problem=f"has no usable rows (skipped: {dict(skips)})")
+    assign = _split_rows(valid, len(lengths), cfg.val_fraction, cfg.seed)
+
+    dtype = token_dtype(vocab)
+    block_len = cfg.seq_len + 1
+    stored_mask = with_mask or cfg.packing == "pad"
+    packers = [ConcatPacker(block_len, with_mask) if cfg.packing == "concat" else PadPacker(block_len, pad_id)
+               for _ in SPLITS]
+    writers = [SplitWriter(work / f"{name}.arrow", block_len, dtype, stored_mask) for name in SPLITS]
+    _pack(table, assign, packers, writers, progress)
+    split_stats, split_ds = {}, {}
+    for split, name in enumerate(SPLITS):
+        stats = packers[split].finish()
+        split_stats[name] = stats.as_dict()
+        split_ds[name] = writers[split].close(name, digest(fingerprint, name)[:32])
+        if stats.blocks == 0 and (name == "train" or stats.rows):
+            more = "add data" if name == "train" else "raise val_fraction"
+            raise UserError("seq_len", cfg.seq_len, f"lower seq_len, {more}, or use packing=pad",
+                            problem=f"is too long: the {name} split has {stats.tokens_in} tokens, fewer "
+                            f"than one block of seq_len + 1 = {block_len}")
+    save_splits(split_ds, out_dir, cfg.one_file_per_split)
+    totals = {k: sum(s[k] for s in split_stats.values()) for k in split_stats["train"] if k != "rows"}
+    return {
+        "format_version": META_VERSION,
+        "seq_len": cfg.seq_len,
+        "block_len": block_len,
+        "packing": cfg.packing,
+        "token_dtype": dtype,
+        "columns": ["input_ids", "loss_mask"] if stored_mask else ["input_ids"],
+        "tokenizer": {"dir": "tokenizer", "sha256": tok_sha, "vocab_size": vocab, "eos_token": eos,
+                      "eos_id": eos_id, "pad_token": pad, "pad_id": pad_id, "added_special_tokens": added,
+                      "source": tok_source},
+        "tokens": totals,
+        "splits": split_stats,
+        "rows": {"read": len(raw.dataset) + sum(raw.skipped.values()), "used": int(len(valid)),
+                 "skipped": {k: v for k, v in sorted(skips.items()) if k not in BENIGN},
+                 "blank_lines_ignored": skips.get("blank_line", 0)},
+        "sources": raw.sources,
+        "config": content_config(cfg),
+    }
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    if out.exists():
+        if not overwrite:
+            raise UserError("output", str(out), "pick a new directory, or pass overwrite=true",
+                            problem="already exists")
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def prepare(cfg, progress: bool = True) -> Path:
+    """Run data_prep for `cfg` (PrepConfig, dict or DictConfig); returns the output directory."""
+    cfg = _as_prep_config(cfg)
+    check_prep(cfg)
+    if not cfg.output:
+        raise UserError("output", cfg.output, "pass output=DIR", problem="is required")
+    out = Path(cfg.output).expanduser().absolute()
+    if out.exists() and not cfg.overwrite:
+        raise UserError("output", str(out), "pick a new directory, or pass overwrite=true",
+                        problem="already exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    bars_were_off = datasets.are_progress_bars_disabled()
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        work = tmp / "_work"
+        meta = build(cfg, tmp, work, progress)
+        shutil.rmtree(work)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _publish(tmp, out, cfg.overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if not progress and not bars_were_off:
+            datasets.enable_progress_bars()
+    return out

@@ -1,0 +1,118 @@
+"""Tokenizer directories: load, train a byte-level BPE, register special tokens, save.
+
+A tokenizer directory holds `tokenizer.json` plus the two small files that let
+`transformers.AutoTokenizer.from_pretrained(dir)` load it offline, so training,
+inference and export all read the same bytes. Its identity is the sha256 of
+`tokenizer.json`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from moe.errors import UserError
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+EOS_CANDIDATES = (EOS, "</s>", "<eos>", "<|eos|>", "<|end_of_text|>", "[SEP]")
+PAD_CANDIDATES = (PAD, "<pad>", "[PAD]")
+MARKER_RE = re.compile(r"<\|[A-Za-z0-9_]+\|>")
+
+
+def template_markers(template: str) -> list[str]:
+    """Special-token markers (`<|name|>`) in a chat template, in order of appearance."""
+    return list(dict.fromkeys(MARKER_RE.findall(template)))
+
+
+def load_tokenizer(path: str | Path, field: str = "tokenizer") -> tuple[Tokenizer, dict]:
+    """Load `path` (a directory with tokenizer.json, or the file) and its tokenizer_config.json."""
+    path = Path(path).expanduser()
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise UserError(field, str(path), "pass a directory holding a Hugging Face tokenizer.json "
+                        "(e.g. data/sample), or vocab_size=N to train one", problem="has no tokenizer.json")
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception on bad JSON
+        raise UserError(field, str(file), "pass a valid Hugging Face tokenizer.json",
+                        problem=f"could not be loaded ({err})") from err
+    config_file = file.parent / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return tok, config
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def vocab_size(tok: Tokenizer) -> int:
+    """Embedding rows needed: one past the largest id, added tokens included."""
+    return max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def find_token(tok: Tokenizer, config: dict, key: str, candidates: Iterable[str],
+               override: str | None = None) -> str | None:
+    """The token named by `override`, else tokenizer_config.json's `key`, else the first known name."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    for name in (override, _token_text(config.get(key)), *candidates):
+        if name and name in vocab:
+            return name
+    if override:
+        raise UserError("eos_token", override, f"pick a token that is in the vocabulary, e.g. one of "
+                        f"{[c for c in EOS_CANDIDATES if c in vocab] or 'none found'}",
+                        problem="is not in the tokenizer's vocabulary")
+    return None
+
+
+def add_special_tokens(tok: Tokenizer, tokens: Iterable[str]) -> list[str]:
+    """Register `tokens` as special tokens (never split, never merged); returns the ones that were new."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    new = [t for t in tokens if t not in vocab]
+    # Already-present markers must still be special, or BPE would split them in text.
+    tok.add_special_tokens(list(dict.fromkeys(tokens)))
+    return new
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str], length: int | None = None,
+              show_progress: bool = True) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style) whose vocabulary, specials included, has `vocab_size` entries."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + len(special_tokens):
+        raise UserError("vocab_size", vocab_size, f"use at least {len(alphabet) + len(special_tokens)} "
+                        f"(256 bytes + {len(special_tokens)} special tokens)", problem="is too small")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=alphabet, show_progress=show_progress)
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: str | Path, eos: str | None, pad: str | None,
+                   model_max_length: int | None = None) -> str:
+    """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json; returns the sha256."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    specials = {k: v for k, v in (("eos_token", eos), ("pad_token", pad)) if v}
+    extra = [t.content for t in tok.get_added_tokens_decoder().values()
+             if t.special and t.content not in specials.values()]
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              **specials, "additional_special_tokens": extra}
+    if model_max_length:
+        config["model_max_length"] = model_max_length
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps({**specials, "additional_special_tokens": extra}, indent=2) + "\n")
+    return file_sha256(out_dir / "tokenizer.json")
