@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-slow smoke sweep-smoke report bench lint compile-neuron clean
+.PHONY: help setup train data test test-slow smoke sweep-smoke report bench lint compile-neuron clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -31,9 +31,26 @@ test-slow: $(STAMP) ## slow tests: multi-process runs, kill-and-resume
 	$(PY) -m pytest -q -m slow $(ARGS)
 
 smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1 and gpu presets
-	$(PY) train.py run_name=smoke trainer.max_steps=20 trainer.val_check_interval=10 resume=false $(ARGS)
+	$(PY) train.py trainer=smoke run_name=smoke resume=false $(ARGS)
 	$(PY) train.py dry_run=true hardware=trn1 parallel=tp8_pp8_ep8 model=mixtral_8x7b
 	$(PY) train.py dry_run=true hardware=gpu parallel=dp2_ep8 model=mixtral_8x7b
+
+data: $(STAMP) ## prepare the bundled sample offline into data/prepared/sample (python data_prep.py data=sample)
+	$(PY) data_prep.py data=sample overwrite=true $(ARGS)
+
+sweep-smoke: $(STAMP) ## 3-point capacity-factor sweep on the tiny model, then its report (multirun/sweep-smoke/)
+	$(PY) train.py -m +sweep=sweep_smoke $(ARGS)
+	$(PY) -m moe.report multirun/sweep-smoke
+
+report: $(STAMP) ## markdown table + plots for a run or sweep dir: make report DIR=multirun/...
+	@test -n "$(DIR)" || { echo "usage: make report DIR=<run or sweep dir>"; exit 2; }
+	$(PY) -m moe.report $(DIR)
+
+bench: $(STAMP) ## benchmarks side by side with their peers (figures go in docs/BENCHMARKS.md)
+	$(PY) bench/moe_layer.py
+	$(PY) bench/train_step.py
+	$(PY) bench/generate.py
+	$(PY) bench/data_prep.py
 
 lint: $(STAMP) ## ruff check
 	$(VENV)/bin/ruff check .
