@@ -38,13 +38,16 @@ smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1 and gpu presets
 data: $(STAMP) ## prepare the bundled sample offline into data/prepared/sample (python data_prep.py data=sample)
 	$(PY) data_prep.py data=sample overwrite=true $(ARGS)
 
-sweep-smoke: $(STAMP) ## 3-point capacity-factor sweep on the tiny model, then its report (multirun/sweep-smoke/)
+REPORT_DIR = $(or $(DIR),$(shell ls -dt multirun/*/ runs/*/ 2>/dev/null | head -1))
+
+sweep-smoke: $(STAMP) ## 3-point capacity sweep (1.0, 1.5, dropless) on the tiny model, then its report (multirun/sweep-smoke/)
+	rm -rf multirun/sweep-smoke
 	$(PY) train.py -m +sweep=sweep_smoke $(ARGS)
 	$(PY) -m moe.report multirun/sweep-smoke
 
-report: $(STAMP) ## markdown table + plots for a run or sweep dir: make report DIR=multirun/...
-	@test -n "$(DIR)" || { echo "usage: make report DIR=<run or sweep dir>"; exit 2; }
-	$(PY) -m moe.report $(DIR)
+report: $(STAMP) ## report.md + PNGs for a run or sweep dir: make report DIR=multirun/<time> (default: the newest)
+	@test -n "$(REPORT_DIR)" || { echo "make report: no run yet; pass DIR=runs/<name> or DIR=multirun/<time>" >&2; exit 2; }
+	$(PY) -m moe.report $(REPORT_DIR) $(ARGS)
 
 bench: $(STAMP) ## benchmarks side by side with their peers (figures go in docs/BENCHMARKS.md)
 	$(PY) bench/moe_layer.py

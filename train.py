@@ -16,10 +16,11 @@ from moe.errors import exit_on_user_error
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 @exit_on_user_error
-def main(cfg: DictConfig) -> None:
-    from moe.training import train
+def main(cfg: DictConfig) -> float | None:
+    """Returns the final validation loss (else training loss) for sweepers such as Optuna."""
+    from moe.training import objective, train
 
-    train(cfg, run_dir=HydraConfig.get().runtime.output_dir)
+    return objective(train(cfg, run_dir=HydraConfig.get().runtime.output_dir))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 METRIC_COLUMNS = [
     "step", "loss", "lm_loss", "aux_loss", "z_loss", "drop_fraction", "max_expert_load",
     "mean_expert_load", "router_entropy", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss",
-    "tokens_per_expert", "tokens_per_forward",
+    "tokens_per_expert", "tokens_per_forward", "skipped_steps", "spikes",
 ]
 
 
@@ -91,7 +91,8 @@ class RunMetrics(L.Callback):
 
     # -- per step ---------------------------------------------------------------------------
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._grad_norm = float(pl_module.grad_norm())
+        if _post_step_grad_norm(trainer, pl_module) is None:
+            self._grad_norm = float(pl_module.grad_norm())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self._last_step:
@@ -104,6 +105,10 @@ class RunMetrics(L.Callback):
         if step - steps_done > self._start_step:  # the first step after (re)start includes warm-up
             self._timed_steps += steps_done
             self._timed_seconds += seconds
+        post_step = _post_step_grad_norm(trainer, pl_module)
+        if post_step is not None:
+            norm = post_step()
+            self._grad_norm = float("nan") if norm is None else norm
         stats = pl_module.step_stats
         means = {k: float(trainer.strategy.reduce(torch.tensor(v), reduce_op="mean")) for k, v in stats.means().items()}
         tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
@@ -117,6 +122,8 @@ class RunMetrics(L.Callback):
             "tokens_per_expert": json.dumps(stats.tokens_per_expert()),
             "tokens_per_forward": stats.last_tokens_per_forward,
         }
+        guard = getattr(pl_module, "guard_counts", {})  # moe/spike_guard.py, cumulative over the run
+        row.update(skipped_steps=guard.get("skipped_steps", 0), spikes=guard.get("spikes", 0))
         stats.reset()
         pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
         if step % self.log_every and step != trainer.max_steps and step != 1:
@@ -137,7 +144,9 @@ class RunMetrics(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         peak = float(trainer.strategy.reduce(torch.tensor(peak_memory_mib()), reduce_op="max"))
         if trainer.is_global_zero:
-            write_json_atomic(self.run_dir / "summary.json", self.summary(trainer.global_step, peak))
+            summary = self.summary(trainer.global_step, peak)
+            summary.update(getattr(pl_module, "guard_counts", {}))  # moe/spike_guard.py counts
+            write_json_atomic(self.run_dir / "summary.json", summary)
 
     def summary(self, steps: int, peak_mib: float) -> dict:
         rows = read_metrics(self.metrics_path)
@@ -165,6 +174,12 @@ class RunMetrics(L.Callback):
             "peak_memory_mib": peak_mib,
             "config": self.key_config,
         }
+
+
+def _post_step_grad_norm(trainer, pl_module):
+    """`last_grad_norm()` of a strategy (DeepSpeed) or module (Neuron) whose optimizer reports the
+    norm it computed in its step, where the grads are not in `param.grad` for `grad_norm()` to read."""
+    return getattr(trainer.strategy, "last_grad_norm", None) or getattr(pl_module, "last_grad_norm", None)
 
 
 def optimizer_lr(trainer) -> float:

@@ -13,10 +13,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe.model import MoETransformer
 from moe.optim import build_optimizer, build_scheduler
+from moe.parallel.expert_training import ExpertParallelHooks
 from moe.step_stats import StepStats
 
 
-class LitMoE(L.LightningModule):
+class LitMoE(ExpertParallelHooks, L.LightningModule):
+    """ExpertParallelHooks: expert-gradient reduction, global-norm clipping, full-expert checkpoints (ep > 1)."""
+
     def __init__(self, cfg: DictConfig):
         super().__init__()
         container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
@@ -68,6 +71,9 @@ class LitMoE(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = build_optimizer(self.model, self.cfg.optimizer)
+        regroup = getattr(self._trainer.strategy, "regroup_optimizer", None) if self._trainer else None
+        if regroup is not None:  # DeepSpeed: expert params into their own MoE param groups, before the schedule
+            regroup(optimizer)
         scheduler = build_scheduler(optimizer, self.cfg.optimizer, self.cfg.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

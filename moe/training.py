@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -28,6 +29,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     run_dir = Path(run_dir)
     import lightning as L
     import torch
+
+    from moe.spike_guard import check_guard_config
+
+    check_guard_config(cfg.trainer)  # trainer.spike_*, before anything is built or written
 
     from moe.checkpointing import check_resume_compatible, find_resume_checkpoint, with_atomic_io
     from moe.data import MoEDataModule
@@ -72,8 +77,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
             default_root_dir=str(run_dir), enable_progress_bar=cfg.trainer.progress_bar,
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,
         ) | bundle.trainer_overrides)  # Neuron: manual optimization, NxD accumulates and clips
-        if resume_from and trainer.is_global_zero:
-            print(f"resuming from {resume_from}")
+        if trainer.is_global_zero:
+            save_tokenizer(datamodule.tokenizer_dir, run_dir / "tokenizer")
+            if resume_from:
+                print(f"resuming from {resume_from}")
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
             break
@@ -84,6 +91,28 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     if trainer.is_global_zero:
         print(f"run dir: {run_dir}  (metrics.csv, summary.json, checkpoints/)")
     return run_dir
+
+
+def save_tokenizer(source: Path, target: Path) -> None:
+    """Keep the run's tokenizer beside its checkpoints, so inference needs nothing else."""
+    import shutil
+
+    target.mkdir(parents=True, exist_ok=True)
+    for path in Path(source).iterdir():
+        if path.is_file() and (path.name.startswith("tokenizer") or path.name in TOKENIZER_EXTRAS):
+            shutil.copy2(path, target / path.name)
+
+
+TOKENIZER_EXTRAS = {"special_tokens_map.json", "chat_template.jinja", "added_tokens.json"}
+
+
+def objective(run_dir: Path | None) -> float | None:
+    """What a sweeper minimises: the run's final validation loss, else its final training loss."""
+    summary = Path(run_dir or "") / "summary.json"
+    if run_dir is None or not summary.is_file():
+        return None
+    values = json.loads(summary.read_text())
+    return values.get("final_val_loss") or values.get("final_loss")
 
 
 def tokens_per_step(cfg) -> int:
@@ -145,8 +174,9 @@ def key_config(cfg, module) -> dict:
     """The values a report compares runs by."""
     total, active = module.model.num_params(active_only=False), module.model.num_params(active_only=True)
     keys = ["model.name", "model.num_experts", "model.top_k", "moe_opt.name", "moe_opt.capacity_factor",
-            "moe_opt.eval_capacity_factor", "moe_opt.drop_policy", "moe_opt.aux_loss_coeff",
-            "moe_opt.z_loss_coeff", "parallel.name", "parallel.tp", "parallel.pp", "parallel.ep",
+            "moe_opt.eval_capacity_factor", "moe_opt.min_capacity", "moe_opt.drop_policy",
+            "moe_opt.aux_loss_coeff", "moe_opt.z_loss_coeff",
+            "parallel.name", "parallel.tp", "parallel.pp", "parallel.ep",
             "hardware.name", "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size",
             "trainer.accumulate_grad_batches", "trainer.max_steps", "data.name", "data.seq_len",
             "optimizer.lr", "optimizer.min_lr", "seed", "run_name"]

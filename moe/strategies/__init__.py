@@ -2,9 +2,27 @@
 from __future__ import annotations
 
 from moe.strategies.base import StrategyBundle
-from moe.strategies.cpu_ddp import build_ddp
 
-BUILDERS = {"ddp": build_ddp}
+
+def _ddp(cfg) -> StrategyBundle:
+    from moe.strategies.cpu_ddp import build_ddp
+
+    return build_ddp(cfg)
+
+
+def _deepspeed(cfg) -> StrategyBundle:
+    from moe.strategies.deepspeed import build_deepspeed
+
+    return build_deepspeed(cfg)
+
+
+def _neuron(cfg) -> StrategyBundle:
+    from moe.strategies.neuron import build_neuron
+
+    return build_neuron(cfg)
+
+
+BUILDERS = {"ddp": _ddp, "deepspeed": _deepspeed, "neuron": _neuron}
 
 
 def build_strategy(cfg) -> StrategyBundle:
@@ -18,4 +36,4 @@ def build_strategy(cfg) -> StrategyBundle:
     return BUILDERS[name](cfg)
 
 
-__all__ = ["StrategyBundle", "build_strategy"]
+__all__ = ["BUILDERS", "StrategyBundle", "build_strategy"]

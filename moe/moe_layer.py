@@ -1,0 +1,302 @@
+"""The MoE feed-forward layer: router -> top-k -> capacity -> dispatch -> experts -> combine.
+
+Read top to bottom: `Router` scores experts, `Experts` holds all experts' SwiGLU weights
+as stacked tensors and runs rows already sorted by expert, `MoELayer.forward` ties them
+together. The maths (top-k, capacity, drops, losses, stats) lives in `moe/routing.py`;
+token movement between expert-parallel ranks lives in `moe/parallel/expert_exchange.py`.
+
+Dispatch is sort-based: assignments are sorted by expert, their token rows gathered into
+one contiguous buffer, each expert multiplies its slice (one `torch._grouped_mm` where the
+build supports it, else a loop over the slices), and each token sums its k weighted
+outputs. Row moves are gathers both ways (`routing.move_rows`), never scatter-adds, and
+no [T, E, C] one-hot tensors are built.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moe.errors import ConfigError
+from moe.parallel.expert_exchange import exchange_tokens, group_max, group_sum
+from moe.routing import (
+    CAPACITY_FIX,
+    DROP_POLICIES,
+    RoutingStats,
+    apply_capacity,
+    combine,
+    dispatch_order,
+    expert_capacity,
+    inverse_index,
+    move_rows,
+    router_dtype,
+    router_probs,
+    routing_stats,
+    sort_rows,
+    swiglu,
+    top_k_routing,
+)
+
+__all__ = ["Router", "Experts", "MoELayer", "RoutingStats", "grouped_mm_works"]
+
+
+class Router(nn.Module):
+    """Linear gate without bias, weight [E, H], computed in `dtype` (fp32) outside autocast."""
+
+    def __init__(self, hidden_size: int, num_experts: int, dtype=torch.float32, jitter_eps: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.dtype, self.jitter_eps = dtype, jitter_eps
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x_TH.device.type, enabled=False):
+            x_TH = x_TH.to(self.dtype)
+            if self.training and self.jitter_eps > 0:  # multiplicative noise U(1-eps, 1+eps)
+                x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
+            return F.linear(x_TH, self.weight.to(self.dtype))
+
+
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs forward and backward correctly here; probed once, cached.
+
+    Some builds lack a kernel for a device/dtype or reject some layouts; then the
+    experts fall back to a loop over contiguous slices.
+    """
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_OK:
+        # Probe in a thread of its own: grad mode and saved-tensor hooks are per-thread, so the
+        # probe's backward works under no_grad and leaves activation checkpointing undisturbed.
+        result = []
+        probe = threading.Thread(target=lambda: result.append(_probe_grouped_mm(device, dtype)))
+        probe.start()
+        probe.join()
+        _GROUPED_MM_OK[key] = bool(result and result[0])
+    return _GROUPED_MM_OK[key]
+
+
+def _probe_grouped_mm(device, dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(6, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 16, 8, generator=gen).to(device, dtype).requires_grad_()
+        g = torch.randn(6, 8, generator=gen).to(device, dtype)
+        offs = torch.tensor([2, 2, 6], dtype=torch.int32, device=device)  # expert 1 gets no rows
+        y = torch._grouped_mm(x, w, offs=offs)
+        ref = torch.cat([x[:2] @ w[0], x[2:2] @ w[1], x[2:] @ w[2]])
+        grads = torch.autograd.grad((y * g).sum(), (x, w))
+        ref_grads = torch.autograd.grad((ref * g).sum(), (x, w))
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        pairs = [(y, ref), *zip(grads, ref_grads, strict=True)]
+        return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked parameters: gate_up [E, H, 2F] (gate cols, then up), down [E, F, H]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts  # experts held here (E / ep after sharding)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
+        self.down = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.use_grouped_mm: bool | None = None  # None: use it where grouped_mm_works()
+        self._mark_expert()
+
+    def _mark_expert(self):
+        for p in self.parameters():
+            p.is_expert = True
+
+    def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert, expert e owning the next counts_E[e] rows -> outputs [M, H]."""
+        use_gmm = self.use_grouped_mm
+        if use_gmm is None:
+            use_gmm = grouped_mm_works(x_MH.device, x_MH.dtype) and x_MH.dtype == self.gate_up.dtype
+        if use_gmm:
+            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            h_MF = swiglu(torch._grouped_mm(x_MH, self.gate_up, offs=offs_E))
+            return torch._grouped_mm(h_MF, self.down, offs=offs_E)
+        xs = x_MH.split(counts_E.tolist())
+        return torch.cat([swiglu(x @ self.gate_up[e]) @ self.down[e] for e, x in enumerate(xs)])
+
+    def forward_padded(self, x_ECH: torch.Tensor) -> torch.Tensor:
+        """Fixed [E, C, H] buffers (capacity mode under EP): batched matmuls; zero rows stay zero."""
+        return torch.bmm(swiglu(torch.bmm(x_ECH, self.gate_up)), self.down)
+
+    def shard(self, first: int, count: int) -> None:
+        """Keep experts [first, first+count) only (expert parallelism)."""
+        self.gate_up = nn.Parameter(self.gate_up.detach()[first : first + count].clone())
+        self.down = nn.Parameter(self.down.detach()[first : first + count].clone())
+        self.num_experts = count
+        self._mark_expert()
+
+
+class SharedExpert(nn.Module):
+    """An always-on SwiGLU added to every token's MoE output (DeepSeek/Qwen-MoE style)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return self.down(swiglu(self.gate_up(x_TH)))
+
+
+class MoELayer(nn.Module):
+    """Top-k routed SwiGLU experts; forward(x_BSH) -> (y_BSH, RoutingStats).
+
+    A dropped assignment adds nothing to its token's output (the block's residual
+    carries the token). Capacity uses moe_opt.capacity_factor in training and
+    moe_opt.eval_capacity_factor in eval; null means dropless; it counts this process's
+    tokens (under EP every rank uses the group's largest capacity, so buffers match).
+
+    `ep_group` (set by `shard_experts`): experts live on the ranks of this group and tokens
+    travel to them. `stats_group` (default: ep_group): the ranks whose tokens the routing
+    statistics and the aux/z losses cover, e.g. every data-parallel rank for global-batch
+    load balancing; their values are then the same on every rank.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        moe_opt,
+        shared_expert_intermediate_size: int = 0,
+        init_range: float = 0.02,
+        out_init_std: float | None = None,
+    ):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ConfigError("model.top_k", top_k, f"use 1..model.num_experts ({num_experts})")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            cf = getattr(moe_opt, name)
+            if cf is not None and cf <= 0:
+                raise ConfigError(f"moe_opt.{name}", cf, CAPACITY_FIX)
+        if moe_opt.drop_policy not in DROP_POLICIES:
+            raise ConfigError("moe_opt.drop_policy", moe_opt.drop_policy, f"use one of {list(DROP_POLICIES)}")
+        if moe_opt.min_capacity < 0:
+            raise ConfigError("moe_opt.min_capacity", moe_opt.min_capacity, "use 0 or more")
+        if not 0 <= moe_opt.jitter_eps < 1:
+            fix = "use a value in [0, 1), e.g. 0.01; 0 turns jitter off"
+            raise ConfigError("moe_opt.jitter_eps", moe_opt.jitter_eps, fix)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.capacity_factor = moe_opt.capacity_factor
+        self.eval_capacity_factor = moe_opt.eval_capacity_factor
+        self.min_capacity, self.drop_policy = moe_opt.min_capacity, moe_opt.drop_policy
+        self.normalize_top_k = moe_opt.normalize_top_k
+        self.ep_group = None  # set by shard_experts(); None = all experts in this process
+        self.stats_group = None  # routing statistics reduced over this group; None = ep_group
+        self.collect_stats = True  # False (moe.generate): skip losses/stats, forward returns (y, None)
+
+        self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = None
+        if shared_expert_intermediate_size > 0:
+            self.shared_expert = SharedExpert(hidden_size, shared_expert_intermediate_size)
+        self._init_weights(init_range, init_range if out_init_std is None else out_init_std)
+
+    def _init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.router.weight, std=std)
+        nn.init.normal_(self.experts.gate_up, std=std)
+        nn.init.normal_(self.experts.down, std=out_std)
+        if self.shared_expert is not None:
+            nn.init.normal_(self.shared_expert.gate_up.weight, std=std)
+            nn.init.normal_(self.shared_expert.down.weight, std=out_std)
+
+    def shard_experts(self, ep_group) -> None:
+        """Keep this rank's experts [rank*E/ep, (rank+1)*E/ep); route over all E through ep_group."""
+        ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        if self.num_experts % ep:
+            raise ConfigError("parallel.ep", ep, f"use a divisor of model.num_experts ({self.num_experts})")
+        local = self.num_experts // ep
+        self.experts.shard(rank * local, local)
+        self.ep_group = ep_group
+
+    def forward(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | None]:
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        num_tokens = x_TH.shape[0]
+
+        # 1. route: fp32 softmax over all E experts (the router is replicated under EP)
+        logits_TE = self.router(x_TH)
+        probs_TE = router_probs(logits_TE, self.router.dtype)
+        weights_TK, idx_TK = top_k_routing(probs_TE, self.top_k, self.normalize_top_k)
+
+        # 2. capacity: which assignments fit (all of them when dropless)
+        cf = self.capacity_factor if self.training else self.eval_capacity_factor
+        capacity = expert_capacity(num_tokens, self.num_experts, self.top_k, cf, self.min_capacity)
+        if capacity is not None and self.ep_group is not None:
+            capacity = group_max(capacity, self.ep_group, x_TH.device)  # same buffer size on every rank
+        keep_TK = apply_capacity(idx_TK, weights_TK, self.num_experts, capacity, self.drop_policy)
+
+        # 3. dispatch -> experts -> combine
+        if self.ep_group is None:
+            y_TH = self._run_local(x_TH, weights_TK, idx_TK, keep_TK if capacity is not None else None)
+        elif capacity is None:
+            y_TH = self._run_ep_dropless(x_TH, weights_TK, idx_TK)
+        else:
+            y_TH = self._run_ep_capacity(x_TH, weights_TK, idx_TK, keep_TK, capacity)
+        if self.shared_expert is not None:
+            y_TH = y_TH + self.shared_expert(x_TH)
+
+        if not self.collect_stats:  # generation: the losses and monitoring numbers would be thrown away
+            return y_TH.view_as(x_BSH), None
+        stats_group = self.ep_group if self.stats_group is None else self.stats_group
+        reduce = None if stats_group is None else (lambda t: group_sum(t, stats_group))
+        stats = routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, reduce)
+        return y_TH.view_as(x_BSH), stats
+
+    def _run_local(self, x_TH, weights_TK, idx_TK, keep_TK) -> torch.Tensor:
+        """All experts here: gather rows sorted by expert, run them, add back weighted."""
+        keep_N = None if keep_TK is None else keep_TK.reshape(-1)
+        order_M, counts_E = dispatch_order(idx_TK.reshape(-1), self.num_experts, keep_N)
+        pos_N = inverse_index(order_M, idx_TK.numel())
+        y_MH = self.experts(sort_rows(x_TH, order_M, pos_N, self.top_k), counts_E)
+        return combine(y_MH, weights_TK, order_M, pos_N)
+
+    def _run_ep_dropless(self, x_TH, weights_TK, idx_TK) -> torch.Tensor:
+        """Rows sorted by expert are also sorted by owning rank: send, run, send back."""
+        ep, local = dist.get_world_size(self.ep_group), self.experts.num_experts
+        order_M, counts_E = dispatch_order(idx_TK.reshape(-1), self.num_experts)
+        pos_N = inverse_index(order_M, idx_TK.numel())
+        x_MH = sort_rows(x_TH, order_M, pos_N, self.top_k)
+        recv_RH, recv_counts = exchange_tokens(x_MH, counts_E, self.ep_group)
+
+        # rows arrive grouped [source rank][local expert]; regroup them by local expert
+        local_expert_R = torch.arange(local, device=x_TH.device).repeat(ep).repeat_interleave(recv_counts)
+        by_expert_R = torch.argsort(local_expert_R, stable=True)
+        arrival_R = inverse_index(by_expert_R, by_expert_R.numel())
+        y_RH = self.experts(move_rows(recv_RH, by_expert_R, arrival_R), recv_counts.view(ep, local).sum(0))
+        y_RH = move_rows(y_RH, arrival_R, by_expert_R)
+
+        y_MH, _ = exchange_tokens(y_RH, recv_counts, self.ep_group, recv_counts=counts_E)
+        return combine(y_MH, weights_TK, order_M, pos_N)
+
+    def _run_ep_capacity(self, x_TH, weights_TK, idx_TK, keep_TK, capacity: int) -> torch.Tensor:
+        """Fixed [E, C, H] buffers: kept row m goes to slot (expert, its rank within the expert)."""
+        ep, local, H = dist.get_world_size(self.ep_group), self.experts.num_experts, x_TH.shape[-1]
+        E, C = self.num_experts, capacity
+        order_M, counts_E = dispatch_order(idx_TK.reshape(-1), E, keep_TK.reshape(-1))
+        pos_N = inverse_index(order_M, idx_TK.numel())
+        expert_M = idx_TK.reshape(-1)[order_M]
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        slot_M = expert_M * C + torch.arange(order_M.numel(), device=x_TH.device) - starts_E[expert_M]
+        row_X = inverse_index(slot_M, E * C)  # buffer slot -> kept row (M = empty slot, zeros)
+        send_XH = move_rows(sort_rows(x_TH, order_M, pos_N, self.top_k), row_X, slot_M)
+
+        recv_XH, _ = exchange_tokens(send_XH, None, self.ep_group)  # [source][local expert][slot]
+        x_ECH = recv_XH.view(ep, local, C, H).transpose(0, 1).reshape(local, ep * C, H)
+        y_ECH = self.experts.forward_padded(x_ECH)
+        y_XH = y_ECH.view(local, ep, C, H).transpose(0, 1).reshape(E * C, H)
+        back_XH, _ = exchange_tokens(y_XH, None, self.ep_group)
+        return combine(move_rows(back_XH, slot_M, row_X), weights_TK, order_M, pos_N)

@@ -1,0 +1,55 @@
+"""Helpers for the multi-process parity tests: one single-process baseline per session, metrics readers.
+
+Parity setting: 2 processes with micro-batch B each against 1 process with micro-batch 2B,
+same seed. The data stream gives rank r the positions r, r+2, ... (moe/data/sampler.py), so
+step n of both runs sees the same 2B sequences. Routing is dropless (capacity depends on the
+tokens per forward); the load-balance statistics are global over the data-parallel group
+(ep2 on 2 ranks: the EP group is every rank; dp2: moe_opt.aux_loss_group=dp), so the loss
+is the single-process loss, not an approximation of it.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from tests.conftest import FAST_RUN, run_entry
+
+STEPS = 20
+PARITY = ("moe_opt=dropless", f"trainer.max_steps={STEPS}", "optimizer.warmup_steps=5",
+          "trainer.limit_val_batches=0", "trainer.checkpoint_every_n_steps=10",
+          "trainer.keep_last_checkpoints=3", "seed=1234")
+TWO_RANKS = ("trainer.devices=2", "trainer.micro_batch_size=2")
+TOL = 1e-4  # fp32
+
+
+def train(run_dir: Path, *overrides: str, resume: bool = False):
+    """Run train.py into run_dir; returns the CompletedProcess (raises with the log on failure)."""
+    return run_entry("train.py", f"hydra.run.dir={run_dir}", *FAST_RUN, *PARITY,
+                     f"resume={str(resume).lower()}", *overrides, timeout=1200, check=True)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    with (run_dir / "metrics.csv").open(newline="") as f:
+        return [r for r in csv.DictReader(f) if r["loss"] not in ("", None)]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [float(r["loss"]) for r in rows(run_dir)]
+
+
+def single_process_baseline(tmp_path_factory) -> Path:
+    """The 1-process, micro-batch 4 run every parity test compares with (trained once per session)."""
+    run_dir = tmp_path_factory.getbasetemp() / "parity_single"
+    if not (run_dir / "summary.json").exists():
+        train(run_dir, "trainer.devices=1", "trainer.micro_batch_size=4")
+    return run_dir
+
+
+def assert_same_losses(run_dir: Path, reference: Path, tol: float = TOL) -> float:
+    """Every step's loss within tol of the reference run; returns the largest difference."""
+    got, want = losses(run_dir), losses(reference)
+    assert len(got) == len(want) == STEPS, (len(got), len(want))
+    diffs = [abs(a - b) for a, b in zip(got, want, strict=True)]
+    worst = max(diffs)
+    assert worst <= tol, f"max |loss diff| {worst:.3g} > {tol} at step {diffs.index(worst) + 1}"
+    return worst

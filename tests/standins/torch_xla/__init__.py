@@ -1,0 +1,2 @@
+"""STAND-IN for torch_xla (tests only; see tests/standins/README.md)."""
+STANDIN = True

@@ -1,0 +1,173 @@
+"""Atomic checkpoint writes, corrupt/truncated detection with fallback, and the resume picker."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+from omegaconf import OmegaConf
+
+from moe.checkpointing import (
+    KILL_DURING_SAVE_ENV,
+    AtomicCheckpointIO,
+    check_resume_compatible,
+    find_resume_checkpoint,
+    meta_path,
+    step_seed,
+    verify_checkpoint,
+    with_atomic_io,
+)
+from moe.config import TrainConfig
+from moe.errors import UserError
+
+
+def ckpt(step: int, cfg: dict | None = None) -> dict:
+    """A Lightning-shaped checkpoint: what verify/resume look at."""
+    out = {"global_step": step, "state_dict": {"w": torch.full((64, 64), float(step))}}
+    if cfg is not None:
+        out["hyper_parameters"] = {"cfg": cfg}
+    return out
+
+
+def save(path, step):
+    AtomicCheckpointIO().save_checkpoint(ckpt(step), path)
+
+
+def test_save_writes_file_and_sidecar_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    save(path, 7)
+    record = json.loads(meta_path(path).read_text())
+    data = path.read_bytes()
+    assert record == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "global_step": 7}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt", "last.ckpt.meta.json"]
+    loaded = torch.load(path, weights_only=False)
+    assert loaded["global_step"] == 7 and torch.equal(loaded["state_dict"]["w"], torch.full((64, 64), 7.0))
+    assert verify_checkpoint(path) == 7
+
+
+KILL_SAVE = """
+import sys, torch
+from moe.checkpointing import AtomicCheckpointIO
+step = int(sys.argv[2])
+state = {"global_step": step, "state_dict": {"w": torch.randn(256, 256)}}
+AtomicCheckpointIO().save_checkpoint(state, sys.argv[1])
+"""
+
+
+def test_sigkill_half_way_through_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    save(path, 1)
+    before = path.read_bytes()
+    env = {**os.environ, KILL_DURING_SAVE_ENV: "2"}
+    run = [sys.executable, "-c", KILL_SAVE, str(path), "2"]
+    killed = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    assert "killing this process half-way through writing" in killed.stderr
+    tmp = tmp_path / "last.ckpt.tmp"
+    assert tmp.exists() and 0 < tmp.stat().st_size  # the half-written temporary file
+    assert path.read_bytes() == before  # the checkpoint under its real name is untouched
+    assert verify_checkpoint(path) == 1
+    assert find_resume_checkpoint(tmp_path) == path
+
+    # the hook fires once per directory: the next save completes and cleans the stale temp file
+    monkeypatch.setenv(KILL_DURING_SAVE_ENV, "2")
+    save(path, 2)
+    assert verify_checkpoint(path) == 2 and not tmp.exists()
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    save(tmp_path / "step-000004.ckpt", 4)
+    save(tmp_path / "step-000008.ckpt", 8)
+    save(tmp_path / "last.ckpt", 8)
+    for name in ("step-000008.ckpt", "last.ckpt"):
+        data = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(data[: len(data) // 3])
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "step-000004.ckpt"
+    err = capsys.readouterr().err
+    assert f"checkpoint {tmp_path / 'last.ckpt'} is" in err and "(truncated)" in err
+    assert "step-000008.ckpt" in err and "falling back to the previous checkpoint" in err
+
+
+def test_flipped_bytes_are_caught_by_the_sidecar_hash(tmp_path, capsys):
+    save(tmp_path / "step-000004.ckpt", 4)
+    save(tmp_path / "step-000008.ckpt", 8)
+    bad = tmp_path / "step-000008.ckpt"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte changed inside the tensor data
+    bad.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="sha256"):
+        verify_checkpoint(bad)
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "step-000004.ckpt"
+    assert "(corrupt)" in capsys.readouterr().err
+
+
+def test_without_a_sidecar_a_truncated_file_is_caught_by_loading_it(tmp_path):
+    torch.save(ckpt(3), tmp_path / "step-000003.ckpt")  # written by plain torch.save: no sidecar
+    save(tmp_path / "step-000002.ckpt", 2)
+    data = (tmp_path / "step-000003.ckpt").read_bytes()
+    (tmp_path / "step-000003.ckpt").write_bytes(data[:-100])
+    with pytest.raises(Exception, match="cannot be read"):
+        verify_checkpoint(tmp_path / "step-000003.ckpt")
+    assert find_resume_checkpoint(tmp_path, quiet=True) == tmp_path / "step-000002.ckpt"
+
+
+def test_no_loadable_checkpoint_is_a_user_error_with_the_fix(tmp_path):
+    (tmp_path / "last.ckpt").write_bytes(b"\0" * 1000)
+    with pytest.raises(UserError) as info:
+        find_resume_checkpoint(tmp_path, quiet=True)
+    err = info.value
+    assert err.field == "resume" and "last.ckpt cannot be read" in err.problem
+    assert "resume=false" in err.fix and "another run_name" in err.fix
+
+
+def test_picker_orders_by_step_not_by_name(tmp_path):
+    assert find_resume_checkpoint(tmp_path / "missing") is None
+    assert find_resume_checkpoint(tmp_path) is None
+    torch.save(ckpt(2), tmp_path / "last.ckpt")  # no sidecar, no step in the name: loaded to learn its step
+    save(tmp_path / "step-000003.ckpt", 3)
+    save(tmp_path / "step-000001.ckpt", 1)
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "step-000003.ckpt"
+    assert find_resume_checkpoint(tmp_path, step=2) == tmp_path / "last.ckpt"
+    save(tmp_path / "last.ckpt", 3)  # equal steps: last.ckpt, as Lightning users expect
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "last.ckpt"
+    with pytest.raises(UserError, match="no loadable checkpoint at step 5"):
+        find_resume_checkpoint(tmp_path, step=5)
+
+
+def test_remove_takes_the_sidecar_and_plugins_get_one_checkpoint_io(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(ckpt(1), tmp_path / "step-000001.ckpt")
+    io.remove_checkpoint(tmp_path / "step-000001.ckpt")
+    assert list(tmp_path.iterdir()) == []
+    plugins = with_atomic_io([])
+    assert len(plugins) == 1 and isinstance(plugins[0], AtomicCheckpointIO)
+    assert with_atomic_io(plugins) == plugins  # a CheckpointIO already there (e.g. Neuron's) wins
+
+
+def _cfg(**model):
+    cfg = OmegaConf.structured(TrainConfig)
+    for key, value in model.items():
+        cfg.model[key] = value
+    return cfg
+
+
+def test_resume_with_a_changed_model_shape_names_the_field_and_the_fix(tmp_path):
+    saved = _cfg(hidden_size=64, intermediate_size=128, num_layers=2)
+    path = tmp_path / "last.ckpt"
+    torch.save(ckpt(5, OmegaConf.to_container(saved)), path)
+    check_resume_compatible(path, _cfg(hidden_size=64, intermediate_size=128, num_layers=2, rope_theta=1e4))
+    with pytest.raises(UserError) as info:
+        check_resume_compatible(path, _cfg(hidden_size=96, intermediate_size=128, num_layers=2))
+    err = info.value
+    assert err.field == "model.hidden_size" and err.value == 96
+    assert "model.hidden_size=64" in err.problem and str(path) in err.problem
+    assert "tensor " in err.problem  # the first mismatching tensor and both shapes
+    assert "resume=false" in err.fix and "another run_name" in err.fix
+
+
+def test_step_seed_depends_on_every_coordinate():
+    seeds = {step_seed(1234, r, s, m) for r in range(2) for s in range(3) for m in range(2)}
+    assert len(seeds) == 12 and step_seed(1234, 1, 2, 1) == step_seed(1234, 1, 2, 1)

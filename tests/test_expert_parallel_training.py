@@ -1,0 +1,134 @@
+"""Expert parallelism in training under plain DDP (hardware=cpu): parity, gradients, portable checkpoints.
+
+Fast tests check the expert-gradient reduction and the checkpoint gather/slice on a real
+2-process gloo group; the slow ones train 20 steps with 2 processes and compare every
+step's loss with one process holding the same global batch (tests/_parity.py).
+"""
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe.parallel.expert_training import (
+    _gather,
+    _local_slice,
+    gather_full_experts,
+    reduce_expert_grads,
+    slice_local_experts,
+    slice_local_optimizer_states,
+)
+from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train
+
+
+def _two_rank_worker(rank: int, port: int, out: dict):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1])
+        # expert grads: rank r holds sum of its EP group's token grads; result = sum / dp world
+        p = torch.nn.Parameter(torch.zeros(2, 3))
+        p.grad = torch.full((2, 3), float(rank + 1))
+        q = torch.nn.Parameter(torch.zeros(4))  # no grad on this rank: joins the all-reduce with zeros
+        q.grad = None if rank == 0 else torch.ones(4)
+        reduce_expert_grads([p, q], group, dp_world_size=2)
+        full = _gather(torch.full((1, 2), float(rank)), group)  # experts [rank] -> all experts
+        mine = _local_slice(torch.arange(4.0).view(4, 1), 2, group)  # all 4 experts -> this rank's 2
+        out[rank] = (p.grad.tolist(), q.grad.tolist(), full.tolist(), mine.flatten().tolist(),
+                     _checkpoint_round_trip(rank, group))
+    finally:
+        dist.destroy_process_group()
+
+
+def _checkpoint_round_trip(rank: int, group):
+    """Save gathers both ranks' experts, load slices each back; the live optimizer is untouched."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.full((1, 2), float(rank)))
+    model.w.is_expert = True
+    opt = torch.optim.AdamW(model.parameters())
+    model.w.grad = torch.full((1, 2), rank + 1.0)
+    opt.step()
+    fake = SimpleNamespace(state_dict=model.state_dict, ep_group=group, ep_size=2,
+                           _trainer=True, trainer=SimpleNamespace(optimizers=[opt]))
+    ckpt = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()]}
+    gather_full_experts(fake, ckpt)
+    saved_w = ckpt["state_dict"]["w"].tolist()
+    saved_m = ckpt["optimizer_states"][0]["state"][0]["exp_avg"].tolist()
+    live_m = opt.state[model.w]["exp_avg"].shape[0]
+    slice_local_experts(fake, ckpt)
+    slice_local_optimizer_states(fake, ckpt)
+    back = (ckpt["state_dict"]["w"].tolist(), ckpt["optimizer_states"][0]["state"][0]["exp_avg"].tolist())
+    return saved_w, saved_m, live_m, back, opt.state[model.w]["exp_avg"].tolist()
+
+
+def test_expert_grad_reduction_and_checkpoint_gather_slice_on_two_ranks():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_two_rank_worker, args=(port, out), nprocs=2, join=True)
+    for rank in (0, 1):
+        p_grad, q_grad, full, mine, (saved_w, saved_m, live_m, back, own_m) = out[rank]
+        assert p_grad == [[1.5] * 3] * 2  # (1 + 2) / 2
+        assert q_grad == [0.5] * 4  # (0 + 1) / 2
+        assert full == [[0.0, 0.0], [1.0, 1.0]]
+        assert mine == [2.0 * rank, 2.0 * rank + 1]
+        assert len(saved_w) == len(saved_m) == 2 and live_m == 1  # checkpoint: both; optimizer: its own
+        assert saved_m[rank] == own_m[0] and saved_m[0] != saved_m[1]
+        assert back == ([saved_w[rank]], own_m)
+
+
+@pytest.mark.slow
+def test_ep2_ddp_matches_single_process_and_checkpoint_holds_all_experts(tmp_path, tmp_path_factory):
+    single = single_process_baseline(tmp_path_factory)
+    run = tmp_path / "ep2"
+    train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS)
+    assert_same_losses(run, single)
+    pairs = zip(rows(run), rows(single), strict=True)
+    norms = [(float(a["grad_norm"]), float(b["grad_norm"])) for a, b in pairs]
+    assert all(abs(a - b) <= 1e-3 * b for a, b in norms)  # expert grads summed over the EP group
+
+    # the checkpoint stores all 8 experts (and their Adam moments): ep1 loads it as it is
+    from moe.lit_module import LitMoE
+
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["expert_parallel"] == {"ep_saved": 2, "experts": "full"}
+    assert ckpt["state_dict"]["model.layers.0.ffn.experts.gate_up"].shape[0] == 8
+    module = LitMoE(ckpt["hyper_parameters"]["cfg"])
+    module.load_state_dict(ckpt["state_dict"], strict=True)
+    reference = torch.load(single / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    diff = max((module.state_dict()[k] - v).abs().max().item() for k, v in reference["state_dict"].items())
+    assert diff < 1e-3, diff  # same weights as the single-process run after 20 Adam steps
+    moments = [s["exp_avg"] for s in ckpt["optimizer_states"][0]["state"].values() if s["exp_avg"].dim() == 3]
+    assert moments and all(m.shape[0] == 8 for m in moments)
+
+
+@pytest.mark.slow
+def test_dp2_with_global_batch_load_balancing_matches_single_process(tmp_path, tmp_path_factory):
+    single = single_process_baseline(tmp_path_factory)
+    run = tmp_path / "dp2"
+    train(run, "hardware=cpu", "parallel=dp2", "moe_opt.aux_loss_group=dp", *TWO_RANKS)
+    assert_same_losses(run, single)
+
+
+@pytest.mark.slow
+def test_ep2_ddp_resume_from_step_10_continues_the_same_run(tmp_path):
+    run = tmp_path / "ep2"
+    train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS)
+    uninterrupted = losses(run)
+    ckpts = run / "checkpoints"
+    for name in ("last.ckpt", "step-000020.ckpt"):  # as if killed after the step-10 save
+        (ckpts / name).unlink()
+        (ckpts / f"{name}.meta.json").unlink(missing_ok=True)
+    assert (ckpts / "step-000010.ckpt").exists()
+    shutil.copy(run / "metrics.csv", tmp_path / "metrics_before.csv")
+    proc = train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS, resume=True)
+    assert "resuming from" in proc.stdout and "step-000010" in proc.stdout
+    resumed = losses(run)
+    assert len(resumed) == 20
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted, strict=True)) <= TOL

@@ -1,0 +1,97 @@
+"""EP and expert-DP rank layout: contiguous EP groups, strided expert-DP groups, as DeepSpeed makes them."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe.errors import ConfigError
+from moe.parallel.groups import build_expert_groups, expert_group_ranks
+
+
+def test_16_ranks_ep8_gives_two_ep_groups_and_expert_dp_2():
+    ep_groups, expert_dp_groups = expert_group_ranks(16, 8)
+    assert ep_groups == [list(range(0, 8)), list(range(8, 16))]
+    assert expert_dp_groups == [[i, i + 8] for i in range(8)]  # [0, 8], [1, 9], ..., [7, 15]
+
+
+@pytest.mark.parametrize("world, ep, want_ep, want_dp", [
+    (2, 2, [[0, 1]], [[0], [1]]),
+    (4, 2, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    (4, 1, [[0], [1], [2], [3]], [[0, 1, 2, 3]]),
+])
+def test_small_layouts(world, ep, want_ep, want_dp):
+    assert expert_group_ranks(world, ep) == (want_ep, want_dp)
+
+
+def test_every_rank_in_exactly_one_group_of_each_kind():
+    ep_groups, expert_dp_groups = expert_group_ranks(64, 8)
+    for groups in (ep_groups, expert_dp_groups):
+        assert sorted(r for g in groups for r in g) == list(range(64))
+
+
+def test_ep_not_dividing_the_world_names_the_field():
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 does not divide the data-parallel ranks"):
+        expert_group_ranks(6, 4)
+
+
+class _RecordingComm:
+    """Stands in for deepspeed.comm as seen by one rank: new_group returns the rank tuple."""
+
+    def __init__(self, world: int, rank: int):
+        self.world, self.rank, self.calls = world, rank, []
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self, group=None):
+        return self.world
+
+    def get_rank(self, group=None):
+        return self.rank
+
+    def new_group(self, ranks):
+        self.calls.append(list(ranks))
+        return tuple(ranks)
+
+
+@pytest.mark.parametrize("world, ep", [(16, 8), (4, 2), (8, 2), (2, 2)])
+def test_same_layout_and_creation_order_as_deepspeed(monkeypatch, world, ep):
+    """DeepSpeed's own `_create_expert_and_data_parallel` (run against a recording comm) agrees."""
+    from deepspeed.utils import groups
+
+    ep_groups, expert_dp_groups = expert_group_ranks(world, ep)
+    monkeypatch.setattr(groups, "log_dist", lambda *a, **k: None)
+    for rank in range(world):
+        comm = _RecordingComm(world, rank)
+        monkeypatch.setattr(groups, "dist", comm)
+        for table in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                      "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):
+            monkeypatch.setattr(groups, table, {})
+        groups._create_expert_and_data_parallel(ep)
+        name = f"ep_size_{ep}"
+        assert list(groups._EXPERT_PARALLEL_GROUP[name]) == next(g for g in ep_groups if rank in g)
+        mine = next(g for g in expert_dp_groups if rank in g)
+        assert list(groups._EXPERT_DATA_PARALLEL_GROUP[name]) == mine
+        assert comm.calls == expert_dp_groups + ep_groups  # build_expert_groups creates them in this order
+
+
+def _worker(rank: int, port: int, out: dict):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        ep_group, expert_dp_group = build_expert_groups(2)
+        out[rank] = (dist.get_process_group_ranks(ep_group), dist.get_process_group_ranks(expert_dp_group))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_build_expert_groups_on_four_processes():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_worker, args=(port, out), nprocs=4, join=True)
+    assert dict(out) == {0: ([0, 1], [0, 2]), 1: ([0, 1], [1, 3]), 2: ([2, 3], [0, 2]), 3: ([2, 3], [1, 3])}

@@ -1,0 +1,141 @@
+"""Hugging Face Mixtral interop: logits parity both ways, save/load dirs, aux-loss normalisation, refusals."""
+import pytest
+import torch
+from transformers import MixtralConfig, MixtralForCausalLM
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from moe.config import ModelConfig, MoEOptConfig
+from moe.errors import ConfigError
+from moe.hf import from_hf, model_config_from_hf, to_hf
+from moe.model import MoETransformer
+
+DROPLESS = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
+
+# (rope_theta, heads, kv_heads, sliding_window, top_k, experts, tied, head_dim)
+CASES = [
+    (1.0e6, 4, 2, None, 2, 4, False, None),
+    (1.0e4, 4, 1, 5, 2, 8, True, None),
+    (500.0, 4, 4, None, 1, 4, False, None),
+    (1.0e6, 2, 2, 3, 3, 6, True, 8),
+]
+
+
+def hf_model(theta, heads, kv, window, k, experts, tied, head_dim, seed=0) -> MixtralForCausalLM:
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        vocab_size=67, hidden_size=32, intermediate_size=20, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=64, sliding_window=window,
+        num_experts_per_tok=k, num_local_experts=experts, tie_word_embeddings=tied, rms_norm_eps=1e-6,
+        router_aux_loss_coef=0.02, rope_parameters={"rope_type": "default", "rope_theta": theta},
+    )
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():  # HF zero-inits nothing here, but make norms non-trivial so they are tested too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def ours(theta, heads, kv, window, k, experts, tied, head_dim, seed=0) -> MoETransformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=67, hidden_size=32, intermediate_size=20, num_layers=2, num_heads=heads,
+                      num_kv_heads=kv, head_dim=head_dim, max_position_embeddings=64, sliding_window=window,
+                      top_k=k, num_experts=experts, tie_word_embeddings=tied, rope_theta=theta,
+                      rms_norm_eps=1e-6)
+    model = MoETransformer(cfg, MoEOptConfig(capacity_factor=None, eval_capacity_factor=None,
+                                             normalize_top_k=True)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+IDS = torch.randint(0, 67, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_from_hf_matches_transformers_logits(case):
+    hf = hf_model(*case)
+    model = from_hf(hf)
+    assert model.moe_opt.capacity_factor is None and model.moe_opt.normalize_top_k is True
+    assert model.moe_opt.aux_loss_coeff == 0.02
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits_BSV, hf(IDS).logits, rtol=0, atol=1e-4)
+    if case[6]:
+        assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_to_hf_matches_our_logits(case):
+    model = ours(*case)
+    hf = to_hf(model)
+    assert hf.config.rope_parameters["rope_theta"] == case[0]
+    assert hf.config.sliding_window == case[3] and hf.config.num_experts_per_tok == case[4]
+    assert hf.config.tie_word_embeddings == case[6]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(IDS).logits, model(IDS).logits_BSV, rtol=0, atol=1e-4)
+
+
+def test_round_trip_through_save_pretrained(tmp_path):
+    model = ours(1.0e4, 4, 2, 6, 2, 4, False, None)
+    to_hf(model).save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").is_file()
+    reloaded = MixtralForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    back = from_hf(tmp_path)
+    with torch.no_grad():
+        expected = model(IDS).logits_BSV
+        torch.testing.assert_close(reloaded(IDS).logits, expected, rtol=0, atol=1e-4)
+        torch.testing.assert_close(back(IDS).logits_BSV, expected, rtol=0, atol=1e-4)
+    for (name, a), b in zip(model.state_dict().items(), back.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_from_hf_dir_without_config_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        from_hf(tmp_path)
+
+
+def test_model_config_from_hf_maps_every_field():
+    hf = hf_model(2.5e5, 4, 2, 7, 3, 6, True, 16).config
+    hf.router_jitter_noise = 0.01
+    cfg = model_config_from_hf(hf)
+    assert (cfg.rope_theta, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window, cfg.top_k, cfg.num_experts,
+            cfg.tie_word_embeddings, cfg.head_dim, cfg.rms_norm_eps, cfg.max_position_embeddings,
+            cfg.intermediate_size, cfg.num_layers) == (2.5e5, 4, 2, 7, 3, 6, True, 16, 1e-6, 64, 20, 2)
+    model = from_hf(MixtralForCausalLM(hf))
+    assert model.moe_opt.jitter_eps == 0.01 and model.moe_opt.eval_capacity_factor is None
+
+
+def test_load_balance_loss_is_hf_over_k():
+    hf = hf_model(1.0e6, 4, 2, None, 2, 4, False, None)
+    model = from_hf(hf)
+    with torch.no_grad():
+        router_logits = hf(IDS, output_router_logits=True).router_logits
+        routing = model(IDS).routing
+    for layer_logits, stats in zip(router_logits, routing, strict=True):
+        hf_loss = load_balancing_loss_func((layer_logits,), num_experts=4, top_k=2)
+        torch.testing.assert_close(hf_loss, 2 * stats.aux_loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw,opt,field", [
+    (dict(position_encoding="alibi"), {}, "model.position_encoding"),
+    (dict(moe_layer_frequency=2), {}, "model.moe_layer_frequency"),
+    (dict(shared_expert_intermediate_size=16), {}, "model.shared_expert_intermediate_size"),
+    (dict(top_k=1), {}, "moe_opt.normalize_top_k"),  # null -> raw prob at top-1
+    (dict(top_k=2), dict(normalize_top_k=False), "moe_opt.normalize_top_k"),
+])
+def test_export_refuses_what_mixtral_cannot_express(kw, opt, field):
+    cfg = ModelConfig(vocab_size=67, hidden_size=32, intermediate_size=20, num_layers=2, num_heads=4,
+                      num_kv_heads=2, num_experts=4, **({"top_k": 2} | kw))
+    model = MoETransformer(cfg, MoEOptConfig(**({"capacity_factor": None} | opt)))
+    with pytest.raises(ConfigError) as err:
+        to_hf(model)
+    assert err.value.field == field and "Fix:" in str(err.value)
+
+
+def test_import_refuses_rope_scaling():
+    config = hf_model(1.0e6, 4, 2, None, 2, 4, False, None).config
+    config.rope_parameters = {"rope_type": "linear", "rope_theta": 1.0e6, "factor": 2.0}
+    with pytest.raises(ConfigError, match="rope_type"):
+        model_config_from_hf(config)

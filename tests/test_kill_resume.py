@@ -1,0 +1,166 @@
+"""SIGKILL at several points (before the first checkpoint, just after one, half-way through a save),
+relaunch the same command: the run ends where the uninterrupted one does, with the same losses step by
+step (same data order, nothing trained twice or skipped) and the same parameters within 1e-6 (CPU fp32).
+"""
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO
+
+from moe.checkpointing import KILL_DURING_SAVE_ENV
+
+pytestmark = pytest.mark.slow
+
+# Tiny model, 12 optimizer steps of 2 micro-batches, router jitter on (it draws random numbers),
+# a checkpoint every 4 steps (keep 2), validation at 6 and 12.
+RUN = ("model.hidden_size=64", "model.intermediate_size=64", "model.num_layers=2", "model.num_heads=2",
+       "model.num_kv_heads=1", "model.num_experts=4", "moe_opt.jitter_eps=0.01", "trainer.micro_batch_size=2",
+       "trainer.accumulate_grad_batches=2", "optimizer.warmup_steps=2", "trainer.max_steps=12",
+       "trainer.checkpoint_every_n_steps=4", "trainer.keep_last_checkpoints=2",
+       "trainer.val_check_interval=6", "trainer.limit_val_batches=1", "seed=7", "trainer.progress_bar=false",
+       "trainer.log_every_n_steps=1")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+TIMEOUT = 900
+
+
+def train_cmd(run_dir):
+    return [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *RUN]
+
+
+def run_to_end(run_dir):
+    cmd = train_cmd(run_dir)
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def launch(run_dir, log, env=ENV):
+    with open(log, "ab") as out:
+        return subprocess.Popen(train_cmd(run_dir), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(proc, condition, what):
+    deadline = time.time() + TIMEOUT
+    while not condition():
+        assert proc.poll() is None, f"run ended (exit {proc.returncode}) before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def kill(proc):
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+
+
+def rows(run_dir):
+    path = run_dir / "metrics.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def train_losses(run_dir):
+    return [(int(r["step"]), float(r["loss"])) for r in rows(run_dir) if r["loss"]]
+
+
+def val_losses(run_dir):
+    return [(int(r["step"]), float(r["val_loss"])) for r in rows(run_dir) if r["val_loss"]]
+
+
+def params(run_dir):
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+def assert_same_run(run_dir, ref_dir):
+    """Same final step, each step once with the reference's loss, same final parameters and loss."""
+    got, want = train_losses(run_dir), train_losses(ref_dir)
+    assert [s for s, _ in got] == list(range(1, 13))  # every step exactly once
+    for (step, loss), (_, ref) in zip(got, want, strict=True):
+        assert loss == pytest.approx(ref, abs=1e-6), f"step {step}: loss {loss} vs uninterrupted {ref}"
+    assert [s for s, _ in val_losses(run_dir)] == [6, 12]
+    for (_, loss), (_, ref) in zip(val_losses(run_dir), val_losses(ref_dir), strict=True):
+        assert loss == pytest.approx(ref, abs=1e-6)
+    ckpt, ref_ckpt = params(run_dir), params(ref_dir)
+    assert ckpt["global_step"] == ref_ckpt["global_step"] == 12
+    worst = max((t - ref_ckpt["state_dict"][k]).abs().max().item() for k, t in ckpt["state_dict"].items())
+    assert worst <= 1e-6, f"final parameters differ by {worst}"
+    summary, ref_summary = (json.loads((d / "summary.json").read_text()) for d in (run_dir, ref_dir))
+    assert summary["steps"] == 12
+    assert summary["final_loss"] == pytest.approx(ref_summary["final_loss"], abs=1e-6)
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    proc = run_to_end(run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_sigkill_before_a_checkpoint_after_one_and_mid_save_then_resume_matches(tmp_path, reference):
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    ckpts = run_dir / "checkpoints"
+    hook = {**ENV, KILL_DURING_SAVE_ENV: "8"}  # launch 3 kills itself half-way through step-000008.ckpt
+
+    # 1. before the first checkpoint: as soon as step 1 is logged
+    proc = launch(run_dir, log, hook)
+    wait_for(proc, lambda: train_losses(run_dir), "step 1")
+    kill(proc)
+    assert not (ckpts / "step-000004.ckpt").exists()
+
+    # 2. just after a checkpoint: the moment step-000004.ckpt is complete (last.ckpt may be mid-write)
+    proc = launch(run_dir, log, hook)
+    wait_for(proc, lambda: (ckpts / "step-000004.ckpt.meta.json").exists(), "the step-4 checkpoint")
+    kill(proc)
+
+    # 3. half-way through writing the step-8 checkpoint (test hook: the process SIGKILLs itself)
+    proc = launch(run_dir, log, hook)
+    assert proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
+    assert (ckpts / "step-000008.ckpt.tmp").exists() and not (ckpts / "step-000008.ckpt").exists()
+    assert max(s for s, _ in train_losses(run_dir)) == 8  # step 8 was trained, its checkpoint never landed
+
+    # 4. the same command again finishes the job
+    proc = launch(run_dir, log, hook)
+    assert proc.wait(timeout=TIMEOUT) == 0, log.read_text()[-3000:]
+    assert log.read_text().count("resuming from") == 2  # launches 3 and 4 (launch 2 found no checkpoint)
+    assert_same_run(run_dir, reference)
+    kept = {p.name for p in ckpts.glob("step-*.ckpt")}  # last 2, plus step 4 if it was the resume point
+    assert {"step-000008.ckpt", "step-000012.ckpt"} <= kept <= {"step-000004.ckpt", "step-000008.ckpt",
+                                                                "step-000012.ckpt"}
+
+
+def test_supervisor_relaunches_a_run_killed_while_writing_last_ckpt(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    env = {**ENV, KILL_DURING_SAVE_ENV: "8:last.ckpt"}  # step-000008.ckpt lands, last.ckpt does not
+    cmd = [sys.executable, "-m", "moe.supervise", "--max-restarts", "2", "--backoff", "0", "--",
+           *train_cmd(run_dir)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=2 * TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restarts = (run_dir / "restarts.log").read_text().splitlines()
+    assert "killed by SIGKILL; restart 1/2" in restarts[0] and "finished after 1 restart(s)" in restarts[-1]
+    newest = run_dir / "checkpoints" / "step-000008.ckpt"  # newer than last.ckpt, which never landed
+    assert f"resuming from {newest}" in proc.stdout
+    assert_same_run(run_dir, reference)
+
+
+def test_truncated_checkpoints_at_resume_are_reported_and_the_previous_one_is_used(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    for name in ("last.ckpt", "step-000012.ckpt"):  # a crash of the storage, not of the writer
+        path = run_dir / "checkpoints" / name
+        path.write_bytes(path.read_bytes()[:4096])
+    proc = run_to_end(run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("last.ckpt", "step-000012.ckpt"):
+        assert f"checkpoint {run_dir / 'checkpoints' / name} is 4096 bytes" in proc.stderr
+    assert "(truncated); falling back to the previous checkpoint" in proc.stderr
+    assert f"resuming from {run_dir / 'checkpoints' / 'step-000008.ckpt'}" in proc.stdout
+    assert_same_run(run_dir, reference)  # steps 9-12 retrained to the same result

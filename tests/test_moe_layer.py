@@ -1,0 +1,234 @@
+"""MoELayer against a token-by-token reference and transformers' Mixtral block; gradients,
+dtypes, capacity/eval behaviour, the grouped_mm path and config errors."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe.config import MoEOptConfig
+from moe.errors import ConfigError
+from moe.moe_layer import MoELayer, RoutingStats, grouped_mm_works
+from moe.routing import apply_capacity, expert_capacity, load_balance_loss, top_k_routing, z_loss
+
+H, FF, E = 16, 24, 4
+
+
+def make(k=2, cf=None, **opt):
+    torch.manual_seed(0)
+    moe_opt = MoEOptConfig(capacity_factor=cf, eval_capacity_factor=cf, min_capacity=0, **opt)
+    return MoELayer(H, FF, E, k, moe_opt, init_range=0.2)
+
+
+def inputs(B=2, S=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, S, H, generator=g), torch.randn(B, S, H, generator=g)
+
+
+def reference(layer, x_BSH):
+    """Token-by-token loop over kept assignments, straight from the definitions."""
+    x_TH = x_BSH.reshape(-1, H)
+    probs = torch.softmax(x_TH.float() @ layer.router.weight.float().T, -1)
+    w, idx = top_k_routing(probs, layer.top_k, layer.normalize_top_k)
+    cf = layer.capacity_factor if layer.training else layer.eval_capacity_factor
+    cap = expert_capacity(x_TH.shape[0], E, layer.top_k, cf, layer.min_capacity)
+    keep = apply_capacity(idx, w, E, cap, layer.drop_policy)
+    rows = []
+    for t in range(x_TH.shape[0]):
+        y = x_TH.new_zeros(H)
+        for j in range(layer.top_k):
+            if keep[t, j]:
+                e = idx[t, j]
+                gate, up = (x_TH[t] @ layer.experts.gate_up[e]).chunk(2)
+                y = y + w[t, j] * ((F.silu(gate) * up) @ layer.experts.down[e])
+        rows.append(y)
+    return torch.stack(rows).view_as(x_BSH), keep
+
+
+def grads(layer, x, g, fn):
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    y = fn(x)
+    (y * g).sum().backward()
+    return y.detach(), [x.grad] + [p.grad.clone() for p in layer.parameters()]
+
+
+CASES = [(2, None, "probs"), (1, None, "probs"), (2, 0.75, "probs"), (2, 0.75, "position"), (1, 1.0, "probs")]
+
+
+@pytest.mark.parametrize("k,cf,policy", CASES)
+def test_matches_token_by_token_reference(k, cf, policy):
+    layer = make(k, cf, drop_policy=policy)
+    x, g = inputs()
+    y, gl = grads(layer, x, g, lambda x: layer(x)[0])
+    y_ref, gr = grads(layer, x, g, lambda x: reference(layer, x)[0])
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(gl, gr, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    _, keep = reference(layer, x)
+    stats = layer(x)[1]
+    torch.testing.assert_close(stats.dropped_fraction, 1 - keep.float().mean())
+    if cf is not None:
+        assert stats.dropped_fraction > 0  # the case really drops
+
+
+def test_matches_transformers_mixtral_block():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    layer = make(2, None)
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=FF, num_local_experts=E, num_experts_per_tok=2)
+    hf = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        hf.gate.weight.copy_(layer.router.weight)
+        hf.experts.gate_up_proj.copy_(layer.experts.gate_up.transpose(1, 2))
+        hf.experts.down_proj.copy_(layer.experts.down.transpose(1, 2))
+    x, _ = inputs()
+    torch.testing.assert_close(layer(x)[0], hf(x), atol=1e-5, rtol=1e-5)
+
+
+def test_top1_router_gets_gradient_from_output_loss():
+    layer = make(1, None)
+    x, g = inputs()
+    (layer(x)[0] * g).sum().backward()  # no aux/z term: only the LM-side path
+    raw = layer.router.weight.grad.abs().sum()
+    assert raw > 0.1
+    # renormalising a single weight makes it the constant 1: the router would learn nothing
+    flat = make(1, None, normalize_top_k=True)
+    (flat(x)[0] * g).sum().backward()
+    assert flat.router.weight.grad.abs().sum() < 1e-4 * raw  # zero up to rounding
+
+
+def test_every_expert_gets_a_gradient():
+    layer = make(2, 1.25)
+    x, g = inputs(B=4, S=16)
+    y, stats = layer(x)
+    assert (stats.tokens_per_expert_E > 0).all()
+    ((y * g).sum() + 0.01 * stats.aux_loss + 0.001 * stats.z_loss).backward()
+    for e in range(E):
+        assert layer.experts.gate_up.grad[e].abs().sum() > 0 and layer.experts.down.grad[e].abs().sum() > 0
+    assert layer.router.weight.grad.abs().sum() > 0
+
+
+def test_stats_match_routing_functions():
+    layer = make(2, 1.0)
+    x, _ = inputs()
+    y, st = layer(x)
+    assert isinstance(st, RoutingStats)
+    assert {f.name for f in dataclasses.fields(st)} == {
+        "aux_loss", "z_loss", "tokens_per_expert_E", "dropped_fraction", "max_load", "mean_load", "entropy"
+    }
+    logits = x.reshape(-1, H) @ layer.router.weight.T
+    probs = torch.softmax(logits, -1)
+    _, idx = top_k_routing(probs, 2)
+    torch.testing.assert_close(st.aux_loss, load_balance_loss(probs, idx))
+    torch.testing.assert_close(st.z_loss, z_loss(logits))
+    assert st.tokens_per_expert_E.tolist() == torch.bincount(idx.flatten(), minlength=E).tolist()
+    assert st.aux_loss.requires_grad and st.z_loss.requires_grad
+    cap = expert_capacity(24, E, 2, 1.0, 0)
+    assert st.max_load <= cap and st.mean_load * E == (1 - st.dropped_fraction) * 48
+
+
+def test_capacity_in_training_eval_factor_in_eval():
+    torch.manual_seed(0)
+    opt = MoEOptConfig(capacity_factor=0.5, eval_capacity_factor=None, min_capacity=0)
+    layer = MoELayer(H, FF, E, 1, opt)
+    with torch.no_grad():  # every token prefers expert 0
+        layer.router.weight.zero_()
+        layer.router.weight[0] = 1.0
+    x = torch.rand(1, 8, H) + 0.1  # positive inputs -> expert 0 for all 8 tokens
+    y, st = layer(x)
+    cap = expert_capacity(8, E, 1, 0.5, 0)  # ceil(8*0.5/4) = 1
+    assert cap == 1 and st.tokens_per_expert_E.tolist() == [8, 0, 0, 0]
+    torch.testing.assert_close(st.dropped_fraction, torch.tensor(7 / 8))
+    assert st.max_load == 1
+    kept = y[0].abs().sum(-1) > 0  # dropped tokens get exactly zero (their residual carries them)
+    assert kept.sum() == 1
+    layer.eval()
+    y_eval, st_eval = layer(x)
+    assert st_eval.dropped_fraction == 0 and (y_eval[0].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_dtypes(dtype):
+    layer = make(2, None)
+    x, g = inputs()
+    y32 = layer(x)[0]
+    layer.to(dtype)
+    y, st = layer(x.to(dtype))
+    assert y.dtype == dtype and st.aux_loss.dtype == torch.float32
+    assert layer.router(x.reshape(-1, H).to(dtype)).dtype == torch.float32  # router in fp32
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.float(), y32, atol=tol * y32.abs().max().item(), rtol=tol)
+    (y.float() * g).sum().backward()
+    assert layer.experts.gate_up.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_path_equals_loop_path(dtype):
+    if not grouped_mm_works(torch.device("cpu"), dtype):
+        pytest.skip("torch._grouped_mm unusable on this build")
+    layer = make(2, 0.75).to(dtype)
+    x, g = inputs()
+    x, g = x.to(dtype), g.to(dtype)
+    layer.experts.use_grouped_mm = True
+    y1, g1 = grads(layer, x, g, lambda x: layer(x)[0])
+    layer.experts.use_grouped_mm = False
+    y2, g2 = grads(layer, x, g, lambda x: layer(x)[0])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip([y1, *g1], [y2, *g2], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def test_shared_expert_is_added():
+    torch.manual_seed(0)
+    layer = MoELayer(H, FF, E, 2, MoEOptConfig(capacity_factor=None), shared_expert_intermediate_size=8)
+    x, _ = inputs()
+    y, _ = layer(x)
+    shared = layer.shared_expert
+    routed = y - shared.down(F.silu(shared.gate_up(x)[..., :8]) * shared.gate_up(x)[..., 8:])
+    layer.shared_expert = None
+    torch.testing.assert_close(routed, layer(x)[0], atol=1e-6, rtol=1e-5)
+
+
+def test_jitter_only_in_training():
+    layer = make(2, None, jitter_eps=0.5)
+    x, _ = inputs()
+    plain = make(2, None)
+    layer.eval()
+    plain.eval()
+    torch.testing.assert_close(layer(x)[0], plain(x)[0])
+    layer.train()
+    assert not torch.equal(layer(x)[1].z_loss, plain(x)[1].z_loss)
+
+
+def test_parameters_shapes_marks_and_init():
+    torch.manual_seed(0)
+    layer = MoELayer(64, 128, 8, 2, MoEOptConfig(), init_range=0.02, out_init_std=0.005)
+    assert layer.experts.gate_up.shape == (8, 64, 256) and layer.experts.down.shape == (8, 128, 64)
+    assert layer.router.weight.shape == (8, 64)
+    assert all(getattr(p, "is_expert", False) for p in layer.experts.parameters())
+    assert not getattr(layer.router.weight, "is_expert", False)
+    assert abs(layer.experts.gate_up.std().item() - 0.02) < 0.001
+    assert abs(layer.experts.down.std().item() - 0.005) < 0.0003
+    assert abs(layer.router.weight.std().item() - 0.02) < 0.003
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"top_k": 5}, "model.top_k"),
+        ({"top_k": 0}, "model.top_k"),
+        ({"capacity_factor": 0.0}, "moe_opt.capacity_factor"),
+        ({"eval_capacity_factor": -1.0}, "moe_opt.eval_capacity_factor"),
+        ({"drop_policy": "random"}, "moe_opt.drop_policy"),
+        ({"router_dtype": "fp64"}, "moe_opt.router_dtype"),
+        ({"jitter_eps": 1.5}, "moe_opt.jitter_eps"),
+    ],
+)
+def test_config_errors(kwargs, field):
+    top_k = kwargs.pop("top_k", 2)
+    with pytest.raises(ConfigError) as err:
+        MoELayer(H, FF, E, top_k, MoEOptConfig(**kwargs))
+    assert err.value.field == field
+    assert "Fix:" in str(err.value)

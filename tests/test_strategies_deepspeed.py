@@ -1,0 +1,130 @@
+"""DeepSpeed plugin: its config, MoE param groups, and (slow) real CPU training over gloo.
+
+hardware=cpu_deepspeed runs the same MoEDeepSpeedStrategy as hardware=gpu on CPU processes,
+so ZeRO-1/2, DeepSpeed's expert groups and the checkpoint format are exercised for real.
+The first use compiles small DeepSpeed ops into TORCH_EXTENSIONS_DIR (a few minutes, once).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
+from moe.errors import ConfigError, UserError
+from moe.model import MoETransformer
+from moe.optim import build_optimizer
+from moe.strategies.deepspeed import MoEDeepSpeedStrategy, build_deepspeed, deepspeed_config
+from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_config_from_parallel_optimizer_and_trainer_groups():
+    cfg = compose_cfg("hardware=cpu_deepspeed", "parallel=ep2", "parallel.zero_stage=2",
+                      "trainer.micro_batch_size=3", "optimizer.grad_clip=0.5")
+    config = deepspeed_config(cfg)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 2 and zero["contiguous_gradients"] and zero["reduce_scatter"]  # MoE needs both
+    assert zero["overlap_comm"] is False  # CPU: no streams to overlap on
+    assert config["train_micro_batch_size_per_gpu"] == 3 and config["gradient_clipping"] == 0.5
+    assert "fp16" not in config and "bf16" not in config  # 32-true
+    assert "gradient_accumulation_steps" not in config  # Lightning sets it from accumulate_grad_batches
+
+
+def test_gpu_precisions():
+    assert deepspeed_config(compose_cfg("hardware=gpu", "parallel=dp2_ep8"))["bf16"] == {"enabled": True}
+    fp16 = deepspeed_config(compose_cfg("hardware=gpu", "trainer.precision=16-mixed"))["fp16"]
+    assert fp16["enabled"] and fp16["loss_scale"] == 0 and fp16["initial_scale_power"] == 16  # dynamic
+    gpu = deepspeed_config(compose_cfg("hardware=gpu", "parallel=dp2_ep8"))
+    assert gpu["zero_optimization"]["overlap_comm"] and gpu["zero_optimization"]["stage"] == 1
+
+
+def test_zero3_with_moe_and_hybrid_shard_are_refused():
+    with pytest.raises(ConfigError, match="parallel.zero_stage=3 with MoE experts is refused"):
+        deepspeed_config(compose_cfg("hardware=gpu", "parallel.zero_stage=3"))
+    with pytest.raises(ConfigError, match="parallel.hybrid_shard_degree=2"):
+        deepspeed_config(compose_cfg("hardware=gpu", "parallel.zero_stage=1",
+                                     "parallel.hybrid_shard_degree=2"))
+
+
+def test_lightning_fills_accumulation_into_the_config():
+    strategy = build_deepspeed(compose_cfg("hardware=cpu_deepspeed", "parallel.zero_stage=1")).strategy
+    assert isinstance(strategy, MoEDeepSpeedStrategy)
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(accumulate_grad_batches=4,
+                                                                         gradient_clip_val=1.0))
+    strategy._format_batch_size_and_grad_accum_config()
+    assert strategy.config["gradient_accumulation_steps"] == 4
+    assert strategy.config["gradient_clipping"] == 1.0
+
+
+def test_regroup_marks_experts_and_splits_param_groups():
+    cfg = compose_cfg("hardware=cpu_deepspeed", "parallel=ep2")
+    model = MoETransformer(cfg.model, cfg.moe_opt)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg))
+    strategy._lightning_module = SimpleNamespace(ep_size=2, parameters=model.parameters)
+    strategy.regroup_optimizer(optimizer)
+
+    experts = [p for p in model.parameters() if getattr(p, "is_expert", False)]
+    assert experts and all(p.allreduce is False and p.group_name == "ep_size_2" for p in experts)
+    groups = {g["name"]: g for g in optimizer.param_groups}
+    assert set(groups) == {"decay", "no_decay", "ep_size_2"}  # no empty MoE group for the norms
+    assert groups["ep_size_2"]["moe"] is True and groups["ep_size_2"]["weight_decay"] == 0.1
+    assert {id(p) for p in groups["ep_size_2"]["params"]} == {id(p) for p in experts}
+    seen = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters())  # each parameter exactly once
+
+
+def test_missing_deepspeed_is_a_user_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    with pytest.raises(UserError, match="pip install deepspeed -c constraints.txt"):
+        build_deepspeed(compose_cfg("hardware=gpu"))
+
+
+# ------------------------------------------------------------------------ real CPU training (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [
+    ("parallel=ep2",),  # ZeRO off: DeepSpeed's expert-DP all-reduce, our global-norm fp32 clipping
+    ("parallel=ep2", "parallel.zero_stage=2"),  # expert partitions over the expert-DP group
+    ("parallel=dp2", "parallel.zero_stage=1", "moe_opt.aux_loss_group=dp"),
+], ids=["ep2", "ep2_zero2", "dp2_zero1"])
+def test_cpu_deepspeed_matches_single_process(tmp_path, tmp_path_factory, parallel):
+    single = single_process_baseline(tmp_path_factory)
+    run = tmp_path / "ds"
+    train(run, "hardware=cpu_deepspeed", *parallel, *TWO_RANKS)
+    assert_same_losses(run, single)
+    for got, want in zip(rows(run), rows(single), strict=True):  # DeepSpeed's own norm, before clipping
+        assert abs(float(got["grad_norm"]) - float(want["grad_norm"])) <= 1e-3 * float(want["grad_norm"])
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["state_dict"]["model.layers.0.ffn.experts.gate_up"].shape[0] == 8  # portable: all experts
+    assert sorted(p.name for p in (run / "checkpoints" / "last.ckpt.zero").iterdir()) == [
+        "rank_00000.pt", "rank_00001.pt"]  # each rank's optimizer partition
+
+
+@pytest.mark.slow
+def test_cpu_deepspeed_zero2_resume_restores_partitions(tmp_path):
+    run = tmp_path / "ds"
+    args = ("hardware=cpu_deepspeed", "parallel=ep2", "parallel.zero_stage=2", *TWO_RANKS)
+    train(run, *args)
+    uninterrupted = losses(run)
+    ckpts = run / "checkpoints"
+    for name in ("last.ckpt", "step-000020.ckpt"):  # as if killed after the step-10 save
+        (ckpts / name).unlink()
+        (ckpts / f"{name}.meta.json").unlink(missing_ok=True)
+    proc = train(run, *args, resume=True)
+    assert "step-000010" in proc.stdout
+    assert "optimizer state not restored" not in proc.stdout + proc.stderr
+    resumed = losses(run)
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted, strict=True)) <= TOL
