@@ -23,7 +23,8 @@ needs_data = pytest.mark.skipif(
 pytestmark = needs_data
 
 # trainer overrides that give each parallel preset the world it needs on each hardware
-WORLD = {"single": 1, "dp2": 2, "ep2": 2, "dp2_ep8": 16, "tp8_pp8_ep8": 512, "tp8_sp": 8}
+WORLD = {"single": 1, "dp2": 2, "ep2": 2, "dp2_ep8": 16, "tp8_pp8_ep8": 512, "tp8_sp": 8,
+         "dp2_zero1": 2, "ep2_zero2": 2}
 DEVICES_PER_NODE = {"cpu": 2, "cpu_deepspeed": 2, "gpu": 8, "trn1": 32}
 
 
@@ -83,6 +84,9 @@ MATRIX_ERRORS = {
     ("cpu", "dp2_ep8"): "parallel.zero_stage",  # plain DDP has no ZeRO
     ("cpu", "tp8_pp8_ep8"): "parallel.tp",  # DDP has no tensor/pipeline parallelism
     ("cpu", "tp8_sp"): "parallel.tp",
+    ("cpu", "dp2_zero1"): "parallel.zero_stage",
+    ("cpu", "ep2_zero2"): "parallel.zero_stage",
+    ("trn1", "ep2_zero2"): "parallel.zero_stage",  # NxD shards optimizer states only (ZeRO-1)
 }
 
 
