@@ -55,6 +55,14 @@ bench: $(STAMP) ## benchmarks side by side with their peers (figures go in docs/
 	$(PY) bench/generate.py
 	$(PY) bench/data_prep.py
 
+NEURON_DEVICES ?= 32
+NEURON_ARGS ?= hardware=trn1 parallel=tp8_sp
+compile-neuron: ## trn1, one node: compile graphs ahead with neuron_parallel_compile (10 steps); NEURON_ARGS='...'
+	neuron_parallel_compile torchrun --nproc_per_node=$(NEURON_DEVICES) train.py $(NEURON_ARGS) \
+	  trainer.devices=$(NEURON_DEVICES) trainer.max_steps=10 optimizer.decay_steps=1000000 \
+	  run_name=neuron_compile resume=false
+	rm -rf runs/neuron_compile
+
 lint: $(STAMP) ## ruff check
 	$(VENV)/bin/ruff check .
 

@@ -1,4 +1,4 @@
-"""LightningModule: loss = CE + aux_coeff * load-balance + z_coeff * router z-loss.
+"""LightningModule: loss = CE + sum over MoE layers of (aux_coeff * load-balance + z_coeff * z-loss).
 
 The module owns the model, the loss and the optimizer; how the model is spread over
 devices is the strategy's business (`moe.strategies`), which may call
@@ -15,6 +15,15 @@ from moe.model import MoETransformer
 from moe.optim import build_optimizer, build_scheduler
 from moe.parallel.expert_training import ExpertParallelHooks
 from moe.step_stats import StepStats
+
+
+def router_losses(routing: list, moe_opt) -> torch.Tensor | float:
+    """Each MoE layer's load-balance and z-loss, weighted by its coefficient and summed over layers.
+
+    As in Megatron-Core and DeepSpeed, the coefficient applies per layer, so a deeper model
+    balances every layer as firmly as a shallow one (metrics.csv logs the per-layer mean).
+    """
+    return sum(moe_opt.aux_loss_coeff * r.aux_loss + moe_opt.z_loss_coeff * r.z_loss for r in routing)
 
 
 class LitMoE(ExpertParallelHooks, L.LightningModule):
@@ -51,8 +60,7 @@ class LitMoE(ExpertParallelHooks, L.LightningModule):
         lm_loss = F.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100
         )
-        moe_opt = self.cfg.moe_opt
-        loss = lm_loss + moe_opt.aux_loss_coeff * out.aux_loss + moe_opt.z_loss_coeff * out.z_loss
+        loss = lm_loss + router_losses(out.routing, self.cfg.moe_opt)
         return loss, lm_loss, out
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

@@ -149,11 +149,21 @@ def test_datamodule_state_dict_resume_matches_an_uninterrupted_run(corpus, dp_si
 def test_dp_ranks_default_to_the_trainer():
     cfg = OmegaConf.structured(DataConfig(path="data/sample/train.txt", tokenizer="data/sample"))
     dm = MoEDataModule(cfg, 4, 1, 2, 1234, 2)
-    dm.trainer = SimpleNamespace(global_rank=1, world_size=2, global_step=0)
+    dm.trainer = SimpleNamespace(global_rank=1, world_size=2, global_step=0, strategy=SimpleNamespace())
     dm.setup("fit")
     assert (dm.dp_rank, dm.dp_size) == (1, 2)
     expected = StreamSampler(len(dm.prepared.splits["train"]), 4, 2, 1234, dp_rank=1, dp_size=2)
     assert [b.tolist() for b in dm.train_sampler()] == [expected.micro_batch(i).tolist() for i in range(2)]
+
+
+def test_dp_ranks_come_from_the_strategy_under_tensor_parallelism():
+    """Global rank 5 of 16 with TP 8 is data-parallel rank 0 of 2: its TP group shares the batch."""
+    cfg = OmegaConf.structured(DataConfig(path="data/sample/train.txt", tokenizer="data/sample"))
+    dm = MoEDataModule(cfg, 4, 1, 2, 1234, 2)
+    strategy = SimpleNamespace(distributed_sampler_kwargs={"rank": 0, "num_replicas": 2})
+    dm.trainer = SimpleNamespace(global_rank=5, world_size=16, global_step=0, strategy=strategy)
+    dm.setup("fit")
+    assert (dm.dp_rank, dm.dp_size) == (0, 2)
 
 
 def test_sample_preset_loads_with_the_promised_shape():

@@ -218,11 +218,9 @@ class MoEDataModule(L.LightningDataModule):
         if self.prepared is None:
             self.prepare_data()
             self.prepared = load_prepared(self.dir)
-        trainer = getattr(self, "trainer", None)
-        if self.dp_rank is None:
-            self.dp_rank = trainer.global_rank if trainer is not None else 0
-        if self.dp_size is None:
-            self.dp_size = trainer.world_size if trainer is not None else 1
+        rank, size = data_parallel_rank_and_size(getattr(self, "trainer", None))
+        self.dp_rank = rank if self.dp_rank is None else self.dp_rank
+        self.dp_size = size if self.dp_size is None else self.dp_size
 
     def train_sampler(self) -> StreamSampler:
         return StreamSampler(len(self.prepared.splits["train"]), self.micro_batch_size,
@@ -257,3 +255,16 @@ class MoEDataModule(L.LightningDataModule):
         if saved["dp_size"] not in (None, self.dp_size) or saved["seed"] not in (None, self.seed):
             log.warning("resuming with a different data order (saved %s, now dp_size=%s seed=%s): the stream "
                         "position is kept, the blocks at it differ", saved, self.dp_size, self.seed)
+
+
+def data_parallel_rank_and_size(trainer) -> tuple[int, int]:
+    """This process's data-parallel rank and the data-parallel size, as the strategy defines them.
+
+    Under tensor or pipeline parallelism (Neuron) ranks of one TP/PP group share their data,
+    so the strategy's `distributed_sampler_kwargs` (rank, num_replicas) is the truth; plain
+    DDP and DeepSpeed report global rank and world size there.
+    """
+    if trainer is None:
+        return 0, 1
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return kwargs.get("rank", trainer.global_rank), kwargs.get("num_replicas", trainer.world_size)
