@@ -110,7 +110,8 @@ class RunMetrics(L.Callback):
             norm = post_step()
             self._grad_norm = float("nan") if norm is None else norm
         stats = pl_module.step_stats
-        means = {k: float(trainer.strategy.reduce(torch.tensor(v), reduce_op="mean")) for k, v in stats.means().items()}
+        reduce = trainer.strategy.reduce
+        means = {k: float(reduce(torch.tensor(v), reduce_op="mean")) for k, v in stats.means().items()}
         tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
         row = {
             "step": step, **means,

@@ -27,7 +27,8 @@ def router_losses(routing: list, moe_opt) -> torch.Tensor | float:
 
 
 class LitMoE(ExpertParallelHooks, L.LightningModule):
-    """ExpertParallelHooks: expert-gradient reduction, global-norm clipping, full-expert checkpoints (ep > 1)."""
+    """The training module; ExpertParallelHooks adds expert-gradient reduction, global-norm
+    clipping and full-expert checkpoints when ep > 1."""
 
     def __init__(self, cfg: DictConfig):
         super().__init__()
@@ -80,7 +81,7 @@ class LitMoE(ExpertParallelHooks, L.LightningModule):
     def configure_optimizers(self):
         optimizer = build_optimizer(self.model, self.cfg.optimizer)
         regroup = getattr(self._trainer.strategy, "regroup_optimizer", None) if self._trainer else None
-        if regroup is not None:  # DeepSpeed: expert params into their own MoE param groups, before the schedule
+        if regroup is not None:  # DeepSpeed: expert params into MoE param groups, before the schedule
             regroup(optimizer)
         scheduler = build_scheduler(optimizer, self.cfg.optimizer, self.cfg.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_RUN = ("trainer.progress_bar=false", "trainer.log_every_n_steps=1")
@@ -19,8 +21,9 @@ def run_entry(script: str, *overrides: str, timeout: int = 600, env: dict | None
     proc = subprocess.run([sys.executable, str(REPO / script), *overrides], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(overrides)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-5000:]}")
+        command = f"{script} {' '.join(overrides)}"
+        output = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        raise AssertionError(f"{command} exited {proc.returncode}:\n{output}")
     return proc
 
 
@@ -34,3 +37,22 @@ def train_run(tmp_path):
         return run_dir, proc
 
     return _run
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a test's own torch.distributed rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny ops on a shared 2-core box: one intra-op thread avoids spin-wait stalls (often 10x faster).
+
+    Use with `pytestmark = pytest.mark.usefixtures("one_thread")`.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -7,12 +7,12 @@ expert's grad on its owning rank (which sums every rank's contribution through t
 all-to-all backward) divided by ep. Aux/z losses and stats are the global values.
 """
 import copy
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from moe.config import MoEOptConfig
 from moe.errors import ConfigError
@@ -22,11 +22,6 @@ from moe.routing import load_balance_loss, router_probs, top_k_routing, z_loss
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_exchange(rank, world):
@@ -142,7 +137,7 @@ def _worker(rank, world, port, cases):
 
 
 def _spawn(cases, world=2):
-    mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), cases), nprocs=world, join=True)
 
 
 def test_ep2_equals_one_process_dropless_and_capacity():

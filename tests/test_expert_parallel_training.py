@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from moe.parallel.expert_training import (
     _gather,
@@ -65,11 +66,7 @@ def _checkpoint_round_trip(rank: int, group):
 
 
 def test_expert_grad_reduction_and_checkpoint_gather_slice_on_two_ranks():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_two_rank_worker, args=(port, out), nprocs=2, join=True)
     for rank in (0, 1):

@@ -20,12 +20,7 @@ TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
 PROMPTS = [[5, 9, 3, 7, 11, 2, 8, 40, 41], [4, 1, 77], [12, 30, 6, 6, 200]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a shared 2-core box: one thread avoids spin-wait stalls
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

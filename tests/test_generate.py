@@ -9,13 +9,7 @@ from moe.model import MoETransformer
 V = 61
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread avoids spin-wait stalls (10x faster here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(seed=0, moe_opt=None, **kw) -> MoETransformer:

@@ -1,11 +1,10 @@
 """EP and expert-DP rank layout: contiguous EP groups, strided expert-DP groups, as DeepSpeed makes them."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from moe.errors import ConfigError
 from moe.parallel.groups import build_expert_groups, expert_group_ranks
@@ -89,9 +88,7 @@ def _worker(rank: int, port: int, out: dict):
 
 @pytest.mark.slow
 def test_build_expert_groups_on_four_processes():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(port, out), nprocs=4, join=True)
     assert dict(out) == {0: ([0, 1], [0, 2]), 1: ([0, 1], [1, 3]), 2: ([2, 3], [0, 2]), 3: ([2, 3], [1, 3])}

@@ -23,12 +23,7 @@ ARCH = dict(vocab_size=512, hidden_size=32, intermediate_size=24, num_layers=2, 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # subprocesses too: tiny ops stall with 2 threads on a busy box
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a shared 2-core box: one thread avoids spin-wait stalls
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def save_ckpt(path, model: MoETransformer, extra=None, **data):

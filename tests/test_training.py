@@ -85,7 +85,6 @@ def test_relaunch_after_a_kill_resumes_and_ends_at_the_same_step(tmp_path):
     assert again.returncode == 0 and json.loads((run_dir / "summary.json").read_text())["steps"] == 40
 
 
-@pytest.mark.slow
 def test_two_process_ddp_run(train_run):
     run_dir, _ = train_run("parallel=dp2", "trainer.devices=2", "trainer.max_steps=20",
                            "trainer.micro_batch_size=4", "trainer.val_check_interval=10", timeout=600)
