@@ -13,8 +13,6 @@ no [T, E, C] one-hot tensors are built.
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -70,13 +68,12 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """
     key = (device.type, dtype)
     if key not in _GROUPED_MM_OK:
-        # Probe in a thread of its own: grad mode and saved-tensor hooks are per-thread, so the
-        # probe's backward works under no_grad and leaves activation checkpointing undisturbed.
-        result = []
-        probe = threading.Thread(target=lambda: result.append(_probe_grouped_mm(device, dtype)))
-        probe.start()
-        probe.join()
-        _GROUPED_MM_OK[key] = bool(result and result[0])
+        # The probe checks the backward too, so it needs autograd even under no_grad; identity
+        # saved-tensor hooks keep its tensors away from an enclosing activation checkpoint,
+        # whose recomputation would otherwise count different saved tensors.
+        keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with torch.inference_mode(False), torch.enable_grad(), keep:
+            _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype)
     return _GROUPED_MM_OK[key]
 
 
