@@ -7,12 +7,12 @@ class _NeedsDevice:
 
 
 class MoE(_NeedsDevice):
-    pass
+    """Stand-in name: constructing it raises, as without a Neuron device."""
 
 
 class RouterTopK(_NeedsDevice):
-    pass
+    """Stand-in name: constructing it raises, as without a Neuron device."""
 
 
 class ExpertMLPs(_NeedsDevice):
-    pass
+    """Stand-in name: constructing it raises, as without a Neuron device."""
