@@ -9,7 +9,7 @@ Then: python train.py data=prepared data.path=DIR. Keys and outputs: docs/DATA.m
 import hydra
 from omegaconf import DictConfig
 
-import moe.data.schema  # noqa: F401  (registers data_prep_schema with Hydra)
+import moe.config.data_prep  # noqa: F401  (registers data_prep_schema with Hydra)
 from moe.errors import exit_on_user_error
 
 

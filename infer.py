@@ -5,19 +5,19 @@ Examples:
     python infer.py ckpt=runs/my_run prompts_file=prompts.txt chat=true temperature=0.8 top_p=0.9
     python infer.py ckpt=last export_hf=exports/tiny        # MixtralForCausalLM.from_pretrained loads it
     python infer.py hf_dir=exports/tiny prompt="Hello"
-Keys: moe/infer_config.py (InferConfig); guide: docs/INFERENCE.md.
+Keys: moe/config/infer.py (InferConfig); guide: docs/INFERENCE.md.
 """
 import hydra
 from omegaconf import DictConfig
 
-import moe.infer_config  # noqa: F401  (registers the typed schema with Hydra)
+import moe.config.infer  # noqa: F401  (registers the typed schema with Hydra)
 from moe.errors import exit_on_user_error
 
 
 @hydra.main(config_path="conf", config_name="infer", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
-    from moe.inference import run
+    from moe.infer.run import run
 
     run(cfg)
 

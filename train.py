@@ -18,7 +18,7 @@ from moe.errors import exit_on_user_error
 @exit_on_user_error
 def main(cfg: DictConfig) -> float | None:
     """Returns the final validation loss (else training loss) for sweepers such as Optuna."""
-    from moe.training import objective, train
+    from moe.train.run import objective, train
 
     return objective(train(cfg, run_dir=HydraConfig.get().runtime.output_dir))
 

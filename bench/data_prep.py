@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moe.data import prepare
 from moe.data.sample_corpus import corpus_lines
-from moe.data.tokenizer import load_tokenizer
+from moe.data.tokenizer import read_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def write_corpus(path: Path, megabytes: float) -> list[str]:
 
 def raw_encode(tokenizer_dir: str, lines: list[str], batch_size: int) -> tuple[int, float, float]:
     """(tokens, wall s, cpu s) of the tokenizer's own batch encode over the lines, ids in hand."""
-    tok, _ = load_tokenizer(tokenizer_dir)
+    tok, _ = read_tokenizer(tokenizer_dir)
     wall, cpu = time.perf_counter(), cpu_seconds()
     tokens = 0
     for i in range(0, len(lines), batch_size):

@@ -17,8 +17,8 @@ import time
 import torch
 
 from moe.config import ModelConfig, MoEOptConfig
-from moe.generate import generate, left_pad
 from moe.hf import to_hf
+from moe.infer.generate import generate, left_pad
 from moe.model import MoETransformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moe.config import MoEOptConfig  # noqa: E402
-from moe.moe_layer import MoELayer, grouped_mm_works  # noqa: E402
+from moe.model.moe import MoELayer, grouped_mm_works  # noqa: E402
 
 VARIANTS = ["ours-dropless", "ours-cf1.25", "hf-grouped_mm", "hf-eager", "seed000", "dense"]
 
@@ -216,7 +216,18 @@ def measure_time(variants, shape, warmup, iters):
     return res
 
 
-def machine():
+def keep_freed_memory():
+    """mallopt(M_MMAP_MAX, 0) and a huge M_TRIM_THRESHOLD: freed blocks stay in the heap for reuse."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_max = -1, -4
+    ok = libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**40)
+    if not ok:
+        raise RuntimeError("mallopt failed (not glibc?)")
+
+
+def machine(keep_freed: bool):
     cpu = "unknown"
     try:
         for line in open("/proc/cpuinfo"):
@@ -228,7 +239,8 @@ def machine():
     gmm = grouped_mm_works(torch.device("cpu"), torch.float32)
     return (
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"python {platform.python_version()}, grouped_mm fp32 usable: {gmm}"
+        f"python {platform.python_version()}, grouped_mm fp32 usable: {gmm}, "
+        f"page faults per step: {'avoided (--keep-freed-memory)' if keep_freed else 'glibc default'}"
     )
 
 
@@ -243,8 +255,13 @@ def main():
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice). 1 is steadiest on a shared machine: "
                    "with more threads than free cores, OpenMP barriers spin and inflate every op")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="glibc: no mmap for big blocks, no trimming, so freed tensors are reused instead of "
+                   "returned to the OS and page-faulted back in every step (what jemalloc/tcmalloc do)")
     p.add_argument("--_memory", nargs=2, metavar=("VARIANT", "SHAPE_JSON"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.keep_freed_memory:
+        keep_freed_memory()
     if a.threads:
         torch.set_num_threads(a.threads)
     if a._memory:
@@ -252,7 +269,7 @@ def main():
         return
 
     H, F_, E, T = (256, 512, 8, 512) if a.quick else (1024, 2816, 8, 4096)
-    print(f"machine: {machine()}")
+    print(f"machine: {machine(a.keep_freed_memory)}")
     for k in a.top_k:
         shape = [T, H, F_, E, k]
         print(f"\nH={H} F={F_} E={E} k={k} T={T} fp32, forward+backward, "
@@ -262,7 +279,8 @@ def main():
             for v in a.variants:
                 out = subprocess.run(
                     [sys.executable, __file__, "--_memory", v, json.dumps(shape)]
-                    + (["--threads", str(a.threads)] if a.threads else []),
+                    + (["--threads", str(a.threads)] if a.threads else [])
+                    + (["--keep-freed-memory"] if a.keep_freed_memory else []),
                     capture_output=True, text=True, check=True,
                 )
                 res[v].update(json.loads(out.stdout.strip().splitlines()[-1]))

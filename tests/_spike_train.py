@@ -9,10 +9,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from moe.lit_module import LitMoE  # noqa: E402
+from moe.train.module import LitMoE  # noqa: E402
 
 SPIKE_STEP = int(os.environ["MOE_TEST_SPIKE_STEP"])
-_losses = LitMoE._losses
+_losses = LitMoE.losses
 
 
 def spiky_losses(self, batch):
@@ -22,5 +22,5 @@ def spiky_losses(self, batch):
     return loss, lm_loss, out
 
 
-LitMoE._losses = spiky_losses
+LitMoE.losses = spiky_losses
 runpy.run_path(str(REPO / "train.py"), run_name="__main__")

@@ -10,18 +10,18 @@ import torch
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from moe.checkpointing import (
+from moe.config import TrainConfig
+from moe.errors import UserError
+from moe.train.checkpoint import (
     KILL_DURING_SAVE_ENV,
     AtomicCheckpointIO,
     check_resume_compatible,
     find_resume_checkpoint,
     meta_path,
-    step_seed,
     verify_checkpoint,
     with_atomic_io,
 )
-from moe.config import TrainConfig
-from moe.errors import UserError
+from moe.train.seed import step_seed
 
 
 def ckpt(step: int, cfg: dict | None = None) -> dict:
@@ -50,7 +50,7 @@ def test_save_writes_file_and_sidecar_and_leaves_no_temp(tmp_path):
 
 KILL_SAVE = """
 import sys, torch
-from moe.checkpointing import AtomicCheckpointIO
+from moe.train.checkpoint import AtomicCheckpointIO
 step = int(sys.argv[2])
 state = {"global_step": step, "state_dict": {"w": torch.randn(256, 256)}}
 AtomicCheckpointIO().save_checkpoint(state, sys.argv[1])

@@ -11,9 +11,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import moe.config  # noqa: F401  (registers train_schema)
+from moe.config.validate import validate
 from moe.errors import ConfigError
-from moe.parallel.plan import make_plan
-from moe.validate import validate
+from moe.tools.plan import make_plan
 
 CONF = REPO / "conf"
 needs_data = pytest.mark.skipif(
@@ -69,7 +69,8 @@ def test_default_matches_schema_defaults():
     validate(cfg)
 
 
-@pytest.mark.parametrize("group", ["model", "moe_opt", "optimizer", "trainer", "logger", "hardware"])
+@pytest.mark.parametrize("group", [
+    "model", "moe_opt", "optimizer", "trainer", "logger", "callbacks", "hardware"])
 def test_every_group_preset_composes_and_validates(group):
     for name in presets(group):
         # the seed optimizers warm up for 100-2000 steps: give them a run long enough for that
@@ -87,6 +88,11 @@ MATRIX_ERRORS = {
     ("cpu", "dp2_zero1"): "parallel.zero_stage",
     ("cpu", "ep2_zero2"): "parallel.zero_stage",
     ("trn1", "ep2_zero2"): "parallel.zero_stage",  # NxD shards optimizer states only (ZeRO-1)
+    # DeepSpeed here gives data and expert parallelism only: a tp/pp it would ignore is refused
+    ("cpu_deepspeed", "tp8_pp8_ep8"): "parallel.tp",
+    ("cpu_deepspeed", "tp8_sp"): "parallel.tp",
+    ("gpu", "tp8_pp8_ep8"): "parallel.tp",
+    ("gpu", "tp8_sp"): "parallel.tp",
 }
 
 
@@ -97,9 +103,9 @@ def test_hardware_x_parallel(hardware):
                        *launch(hardware, parallel))
         expected = MATRIX_ERRORS.get((hardware, parallel))
         if expected is None:
-            validate(cfg)
-            plan = make_plan(cfg)
-            assert plan.world == WORLD[parallel] == plan.tp * plan.pp * plan.dp
+            layout = validate(cfg)
+            assert make_plan(cfg, layout).layout is layout
+            assert layout.world == WORLD[parallel] == layout.tp * layout.pp * layout.dp
         else:
             with pytest.raises(ConfigError) as err:
                 validate(cfg)
@@ -149,24 +155,25 @@ INVALID = [
     (["hardware.strategy=horovod"], "hardware.strategy", "horovod", "not a known strategy"),
     (["parallel.tp=2", "trainer.devices=2"], "parallel.tp", 2, "DDP"),
     (["parallel.pp=2", "trainer.devices=2"], "parallel.pp", 2, "DDP"),
-    (["hardware=cpu_deepspeed", "parallel.tp=2"], "parallel.tp", 2, "does not divide the world size 1"),
+    (["hardware=trn1", "parallel.tp=2"], "parallel.tp", 2, "does not divide the world size 1"),
     (["parallel=dp2"], "parallel.dp", 2, "world is 1"),
     (["parallel.ep=3", "trainer.devices=2", "trainer.num_nodes=3"], "parallel.ep", 3, "num_experts=8"),
     (["parallel=ep2"], "parallel.ep", 2, "data-parallel size 1"),
     (["hardware=cpu_deepspeed", "trainer.devices=2", "parallel.zero_stage=1",
-      "parallel.hybrid_shard_degree=3"], "parallel.hybrid_shard_degree", 3, "does not divide"),
-    (["hardware=cpu_deepspeed", "trainer.devices=2", "parallel.hybrid_shard_degree=2"],
-     "parallel.hybrid_shard_degree", 2, "zero_stage=0"),
+      "parallel.hybrid_shard_degree=2"], "parallel.hybrid_shard_degree", 2, "not implemented by DeepSpeed"),
     (["trainer.global_batch_size=10"], "trainer.global_batch_size", 10, "= 8"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", True, "tp > 1"),
     (["hardware=cpu_deepspeed", "parallel.zero_stage=4"], "parallel.zero_stage", 4, "not a ZeRO stage"),
-    (["hardware=cpu_deepspeed", "parallel.zero_stage=3"], "parallel.zero_stage", 3, "ZeRO stage 3"),
+    (["hardware=cpu_deepspeed", "parallel.zero_stage=3"], "parallel.zero_stage", 3,
+     "not available with DeepSpeed"),
     (["hardware=trn1", "parallel.zero_stage=2"], "parallel.zero_stage", 2, "hardware=trn1"),
-    (["parallel.zero_stage=1"], "parallel.zero_stage", 1, "plain DDP"),
-    (["hardware=cpu_deepspeed", "parallel.tp=8", "trainer.devices=2", "trainer.num_nodes=4"],
-     "parallel.tp", 8, "num_heads=4"),
-    (["hardware=cpu_deepspeed", "parallel.pp=8", "trainer.devices=2", "trainer.num_nodes=4"],
-     "parallel.pp", 8, "num_layers=4"),
+    (["parallel.zero_stage=1"], "parallel.zero_stage", 1, "PyTorch DDP"),
+    (["hardware=cpu_deepspeed", "parallel.tp=2", "trainer.devices=2"], "parallel.tp", 2,
+     "not implemented by DeepSpeed"),
+    (["hardware=trn1", "parallel.tp=8", "trainer.devices=8"], "parallel.tp", 8, "num_heads=4"),
+    (["hardware=trn1", "parallel.pp=8", "trainer.devices=8"], "parallel.pp", 8, "num_layers=4"),
+    (["hardware=trn1", "trainer.precision=bf16-mixed"], "trainer.precision", "bf16-mixed",
+     "not used by neuronx-distributed"),
     (["parallel.activation_checkpointing=sometimes"], "parallel.activation_checkpointing", "sometimes",
      "not a known policy"),
     (["parallel.activation_checkpointing_every_n=0"], "parallel.activation_checkpointing_every_n", 0,
@@ -175,13 +182,13 @@ INVALID = [
     (["model.num_kv_heads=3"], "model.num_kv_heads", 3, "num_heads=4"),
     (["model.num_experts=0"], "model.num_experts", 0, "at least 1"),
     (["model.top_k=9"], "model.top_k", 9, "num_experts=8"),
-    (["model.top_k=0"], "model.top_k", 0, "outside 1..num_experts"),
+    (["model.top_k=0"], "model.top_k", 0, "at least 1"),
     (["model.moe_layer_frequency=0"], "model.moe_layer_frequency", 0, "at least 1"),
     (["data.seq_len=1024"], "data.seq_len", 1024, "max_position_embeddings=512"),
     (["moe_opt.capacity_factor=0"], "moe_opt.capacity_factor", 0.0, "positive or null"),
     (["moe_opt.eval_capacity_factor=-1"], "moe_opt.eval_capacity_factor", -1.0, "positive or null"),
     (["moe_opt.drop_policy=random"], "moe_opt.drop_policy", "random", "not a known drop policy"),
-    (["moe_opt.router_dtype=int8"], "moe_opt.router_dtype", "int8", "not a known dtype"),
+    (["moe_opt.router_dtype=int8"], "moe_opt.router_dtype", "int8", "not a known router dtype"),
     (["optimizer.lr=0"], "optimizer.lr", 0.0, "positive"),
     (["optimizer.min_lr=0.01"], "optimizer.min_lr", 0.01, "lr=0.003"),
     (["optimizer.warmup_steps=301"], "optimizer.warmup_steps", 301, "trainer.max_steps=300"),
@@ -196,6 +203,16 @@ def test_rule_raises_named_error(overrides, field, value, problem):
     message = str(err.value)
     assert (err.value.field, err.value.value) == (field, value), message
     assert message.startswith(f"{field}={value!r} ") and problem in message and "Fix: " in message
+
+
+@pytest.mark.parametrize("key", ["moe_opt.aux_loss_coeff", "moe_opt.capacity_factor", "optimizer.lr",
+                                 "trainer.spike_factor", "model.rope_theta", "data.val_fraction"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_numbers_are_refused(key, value):
+    with pytest.raises(ConfigError) as err:
+        validate(make_cfg(f"{key}={value}"))
+    assert err.value.field == key and str(err.value.value) == value
+    assert "not a finite number" in str(err.value)
 
 
 def test_dropless_and_switch_routing_are_valid():

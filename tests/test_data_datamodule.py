@@ -156,14 +156,20 @@ def test_dp_ranks_default_to_the_trainer():
     assert [b.tolist() for b in dm.train_sampler()] == [expected.micro_batch(i).tolist() for i in range(2)]
 
 
-def test_dp_ranks_come_from_the_strategy_under_tensor_parallelism():
-    """Global rank 5 of 16 with TP 8 is data-parallel rank 0 of 2: its TP group shares the batch."""
+@pytest.mark.parametrize("rank, want", [(5, (0, 2)), (13, (1, 2))])
+def test_dp_ranks_come_from_the_layout_under_tensor_parallelism(rank, want):
+    """With TP 8 over 16 ranks, global rank 5 is data-parallel rank 0 of 2 (its TP group shares the
+    batch) and rank 13 is rank 1, as NxD's [PP, DP, TP] order (moe.config.layout) puts them."""
+    from moe.config.layout import Layout
+
     cfg = OmegaConf.structured(DataConfig(path="data/sample/train.txt", tokenizer="data/sample"))
-    dm = MoEDataModule(cfg, 4, 1, 2, 1234, 2)
-    strategy = SimpleNamespace(distributed_sampler_kwargs={"rank": 0, "num_replicas": 2})
-    dm.trainer = SimpleNamespace(global_rank=5, world_size=16, global_step=0, strategy=strategy)
+    layout = Layout(world=16, tp=8, pp=1, ep=1, dp=2, sequence_parallel=True, zero_stage=1,
+                    devices_per_node=32, micro_batch_size=4, accumulate_grad_batches=1, seq_len=128,
+                    num_layers=4, num_experts=8)
+    dm = MoEDataModule(cfg, 4, 1, 2, 1234, 2, layout=layout)
+    dm.trainer = SimpleNamespace(global_rank=rank, world_size=16, global_step=0, strategy=SimpleNamespace())
     dm.setup("fit")
-    assert (dm.dp_rank, dm.dp_size) == (0, 2)
+    assert (dm.dp_rank, dm.dp_size) == want
 
 
 def test_sample_preset_loads_with_the_promised_shape():

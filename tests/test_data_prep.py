@@ -11,7 +11,7 @@ import pytest
 from moe.data import load_prepared, prepare
 from moe.data import pipeline as pipeline_mod
 from moe.data.sample_corpus import chat_rows, corpus_lines
-from moe.data.tokenizer import load_tokenizer
+from moe.data.tokenizer import read_tokenizer
 from moe.errors import UserError
 
 SAMPLE_TOK = str(Path(__file__).resolve().parents[1] / "data" / "sample")
@@ -30,7 +30,7 @@ def blocks(out: Path, split: str = "train"):
 
 
 def token_rows(texts: list[str]) -> list[list[int]]:
-    tok, _ = load_tokenizer(SAMPLE_TOK)
+    tok, _ = read_tokenizer(SAMPLE_TOK)
     eos = tok.token_to_id("<|endoftext|>")
     return [tok.encode(t, add_special_tokens=False).ids + [eos] for t in texts]
 
@@ -111,7 +111,7 @@ def test_chat_assistant_only_loss_masks_everything_but_replies_and_eos(tmp_path)
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out, meta = prep(tmp_path, input=str(src), format="chat", assistant_only_loss=True, seq_len=64)
     ids, mask = blocks(out)
-    tok, _ = load_tokenizer(SAMPLE_TOK)
+    tok, _ = read_tokenizer(SAMPLE_TOK)
     trained = tok.decode([int(t) for t, m in zip(ids.ravel(), mask.ravel(), strict=True) if m],
                          skip_special_tokens=False)
     replies = "".join("".join(m["content"] for m in r["messages"] if m["role"] == "assistant")
@@ -151,7 +151,7 @@ def test_trained_tokenizer_is_saved_beside_the_blocks(tmp_path):
     src = tmp_path / "chat.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in chat_rows()))
     out, meta = prep(tmp_path, input=str(src), format="chat", tokenizer=None, vocab_size=300)
-    tok, config = load_tokenizer(out / "tokenizer")
+    tok, config = read_tokenizer(out / "tokenizer")
     assert meta["tokenizer"]["vocab_size"] == 300 and config["eos_token"] == "<|endoftext|>"
     assert tok.encode("<|user|>x<|assistant|>").tokens[::2] == ["<|user|>", "<|assistant|>"]
     assert meta["tokenizer"]["source"].startswith("trained")

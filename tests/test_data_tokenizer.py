@@ -25,7 +25,7 @@ def test_sample_is_small_and_has_the_promised_shape():
     total = sum(p.stat().st_size for p in SAMPLE.iterdir() if p.is_file())
     assert total < 2_000_000
     assert 300_000 <= (SAMPLE / "train.txt").stat().st_size <= 600_000
-    tok, config = tk.load_tokenizer(SAMPLE)
+    tok, config = tk.read_tokenizer(SAMPLE)
     assert tk.vocab_size(tok) == 512
     assert config["eos_token"] == "<|endoftext|>" and config["pad_token"] == "<|pad|>"
     for special in SPECIAL_TOKENS:
@@ -37,7 +37,7 @@ def test_transformers_autotokenizer_loads_the_dir_offline_and_agrees(monkeypatch
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(SAMPLE))
-    tok, _ = tk.load_tokenizer(SAMPLE)
+    tok, _ = tk.read_tokenizer(SAMPLE)
     text = "<|user|>\nWhat is 2 plus 3?\n<|assistant|>\n2 plus 3 is 5.<|endoftext|>"
     assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text, add_special_tokens=False).ids
     assert hf.eos_token == "<|endoftext|>" and hf.eos_token_id == tok.token_to_id("<|endoftext|>")
@@ -73,4 +73,4 @@ def test_template_markers_are_registered_as_special_tokens():
 
 def test_missing_tokenizer_dir_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="has no tokenizer.json"):
-        tk.load_tokenizer(tmp_path)
+        tk.read_tokenizer(tmp_path)

@@ -15,10 +15,10 @@ import torch.multiprocessing as mp
 from conftest import free_port
 
 from moe.config import MoEOptConfig
-from moe.errors import ConfigError
-from moe.moe_layer import MoELayer
-from moe.parallel.expert_exchange import exchange_tokens
-from moe.routing import load_balance_loss, router_probs, top_k_routing, z_loss
+from moe.model.moe import MoELayer
+from moe.model.routing import load_balance_loss, router_probs, top_k_routing, z_loss
+from moe.parallel.apply import apply_ep, apply_load_balance_group
+from moe.parallel.comm import exchange_tokens
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -48,7 +48,7 @@ def _check_against_one_process(rank, world, k, cf, policy, shared=0, eval_mode=F
     opt = MoEOptConfig(capacity_factor=cf, eval_capacity_factor=cf, min_capacity=0, drop_policy=policy)
     ref = MoELayer(H, F, E, k, opt, shared_expert_intermediate_size=shared, init_range=0.3)
     ep = copy.deepcopy(ref)
-    ep.shard_experts(dist.group.WORLD)
+    apply_ep(ep, dist.group.WORLD)
     lo, hi = rank * E // world, (rank + 1) * E // world
     assert ep.experts.gate_up.shape[0] == hi - lo and all(p.is_expert for p in ep.experts.parameters())
     torch.testing.assert_close(ep.experts.down, ref.experts.down[lo:hi])
@@ -99,11 +99,11 @@ def _check_against_one_process(rank, world, k, cf, policy, shared=0, eval_mode=F
 
 
 def _check_stats_group(rank, world):
-    """stats_group without EP (all experts replicated): losses and stats over every rank's tokens."""
+    """Load-balance group without EP (all experts replicated): losses and stats over every rank's tokens."""
     torch.manual_seed(0)
     layer = MoELayer(8, 12, 4, 2, MoEOptConfig(capacity_factor=None), init_range=0.3)
     ref = copy.deepcopy(layer)
-    layer.stats_group = dist.group.WORLD
+    apply_load_balance_group(layer, dist.group.WORLD)
     X = torch.randn(world, 2, 8, 8, generator=torch.Generator().manual_seed(1))
     _, st = layer(X[rank])
     (st.aux_loss + st.z_loss).backward()
@@ -126,10 +126,6 @@ def _worker(rank, world, port, cases):
                 _check_exchange(rank, world)
             elif case == "stats_group":
                 _check_stats_group(rank, world)
-            elif case == "bad_ep":
-                with pytest.raises(ConfigError) as err:
-                    MoELayer(8, 8, 3, 1, MoEOptConfig()).shard_experts(dist.group.WORLD)
-                assert err.value.field == "parallel.ep"
             else:
                 _check_against_one_process(rank, world, **case)
     finally:
@@ -145,7 +141,6 @@ def test_ep2_equals_one_process_dropless_and_capacity():
     _spawn(
         [
             "exchange",
-            "bad_ep",
             "stats_group",
             {"k": 2, "cf": None, "policy": "probs"},
             {"k": 2, "cf": 1.0, "policy": "probs"},

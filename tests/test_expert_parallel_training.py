@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
-from moe.parallel.expert_training import (
+from moe.parallel.expert_grads import reduce_expert_grads
+from moe.parallel.expert_state import (
     _gather,
     _local_slice,
     gather_full_experts,
-    reduce_expert_grads,
     slice_local_experts,
     slice_local_optimizer_states,
 )
@@ -52,15 +52,15 @@ def _checkpoint_round_trip(rank: int, group):
     opt = torch.optim.AdamW(model.parameters())
     model.w.grad = torch.full((1, 2), rank + 1.0)
     opt.step()
-    fake = SimpleNamespace(state_dict=model.state_dict, ep_group=group, ep_size=2,
-                           _trainer=True, trainer=SimpleNamespace(optimizers=[opt]))
+    fake = SimpleNamespace(state_dict=model.state_dict, _trainer=True,
+                           trainer=SimpleNamespace(optimizers=[opt]))
     ckpt = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()]}
-    gather_full_experts(fake, ckpt)
+    gather_full_experts(fake, ckpt, group, 2)
     saved_w = ckpt["state_dict"]["w"].tolist()
     saved_m = ckpt["optimizer_states"][0]["state"][0]["exp_avg"].tolist()
     live_m = opt.state[model.w]["exp_avg"].shape[0]
-    slice_local_experts(fake, ckpt)
-    slice_local_optimizer_states(fake, ckpt)
+    slice_local_experts(fake, ckpt, group)
+    slice_local_optimizer_states(fake, ckpt, group)
     back = (ckpt["state_dict"]["w"].tolist(), ckpt["optimizer_states"][0]["state"][0]["exp_avg"].tolist())
     return saved_w, saved_m, live_m, back, opt.state[model.w]["exp_avg"].tolist()
 
@@ -91,7 +91,7 @@ def test_ep2_ddp_matches_single_process_and_checkpoint_holds_all_experts(tmp_pat
     assert all(abs(a - b) <= 1e-3 * b for a, b in norms)  # expert grads summed over the EP group
 
     # the checkpoint stores all 8 experts (and their Adam moments): ep1 loads it as it is
-    from moe.lit_module import LitMoE
+    from moe.train.module import LitMoE
 
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["expert_parallel"] == {"ep_saved": 2, "experts": "full"}

@@ -8,12 +8,14 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
-from moe.data.tokenizer import save_tokenizer, train_bpe
+from moe.data.tokenizer import chat_template_jinja, save_tokenizer, train_bpe
 from moe.errors import ConfigError, UserError
-from moe.generate import generate, left_pad
-from moe.hf_io import apply_init_from_hf, chat_template_jinja, export_hf, load_hf_weights, model_from_hf_dir
-from moe.inference import chat_prefix
+from moe.infer.export import export_hf
+from moe.infer.generate import generate, left_pad
+from moe.infer.load import model_from_hf_dir
+from moe.infer.run import chat_prefix
 from moe.model import MoETransformer
+from moe.train.init_from_hf import apply_init_from_hf, load_hf_weights
 
 V = 300  # tokenizer below has 290 ids; the model keeps 10 spare rows as trained models may
 TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"

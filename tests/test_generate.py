@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from moe.config import ModelConfig, MoEOptConfig
-from moe.generate import generate, generation_mode, left_pad, next_token
+from moe.infer.generate import generate, generation_mode, left_pad, next_token
 from moe.model import MoETransformer
 
 V = 61
@@ -130,9 +130,10 @@ def test_generation_is_dropless_even_for_a_capacity_model():
     capped.train()
     want = generate(free, ids, mask, max_new_tokens=6).tokens
     assert generate(capped, ids, mask, max_new_tokens=6).tokens == want
-    layers = [m for m in capped.modules() if hasattr(m, "eval_capacity_factor")]
-    assert capped.training and layers
-    assert all(m.eval_capacity_factor == 0.5 and m.collect_stats for m in layers)
+    assert capped.training  # generate() restores the mode it found
     with generation_mode(capped):
-        assert not capped.training and capped(ids).routing == []  # no stats while generating
+        assert not capped.training and capped(ids, generating=True).routing == []  # no stats while generating
+    capped.eval()
+    assert len(capped(ids).routing) == 2 and capped(ids).routing[0].dropped_fraction > 0  # eval: capacity 0.5
+    capped.train()
     assert len(capped(ids).routing) == 2

@@ -6,8 +6,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
-from moe.errors import ConfigError
-from moe.parallel.groups import build_expert_groups, expert_group_ranks
+from moe.config.layout import Layout
+from moe.parallel.groups import build_expert_groups
+
+
+def data_parallel_layout(world: int, ep: int, tp: int = 1, pp: int = 1) -> Layout:
+    """A Layout of `world` devices (tp = pp = 1 unless given), ep experts-parallel, 8 experts a rank."""
+    return Layout(world=world, tp=tp, pp=pp, ep=ep, dp=world // (tp * pp), sequence_parallel=False,
+                  zero_stage=0, devices_per_node=8, micro_batch_size=1, accumulate_grad_batches=1, seq_len=8,
+                  num_layers=pp, num_experts=8 * ep)
+
+
+def expert_group_ranks(world: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    layout = data_parallel_layout(world, ep)
+    return layout.group("EP").ranks, layout.group("expert-DP").ranks
 
 
 def test_16_ranks_ep8_gives_two_ep_groups_and_expert_dp_2():
@@ -25,15 +37,24 @@ def test_small_layouts(world, ep, want_ep, want_dp):
     assert expert_group_ranks(world, ep) == (want_ep, want_dp)
 
 
+def test_rank_groups_follow_nxd_order():
+    """[PP, DP, TP] for dense, [PP, DP_exp, EP, TP] for experts: 2 x 4 x 2 world of 16."""
+    layout = data_parallel_layout(16, ep=2, tp=2, pp=2)
+    groups = {g.name: g for g in layout.rank_groups()}
+    assert groups["DP"].ranks[0] == [0, 2, 4, 6] and groups["DP"].count == 4
+    assert groups["EP"].ranks[0] == [0, 2] and groups["EP"].count == 8
+    assert groups["expert-DP"].ranks[0] == [0, 4] and groups["expert-DP"].size == 2
+    assert groups["PP"].ranks[0] == [0, 8]
+    rank = 13  # pp 1, dp 2, tp 1: its DP group is the second PP stage's, its EP group the second of that
+    assert (layout.pp_rank(rank), layout.dp_rank(rank), layout.tp_rank(rank)) == (1, 2, 1)
+    assert (layout.ep_rank(rank), layout.expert_dp_rank(rank)) == (0, 1)
+    assert rank in next(g for g in groups["EP"].ranks if 13 in g) and [9, 11] in groups["EP"].ranks
+
+
 def test_every_rank_in_exactly_one_group_of_each_kind():
     ep_groups, expert_dp_groups = expert_group_ranks(64, 8)
     for groups in (ep_groups, expert_dp_groups):
         assert sorted(r for g in groups for r in g) == list(range(64))
-
-
-def test_ep_not_dividing_the_world_names_the_field():
-    with pytest.raises(ConfigError, match=r"parallel.ep=4 does not divide the data-parallel ranks"):
-        expert_group_ranks(6, 4)
 
 
 class _RecordingComm:
@@ -80,8 +101,8 @@ def test_same_layout_and_creation_order_as_deepspeed(monkeypatch, world, ep):
 def _worker(rank: int, port: int, out: dict):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     try:
-        ep_group, expert_dp_group = build_expert_groups(2)
-        out[rank] = (dist.get_process_group_ranks(ep_group), dist.get_process_group_ranks(expert_dp_group))
+        groups = build_expert_groups(data_parallel_layout(4, 2))
+        out[rank] = (dist.get_process_group_ranks(groups.ep), dist.get_process_group_ranks(groups.expert_dp))
     finally:
         dist.destroy_process_group()
 

@@ -9,12 +9,12 @@ import torch
 from conftest import FAST_RUN, run_entry
 from omegaconf import OmegaConf
 
-from moe.checkpoint_io import model_from_checkpoint, resolve_checkpoint
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
+from moe.config.infer import InferConfig
 from moe.errors import UserError
-from moe.generate import generate
-from moe.infer_config import InferConfig
-from moe.inference import load, run
+from moe.infer.generate import generate
+from moe.infer.load import model_from_checkpoint, resolve_checkpoint
+from moe.infer.run import load, run
 from moe.model import MoETransformer
 
 SAMPLE_TOK = "data/sample"  # bundled tokenizer, 512 ids

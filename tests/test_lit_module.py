@@ -1,10 +1,11 @@
-"""The training loss users configure: CE plus per-layer router losses, summed over MoE layers."""
+"""The training loss: CE plus per-layer router losses, summed over MoE layers (moe/model/loss.py)."""
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
-from moe.lit_module import LitMoE, router_losses
+from moe.model.loss import router_loss_sum
+from moe.train.module import LitMoE
 
 
 def test_loss_is_ce_plus_coefficients_times_router_losses_of_every_layer():
@@ -15,12 +16,13 @@ def test_loss_is_ce_plus_coefficients_times_router_losses_of_every_layer():
     module = LitMoE(cfg)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
     batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
-    loss, lm_loss, out = module._losses(batch)
+    loss, lm_loss, out = module.losses(batch)
     assert len(out.routing) == 2
     expected = lm_loss + sum(0.5 * r.aux_loss + 0.25 * r.z_loss for r in out.routing)
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
     # out.aux_loss is the per-layer mean that metrics.csv logs; the loss uses the sum
-    assert float(router_losses(out.routing, cfg.moe_opt)) == pytest.approx(
+    assert float(router_loss_sum(out.routing, cfg.moe_opt)) == pytest.approx(
         2 * (0.5 * float(out.aux_loss) + 0.25 * float(out.z_loss)), rel=1e-6)
     ce = torch.nn.functional.cross_entropy(out.logits_BSV.reshape(-1, 512), ids.roll(-1, 1).reshape(-1))
     assert float(lm_loss) == pytest.approx(float(ce), rel=1e-5)
+    assert float(out.router_loss) == pytest.approx(float(expected - lm_loss), rel=1e-6)  # the model's own sum

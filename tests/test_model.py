@@ -7,6 +7,7 @@ import torch
 from moe.config import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
 from moe.model import Attention, MoETransformer, SwiGLU, alibi_slopes, attention_mask
+from moe.model.size import flops_per_token, param_breakdown
 
 DROPLESS = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None, jitter_eps=0.0)
 
@@ -145,7 +146,7 @@ def test_init_std():
 def test_tied_embeddings_share_one_tensor():
     model = build(tie_word_embeddings=True)
     assert model.lm_head.weight is model.embed_tokens.weight
-    assert model.num_params() == sum(p.numel() for p in model.parameters())
+    assert param_breakdown(model.cfg).total == sum(p.numel() for p in model.parameters())
 
 
 def test_moe_layer_frequency_two_alternates():
@@ -159,24 +160,25 @@ def test_moe_layer_frequency_two_alternates():
                                 dict(head_dim=16), dict(num_layers=3, moe_layer_frequency=2)])
 def test_num_params_matches_the_parameters(kw):
     model = build(**kw)
-    assert model.num_params() == sum(p.numel() for p in model.parameters())
+    sizes = param_breakdown(model.cfg)
+    assert sizes.total == sum(p.numel() for p in model.parameters())
     expert = 3 * 32 * 24  # gate_up + down of one routed expert
     n_moe = sum(b.is_moe for b in model.layers)
-    assert model.num_params() - model.num_params(active_only=True) == n_moe * (4 - 2) * expert
+    assert sizes.total - sizes.active == n_moe * (4 - 2) * expert
 
 
 def test_flops_per_token_formula():
     model = build(sliding_window=16)
-    n = model.num_params(active_only=True) - 61 * 32  # embedding lookup has no matmul
-    assert model.flops_per_token(64) == 6 * n + 12 * 2 * 4 * 8 * 16
-    assert model.flops_per_token(8) == 6 * n + 12 * 2 * 4 * 8 * 8
+    n = param_breakdown(model.cfg).active - 61 * 32  # embedding lookup has no matmul
+    assert flops_per_token(model.cfg, 64) == 6 * n + 12 * 2 * 4 * 8 * 16
+    assert flops_per_token(model.cfg, 8) == 6 * n + 12 * 2 * 4 * 8 * 8
 
 
 @pytest.mark.parametrize("kw,field,fix_word", [
     (dict(num_heads=4, num_kv_heads=3), "model.num_kv_heads", "divisor"),
     (dict(hidden_size=30, num_heads=4), "model.hidden_size", "multiple"),
     (dict(num_experts=4, top_k=5), "model.top_k", "top_k <="),
-    (dict(position_encoding="learned"), "model.position_encoding", "rope or alibi"),
+    (dict(position_encoding="learned"), "model.position_encoding", "rope, alibi"),
     (dict(sliding_window=0), "model.sliding_window", "positive"),
     (dict(moe_layer_frequency=0), "model.moe_layer_frequency", "positive"),
 ])

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe.config import MoEOptConfig
+from moe.config import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
-from moe.moe_layer import MoELayer, RoutingStats, grouped_mm_works
-from moe.routing import apply_capacity, expert_capacity, load_balance_loss, top_k_routing, z_loss
+from moe.model import MoETransformer
+from moe.model.moe import MoELayer, RoutingStats, grouped_mm_works
+from moe.model.routing import apply_capacity, expert_capacity, load_balance_loss, top_k_routing, z_loss
 
 H, FF, E = 16, 24, 4
 
@@ -227,8 +228,10 @@ def test_parameters_shapes_marks_and_init():
     ],
 )
 def test_config_errors(kwargs, field):
+    """What the model checks when it is built (moe.config.validate.validate_model)."""
     top_k = kwargs.pop("top_k", 2)
     with pytest.raises(ConfigError) as err:
-        MoELayer(H, FF, E, top_k, MoEOptConfig(**kwargs))
+        MoETransformer(ModelConfig(hidden_size=H, intermediate_size=FF, num_experts=E, top_k=top_k),
+                       MoEOptConfig(**kwargs))
     assert err.value.field == field
     assert "Fix:" in str(err.value)

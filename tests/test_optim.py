@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from moe.config import OptimizerConfig
-from moe.optim import build_optimizer, build_scheduler, lr_at, param_groups
+from moe.train.optim import build_optimizer, build_scheduler, lr_at, param_groups
 
 
 def opt_cfg(**kw):

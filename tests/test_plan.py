@@ -5,7 +5,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from moe.config import TrainConfig
-from moe.parallel.plan import count_params, make_plan, param_breakdown, rank_groups
+from moe.config.layout import Layout
+from moe.model.size import param_breakdown
+from moe.tools import plan as planner
 
 MODELS = {  # the presets' architecture values (conf/model/*.yaml), so these tests need no Hydra
     "mixtral_8x7b": dict(name="mixtral_8x7b", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
@@ -35,6 +37,15 @@ def cfg_of(model=None, hardware=None, parallel=None, **top):
     return cfg
 
 
+def make_plan(cfg):
+    return planner.make_plan(cfg, Layout.from_config(cfg))
+
+
+def count_params(model_cfg) -> tuple[int, int]:
+    sizes = param_breakdown(model_cfg)
+    return sizes.total, sizes.active
+
+
 def test_mixtral_8x7b_param_count():
     total, active = count_params(cfg_of(model=MODELS["mixtral_8x7b"]).model)
     assert total == 46_702_792_704  # 46.7B (Mistral AI)
@@ -53,14 +64,16 @@ def test_mixtral_8x22b_param_count():
     {"shared_expert_intermediate_size": 64, "num_layers": 3, "moe_layer_frequency": 3},
 ])
 def test_count_matches_the_built_model(overrides):
-    """The arithmetic equals numel() of moe/model.py's MoETransformer, for tiny variants."""
+    """The arithmetic equals numel() of moe/model/model.py's MoETransformer, for tiny variants."""
     from moe.model import MoETransformer
 
     cfg = cfg_of(model=overrides)
     model = MoETransformer(cfg.model, cfg.moe_opt)
     total, active = count_params(cfg.model)
     assert total == sum(p.numel() for p in model.parameters())
-    assert active == model.num_params(active_only=True)
+    routed = sum(p.numel() for n, p in model.named_parameters() if getattr(p, "is_expert", False))
+    per_layer_used = cfg.model.top_k / cfg.model.num_experts
+    assert active == total - routed + routed * per_layer_used
 
 
 def test_moe_layer_frequency_makes_every_second_layer_moe():
@@ -70,31 +83,23 @@ def test_moe_layer_frequency_makes_every_second_layer_moe():
 
 def test_tp8_pp8_ep8_on_trn1_needs_16_nodes():
     plan = make_plan(cfg_of(MODELS["mixtral_8x7b"], HARDWARE["trn1"], TP8_PP8_EP8, dry_run=True))
-    assert (plan.world, plan.nodes, plan.dp, plan.expert_dp) == (512, 16, 8, 1)
-    groups = {g.name: g for g in plan.groups}
-    assert groups["TP"].first == list(range(8)) and groups["TP"].count == 64
-    assert groups["PP"].first == [0, 64, 128, 192, 256, 320, 384, 448]
-    assert groups["DP"].first == [0, 8, 16, 24, 32, 40, 48, 56]
-    assert groups["EP"].first == groups["DP"].first  # dp == ep: the EP group is the whole DP group
+    lay = plan.layout
+    assert (lay.world, lay.nodes, lay.dp, lay.expert_dp) == (512, 16, 8, 1)
+    groups = {g.name: g for g in lay.rank_groups()}
+    assert groups["TP"].ranks[0] == list(range(8)) and groups["TP"].count == 64
+    assert groups["PP"].ranks[0] == [0, 64, 128, 192, 256, 320, 384, 448]
+    assert groups["DP"].ranks[0] == [0, 8, 16, 24, 32, 40, 48, 56]
+    assert groups["EP"].ranks[0] == groups["DP"].ranks[0]  # dp == ep: the EP group is the whole DP group
     text = plan.render()
     assert "512 x trn1 NeuronCore-v2 = 16 node(s) of 32" in text
     assert "To launch: trainer.devices=32 trainer.num_nodes=16" in text
 
 
-def test_rank_groups_follow_nxd_order():
-    """[PP, DP, TP] for dense, [PP, DP_exp, EP, TP] for experts: 2 x 4 x 2 world of 16."""
-    groups = {g.name: g for g in rank_groups(world=16, tp=2, pp=2, dp=4, ep=2)}
-    assert groups["DP"].first == [0, 2, 4, 6] and groups["DP"].count == 4
-    assert groups["EP"].first == [0, 2] and groups["EP"].count == 8
-    assert groups["expert-DP"].first == [0, 4] and groups["expert-DP"].size == 2
-    assert groups["PP"].first == [0, 8]
-
-
 def test_dp2_ep8_on_gpu_is_two_nodes():
     parallel = dict(name="dp2_ep8", ep=8, dp=16, zero_stage=1, activation_checkpointing="full")
     plan = make_plan(cfg_of(MODELS["mixtral_8x7b"], HARDWARE["gpu"], parallel, dry_run=True))
-    assert (plan.world, plan.nodes, plan.expert_dp) == (16, 2, 2)
-    assert {g.name: g.first for g in plan.groups}["expert-DP"] == [0, 8]
+    assert (plan.layout.world, plan.layout.nodes, plan.layout.expert_dp) == (16, 2, 2)
+    assert plan.layout.group("expert-DP").ranks[0] == [0, 8]
 
 
 def test_mixtral_on_one_gpu_does_not_fit():

@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
-from moe.advisor import advise, drop_rate, dropped_SL, routing_log_from_rows, smallest_factor
-from moe.callbacks import METRIC_COLUMNS
 from moe.errors import UserError
-from moe.report import find_runs, load_run, main, report
-from moe.routing import apply_capacity, expert_capacity
+from moe.model.routing import apply_capacity, expert_capacity
+from moe.tools.advisor import advise, drop_rate, dropped_SL, routing_log_from_rows, smallest_factor
+from moe.tools.report import find_runs, load_run, main, report
+from moe.train.metrics import METRIC_COLUMNS
 
 E, K, LAYERS, MBS, SEQ, MIN_CAP = 8, 2, 2, 4, 32, 4
 T = MBS * SEQ

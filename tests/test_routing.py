@@ -4,8 +4,10 @@ import math
 import pytest
 import torch
 
+from moe.config import MoEOptConfig
+from moe.config.validate import validate_routing
 from moe.errors import ConfigError
-from moe.routing import (
+from moe.model.routing import (
     apply_capacity,
     combine,
     dispatch_order,
@@ -37,11 +39,11 @@ def test_expert_capacity(T, E, k, cf, min_cap, expected):
     assert expert_capacity(T, E, k, cf, min_cap) == expected
 
 
-@pytest.mark.parametrize("cf", [0.0, -1.0])
-def test_capacity_factor_must_be_positive(cf):
+@pytest.mark.parametrize("cf", [0.0, -1.0, float("inf"), float("nan")])
+def test_capacity_factor_must_be_positive_and_finite(cf):
     with pytest.raises(ConfigError) as err:
-        expert_capacity(10, 4, 2, cf, 0)
-    assert err.value.field == "moe_opt.capacity_factor" and err.value.value == cf
+        validate_routing(MoEOptConfig(capacity_factor=cf))
+    assert err.value.field == "moe_opt.capacity_factor" and str(err.value.value) == str(cf)
 
 
 def test_router_probs_in_fp32_from_bf16_logits():
@@ -56,7 +58,7 @@ def test_router_probs_in_fp32_from_bf16_logits():
 def test_router_dtype_names():
     assert router_dtype("fp32") is torch.float32 and router_dtype("bf16") is torch.bfloat16
     with pytest.raises(ConfigError) as err:
-        router_dtype("float32")
+        validate_routing(MoEOptConfig(router_dtype="float32"))
     assert err.value.field == "moe_opt.router_dtype"
 
 
@@ -103,7 +105,7 @@ def test_probs_policy_ties_keep_earlier_token():
 def test_capacity_none_keeps_all_and_unknown_policy_fails():
     assert apply_capacity(IDX, W, 3, None).all()
     with pytest.raises(ConfigError) as err:
-        apply_capacity(IDX, W, 3, 2, drop_policy="random")
+        validate_routing(MoEOptConfig(drop_policy="random"))
     assert err.value.field == "moe_opt.drop_policy" and err.value.value == "random"
 
 

@@ -15,10 +15,11 @@ import torch
 from conftest import REPO
 from hydra import compose, initialize_config_dir
 
+from moe.config.validate import check_guard
 from moe.errors import ConfigError
-from moe.lit_module import LitMoE
-from moe.spike_guard import LEDGER, check_guard_config
-from moe.training import train
+from moe.train.guard import LEDGER
+from moe.train.module import LitMoE
+from moe.train.run import train
 
 TINY = ["model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=2", "model.num_heads=2",
         "model.num_kv_heads=1", "model.num_experts=4", "trainer.micro_batch_size=2",
@@ -33,14 +34,14 @@ def config(*overrides):
 
 
 class Injector:
-    """Patches LitMoE._losses: loss x factor on chosen steps; records parameters at each step's forward.
+    """Patches LitMoE.losses: loss x factor on chosen steps; records parameters at each step's forward.
 
     `crash_on_replay=N`: raise once when step N comes round again after a later step (after a rollback).
     """
 
     def __init__(self, monkeypatch, steps: dict[int, float], crash_on_replay: int | None = None):
         self.steps, self.crash_on_replay, self.params = steps, crash_on_replay, {}
-        original = LitMoE._losses
+        original = LitMoE.losses
         injector = self
 
         def losses(module, batch):
@@ -54,7 +55,7 @@ class Injector:
             injector.params[step] = torch.cat([p.detach().flatten() for p in module.model.parameters()])
             return loss * injector.steps.get(step, 1.0), lm_loss, out
 
-        monkeypatch.setattr(LitMoE, "_losses", losses)
+        monkeypatch.setattr(LitMoE, "losses", losses)
 
     def updated(self, step: int) -> bool:
         """Did the update of `step` change the parameters (seen at the next step's forward)?"""
@@ -157,7 +158,7 @@ def test_guard_settings_are_checked(key, value, needle):
     cfg = config()
     cfg.trainer[key] = value
     with pytest.raises(ConfigError) as info:
-        check_guard_config(cfg.trainer)
+        check_guard(cfg)
     assert info.value.field == f"trainer.{key}" and info.value.value == value and needle in info.value.fix
 
 

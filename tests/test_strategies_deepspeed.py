@@ -15,10 +15,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
+from moe.backends.deepspeed import DeepSpeedBackend, MoEDeepSpeedStrategy, deepspeed_config
+from moe.config.validate import validate
 from moe.errors import ConfigError, UserError
 from moe.model import MoETransformer
-from moe.optim import build_optimizer
-from moe.strategies.deepspeed import MoEDeepSpeedStrategy, build_deepspeed, deepspeed_config
+from moe.train.optim import build_optimizer
 from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,15 +51,21 @@ def test_gpu_precisions():
 
 
 def test_zero3_with_moe_and_hybrid_shard_are_refused():
-    with pytest.raises(ConfigError, match="parallel.zero_stage=3 with MoE experts is refused"):
-        deepspeed_config(compose_cfg("hardware=gpu", "parallel.zero_stage=3"))
-    with pytest.raises(ConfigError, match="parallel.hybrid_shard_degree=2"):
-        deepspeed_config(compose_cfg("hardware=gpu", "parallel.zero_stage=1",
-                                     "parallel.hybrid_shard_degree=2"))
+    with pytest.raises(ConfigError, match="parallel.zero_stage=3 is not available with DeepSpeed") as info:
+        validate(compose_cfg("hardware=gpu", "trainer.devices=8", "parallel.zero_stage=3"))
+    assert "ZeRO-3 does not support MoE" in info.value.fix
+    with pytest.raises(ConfigError, match="parallel.hybrid_shard_degree=2 is not implemented by DeepSpeed"):
+        validate(compose_cfg("hardware=gpu", "trainer.devices=8", "parallel.zero_stage=1",
+                             "parallel.hybrid_shard_degree=2"))
+
+
+def backend_of(*overrides: str) -> DeepSpeedBackend:
+    cfg = compose_cfg(*overrides)
+    return DeepSpeedBackend(cfg, validate(cfg))
 
 
 def test_lightning_fills_accumulation_into_the_config():
-    strategy = build_deepspeed(compose_cfg("hardware=cpu_deepspeed", "parallel.zero_stage=1")).strategy
+    strategy = backend_of("hardware=cpu_deepspeed", "parallel.zero_stage=1").trainer_parts().strategy
     assert isinstance(strategy, MoEDeepSpeedStrategy)
     strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(accumulate_grad_batches=4,
                                                                          gradient_clip_val=1.0))
@@ -68,12 +75,11 @@ def test_lightning_fills_accumulation_into_the_config():
 
 
 def test_regroup_marks_experts_and_splits_param_groups():
-    cfg = compose_cfg("hardware=cpu_deepspeed", "parallel=ep2")
-    model = MoETransformer(cfg.model, cfg.moe_opt)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg))
-    strategy._lightning_module = SimpleNamespace(ep_size=2, parameters=model.parameters)
-    strategy.regroup_optimizer(optimizer)
+    backend = backend_of("hardware=cpu_deepspeed", "parallel=ep2", "trainer.devices=2")
+    model = MoETransformer(backend.cfg.model, backend.cfg.moe_opt)
+    optimizer = build_optimizer(model, backend.cfg.optimizer)
+    backend.strategy._lightning_module = SimpleNamespace(parameters=model.parameters)
+    backend.prepare_optimizer(optimizer)
 
     experts = [p for p in model.parameters() if getattr(p, "is_expert", False)]
     assert experts and all(p.allreduce is False and p.group_name == "ep_size_2" for p in experts)
@@ -88,7 +94,7 @@ def test_regroup_marks_experts_and_splits_param_groups():
 def test_missing_deepspeed_is_a_user_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(UserError, match="pip install deepspeed -c constraints.txt"):
-        build_deepspeed(compose_cfg("hardware=gpu"))
+        backend_of("hardware=gpu")
 
 
 # ------------------------------------------------------------------------ real CPU training (slow)

@@ -15,8 +15,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
+from moe.backends.neuron.strategy import NEURON_PRECISION, neuron_env, nxd_config_kwargs
 from moe.errors import ConfigError, UserError
-from moe.strategies.neuron import NEURON_PRECISION, neuron_env, nxd_config_kwargs
 from tests.conftest import run_entry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,12 +37,12 @@ def degrees(nxd: dict) -> tuple[int, int, int]:
 
 def _forget_neuron_modules():
     """Drop the stand-ins and the model module built on them, so nothing leaks into other tests."""
-    import moe.strategies
+    import moe.backends.neuron
 
     for name in list(sys.modules):
-        if name.split(".")[0] in ("neuronx_distributed", "torch_xla") or name.endswith(".neuron_model"):
+        if name.split(".")[0] in ("neuronx_distributed", "torch_xla") or name == "moe.backends.neuron.module":
             del sys.modules[name]
-    moe.strategies.__dict__.pop("neuron_model", None)
+    moe.backends.neuron.__dict__.pop("module", None)
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def standin_nxd(monkeypatch):
     monkeypatch.syspath_prepend(str(STANDINS))
 
     def build(cfg):
-        from moe.strategies.neuron import build_neuron
+        from moe.backends.neuron.strategy import build_neuron
 
         bundle = build_neuron(cfg)
         nxd = importlib.import_module("neuronx_distributed")
@@ -69,7 +69,7 @@ def test_tp8_pp8_ep8_nxd_config_env_and_precision(standin_nxd):
     cfg = compose_cfg("hardware=trn1", "parallel=tp8_pp8_ep8", "model=mixtral_8x7b", "trainer.devices=32",
                       "trainer.num_nodes=16", "trainer.accumulate_grad_batches=16")
     bundle, record, env_at_import = standin_nxd(cfg)
-    from moe.strategies import neuron_model
+    from moe.backends.neuron import module as neuron_model
 
     nxd = record["neuronx_distributed_config"]
     assert degrees(nxd) == (8, 8, 8)
@@ -89,8 +89,9 @@ def test_tp8_pp8_ep8_nxd_config_env_and_precision(standin_nxd):
             strategy["expert_parallel_size"]) == (8, 8, 8)
     assert record["NeuronCheckpointIO"] == {"save_load_xser": True}
     assert record["NeuronXLAPrecisionPlugin"] == {"mixed_precision_enabled": False}
-    assert bundle.precision is None and bundle.accelerator == "auto"  # the plugin and strategy decide
-    assert bundle.trainer_overrides == {"accumulate_grad_batches": 1, "gradient_clip_val": None}
+    parts = bundle[0]
+    assert parts.precision is None and parts.accelerator == "auto"  # the plugin and strategy decide
+    assert parts.overrides == {"accumulate_grad_batches": 1, "gradient_clip_val": None}
 
     # the environment was in place before NxD (and torch_xla) were imported
     assert env_at_import["XLA_USE_BF16"] == "1" and env_at_import["XLA_DOWNCAST_BF16"] == "0"
@@ -99,13 +100,13 @@ def test_tp8_pp8_ep8_nxd_config_env_and_precision(standin_nxd):
     assert env_at_import["NEURON_FUSE_SOFTMAX"] == "1"
     assert env_at_import["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3"
     assert env_at_import["NEURON_RT_EXEC_TIMEOUT"] == "600"
-    assert {k: bundle.env[k] for k in NEURON_KEYS} == {k: env_at_import[k] for k in NEURON_KEYS}
+    assert {k: bundle[2][k] for k in NEURON_KEYS} == {k: env_at_import[k] for k in NEURON_KEYS}
 
 
 def test_tp8_sp_nxd_config(standin_nxd):
     cfg = compose_cfg("hardware=trn1", "parallel=tp8_sp", "trainer.devices=32", "trainer.num_nodes=4")
     _, record, _ = standin_nxd(cfg)
-    from moe.strategies import neuron_model
+    from moe.backends.neuron import module as neuron_model
 
     nxd = record["neuronx_distributed_config"]
     assert degrees(nxd) == (8, 1, 1)
@@ -117,6 +118,8 @@ def test_tp8_sp_nxd_config(standin_nxd):
 def test_seed000_experiment(standin_nxd):
     cfg = compose_cfg("experiment=karakuri_8x7b_trn1")
     bundle, record, env_at_import = standin_nxd(cfg)
+    from moe.backends.neuron import module as neuron_module
+
     nxd = record["neuronx_distributed_config"]
     assert degrees(nxd) == (8, 8, 8)
     assert nxd["sequence_parallel"] is True
@@ -124,11 +127,11 @@ def test_seed000_experiment(standin_nxd):
     assert nxd["pipeline_config"]["num_microbatches"] == 128  # global batch 1024 = 1 x 128 x dp 8
     assert env_at_import["XLA_USE_BF16"] == "1" and env_at_import["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
     assert env_at_import["NEURON_CC_FLAGS"].startswith(SEED_FLAGS)
-    module = bundle.module_factory(cfg)  # the NeuronLTModule subclass, built with the same nxd_config
+    module = neuron_module.NeuronLitMoE(cfg, bundle[1])  # the NeuronLTModule subclass, same nxd_config
     assert record["NeuronLTModule"]["nxd_config"] is record["NeuronXLAStrategy"]["nxd_config"]
     assert record["NeuronLTModule"]["manual_opt"] is True
     assert record["NeuronLTModule"]["grad_accum_steps"] == 128 and module.pp == 8
-    assert module.model.num_params() > 46e9  # Mixtral 8x7B counted on the meta device, for MFU
+    assert sum(p.numel() for p in module.model.parameters()) > 46e9  # Mixtral 8x7B on the meta device
 
 
 @pytest.mark.parametrize("preset, use_bf16, downcast, sr, flag, master", [
@@ -164,7 +167,7 @@ def test_refused_settings_name_the_field():
 def test_missing_package_is_a_user_error_in_process(monkeypatch):
     _forget_neuron_modules()
     monkeypatch.setitem(sys.modules, "neuronx_distributed", None)  # import fails as on this machine
-    from moe.strategies.neuron import build_neuron
+    from moe.backends.neuron.strategy import build_neuron
 
     with pytest.raises(UserError, match="neuronx-distributed") as err:
         build_neuron(compose_cfg("hardware=trn1"))

@@ -10,8 +10,8 @@ import time
 import pytest
 from conftest import REPO
 
-from moe import supervise
-from moe.supervise import Supervisor, prepare_command, relaunch_command
+from moe.tools import supervise
+from moe.tools.supervise import Supervisor, prepare_command, relaunch_command
 
 # Counts its launches in a file; crashes (SIGKILL itself, or exit CODE) until launch N succeeds.
 FLAKY = textwrap.dedent("""

@@ -21,8 +21,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 import moe.config  # noqa: F401  (typed schema)
-from moe.sweeps import SWEEPS_DIR, register_sweeps
-from moe.validate import validate
+from moe.config.sweeps import SWEEPS_DIR, register_sweeps
+from moe.config.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -144,8 +144,8 @@ def _table_rows(md: str) -> list[str]:
 
 def _assert_advisor_reproduces_logged_drops(run_dir: Path) -> None:
     """Recomputing drops from a run's own counts at its own factor gives the drops the layer measured."""
-    from moe.advisor import dropped_SL
-    from moe.report import load_run
+    from moe.tools.advisor import dropped_SL
+    from moe.tools.report import load_run
 
     run = load_run(run_dir)
     measured = run.column("drop_fraction")
@@ -159,8 +159,8 @@ def test_real_sweep_reports_one_row_per_run_and_drops_fall_as_capacity_rises(tmp
     as cf rises, and the advisor's arithmetic reproduces the drops each job's layers measured."""
     sweep = tmp_path / "sweep"
     _train(["-m", "moe_opt.capacity_factor=0.5,1.0,null", *TINY, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
-    from moe.advisor import advise, drop_rate
-    from moe.report import load_run, report
+    from moe.tools.advisor import advise, drop_rate
+    from moe.tools.report import load_run, report
 
     written = report(sweep)
     assert _table_rows(written[0].read_text()) == ["0", "1", "2"]
@@ -190,8 +190,8 @@ def test_make_sweep_smoke_path_end_to_end(tmp_path):
     printed = [Path(p) for p in proc.stdout.split()]
     assert printed[0] == sweep / "report.md" and len(printed) == 3 + 3 * 3
     assert all(p.exists() and p.stat().st_size > 0 for p in printed)
-    from moe.advisor import advise, drop_rate
-    from moe.report import load_run, run_row
+    from moe.tools.advisor import advise, drop_rate
+    from moe.tools.report import load_run, run_row
 
     assert _table_rows(printed[0].read_text()) == ["0", "1", "2"]
     runs = [load_run(sweep / str(j)) for j in range(3)]

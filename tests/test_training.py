@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import FAST_RUN, REPO
 
-from moe.callbacks import METRIC_COLUMNS
+from moe.train.metrics import METRIC_COLUMNS
 
 SHORT = ("trainer.max_steps=40", "trainer.val_check_interval=20", "trainer.checkpoint_every_n_steps=20")
 

@@ -10,7 +10,7 @@ import importlib
 _EXPORTS = {
     "MoEDataModule": "moe.data.datamodule",
     "prepare": "moe.data.pipeline",
-    "PrepConfig": "moe.data.schema",
+    "PrepConfig": "moe.config.data_prep",
     "load_prepared": "moe.data.arrow_io",
     "PackedBlocks": "moe.data.arrow_io",
     "StreamSampler": "moe.data.sampler",

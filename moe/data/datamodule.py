@@ -19,16 +19,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from moe.config.data_prep import PrepConfig
+from moe.config.validate import validate_prep
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import PackedBlocks, load_prepared, read_meta
 from moe.data.pipeline import content_config, digest, prepare
 from moe.data.sampler import StreamSampler, validation_batches
-from moe.data.schema import PrepConfig, check_prep
 from moe.data.sources import describe_sources, resolve
 from moe.errors import UserError
+from moe.paths import local_path
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[2]
 IGNORE_INDEX = -100
 ONLINE_FIELDS = {"input": "path", "seed": "split_seed"}  # data_prep key -> data.* key
 
@@ -38,11 +39,7 @@ def cache_root() -> Path:
 
 
 def _local(path: str | None) -> str | None:
-    """A relative path that is missing from the working directory is tried against the repo root."""
-    if path is None or Path(path).expanduser().exists() or Path(path).is_absolute():
-        return path
-    alt = REPO_ROOT / path
-    return str(alt) if alt.exists() else path
+    return None if path is None else str(local_path(path))
 
 
 class BlockBatches(Dataset):
@@ -89,7 +86,7 @@ def online_prep_config(cfg) -> PrepConfig:
         val_fraction=cfg.val_fraction, seed=cfg.split_seed, packing=getattr(cfg, "packing", "concat"),
         on_bad_row=getattr(cfg, "on_bad_row", "error"))
     with _as_data_error():
-        check_prep(prep)
+        validate_prep(prep)
     return prep
 
 
@@ -116,10 +113,14 @@ def online_cache_dir(prep: PrepConfig) -> Path:
 
 
 class MoEDataModule(L.LightningDataModule):
+    """`layout` (moe.config.layout.Layout) says which data-parallel rank this process is: ranks of one
+    tensor/pipeline-parallel group read the same data. Without one, every process is its own rank."""
+
     def __init__(self, data_cfg, micro_batch_size: int, accumulate_grad_batches: int, max_steps: int,
-                 seed: int, limit_val_batches: int, dp_rank: int | None = None, dp_size: int | None = None):
+                 seed: int, limit_val_batches: int, layout=None, dp_rank: int | None = None,
+                 dp_size: int | None = None):
         super().__init__()
-        self.cfg = data_cfg
+        self.cfg, self.layout = data_cfg, layout
         self.micro_batch_size, self.accumulate = micro_batch_size, accumulate_grad_batches
         self.max_steps, self.seed, self.limit_val_batches = max_steps, seed, limit_val_batches
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -186,8 +187,8 @@ class MoEDataModule(L.LightningDataModule):
                             "it wrote", problem="holds a tokenizer/tokenizer.json that changed since "
                             "data_prep.py wrote it (sha256 differs from meta.json)")
         if self.cfg.tokenizer:
-            given, _ = tk.load_tokenizer(_local(self.cfg.tokenizer), "data.tokenizer")
-            ours, _ = tk.load_tokenizer(tok_dir)
+            given, _ = tk.read_tokenizer(_local(self.cfg.tokenizer), "data.tokenizer")
+            ours, _ = tk.read_tokenizer(tok_dir)
             if given.get_vocab(with_added_tokens=True) != ours.get_vocab(with_added_tokens=True):
                 raise UserError("data.tokenizer", self.cfg.tokenizer, f"drop data.tokenizer (prepared dirs "
                                 f"carry their own, {tok_dir}), or re-run data_prep.py with this tokenizer",
@@ -195,7 +196,7 @@ class MoEDataModule(L.LightningDataModule):
                                 "with")
 
     def _online_vocab(self) -> int:
-        tok, _ = tk.load_tokenizer(self.prep.tokenizer, "data.tokenizer")
+        tok, _ = tk.read_tokenizer(self.prep.tokenizer, "data.tokenizer")
         if self.prep.format == "chat":
             tk.add_special_tokens(tok, tk.template_markers(self.prep.chat_template))
         return tk.vocab_size(tok)
@@ -218,9 +219,17 @@ class MoEDataModule(L.LightningDataModule):
         if self.prepared is None:
             self.prepare_data()
             self.prepared = load_prepared(self.dir)
-        rank, size = data_parallel_rank_and_size(getattr(self, "trainer", None))
+        rank, size = self._data_parallel_rank_and_size()
         self.dp_rank = rank if self.dp_rank is None else self.dp_rank
         self.dp_size = size if self.dp_size is None else self.dp_size
+
+    def _data_parallel_rank_and_size(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0, 1
+        if self.layout is None:
+            return trainer.global_rank, trainer.world_size
+        return self.layout.dp_rank(trainer.global_rank), self.layout.dp
 
     def train_sampler(self) -> StreamSampler:
         return StreamSampler(len(self.prepared.splits["train"]), self.micro_batch_size,
@@ -255,16 +264,3 @@ class MoEDataModule(L.LightningDataModule):
         if saved["dp_size"] not in (None, self.dp_size) or saved["seed"] not in (None, self.seed):
             log.warning("resuming with a different data order (saved %s, now dp_size=%s seed=%s): the stream "
                         "position is kept, the blocks at it differ", saved, self.dp_size, self.seed)
-
-
-def data_parallel_rank_and_size(trainer) -> tuple[int, int]:
-    """This process's data-parallel rank and the data-parallel size, as the strategy defines them.
-
-    Under tensor or pipeline parallelism (Neuron) ranks of one TP/PP group share their data,
-    so the strategy's `distributed_sampler_kwargs` (rank, num_replicas) is the truth; plain
-    DDP and DeepSpeed report global rank and world size there.
-    """
-    if trainer is None:
-        return 0, 1
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return kwargs.get("rank", trainer.global_rank), kwargs.get("num_replicas", trainer.world_size)

@@ -14,13 +14,15 @@ from moe.errors import UserError
 BENIGN = frozenset({"blank_line"})
 ROLES = ("system", "user", "assistant")
 TURN_SEPARATOR = "\n"  # between rendered (prompt, completion) turns of one conversation
+# The chat format of no_robots (seed 000); the default of data.chat_template and data_prep's chat_template.
+DEFAULT_CHAT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
 
 
 @dataclass(frozen=True)
 class FormatSpec:
     format: str  # text | chat | sentence
     text_column: str = "text"
-    chat_template: str = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
+    chat_template: str = DEFAULT_CHAT_TEMPLATE
     blank_lines_ok: bool = False  # txt inputs: an empty line separates documents, it is not a bad row
 
     @property

@@ -23,11 +23,12 @@ import pyarrow.compute as pc
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from moe.config.data_prep import PrepConfig
+from moe.config.validate import validate_prep
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import SPLITS, SplitWriter, save_splits, token_dtype
 from moe.data.formats import BENIGN, FormatSpec, check_columns, needed_columns, render_batch
 from moe.data.packing import ConcatPacker, PadPacker
-from moe.data.schema import PrepConfig, check_prep
 from moe.data.sources import RawData, load_raw
 from moe.errors import UserError
 
@@ -114,7 +115,7 @@ def _texts_for_training(raw: datasets.Dataset, spec: FormatSpec, batch_size: int
 def _tokenizer(cfg: PrepConfig, raw: datasets.Dataset, spec: FormatSpec, markers: list[str], progress: bool):
     """(tokenizer, eos token, pad token or None, specials added for the template, where it came from)."""
     if cfg.tokenizer is not None:
-        tok, tcfg = tk.load_tokenizer(cfg.tokenizer)
+        tok, tcfg = tk.read_tokenizer(cfg.tokenizer)
         source = str(cfg.tokenizer)
     else:
         specials = list(dict.fromkeys([cfg.eos_token or tk.EOS, tk.PAD, *markers]))
@@ -287,7 +288,7 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
 def prepare(cfg, progress: bool = True) -> Path:
     """Run data_prep for `cfg` (PrepConfig, dict or DictConfig); returns the output directory."""
     cfg = _as_prep_config(cfg)
-    check_prep(cfg)
+    validate_prep(cfg)
     if not cfg.output:
         raise UserError("output", cfg.output, "pass output=DIR", problem="is required")
     out = Path(cfg.output).expanduser().absolute()

@@ -3,18 +3,22 @@
 A tokenizer directory holds `tokenizer.json` plus the two small files that let
 `transformers.AutoTokenizer.from_pretrained(dir)` load it offline, so training,
 inference and export all read the same bytes. Its identity is the sha256 of
-`tokenizer.json`.
+`tokenizer.json`. `read_tokenizer` opens one with the `tokenizers` library (data
+preparation); `load_hf_tokenizer` with transformers (generation, export); a run keeps a
+copy of its tokenizer beside its checkpoints (`copy_tokenizer_files`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from moe.data.formats import TURN_SEPARATOR, FormatSpec
 from moe.errors import UserError
 
 EOS = "<|endoftext|>"
@@ -29,7 +33,7 @@ def template_markers(template: str) -> list[str]:
     return list(dict.fromkeys(MARKER_RE.findall(template)))
 
 
-def load_tokenizer(path: str | Path, field: str = "tokenizer") -> tuple[Tokenizer, dict]:
+def read_tokenizer(path: str | Path, field: str = "tokenizer") -> tuple[Tokenizer, dict]:
     """Load `path` (a directory with tokenizer.json, or the file) and its tokenizer_config.json."""
     path = Path(path).expanduser()
     file = path / "tokenizer.json" if path.is_dir() else path
@@ -116,3 +120,63 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path, eos: str | None, pad: st
     (out_dir / "special_tokens_map.json").write_text(
         json.dumps({**specials, "additional_special_tokens": extra}, indent=2) + "\n")
     return file_sha256(out_dir / "tokenizer.json")
+
+
+# -- transformers tokenizers (generation and export) -----------------------------------------
+
+
+def load_hf_tokenizer(path: str | Path, field: str = "tokenizer"):
+    """transformers tokenizer from a local directory (tokenizer.json + config), never the hub."""
+    from transformers import AutoTokenizer
+
+    path = Path(path).expanduser()
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        raise UserError(field, str(path), "point to a directory holding tokenizer.json, or pass "
+                        "tokenizer=DIR (the tokenizer the model was trained with)",
+                        problem="has no tokenizer.json")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # transformers raises many types for broken files
+        raise UserError(field, str(path), "pass a directory that transformers.AutoTokenizer can load",
+                        problem=f"could not be loaded ({str(err).splitlines()[0][:200]})") from err
+
+
+def check_vocab(tokenizer, vocab_size: int, field: str, path) -> None:
+    """A tokenizer may have fewer ids than the embedding (padding rows), never more."""
+    n = len(tokenizer)
+    if n > vocab_size:
+        raise UserError(field, str(path), "use the tokenizer the model was trained with (at most "
+                        f"{vocab_size} tokens), or train with this one so model.vocab_size covers it",
+                        problem=f"has {n} tokens but the model's vocab_size is {vocab_size}")
+
+
+def chat_template_jinja(template: str) -> str:
+    """Our `{prompt}`/`{completion}` template as a transformers chat template (same text as training).
+
+    System messages join the next user prompt, turns are separated as in moe.data.formats;
+    a user turn ends with the template's assistant header, so generation starts right after it.
+    """
+    head, mid, tail = FormatSpec("chat", chat_template=template).template_parts
+    q = json.dumps  # a JSON string literal is a valid Jinja string literal
+    return (
+        "{%- set ns = namespace(system='', first=true) -%}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'system' -%}{%- set ns.system = ns.system + m['content'] + '\\n' -%}"
+        f"{{%- elif m['role'] == 'user' -%}}{{{{ ('' if ns.first else {q(TURN_SEPARATOR)}) + {q(head)}"
+        f" + ns.system + m['content'] + {q(mid)} }}}}"
+        "{%- set ns.system = '' -%}{%- set ns.first = false -%}"
+        f"{{%- elif m['role'] == 'assistant' -%}}{{{{ m['content'] + {q(tail)} }}}}"
+        "{%- endif -%}{%- endfor -%}"
+    )
+
+
+TOKENIZER_EXTRAS = {"special_tokens_map.json", "chat_template.jinja", "added_tokens.json"}
+
+
+def copy_tokenizer_files(source: str | Path, target: str | Path) -> None:
+    """Copy a tokenizer directory's files (tokenizer*.json and their companions) into `target`."""
+    target = Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    for path in Path(source).iterdir():
+        if path.is_file() and (path.name.startswith("tokenizer") or path.name in TOKENIZER_EXTRAS):
+            shutil.copy2(path, target / path.name)

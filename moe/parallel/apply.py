@@ -1,19 +1,23 @@
 """Parallelism applied to a built model, torchtitan style: the model itself never mentions ranks.
 
-Order when combining: `apply_ep` (shards experts), then `apply_ac`, then `apply_compile`.
-Every function edits the model in place and returns it. State-dict keys do not change, so a
-checkpoint written with one policy loads under another.
+Order when combining: `apply_ep` (shards experts, installs the all-to-all dispatcher), then
+`apply_load_balance_group`, `apply_ac`, then `apply_compile`. Every function edits the model in
+place and returns it. State-dict keys do not change, so a checkpoint written with one policy
+loads under another. Values are validated before (moe.config.validate).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moe.errors import ConfigError
-from moe.moe_layer import MoELayer
-
-AC_POLICIES = ("none", "full", "every_n", "moe_only", "selective")
+from moe.model.dispatch import AllToAllDispatcher
+from moe.model.moe import MoELayer
+from moe.parallel.comm import group_sum
 
 
 class CheckpointWrapper(nn.Module):
@@ -60,10 +64,6 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
     N-th, 2N-th, ... block). moe_only: blocks whose FFN is an MoELayer. selective: only the
     FFN/MoE sub-module of every block (attention activations are kept).
     """
-    if policy not in AC_POLICIES:
-        raise ConfigError("parallel.activation_checkpointing", policy, f"use one of {', '.join(AC_POLICIES)}")
-    if policy == "every_n" and every_n < 1:
-        raise ConfigError("parallel.activation_checkpointing_every_n", every_n, "use a positive integer")
     for i, block in enumerate(model.layers):
         if isinstance(block, CheckpointWrapper) or isinstance(block.ffn, CheckpointWrapper):
             raise ConfigError("parallel.activation_checkpointing", policy,
@@ -78,11 +78,30 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
 
 
 def apply_ep(model: nn.Module, ep_group) -> nn.Module:
-    """Expert parallelism: each MoELayer keeps only this rank's slice of experts (dim 0)."""
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.shard_experts(ep_group)
+    """Expert parallelism over `ep_group`: each MoELayer keeps experts [r*E/ep, (r+1)*E/ep) of rank r,
+    routes over all E, sends rows to their expert's rank with an `AllToAllDispatcher`, and sums its
+    routing statistics over the group (so the losses are those of one process routing all its tokens)."""
+    ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for layer in moe_layers(model):
+        local = layer.num_experts // ep
+        layer.experts.shard(rank * local, local)
+        layer.dispatcher = AllToAllDispatcher(ep_group)
+        if layer.stats_sum is None:
+            layer.stats_sum = functools.partial(group_sum, group=ep_group)
     return model
+
+
+def apply_load_balance_group(model: nn.Module, group) -> nn.Module:
+    """Routing statistics (load balance, z-loss, drops) over every rank of `group`, e.g. all data-parallel
+    ranks: Megatron's global-batch balancing, where N ranks give the loss of one process holding all N
+    micro-batches (moe_opt.aux_loss_group=dp)."""
+    for layer in moe_layers(model):
+        layer.stats_sum = functools.partial(group_sum, group=group)
+    return model
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
 def apply_compile(model: nn.Module) -> nn.Module:
@@ -93,9 +112,8 @@ def apply_compile(model: nn.Module) -> nn.Module:
     (torch recomputes checkpointed code with dynamo disabled, so a compiled forward would not
     match its recomputation). With `selective` AC the attention half of each block is compiled.
     """
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.forward = torch.compiler.disable(module.forward)
+    for layer in moe_layers(model):
+        layer.forward = torch.compiler.disable(layer.forward)
     for block in model.layers:
         if not isinstance(block, CheckpointWrapper):
             block.compile()

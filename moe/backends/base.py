@@ -1,0 +1,159 @@
+"""The typed contract between a backend and the training module and callbacks.
+
+A `Backend` is built once per run from the config and the run's `Layout`. It gives Lightning's
+Trainer its strategy, precision and plugins, builds the LightningModule, parallelises the model
+once the process group exists (`parallelize`, called from `LitMoE.configure_model`), and answers
+what the module and the callbacks ask while training: the expert-parallel groups, gradient
+handling around the optimizer step, the gradient norm, and what checkpoints must hold. Each
+method's default is what plain PyTorch (DDP or one process) needs; DeepSpeed and Neuron override.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from moe.backends.specs import SPECS, BackendSpec
+from moe.config.layout import Layout
+
+
+@dataclass
+class ExpertGroups:
+    """This rank's expert-parallel group (token all-to-all) and expert-data-parallel group (grad sum)."""
+
+    ep: Any
+    expert_dp: Any
+
+
+@dataclass
+class TrainerParts:
+    """What `lightning.Trainer` takes from the backend."""
+
+    accelerator: str
+    strategy: Any  # a Lightning Strategy instance or a registry name such as "auto"
+    precision: str | None  # None when a plugin sets it (Neuron)
+    plugins: list
+    overrides: dict  # Trainer arguments this backend must set itself (Neuron: accumulation, clipping)
+
+
+class Backend:
+    """Plain PyTorch semantics; subclasses override what their library does differently."""
+
+    name: ClassVar[str]
+    # True where the optimizer computes the gradient norm inside its step and reports it after
+    # (DeepSpeed, NxD): there gradients are not in `param.grad` for `grad_norm` to read.
+    norm_after_step: ClassVar[bool] = False
+    # True where the library all-reduces expert gradients over the expert-data-parallel group itself.
+    reduces_expert_grads: ClassVar[bool] = False
+
+    def __init__(self, cfg, layout: Layout):
+        self.cfg, self.layout = cfg, layout
+        self.expert_groups: ExpertGroups | None = None  # set by parallelize when ep > 1
+
+    @property
+    def spec(self) -> BackendSpec:
+        return SPECS[self.name]
+
+    # -- what Trainer gets ------------------------------------------------------------------------
+    def trainer_parts(self) -> TrainerParts:
+        raise NotImplementedError
+
+    def num_threads(self) -> int | None:
+        """Intra-op threads per process on CPU, where the processes of a node share its cores."""
+        if self.cfg.hardware.accelerator != "cpu":
+            return None
+        return max(1, (os.cpu_count() or 1) // self.cfg.trainer.devices)
+
+    def env(self) -> dict[str, str]:
+        """Environment to set before the accelerator starts: hardware.env (and OMP threads on CPU)."""
+        threads = self.num_threads()
+        return {**({"OMP_NUM_THREADS": str(threads)} if threads else {}),
+                **{str(k): str(v) for k, v in self.cfg.hardware.env.items()}}
+
+    def build_module(self):
+        """The LightningModule that trains `moe.model.MoETransformer` on this backend."""
+        from moe.train.module import LitMoE
+
+        return LitMoE(self.cfg, backend=self)
+
+    # -- the model, once the process group exists ----------------------------------------------
+    def make_expert_groups(self) -> ExpertGroups:
+        from moe.parallel.groups import build_expert_groups
+
+        return build_expert_groups(self.layout)
+
+    def parallelize(self, module) -> None:
+        """Expert parallelism, load-balance scope, activation checkpointing and compile, in that order."""
+        from moe.parallel.apply import apply_ac, apply_compile, apply_ep, apply_load_balance_group
+
+        model, par = module.model, self.cfg.parallel
+        if self.layout.ep > 1:
+            self.expert_groups = self.make_expert_groups()
+            apply_ep(model, self.expert_groups.ep)
+        if self.cfg.moe_opt.aux_loss_group == "dp" and dist.is_initialized() and dist.get_world_size() > 1:
+            apply_load_balance_group(model, dist.group.WORLD)
+        apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)
+        if self.cfg.model.compile:
+            apply_compile(model)
+
+    # -- around the optimizer step ------------------------------------------------------------------
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called on the optimizer before the LR schedule is built (DeepSpeed: expert param groups)."""
+
+    def after_backward(self, module) -> None:
+        """After each micro-batch's backward (DDP with EP: reduce expert gradients on the last one)."""
+
+    def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
+        """Clip to `max_norm` and return True, or return False to let Lightning clip as usual."""
+        return False
+
+    def grad_norm(self, module) -> torch.Tensor:
+        """Global L2 norm of `param.grad` before clipping; expert parts summed over the EP group."""
+        dense, expert = torch.zeros(()), torch.zeros(())
+        for p in module.model.parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().float().pow(2).sum().cpu()
+            if getattr(p, "is_expert", False):
+                expert += sq
+            else:
+                dense += sq
+        if self.expert_groups is not None:
+            expert = expert.to(module.device)
+            dist.all_reduce(expert, group=self.expert_groups.ep)
+            expert = expert.cpu()
+        return (dense + expert).sqrt()
+
+    def grad_norm_after_step(self, module) -> float | None:
+        """With `norm_after_step`: the norm the optimizer computed in its last step."""
+        return None
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def on_save_checkpoint(self, module, checkpoint: dict) -> None:
+        """Make `checkpoint` portable: every expert in it whatever ep was (collective over the EP group)."""
+        if self.expert_groups is not None:
+            from moe.parallel.expert_state import gather_full_experts
+
+            gather_full_experts(module, checkpoint, self.expert_groups.ep, self.layout.ep)
+
+    def on_load_checkpoint(self, module, checkpoint: dict) -> None:
+        """Slice this rank's experts out of a portable checkpoint (optimizer moments once it exists)."""
+        if self.expert_groups is None:
+            return
+        from moe.parallel.expert_state import slice_local_experts, slice_local_optimizer_states
+
+        slice_local_experts(module, checkpoint, self.expert_groups.ep)
+        if module.trainer.optimizers:
+            slice_local_optimizer_states(module, checkpoint, self.expert_groups.ep)
+        else:  # DDP restores weights before the optimizer exists: slice its moments at fit start
+            self._checkpoint_to_slice = checkpoint
+
+    def on_fit_start(self, module) -> None:
+        checkpoint = self.__dict__.pop("_checkpoint_to_slice", None)
+        if checkpoint is not None:
+            from moe.parallel.expert_state import slice_local_optimizer_states
+
+            slice_local_optimizer_states(module, checkpoint, self.expert_groups.ep)

@@ -1,0 +1,286 @@
+"""DeepSpeed (hardware=gpu; hardware=cpu_deepspeed runs the same plugin on CPU over gloo).
+
+Lightning's DeepSpeedStrategy, configured from the parallel, optimizer and trainer groups,
+plus what our MoE layer needs from DeepSpeed:
+
+- Expert parallelism: DeepSpeed's own EP / expert-DP groups (`make_expert_groups`), so the token
+  all-to-all and DeepSpeed's expert-gradient all-reduce use the same EP group; expert params
+  marked `allreduce=False`, `group_name="ep_size_{ep}"` and the optimizer's param groups split
+  with `split_params_into_different_moe_groups_for_optimizer` (`prepare_optimizer`, called
+  by LitMoE.configure_optimizers before the LR schedule is built).
+- DeepSpeed treats a model as MoE only when it holds its own `deepspeed.moe.layer.MoE`;
+  `_ExpertAwareEngine` also counts models whose parameters are marked as experts, which
+  switches on the expert-DP gradient reduction, ZeRO's expert partitions and expert-aware
+  grad norms. Its fp32 clipping (ZeRO off) uses the true global norm.
+- Checkpoints: one portable file (all experts, written by rank 0: infer.py and the DDP
+  strategy read it) plus each rank's optimizer partition in `<file>.zero/`. Resuming
+  with the same world size, ep and ZeRO stage restores the partitions exactly; otherwise
+  only the weights are restored (with a warning) and the fp32 masters are refreshed from them.
+- CPU: Lightning refuses a non-CUDA accelerator; three overrides (`setup_environment`,
+  `setup_distributed`, the device rank in `_setup_model_and_optimizer`) make ZeRO-1/2 train
+  on CPU processes over gloo, for tests.
+
+Gradient accumulation is Lightning's `trainer.accumulate_grad_batches`, which Lightning
+writes into the DeepSpeed config as `gradient_accumulation_steps` (it refuses the key in a
+user config). `import deepspeed` happens only inside the builder.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from moe.backends.base import Backend, ExpertGroups, TrainerParts
+from moe.errors import UserError
+from moe.parallel.expert_grads import expert_params
+
+ZERO_SHARDS_SUFFIX = ".zero"
+
+
+def deepspeed_config(cfg) -> dict:
+    """The DeepSpeed config dict from the (validated) parallel, optimizer, trainer and hardware groups."""
+    p, precision = cfg.parallel, cfg.trainer.precision or cfg.hardware.precision
+    on_gpu = cfg.hardware.accelerator == "gpu"
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.trainer.micro_batch_size,
+        "gradient_clipping": float(cfg.optimizer.grad_clip or 0.0),
+        "zero_allow_untested_optimizer": True,  # our torch AdamW, not DeepSpeed's fused Adam (no op build)
+        "zero_optimization": {
+            "stage": p.zero_stage,
+            "contiguous_gradients": True,  # ZeRO-2 with MoE requires it
+            "reduce_scatter": True,  # ZeRO with MoE requires it
+            "overlap_comm": on_gpu,  # overlap reduction with backward on CUDA streams
+            "allgather_partitions": True,
+            "reduce_bucket_size": 200_000_000,
+            "allgather_bucket_size": 200_000_000,
+        },
+        "steps_per_print": 10**9,  # metrics.csv is the record; keep DeepSpeed's own step log quiet
+        "wall_clock_breakdown": False,
+    }
+    if precision in ("16-mixed", "16-true"):  # fp16 needs dynamic loss scaling
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                          "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    elif precision in ("bf16-mixed", "bf16-true"):
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+class DeepSpeedBackend(Backend):
+    """ZeRO-1/2 and expert parallelism carved from data parallelism, through DeepSpeed's engine."""
+
+    name = "deepspeed"
+    norm_after_step = True  # DeepSpeed computes the norm inside engine.step(), over its own partitions
+    reduces_expert_grads = True  # DeepSpeed all-reduces expert grads over the expert-DP group itself
+
+    def __init__(self, cfg, layout):
+        super().__init__(cfg, layout)
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError as err:
+            raise UserError("hardware.strategy", "deepspeed", "pip install deepspeed -c constraints.txt "
+                            "(or pip install -e '.[gpu]'), or use hardware=cpu",
+                            problem="needs the deepspeed package, which is not installed") from err
+        self.strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg), ep=layout.ep,
+                                             process_group_backend=cfg.hardware.backend,
+                                             logging_level=logging.WARNING)
+
+    def trainer_parts(self) -> TrainerParts:
+        return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=self.strategy,
+                            precision=self.cfg.trainer.precision or self.cfg.hardware.precision, plugins=[],
+                            overrides={})
+
+    def make_expert_groups(self) -> ExpertGroups:
+        """DeepSpeed's own EP / expert-DP groups, laid out as moe.config.layout's (consecutive EP ranks)."""
+        from deepspeed.utils import groups
+
+        name = f"ep_size_{self.layout.ep}"
+        if name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(self.layout.ep)  # collective: every rank makes them all
+        return ExpertGroups(groups._get_expert_parallel_group(name),
+                            groups._get_expert_data_parallel_group(name))
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mark expert params for DeepSpeed and give them their own ('moe') param groups, in place."""
+        if self.layout.ep <= 1:
+            return
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        for p in expert_params(self.strategy.lightning_module):
+            p.allreduce, p.group_name = False, f"ep_size_{self.layout.ep}"
+        groups = [dict(g) for g in optimizer.param_groups]
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+        optimizer.param_groups.clear()
+        for group in groups:
+            if group["params"]:
+                optimizer.add_param_group(group)
+
+    def grad_norm_after_step(self, module) -> float | None:
+        """The global grad norm DeepSpeed computed in its last step (before clipping), or None."""
+        norm = self.strategy.deepspeed_engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+
+class MoEDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeedStrategy + MoE-aware engine, portable checkpoints with per-rank ZeRO partitions, CPU."""
+
+    strategy_name = "moe_deepspeed"
+
+    def __init__(self, *args, ep: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ep = ep
+
+    # -- CPU support (Lightning's checks assume CUDA) ----------------------------------------
+    def setup_environment(self) -> None:
+        if self.root_device.type == "cuda":
+            return super().setup_environment()
+        DDPStrategy.setup_environment(self)  # skips the CUDA-only accelerator check
+
+    def setup_distributed(self) -> None:
+        from lightning.fabric.utilities.seed import reset_seed
+
+        if self.root_device.type == "cuda":
+            return super().setup_distributed()
+        reset_seed()  # the device-index check does not apply to CPU processes
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        """deepspeed.initialize's non-pipeline path, with the MoE-aware engine and a CPU device rank."""
+        import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
+        config_class = DeepSpeedConfig(self.config, None)
+        deepspeed.set_optimizer_flags(config_class, model)
+        engine = expert_aware_engine_class()(
+            args=argparse.Namespace(device_rank=device_rank), model=model, optimizer=optimizer,
+            model_parameters=[p for p in model.parameters() if p.requires_grad], lr_scheduler=lr_scheduler,
+            dist_init_required=False, config=self.config, config_class=config_class,
+        )
+        engine._configure_python_gc()
+        return engine, engine.optimizer
+
+    # -- checkpoints: one portable file + per-rank optimizer partitions -----------------------
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        filepath = Path(self.broadcast(str(filepath)))
+        shards = zero_shards_dir(filepath)
+        shards.mkdir(parents=True, exist_ok=True)
+        shard = shards / f"rank_{self.global_rank:05d}.pt"
+        tmp = shard.with_name(shard.name + ".tmp")  # a kill mid-write never leaves half a shard
+        layout = self._layout(checkpoint.get("global_step"))
+        torch.save({"optimizer": self.deepspeed_engine.optimizer.state_dict(), "layout": layout}, tmp)
+        os.replace(tmp, shard)
+        checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+        checkpoint["optimizer_states"] = []  # they are the per-rank partitions in <file>.zero/
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self.barrier("moe_deepspeed_save")
+
+    def remove_checkpoint(self, filepath) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            shutil.rmtree(zero_shards_dir(Path(filepath)), ignore_errors=True)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        path = Path(checkpoint_path)
+        if path.is_dir():  # a DeepSpeed-native checkpoint directory
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        self._loaded_from = path
+        return self.checkpoint_io.load_checkpoint(path, weights_only=False)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        """Weights from the portable file, then this rank's optimizer partition when the layout matches."""
+        path = getattr(self, "_loaded_from", None)
+        if path is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        optimizer = self.deepspeed_engine.optimizer
+        if optimizer is None or self.lightning_module.trainer.state.fn != "fit":
+            return
+        shard_file = zero_shards_dir(path) / f"rank_{self.global_rank:05d}.pt"
+        shard = torch.load(shard_file, weights_only=False) if shard_file.exists() else None
+        layout = self._layout(checkpoint.get("global_step"))  # a shard from another save is never mixed in
+        if shard is not None and shard["layout"] == layout:
+            if self.config["zero_optimization"]["stage"] > 0:  # ZeRO reads entry [dp rank] of the list
+                optimizer.load_state_dict([shard["optimizer"]] * self.world_size, load_optimizer_states=True,
+                                          load_from_fp32_weights=True)
+            else:
+                optimizer.load_state_dict(shard["optimizer"])
+            return
+        saved = shard["layout"] if shard else None
+        rank_zero_warn(f"{path}: optimizer state not restored (saved with {saved}, running {layout}); "
+                       "weights restored, Adam moments start from zero")
+        if hasattr(optimizer, "refresh_fp32_params"):
+            optimizer.refresh_fp32_params()
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_model_state_dict restores the partitions
+
+    def _layout(self, global_step) -> dict:
+        """What a saved optimizer partition must match to be loaded as it is."""
+        return {"world_size": self.world_size, "ep": self.ep,
+                "zero_stage": self.config["zero_optimization"]["stage"], "global_step": global_step}
+
+
+def zero_shards_dir(filepath: Path) -> Path:
+    return filepath.with_name(filepath.name + ZERO_SHARDS_SUFFIX)
+
+
+_ENGINE_CLASS = None
+
+
+def expert_aware_engine_class():
+    """DeepSpeedEngine that treats parameters marked `allreduce=False` as MoE experts (built once, lazily)."""
+    global _ENGINE_CLASS
+    if _ENGINE_CLASS is not None:
+        return _ENGINE_CLASS
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from moe.model.moe import MoELayer
+
+    class _ExpertAwareEngine(DeepSpeedEngine):
+        def _configure_distributed_model(self, model):
+            super()._configure_distributed_model(model)
+            if not self.has_moe_layers and any(is_moe_param(p) for p in model.parameters()):
+                self.has_moe_layers = True
+                self.num_experts = [m.num_experts for m in model.modules() if isinstance(m, MoELayer)]
+
+        def _full_grad_norm(self) -> torch.Tensor:
+            """Norm of every gradient of the model: dense, plus each expert shard of the EP group once."""
+            import torch.distributed as dist
+
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            dense = sum((p.grad.float().pow(2).sum() for p in params if not is_moe_param(p)), torch.zeros(()))
+            expert = sum((p.grad.float().pow(2).sum() for p in params if is_moe_param(p)), torch.zeros(()))
+            dense, expert = dense.to(self.device), expert.to(self.device)
+            names = {p.group_name for p in params if is_moe_param(p)}
+            if names:
+                dist.all_reduce(expert, group=self.expert_parallel_group[names.pop()])
+            return (dense + expert).sqrt()
+
+        def clip_fp32_gradients(self):
+            """ZeRO off, fp32: clip with the whole model's norm (DeepSpeed averages local norms instead)."""
+            total = self._full_grad_norm()
+            coef = torch.clamp(self.gradient_clipping() / (total + 1e-6), max=1.0)
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef.to(p.grad.dtype))
+            self._global_grad_norm = total
+
+        def _take_model_step(self, lr_kwargs):
+            """ZeRO off, fp32, no clipping: still record the grad norm for metrics.csv."""
+            plain = not (self.zero_optimization() or self.fp16_enabled() or self.bfloat16_enabled())
+            if plain and self.gradient_clipping() <= 0.0:
+                self._global_grad_norm = self._full_grad_norm()
+            return super()._take_model_step(lr_kwargs)
+
+    _ENGINE_CLASS = _ExpertAwareEngine
+    return _ENGINE_CLASS

@@ -1,0 +1,82 @@
+"""What each backend can do, readable without importing it: the validator and the planner ask here.
+
+`hardware.strategy` names a backend. Its spec says which parallel degrees and ZeRO stages
+it really implements (a degree it would ignore is refused at validation, never planned for)
+and how many bytes each parameter's weight, gradient and optimizer state take under a
+precision. The backends themselves (moe/backends/<name>.py) import their heavy libraries
+only when a run builds them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter for the weight, its gradient and its AdamW state, and why."""
+
+    param: int
+    grad: int
+    optimizer: int
+    note: str
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str  # hardware.strategy
+    library: str  # what it trains through, for messages
+    max_zero_stage: int  # highest ZeRO stage it shards, for a model with MoE experts
+    tensor_parallel: bool
+    pipeline_parallel: bool
+    max_expert_parallel: int | None  # None: any divisor of the experts and of dp
+    hybrid_shard: bool
+    precisions: tuple[str, ...] | None  # trainer.precision values it runs; None: it ignores trainer.precision
+
+    def state_bytes(self, cfg) -> StateBytes:
+        precision = str(cfg.trainer.precision or cfg.hardware.precision)
+        if precision.startswith(("32", "64")):
+            return StateBytes(4, 4, 8, "fp32 weights, grads and AdamW moments")
+        if precision.endswith("-true"):
+            return StateBytes(2, 2, 4, f"{precision}: half-precision weights, grads and moments")
+        return StateBytes(4, 4, 8, f"{precision} autocast: fp32 weights, grads and moments")
+
+
+@dataclass(frozen=True)
+class DeepSpeedSpec(BackendSpec):
+    def state_bytes(self, cfg) -> StateBytes:
+        precision = str(cfg.trainer.precision or cfg.hardware.precision)
+        if precision.endswith("-mixed"):  # DeepSpeed keeps half weights and grads, fp32 master + moments
+            return StateBytes(2, 2, 12, f"{precision} DeepSpeed: half weights, grads; fp32 master, moments")
+        return super().state_bytes(cfg)
+
+
+@dataclass(frozen=True)
+class NeuronSpec(BackendSpec):
+    def state_bytes(self, cfg) -> StateBytes:
+        preset = cfg.hardware.neuron_precision
+        if preset == "bf16_sr":
+            return StateBytes(2, 2, 4, "bf16 + stochastic rounding: bf16 weights, grads and AdamW moments")
+        if preset == "mixed":
+            return StateBytes(2, 4, 12, "mixed: bf16 weights, fp32 grad accumulation, fp32 master + moments")
+        return StateBytes(4, 4, 8, "fp32 weights, grads and moments")
+
+
+LIGHTNING_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
+
+SPECS: dict[str, BackendSpec] = {
+    "ddp": BackendSpec(
+        name="ddp", library="PyTorch DDP", max_zero_stage=0, tensor_parallel=False, pipeline_parallel=False,
+        max_expert_parallel=None, hybrid_shard=False, precisions=LIGHTNING_PRECISIONS),
+    "deepspeed": DeepSpeedSpec(
+        name="deepspeed", library="DeepSpeed", max_zero_stage=2,  # ZeRO-3 rejects DeepSpeed's native MoE
+        tensor_parallel=False, pipeline_parallel=False, max_expert_parallel=None, hybrid_shard=False,
+        precisions=("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")),
+    "neuron": NeuronSpec(
+        name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
+        pipeline_parallel=True, max_expert_parallel=None, hybrid_shard=False, precisions=None),
+}
+
+
+def spec_of(cfg) -> BackendSpec:
+    """The spec of cfg.hardware.strategy (validate has checked the name)."""
+    return SPECS[cfg.hardware.strategy]

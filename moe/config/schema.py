@@ -1,0 +1,191 @@
+"""Typed schema of `train.py`'s config, one dataclass per Hydra group, registered as `train_schema`.
+
+`conf/train.yaml` puts `train_schema` first in its defaults, so every group preset is
+merged into a typed node: an unknown key or a wrong type fails when Hydra composes the
+config, before anything is built. Value and cross-field rules live in `moe.config.validate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from moe.data.formats import DEFAULT_CHAT_TEMPLATE
+
+
+@dataclass
+class ModelConfig:
+    """Decoder architecture. Defaults are the tiny CPU model."""
+
+    name: str = "tiny"
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256  # expert (and dense) SwiGLU width
+    dense_intermediate_size: Optional[int] = None  # dense FFN width; null = intermediate_size
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: Optional[int] = None  # null = hidden_size // num_heads
+    max_position_embeddings: int = 512
+    position_encoding: str = "rope"  # rope | alibi
+    rope_theta: float = 1.0e6
+    sliding_window: Optional[int] = None
+    rms_norm_eps: float = 1.0e-5
+    tie_word_embeddings: bool = False
+    init_range: float = 0.02
+    num_experts: int = 8
+    top_k: int = 2
+    moe_layer_frequency: int = 1  # an MoE block every N layers, dense SwiGLU otherwise
+    shared_expert_intermediate_size: int = 0  # 0 = no always-on shared expert
+    compile: bool = False  # torch.compile the blocks
+    init_from_hf: Optional[str] = None  # Mixtral-format directory to start from
+
+
+@dataclass
+class MoEOptConfig:
+    """Routing behaviour; names follow Megatron-Core's MoE options."""
+
+    name: str = "default"
+    capacity_factor: Optional[float] = 1.25  # null = dropless
+    eval_capacity_factor: Optional[float] = 2.0  # null = dropless at eval
+    min_capacity: int = 4
+    drop_policy: str = "probs"  # probs (lowest probability dropped first) | position (latest tokens)
+    aux_loss_coeff: float = 0.01  # Switch load-balance loss; raise to 0.1 if routing oscillates
+    z_loss_coeff: float = 0.001  # ST-MoE router z-loss
+    jitter_eps: float = 0.0  # multiplicative router-input noise U(1-eps, 1+eps), training only
+    router_dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp32 recommended)
+    normalize_top_k: Optional[bool] = None  # null: renormalise when top_k >= 2, raw prob for top-1
+    # load-balance statistics (f_i, P_i) over: ep = the expert-parallel group (this rank's tokens
+    # when ep=1) | dp = every data-parallel rank (global-batch balancing; same loss as one process)
+    aux_loss_group: str = "ep"
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. dp is derived as world / (tp * pp) unless given."""
+
+    name: str = "single"
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: Optional[int] = None  # null = world // (tp * pp)
+    sequence_parallel: bool = False  # only meaningful with tp > 1
+    zero_stage: int = 0  # 0 none, 1 optimizer states, 2 + gradients, 3 + parameters
+    hybrid_shard_degree: Optional[int] = None  # shard ZeRO state within groups of this size
+    activation_checkpointing: str = "none"  # none | selective | full | every_n | moe_only
+    activation_checkpointing_every_n: int = 1
+    pipeline_microbatches: Optional[int] = None  # null = accumulate_grad_batches
+
+
+@dataclass
+class HardwareConfig:
+    """The machine; picks the Lightning strategy plugin and nothing else."""
+
+    name: str = "cpu"
+    accelerator: str = "cpu"  # cpu | gpu | neuron
+    strategy: str = "ddp"  # ddp | deepspeed | neuron
+    backend: str = "gloo"  # gloo | nccl | xla
+    device_name: str = "CPU"
+    devices_per_node: int = 2
+    device_memory_gib: float = 24.0
+    peak_tflops: float = 0.5  # dense bf16 (fp32 on cpu) peak per device, for MFU
+    precision: str = "32-true"  # Lightning precision string
+    allow_tf32: bool = False
+    neuron_precision: str = "bf16_sr"  # bf16_sr | mixed | fp32 (trn1 only)
+    neuron_cc_flags: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # set before the accelerator starts
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to min_lr."""
+
+    name: str = "adamw"
+    lr: float = 3.0e-3
+    min_lr: float = 3.0e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1.0e-8
+    weight_decay: float = 0.1
+    no_decay_norms_and_biases: bool = True
+    warmup_steps: int = 20
+    decay_steps: Optional[int] = None  # null = trainer.max_steps
+    grad_clip: float = 1.0  # 0 = off
+
+
+@dataclass
+class DataConfig:
+    """Training data: a prepared Arrow dir, online packing of raw files, or the bundled sample."""
+
+    name: str = "sample"
+    kind: str = "online"  # prepared | online
+    path: Optional[str] = None  # prepared: data_prep output dir; online: raw file/glob/dir
+    format: str = "text"  # text | chat | sentence (online)
+    text_column: str = "text"
+    tokenizer: Optional[str] = None  # tokenizer dir (tokenizer.json); prepared dirs carry their own
+    seq_len: int = 128
+    val_fraction: float = 0.05
+    split_seed: int = 1234
+    chat_template: str = DEFAULT_CHAT_TEMPLATE  # chat: {prompt} and {completion} slots
+    assistant_only_loss: bool = False
+    num_workers: int = 0
+    shuffle: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    """Loop length, batch arithmetic and checkpoint cadence."""
+
+    name: str = "default"
+    devices: int = 1
+    num_nodes: int = 1
+    max_steps: int = 300
+    micro_batch_size: int = 8
+    accumulate_grad_batches: int = 1
+    global_batch_size: Optional[int] = None  # null = micro * accumulation * dp; else checked
+    precision: Optional[str] = None  # null = hardware.precision
+    log_every_n_steps: int = 10
+    val_check_interval: int = 100
+    limit_val_batches: int = 8
+    checkpoint_every_n_steps: int = 100
+    keep_last_checkpoints: int = 2
+    progress_bar: bool = True
+    deterministic: bool = False
+    # loss-spike and NaN guard (moe/spike_guard.py, docs/FAULT_TOLERANCE.md)
+    skip_nonfinite: bool = True  # skip the update of a step whose loss or gradient is NaN/inf
+    spike_factor: float = 3.0  # spike: step loss > factor x mean of the last spike_window losses; 0 = off
+    spike_window: int = 50
+    spike_action: str = "warn"  # warn | skip (the update) | rollback (to the last checkpoint, skip since)
+    spike_max_rollbacks: int = 3  # past this many rollbacks in a run, a spike is skipped instead
+
+
+@dataclass
+class TrainConfig:
+    """The composed `train.py` config."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe_opt: MoEOptConfig = field(default_factory=MoEOptConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # Lightning loggers and extra callbacks, by name, each a node with `_target_` (instantiated by Hydra).
+    # metrics.csv and summary.json are always written; the run's own callbacks are always on.
+    logger: dict[str, Any] = field(default_factory=dict)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    seed: int = 1234
+    run_name: str = "${now:%Y-%m-%d_%H-%M-%S}"  # run dir is runs/<run_name>
+    dry_run: bool = False
+    resume: bool = True  # resume from <run dir>/checkpoints/last.ckpt when present
+
+
+def register_configs() -> None:
+    """Register the typed root `train_schema`, and sweeps/*.yaml as the `sweep` group (`+sweep=NAME`)."""
+    from moe.config.sweeps import register_sweeps
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    register_sweeps()
+
+
+register_configs()

@@ -1,0 +1,426 @@
+"""Every value and cross-field rule of the three configs, and every enumeration they use.
+
+`validate(cfg)` checks a composed `train.py` config before anything is built and returns the
+run's `Layout`; `validate_model(model, moe_opt)` is the part a model checks when it is built
+on its own (tests, imports from Hugging Face); `validate_prep` and `validate_infer` check
+`data_prep.py` and `infer.py`. The first broken rule raises `ConfigError(field, value, fix)`
+naming the dotted key, the value seen and the change that makes it work. Types and unknown
+keys are already checked by the typed schemas at compose time (moe/config/*.py).
+
+What a backend can do (ZeRO stages, tensor/pipeline parallelism, precisions) is its spec's
+(moe/backends/specs.py); the rules that refuse what a backend cannot do are here.
+"""
+from __future__ import annotations
+
+import math
+
+from moe.backends.specs import SPECS, spec_of
+from moe.config.layout import Layout, launch_overrides, world_of
+from moe.errors import ConfigError
+
+# -- enumerations -------------------------------------------------------------------------------
+AC_POLICIES = ("none", "selective", "full", "every_n", "moe_only")
+DROP_POLICIES = ("probs", "position")
+ROUTER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # name -> torch attribute
+POSITION_ENCODINGS = ("rope", "alibi")
+AUX_LOSS_GROUPS = ("ep", "dp")
+NEURON_PRECISIONS = ("bf16_sr", "mixed", "fp32")
+SPIKE_ACTIONS = ("warn", "skip", "rollback")
+DATA_KINDS = ("prepared", "online")
+DATA_FORMATS = ("text", "chat", "sentence")
+PACKINGS = ("concat", "pad")
+BAD_ROW_POLICIES = ("error", "skip")
+INFER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # besides auto
+
+
+def _need(ok: bool, field: str, value, fix: str, problem: str = "is invalid") -> None:
+    if not ok:
+        raise ConfigError(field, value, fix, problem=problem)
+
+
+def _finite_number(field: str, value, fix: str) -> None:
+    _need(value is None or math.isfinite(value), field, value, fix, "is not a finite number")
+
+
+def _one_of(field: str, value, choices, what: str) -> None:
+    _need(value in choices, field, value, f"use one of {', '.join(choices)}", f"is not a known {what}")
+
+
+# =============================================================================== model and routing
+
+
+def validate_model(m, r=None, prefix: str = "model") -> None:
+    """The model group (and moe_opt when given): what MoETransformer needs to be built."""
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "num_experts", "top_k", "moe_layer_frequency", "max_position_embeddings"):
+        value = getattr(m, key)
+        _need(value >= 1, f"{prefix}.{key}", value, f"set {prefix}.{key} to a positive integer",
+              "must be at least 1")
+    if m.head_dim is None:
+        _need(m.hidden_size % m.num_heads == 0, f"{prefix}.hidden_size", m.hidden_size,
+              f"use a multiple of {prefix}.num_heads={m.num_heads}, or set {prefix}.head_dim",
+              f"is not divisible by num_heads={m.num_heads}")
+    else:
+        _need(m.head_dim >= 1, f"{prefix}.head_dim", m.head_dim, "set a positive head_dim or null")
+    _need(m.num_heads % m.num_kv_heads == 0, f"{prefix}.num_kv_heads", m.num_kv_heads,
+          f"use a divisor of {prefix}.num_heads={m.num_heads} (GQA shares a kv head by a group of q heads)",
+          f"does not divide num_heads={m.num_heads}")
+    _need(m.top_k <= m.num_experts, f"{prefix}.top_k", m.top_k,
+          f"use 1 <= top_k <= {prefix}.num_experts={m.num_experts}", f"exceeds num_experts={m.num_experts}")
+    _one_of(f"{prefix}.position_encoding", m.position_encoding, POSITION_ENCODINGS, "position encoding")
+    head_dim = m.head_dim or m.hidden_size // m.num_heads
+    _need(m.position_encoding != "rope" or head_dim % 2 == 0, f"{prefix}.head_dim", head_dim,
+          "RoPE rotates pairs of dims: use an even head_dim", "is odd")
+    _need(m.sliding_window is None or m.sliding_window >= 1, f"{prefix}.sliding_window", m.sliding_window,
+          "use a positive window or null for full attention")
+    for key, fix in (("rope_theta", "use a positive base such as 1e6"),
+                     ("init_range", "use a positive std such as 0.02"),
+                     ("rms_norm_eps", "use a small positive epsilon such as 1e-5")):
+        value = getattr(m, key)
+        _finite_number(f"{prefix}.{key}", value, fix)
+        _need(value > 0, f"{prefix}.{key}", value, fix, "must be positive")
+    _need(m.shared_expert_intermediate_size >= 0, f"{prefix}.shared_expert_intermediate_size",
+          m.shared_expert_intermediate_size, "use 0 (no shared expert) or a positive width")
+    _need(m.dense_intermediate_size is None or m.dense_intermediate_size >= 1,
+          f"{prefix}.dense_intermediate_size", m.dense_intermediate_size,
+          "use a positive width or null (= intermediate_size)")
+    if r is not None:
+        validate_routing(r)
+
+
+def validate_routing(r, prefix: str = "moe_opt") -> None:
+    for key in ("capacity_factor", "eval_capacity_factor"):
+        value = getattr(r, key)
+        _finite_number(f"{prefix}.{key}", value, "use a factor such as 1.25, or null for dropless routing")
+        _need(value is None or value > 0, f"{prefix}.{key}", value,
+              "use a positive factor (1.0-2.0 is usual), or null for dropless routing",
+              "must be positive or null")
+    _need(r.min_capacity >= 0, f"{prefix}.min_capacity", r.min_capacity, "use 0 or more",
+          "must not be negative")
+    _one_of(f"{prefix}.drop_policy", r.drop_policy, DROP_POLICIES, "drop policy")
+    for key in ("aux_loss_coeff", "z_loss_coeff"):
+        value = getattr(r, key)
+        _finite_number(f"{prefix}.{key}", value, "use a coefficient such as 0.01, or 0 to turn the loss off")
+        _need(value >= 0, f"{prefix}.{key}", value, "use 0 or a positive coefficient", "must not be negative")
+    jitter_fix = "use a value in [0, 1), e.g. 0.01; 0 turns jitter off"
+    _finite_number(f"{prefix}.jitter_eps", r.jitter_eps, jitter_fix)
+    _need(0 <= r.jitter_eps < 1, f"{prefix}.jitter_eps", r.jitter_eps, jitter_fix, "is outside [0, 1)")
+    _one_of(f"{prefix}.router_dtype", r.router_dtype, tuple(ROUTER_DTYPES), "router dtype (fp32 recommended)")
+    _one_of(f"{prefix}.aux_loss_group", r.aux_loss_group, AUX_LOSS_GROUPS, "load-balance group")
+
+
+# =============================================================================== train.py
+
+
+def check_trainer_counts(cfg) -> None:
+    t = cfg.trainer
+    for key in ("devices", "num_nodes", "micro_batch_size", "accumulate_grad_batches"):
+        _need(t[key] >= 1, f"trainer.{key}", t[key], f"set trainer.{key} to 1 or more", "must be at least 1")
+    _need(t.max_steps > 0, "trainer.max_steps", t.max_steps, "set trainer.max_steps to a positive number",
+          "must be positive")
+    for key in ("log_every_n_steps", "val_check_interval", "checkpoint_every_n_steps",
+                "keep_last_checkpoints"):
+        _need(t[key] >= 1, f"trainer.{key}", t[key], f"set trainer.{key} to 1 or more", "must be at least 1")
+    _need(t.limit_val_batches >= 0, "trainer.limit_val_batches", t.limit_val_batches,
+          "use 0 (no validation) or more batches", "must not be negative")
+
+
+def check_backend(cfg) -> None:
+    hw = cfg.hardware
+    _one_of("hardware.strategy", hw.strategy, tuple(SPECS), "strategy")
+    _need(cfg.trainer.devices <= hw.devices_per_node, "trainer.devices", cfg.trainer.devices,
+          f"use at most {hw.devices_per_node} devices per node and raise trainer.num_nodes instead",
+          f"exceeds hardware.devices_per_node={hw.devices_per_node} ({hw.name})")
+    _one_of("hardware.neuron_precision", hw.neuron_precision, NEURON_PRECISIONS, "Neuron precision preset")
+    spec = spec_of(cfg)
+    precision = cfg.trainer.precision or hw.precision
+    if spec.precisions is None:
+        _need(cfg.trainer.precision is None, "trainer.precision", cfg.trainer.precision,
+              "leave trainer.precision=null and pick hardware.neuron_precision "
+              f"({', '.join(NEURON_PRECISIONS)})",
+              f"is not used by {spec.library} (hardware={hw.name})")
+    else:
+        key = "trainer.precision" if cfg.trainer.precision else "hardware.precision"
+        _need(precision in spec.precisions, key, precision, f"use one of {', '.join(spec.precisions)}",
+              f"is not a precision the {spec.library} backend runs")
+
+
+def check_degrees(cfg) -> None:
+    p = cfg.parallel
+    for key in ("tp", "pp", "ep"):
+        _need(p[key] >= 1, f"parallel.{key}", p[key], f"set parallel.{key} to 1 or more",
+              "must be at least 1")
+    _need(p.dp is None or p.dp >= 1, "parallel.dp", p.dp,
+          "set parallel.dp to 1 or more, or null to derive it", "must be at least 1")
+
+
+def check_backend_degrees(cfg) -> None:
+    """A degree the backend would ignore is refused, so no run silently trains another layout."""
+    p, hw, spec = cfg.parallel, cfg.hardware, spec_of(cfg)
+    capable = {"tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
+    for key, able in capable.items():
+        if p[key] > 1 and not able:
+            others = [s.name for s in SPECS.values()
+                      if (s.tensor_parallel if key == "tp" else s.pipeline_parallel)]
+            raise ConfigError(f"parallel.{key}", p[key],
+                              f"set parallel.{key}=1 (use parallel.ep and data parallelism), or a backend "
+                              f"that has it (hardware.strategy: {', '.join(others)}; e.g. hardware=trn1)",
+                              problem=f"is not implemented by {spec.library} (hardware={hw.name})")
+    if spec.max_expert_parallel is not None:
+        _need(p.ep <= spec.max_expert_parallel, "parallel.ep", p.ep,
+              f"use parallel.ep={spec.max_expert_parallel} on hardware={hw.name}",
+              f"is more than {spec.library} trains (at most {spec.max_expert_parallel})")
+
+
+def check_world_divisible(cfg) -> None:
+    p, world = cfg.parallel, world_of(cfg)
+    tp_pp = p.tp * p.pp
+    key = "pp" if p.tp == 1 else "tp"
+    _need(world % tp_pp == 0, f"parallel.{key}", p[key],
+          f"launch a multiple of tp*pp = {tp_pp} devices "
+          f"({launch_overrides(tp_pp, cfg.hardware.devices_per_node)}), or lower parallel.tp / parallel.pp",
+          f"(tp*pp = {tp_pp}) does not divide the world size {world}")
+
+
+def check_dp_matches_world(cfg) -> None:
+    p, world = cfg.parallel, world_of(cfg)
+    if p.dp is None:
+        return
+    need = p.tp * p.pp * p.dp
+    _need(need == world, "parallel.dp", p.dp,
+          f"launch tp*pp*dp = {need} devices ({launch_overrides(need, cfg.hardware.devices_per_node)}), "
+          "or set parallel.dp=null to derive it from the world",
+          f"gives tp*pp*dp = {need} but the world is {world} devices")
+
+
+def check_ep(cfg) -> None:
+    p, m = cfg.parallel, cfg.model
+    _need(m.num_experts % p.ep == 0, "parallel.ep", p.ep,
+          f"use an ep that divides model.num_experts={m.num_experts}",
+          f"does not divide num_experts={m.num_experts}")
+    dp = Layout.from_config(cfg).dp
+    least = p.tp * p.pp * p.ep
+    _need(dp % p.ep == 0, "parallel.ep", p.ep,
+          "expert parallelism is carved out of data parallelism, so launch a multiple of "
+          f"tp*pp*ep = {least} devices ({launch_overrides(least, cfg.hardware.devices_per_node)}), "
+          f"or use an ep that divides dp={dp}",
+          f"does not divide the data-parallel size {dp}")
+
+
+def check_hybrid_shard(cfg) -> None:
+    p, spec = cfg.parallel, spec_of(cfg)
+    if p.hybrid_shard_degree is None:
+        return
+    _need(spec.hybrid_shard, "parallel.hybrid_shard_degree", p.hybrid_shard_degree,
+          f"set parallel.hybrid_shard_degree=null: {spec.library} shards ZeRO state over the whole "
+          "data-parallel group",
+          f"is not implemented by {spec.library} (hardware={cfg.hardware.name})")
+    dp = Layout.from_config(cfg).dp
+    _need(p.hybrid_shard_degree >= 1 and dp % p.hybrid_shard_degree == 0, "parallel.hybrid_shard_degree",
+          p.hybrid_shard_degree, f"use a divisor of dp={dp}, or null to shard over the data-parallel group",
+          f"does not divide the data-parallel size {dp}")
+
+
+def check_global_batch(cfg) -> None:
+    t = cfg.trainer
+    if t.global_batch_size is None:
+        return
+    dp = Layout.from_config(cfg).dp
+    got = t.micro_batch_size * t.accumulate_grad_batches * dp
+    per_micro = t.micro_batch_size * dp
+    if t.global_batch_size % per_micro == 0:
+        hint = f"set trainer.accumulate_grad_batches={t.global_batch_size // per_micro}"
+    else:
+        hint = f"use a multiple of micro_batch_size*dp = {per_micro}"
+    _need(got == t.global_batch_size, "trainer.global_batch_size", t.global_batch_size,
+          f"{hint}, or set trainer.global_batch_size=null to derive it",
+          "!= micro_batch_size*accumulate_grad_batches*dp = "
+          f"{t.micro_batch_size}*{t.accumulate_grad_batches}*{dp} = {got}")
+
+
+def check_sequence_parallel(cfg) -> None:
+    p = cfg.parallel
+    _need(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", p.sequence_parallel,
+          "set parallel.sequence_parallel=false, or use tensor parallelism (parallel.tp > 1)",
+          "splits activations over the TP group, which needs tp > 1")
+
+
+def check_zero_stage(cfg) -> None:
+    p, hw, spec = cfg.parallel, cfg.hardware, spec_of(cfg)
+    _need(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", p.zero_stage, "use 0, 1, 2 or 3",
+          "is not a ZeRO stage")
+    if p.zero_stage <= spec.max_zero_stage:
+        return
+    if spec.max_zero_stage == 0:
+        fix = "use hardware=cpu_deepspeed (or gpu) for ZeRO sharding, or parallel.zero_stage=0"
+    elif spec.name == "deepspeed":
+        fix = (f"use parallel.zero_stage={spec.max_zero_stage} (optimizer states and gradients sharded) with "
+               "expert parallelism for the experts: DeepSpeed ZeRO-3 does not support MoE")
+    else:
+        fix = f"use parallel.zero_stage={spec.max_zero_stage} ({spec.library} shards optimizer states only)"
+    raise ConfigError("parallel.zero_stage", p.zero_stage, fix,
+                      problem=f"is not available with {spec.library} (hardware={hw.name})")
+
+
+def check_model_split(cfg) -> None:
+    p, m = cfg.parallel, cfg.model
+    _need(m.num_heads % p.tp == 0, "parallel.tp", p.tp,
+          f"use a tp that divides model.num_heads={m.num_heads}", f"does not divide num_heads={m.num_heads}")
+    _need(m.num_layers % p.pp == 0, "parallel.pp", p.pp,
+          f"use a pp that divides model.num_layers={m.num_layers}",
+          f"does not divide num_layers={m.num_layers}")
+
+
+def check_activation_checkpointing(cfg) -> None:
+    p = cfg.parallel
+    _one_of("parallel.activation_checkpointing", p.activation_checkpointing, AC_POLICIES, "policy")
+    _need(p.activation_checkpointing_every_n >= 1, "parallel.activation_checkpointing_every_n",
+          p.activation_checkpointing_every_n, "use 1 or more", "must be at least 1")
+
+
+def check_model(cfg) -> None:
+    validate_model(cfg.model, cfg.moe_opt)
+
+
+def check_seq_len(cfg) -> None:
+    m, seq_len = cfg.model, cfg.data.seq_len
+    _need(seq_len >= 1, "data.seq_len", seq_len, "use a positive sequence length such as 2048",
+          "must be positive")
+    _need(seq_len <= m.max_position_embeddings, "data.seq_len", seq_len,
+          f"use data.seq_len <= {m.max_position_embeddings}, or raise model.max_position_embeddings",
+          f"exceeds model.max_position_embeddings={m.max_position_embeddings}")
+
+
+def check_data(cfg) -> None:
+    d = cfg.data
+    _one_of("data.kind", d.kind, DATA_KINDS, "data kind")
+    _one_of("data.format", d.format, DATA_FORMATS, "data format")
+    _finite_number("data.val_fraction", d.val_fraction, "use a fraction in [0, 1), e.g. 0.05")
+    _need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "use a fraction in [0, 1), e.g. 0.05",
+          "is outside [0, 1)")
+    _need(d.num_workers >= 0, "data.num_workers", d.num_workers,
+          "use 0 (load in the training process) or more", "must not be negative")
+    if d.format == "chat":
+        check_chat_template("data.chat_template", d.chat_template)
+
+
+def check_optimizer(cfg) -> None:
+    o = cfg.optimizer
+    for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip"):
+        _finite_number(f"optimizer.{key}", o[key], f"use a finite optimizer.{key}")
+    _need(o.lr > 0, "optimizer.lr", o.lr, "use a positive learning rate such as 3e-4", "must be positive")
+    _need(0 <= o.min_lr <= o.lr, "optimizer.min_lr", o.min_lr, f"use 0 <= min_lr <= optimizer.lr={o.lr}",
+          f"is outside 0..lr={o.lr}")
+    _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas", list(o.betas),
+          "use two values in [0, 1), e.g. [0.9, 0.95]", "are not AdamW betas")
+    _need(o.eps > 0, "optimizer.eps", o.eps, "use a small positive epsilon such as 1e-8", "must be positive")
+    _need(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "use 0 or more, e.g. 0.1",
+          "must not be negative")
+    _need(o.grad_clip >= 0, "optimizer.grad_clip", o.grad_clip,
+          "use a positive max norm such as 1.0, or 0 for off", "must not be negative")
+
+
+def check_schedule(cfg) -> None:
+    o, max_steps = cfg.optimizer, cfg.trainer.max_steps
+    _need(o.decay_steps is None or o.decay_steps >= 1, "optimizer.decay_steps", o.decay_steps,
+          "use a positive step count, or null for trainer.max_steps", "must be at least 1")
+    horizon = o.decay_steps or max_steps
+    key = "optimizer.decay_steps" if o.decay_steps else "trainer.max_steps"
+    _need(0 <= o.warmup_steps <= horizon, "optimizer.warmup_steps", o.warmup_steps,
+          f"use at most {key}={horizon} warmup steps (e.g. {max(0, horizon // 10)}), or a longer run",
+          f"exceeds {key}={horizon}: the learning rate would never reach optimizer.lr")
+
+
+def check_guard(cfg) -> None:
+    """The loss-spike and NaN guard's keys in the trainer group (moe/train/guard.py)."""
+    t = cfg.trainer
+    _one_of("trainer.spike_action", t.spike_action, SPIKE_ACTIONS, "spike action")
+    _finite_number("trainer.spike_factor", t.spike_factor, "use e.g. 3.0, or 0 to turn detection off")
+    _need(t.spike_factor == 0 or t.spike_factor > 1, "trainer.spike_factor", t.spike_factor,
+          "use a multiple of the running mean above 1 (e.g. 3.0), or 0 to turn detection off",
+          "would flag ordinary steps as spikes")
+    _need(t.spike_window >= 1, "trainer.spike_window", t.spike_window, "use 1 or more steps (e.g. 50)",
+          "must be at least 1")
+    _need(t.spike_max_rollbacks >= 0, "trainer.spike_max_rollbacks", t.spike_max_rollbacks, "use 0 or more",
+          "must not be negative")
+
+
+def check_instantiables(cfg) -> None:
+    """logger.<name> and callbacks.<name>: nodes with a `_target_`, as Hydra instantiates them."""
+    for group in ("logger", "callbacks"):
+        for name, node in (cfg.get(group) or {}).items():
+            target = node.get("_target_") if hasattr(node, "get") else None
+            _need(isinstance(target, str) and "." in target, f"{group}.{name}._target_", target,
+                  f"give {group}.{name} a `_target_` naming a class, e.g. "
+                  + ("lightning.pytorch.loggers.TensorBoardLogger" if group == "logger"
+                     else "lightning.pytorch.callbacks.LearningRateMonitor"),
+                  "is missing or not a dotted class path")
+
+
+RULES = [  # in order: counts, then the hardware, then divisibility of the layout, then the rest
+    check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_model,
+    check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
+    check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
+    check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
+]
+
+
+def validate(cfg) -> Layout:
+    """Raise ConfigError for the first rule the composed config breaks; else return its Layout."""
+    for rule in RULES:
+        rule(cfg)
+    return Layout.from_config(cfg)
+
+
+# =============================================================================== data_prep.py
+
+
+def check_chat_template(field: str, template: str) -> None:
+    from moe.data.formats import DEFAULT_CHAT_TEMPLATE
+
+    for slot in ("{prompt}", "{completion}"):
+        _need(template.count(slot) == 1, field, template,
+              f"put {slot} exactly once in the template, e.g. {DEFAULT_CHAT_TEMPLATE!r}",
+              f"must contain {slot} once")
+    _need(template.index("{prompt}") < template.index("{completion}"), field, template,
+          "put {prompt} before {completion}", "has the completion before the prompt")
+
+
+def validate_prep(cfg) -> None:
+    """data_prep.py's keys (moe/config/data_prep.py PrepConfig); names are top level there."""
+    _need(cfg.input not in (None, "", []), "input", cfg.input,
+          "pass input=PATH (file, glob, directory) or a hub dataset name", "is required")
+    _one_of("format", cfg.format, DATA_FORMATS, "format")
+    _one_of("packing", cfg.packing, PACKINGS, "packing mode")
+    _one_of("on_bad_row", cfg.on_bad_row, BAD_ROW_POLICIES, "bad-row policy")
+    _need(cfg.seq_len >= 1, "seq_len", cfg.seq_len, "use a positive length, e.g. 2048", "is too small")
+    _finite_number("val_fraction", cfg.val_fraction, "use a fraction in [0, 1), e.g. 0.1")
+    _need(0.0 <= cfg.val_fraction < 1.0, "val_fraction", cfg.val_fraction,
+          "use a fraction in [0, 1), e.g. 0.1", "is out of range")
+    for key in ("num_proc", "batch_size"):
+        _need(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use 1 or more", "must be positive")
+    _need((cfg.tokenizer is None) != (cfg.vocab_size is None), "tokenizer", cfg.tokenizer,
+          "pass tokenizer=DIR (a directory with tokenizer.json) or vocab_size=N (train a byte-level BPE "
+          "on the input), not both",
+          "is required" if cfg.tokenizer is None else f"and vocab_size={cfg.vocab_size} are both set")
+    if cfg.format == "chat":
+        check_chat_template("chat_template", cfg.chat_template)
+    else:
+        _need(not cfg.assistant_only_loss, "assistant_only_loss", True,
+              "use format=chat, or set assistant_only_loss=false", f"needs format=chat, not {cfg.format}")
+
+
+# =============================================================================== infer.py
+
+
+def validate_infer(cfg) -> None:
+    """infer.py's sampling and dtype keys (moe/config/infer.py InferConfig)."""
+    checks = [("max_new_tokens", cfg.max_new_tokens >= 0, "use 0 or more"),
+              ("temperature", math.isfinite(cfg.temperature) and cfg.temperature >= 0,
+               "use 0 (greedy) or a positive value such as 0.8"),
+              ("top_k", cfg.top_k >= 0, "use 0 (off) or a positive count such as 50"),
+              ("top_p", math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, "use a value in (0, 1], 1 = off"),
+              ("batch_size", cfg.batch_size >= 1, "use 1 or more")]
+    for name, ok, fix in checks:
+        _need(ok, name, getattr(cfg, name), fix)
+    _one_of("dtype", cfg.dtype, ("auto", *INFER_DTYPES), "dtype")

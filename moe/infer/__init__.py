@@ -1,0 +1,1 @@
+"""Inference: load a checkpoint or a Mixtral directory, generate, export."""

@@ -1,0 +1,57 @@
+"""Export a model as a Mixtral directory that transformers loads offline.
+
+`moe.model.hf` converts models in memory; this writes config.json + model.safetensors +
+generation_config.json + tokenizer files atomically (a temp dir renamed into place, so a
+failure leaves nothing half-written).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from moe.data.tokenizer import chat_template_jinja, check_vocab, load_hf_tokenizer
+from moe.errors import UserError
+from moe.model import MoETransformer
+
+
+def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_template: str | None = None,
+              overwrite: bool = False) -> Path:
+    """Write a directory `MixtralForCausalLM/AutoTokenizer.from_pretrained` load offline.
+
+    `tokenizer`: a transformers tokenizer or a directory holding one. Refuses (ConfigError)
+    a model Mixtral cannot express before anything touches disk.
+    """
+    from moe.model.hf import to_hf
+
+    out = Path(out_dir).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UserError("export_hf", str(out), "choose a new directory, or add overwrite=true to replace it",
+                        problem="already exists and is not empty")
+    hf = to_hf(model)  # ConfigError for ALiBi, dense layers, shared expert, un-normalised top-k
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_hf_tokenizer(tokenizer)
+    check_vocab(tokenizer, model.cfg.vocab_size, "tokenizer", getattr(tokenizer, "name_or_path", tokenizer))
+    if chat_template:
+        tokenizer.chat_template = chat_template_jinja(chat_template)
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(tokenizer, key)
+        setattr(hf.config, key, value)
+        setattr(hf.generation_config, key, value)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        hf.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

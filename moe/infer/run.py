@@ -1,0 +1,207 @@
+"""What `infer.py` does: load a model (training checkpoint or Mixtral dir), then export it or generate.
+
+Generation prints each completion and a tokens/s line; `export_hf=DIR` writes a Mixtral
+directory instead. Everything a user can get wrong surfaces as a UserError.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from moe.config.validate import INFER_DTYPES, validate_infer
+from moe.data.formats import DEFAULT_CHAT_TEMPLATE, FormatSpec
+from moe.data.tokenizer import check_vocab, load_hf_tokenizer, template_markers
+from moe.errors import UserError
+from moe.infer.export import export_hf
+from moe.infer.generate import Generation, generate, left_pad
+from moe.infer.load import generation_eos_ids, model_from_checkpoint, model_from_hf_dir, resolve_checkpoint
+from moe.model import MoETransformer
+from moe.paths import local_path
+
+
+@dataclass
+class Loaded:
+    """A model ready to generate, with the tokenizer and template it was trained with."""
+
+    model: MoETransformer
+    tokenizer: object  # transformers tokenizer
+    tokenizer_dir: Path
+    chat_template: str  # ours ({prompt}/{completion}); used unless the tokenizer brings its own
+    eos_ids: list[int] = field(default_factory=list)
+    source: str = ""
+    tokenizer_template: bool = False  # chat via tokenizer.apply_chat_template (an HF dir's own template)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UserError("device", name, "use auto, cpu, cuda or cuda:N", problem="is not a device") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device", name, "use device=cpu (or auto)",
+                        problem="needs CUDA, which is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, INFER_DTYPES[name])
+
+
+def training_tokenizer_dir(train_cfg: DictConfig, ckpt_path: Path) -> tuple[Path, list[str]]:
+    """(tokenizer dir the run trained with, chat markers training added as special tokens)."""
+    run_dir = ckpt_path.resolve().parent.parent
+    if (run_dir / "tokenizer" / "tokenizer.json").is_file():
+        return run_dir / "tokenizer", []
+    data = train_cfg.get("data") or {}
+    if data.get("kind") == "prepared" and data.get("path"):
+        meta_file = local_path(data["path"]) / "meta.json"
+        if meta_file.is_file():
+            return meta_file.parent / json.loads(meta_file.read_text())["tokenizer"]["dir"], []
+    if data.get("tokenizer"):
+        markers = template_markers(data.get("chat_template") or "") if data.get("format") == "chat" else []
+        return local_path(data["tokenizer"]), markers
+    raise UserError("tokenizer", None, "pass tokenizer=DIR (the tokenizer the model was trained with)",
+                    problem=f"cannot be found from {ckpt_path}'s data config")
+
+
+def load(cfg) -> Loaded:
+    """Model (eval, on cfg.device in cfg.dtype) + tokenizer from ckpt= or hf_dir=."""
+    if bool(cfg.ckpt) == bool(cfg.hf_dir):
+        raise UserError("ckpt", cfg.ckpt, "pass exactly one of ckpt=PATH (or ckpt=last) and hf_dir=DIR",
+                        problem=f"and hf_dir={cfg.hf_dir!r} are both given" if cfg.ckpt else
+                        "and hf_dir are both missing")
+    markers: list[str] = []
+    eos_ids: list[int] = []
+    if cfg.ckpt:
+        path = resolve_checkpoint(cfg.ckpt, cfg.runs_dir)
+        model, train_cfg = model_from_checkpoint(path)
+        if cfg.tokenizer:
+            tok_dir, markers = local_path(cfg.tokenizer), []
+        else:
+            tok_dir, markers = training_tokenizer_dir(train_cfg, path)
+        trained = (train_cfg.get("data") or {}).get("chat_template")
+        template = cfg.chat_template or trained or DEFAULT_CHAT_TEMPLATE
+        source, tok_field = str(path), "tokenizer" if cfg.tokenizer else "ckpt"
+    else:
+        hf_dir = Path(cfg.hf_dir).expanduser()
+        model = model_from_hf_dir(hf_dir)
+        tok_dir = local_path(cfg.tokenizer) if cfg.tokenizer else hf_dir
+        template = cfg.chat_template or DEFAULT_CHAT_TEMPLATE
+        eos_ids = generation_eos_ids(hf_dir)
+        source, tok_field = str(hf_dir), "tokenizer" if cfg.tokenizer else "hf_dir"
+    tokenizer = load_hf_tokenizer(tok_dir, field=tok_field)
+    missing = [m for m in markers if m not in tokenizer.get_vocab()]
+    if missing:  # training's chat format registered the template markers as special tokens
+        tokenizer.add_special_tokens({"additional_special_tokens": missing})
+    check_vocab(tokenizer, model.cfg.vocab_size, tok_field, tok_dir)
+    own_template = bool(cfg.hf_dir and not cfg.chat_template and getattr(tokenizer, "chat_template", None))
+    if tokenizer.eos_token_id is not None:
+        eos_ids = [tokenizer.eos_token_id, *[i for i in eos_ids if i != tokenizer.eos_token_id]]
+    device = resolve_device(cfg.device)
+    model = model.to(device=device, dtype=resolve_dtype(cfg.dtype, device))
+    return Loaded(model, tokenizer, Path(tok_dir), template, eos_ids, source, own_template)
+
+
+def read_prompts(cfg) -> list[str]:
+    """prompt= and/or prompts_file= (.txt: a prompt a line, blank lines skipped; .jsonl: a `prompt` field)."""
+    prompts = [cfg.prompt] if cfg.prompt else []
+    if cfg.prompts_file:
+        path = Path(cfg.prompts_file).expanduser()
+        if not path.is_file():
+            raise UserError("prompts_file", cfg.prompts_file, "pass an existing .txt or .jsonl file",
+                            problem="does not exist")
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        if path.suffix == ".jsonl":
+            try:
+                prompts += [json.loads(line)["prompt"] for line in lines]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise UserError("prompts_file", cfg.prompts_file, 'write one {"prompt": "..."} object a line',
+                                problem=f"has a line without a prompt field ({err})") from err
+        else:
+            prompts += lines
+    if not prompts:
+        raise UserError("prompt", cfg.prompt, 'pass prompt="..." or prompts_file=FILE (or export_hf=DIR)',
+                        problem="is missing: nothing to generate from")
+    return prompts
+
+
+def chat_prefix(prompt: str, template: str) -> str:
+    """The training template up to the completion: what the model saw before the assistant's answer."""
+    head, mid, _ = FormatSpec("chat", chat_template=template).template_parts
+    return head + prompt + mid
+
+
+def run(cfg) -> list[dict] | Path:
+    """infer.py: export (returns the directory) or generate (returns one dict per prompt, also printed)."""
+    validate_infer(cfg)
+    loaded = load(cfg)
+    if cfg.export_hf:
+        out = export_hf(loaded.model, cfg.export_hf, loaded.tokenizer, chat_template=loaded.chat_template,
+                        overwrite=cfg.overwrite)
+        print(f"exported {loaded.source} -> {out} (config.json, model.safetensors, tokenizer); load it with "
+              f"transformers.MixtralForCausalLM.from_pretrained({str(out)!r})")
+        return out
+    prompts = read_prompts(cfg)
+    if cfg.chat and loaded.tokenizer_template:  # e.g. a Mixtral-Instruct dir: its own [INST] template
+        texts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                      add_generation_prompt=True) for p in prompts]
+    else:
+        texts = [chat_prefix(p, loaded.chat_template) if cfg.chat else p for p in prompts]
+    rendered = cfg.chat and loaded.tokenizer_template
+    results, runs = generate_texts(loaded, texts, cfg, add_special_tokens=not rendered)
+    longest = max(r["prompt_tokens"] + r["new_tokens"] for r in results)
+    limit = loaded.model.cfg.max_position_embeddings
+    if longest > limit:
+        print(f"note: {longest} tokens exceed model.max_position_embeddings={limit}; the model never saw "
+              "positions that far in training", file=sys.stderr)
+    for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
+        print(f"=== [{i}] {prompt}\n{res['completion']}")
+    total, seconds = sum(g.num_new_tokens for g in runs), sum(g.seconds for g in runs)
+    param = next(loaded.model.parameters())
+    dtype = str(param.dtype).removeprefix("torch.")
+    print(f"--- {len(prompts)} prompt(s), {total} new tokens in {seconds:.2f} s: "
+          f"{total / max(seconds, 1e-9):.1f} tokens/s ({loaded.model.cfg.name}, {dtype}, {param.device}, "
+          f"batch_size={cfg.batch_size}, prefill {sum(g.prefill_s for g in runs):.2f} s)")
+    if cfg.output_file:
+        Path(cfg.output_file).write_text("".join(json.dumps(r) + "\n" for r in results))
+    return results
+
+
+def generate_texts(loaded: Loaded, texts: list[str], cfg,
+                   add_special_tokens: bool = True) -> tuple[list[dict], list[Generation]]:
+    """Tokenize, left-pad in batches of cfg.batch_size, generate, decode.
+
+    add_special_tokens=False for text a chat template rendered (it already holds BOS and the like).
+    """
+    tok, model = loaded.tokenizer, loaded.model
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (loaded.eos_ids or [0])[0]
+    greedy = cfg.greedy or cfg.temperature == 0
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(cfg.seed)
+    results, runs = [], []
+    for start in range(0, len(texts), cfg.batch_size):
+        chunk = texts[start:start + cfg.batch_size]
+        encoded = [tok(t, add_special_tokens=add_special_tokens)["input_ids"] for t in chunk]
+        for text, ids in zip(chunk, encoded, strict=True):
+            if not ids:
+                raise UserError("prompt", text, "give a prompt with at least one token", problem="is empty")
+        ids_BS, mask_BS = left_pad(encoded, pad_id)
+        out: Generation = generate(
+            model, ids_BS, mask_BS, max_new_tokens=cfg.max_new_tokens,
+            temperature=0.0 if greedy else cfg.temperature,
+            top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=loaded.eos_ids if cfg.stop_at_eos else None,
+            pad_token_id=pad_id, generator=gen, use_cache=cfg.use_cache, vocab_limit=len(tok))
+        for text, ids, new in zip(chunk, encoded, out.tokens, strict=True):
+            results.append({"prompt": text, "completion": tok.decode(new, skip_special_tokens=True),
+                            "prompt_tokens": len(ids), "new_tokens": len(new), "tokens": new})
+        runs.append(out)
+    return results, runs
+

@@ -1,0 +1,128 @@
+"""Token dispatch for the MoE layer: which rows reach which experts, and how their outputs come back.
+
+The layer routes, then asks its dispatcher for the rows of the experts held here, runs them,
+and hands the outputs back to the dispatcher to combine. `LocalDispatcher` (the default) holds
+every expert in this process; `AllToAllDispatcher`, installed by `moe.parallel.apply.apply_ep`,
+sends rows to the expert-parallel rank that holds their expert and back with
+`all_to_all_single`: uneven splits when dropless, fixed [E, C] buffers under a capacity.
+The dispatcher holds the process group; the layer never sees one.
+
+Shapes: T tokens, K picks per token, N = T*K assignments, M kept assignments in expert order,
+R rows received from every EP rank, E experts in all, C slots per expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe.model.routing import combine as combine_rows
+from moe.model.routing import dispatch_order, inverse_index, move_rows, sort_rows
+from moe.parallel.comm import exchange_tokens, group_max
+
+
+@dataclass
+class Sorted:
+    """Kept assignments in expert order: order_M indexes the flat [N] picks, pos_N is its inverse."""
+
+    order_M: torch.Tensor
+    pos_N: torch.Tensor
+
+
+def sort_by_expert(x_TH, idx_TK, keep_TK, num_experts) -> tuple[torch.Tensor, torch.Tensor, Sorted]:
+    """(token rows of the kept assignments in expert order [M, H], kept rows per expert [E], order)."""
+    keep_N = None if keep_TK is None else keep_TK.reshape(-1)
+    order_M, counts_E = dispatch_order(idx_TK.reshape(-1), num_experts, keep_N)
+    pos_N = inverse_index(order_M, idx_TK.numel())
+    return sort_rows(x_TH, order_M, pos_N, idx_TK.shape[1]), counts_E, Sorted(order_M, pos_N)
+
+
+class LocalDispatcher:
+    """Every expert is in this process: sort rows by expert, run them, add them back weighted."""
+
+    def agree_capacity(self, capacity: int | None, device) -> int | None:
+        return capacity
+
+    def dispatch(self, x_TH, idx_TK, keep_TK, capacity, num_experts):
+        """-> (rows for the experts here [M, H], rows per expert [E], what combine needs)."""
+        return sort_by_expert(x_TH, idx_TK, keep_TK, num_experts)
+
+    def combine(self, y_MH, weights_TK, sorted_: Sorted) -> torch.Tensor:
+        return combine_rows(y_MH, weights_TK, sorted_.order_M, sorted_.pos_N)
+
+
+@dataclass
+class _Exchanged:
+    """What the return trip of a dropless exchange needs."""
+
+    sorted: Sorted
+    counts_E: torch.Tensor  # rows this rank sent to each global expert
+    recv_counts: torch.Tensor  # [source rank][local expert] rows received
+    by_expert_R: torch.Tensor  # received rows -> local-expert order
+    arrival_R: torch.Tensor  # its inverse
+
+
+@dataclass
+class _Slotted:
+    """What the return trip of a fixed-buffer exchange needs."""
+
+    sorted: Sorted
+    slot_M: torch.Tensor  # kept row m -> its slot (expert * C + rank within the expert)
+    row_X: torch.Tensor  # slot -> kept row (M = empty slot)
+    capacity: int
+
+
+class AllToAllDispatcher:
+    """Experts are spread over the ranks of `group` (rank r holds experts [r*E/ep, (r+1)*E/ep))."""
+
+    def __init__(self, group):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+
+    def agree_capacity(self, capacity: int | None, device) -> int | None:
+        """Every rank's buffers must have one size: the group's largest capacity."""
+        return None if capacity is None else group_max(capacity, self.group, device)
+
+    def dispatch(self, x_TH, idx_TK, keep_TK, capacity, num_experts):
+        if capacity is None:
+            return self._dispatch_dropless(x_TH, idx_TK, num_experts)
+        return self._dispatch_fixed(x_TH, idx_TK, keep_TK, capacity, num_experts)
+
+    def combine(self, y_MH, weights_TK, ctx) -> torch.Tensor:
+        if isinstance(ctx, _Exchanged):
+            y_RH = move_rows(y_MH, ctx.arrival_R, ctx.by_expert_R)  # back to arrival order
+            y_MH, _ = exchange_tokens(y_RH, ctx.recv_counts, self.group, recv_counts=ctx.counts_E)
+        else:
+            E_local, C = y_MH.shape[0] // (self.ep * ctx.capacity), ctx.capacity
+            y_XH = y_MH.view(E_local, self.ep, C, -1).transpose(0, 1).reshape(self.ep * E_local * C, -1)
+            back_XH, _ = exchange_tokens(y_XH, None, self.group)
+            y_MH = move_rows(back_XH, ctx.slot_M, ctx.row_X)
+        return combine_rows(y_MH, weights_TK, ctx.sorted.order_M, ctx.sorted.pos_N)
+
+    def _dispatch_dropless(self, x_TH, idx_TK, num_experts):
+        """Rows sorted by expert are also sorted by owning rank: send, then regroup by local expert."""
+        local = num_experts // self.ep
+        x_MH, counts_E, sorted_ = sort_by_expert(x_TH, idx_TK, None, num_experts)
+        recv_RH, recv_counts = exchange_tokens(x_MH, counts_E, self.group)
+        # rows arrive grouped [source rank][local expert]; regroup them by local expert
+        local_R = torch.arange(local, device=x_TH.device).repeat(self.ep).repeat_interleave(recv_counts)
+        by_expert_R = torch.argsort(local_R, stable=True)
+        arrival_R = inverse_index(by_expert_R, by_expert_R.numel())
+        x_RH = move_rows(recv_RH, by_expert_R, arrival_R)
+        ctx = _Exchanged(sorted_, counts_E, recv_counts, by_expert_R, arrival_R)
+        return x_RH, recv_counts.view(self.ep, local).sum(0), ctx
+
+    def _dispatch_fixed(self, x_TH, idx_TK, keep_TK, capacity, num_experts):
+        """Fixed [E, C, H] buffers: kept row m goes to slot (expert, its rank within the expert)."""
+        E, C, local, H = num_experts, capacity, num_experts // self.ep, x_TH.shape[-1]
+        x_MH, counts_E, sorted_ = sort_by_expert(x_TH, idx_TK, keep_TK, E)
+        expert_M = idx_TK.reshape(-1)[sorted_.order_M]
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        slot_M = expert_M * C + torch.arange(expert_M.numel(), device=x_TH.device) - starts_E[expert_M]
+        row_X = inverse_index(slot_M, E * C)  # buffer slot -> kept row (M = empty slot, zeros)
+        send_XH = move_rows(x_MH, row_X, slot_M)
+        recv_XH, _ = exchange_tokens(send_XH, None, self.group)  # [source rank][local expert][slot]
+        x_LRH = recv_XH.view(self.ep, local, C, H).transpose(0, 1).reshape(local * self.ep * C, H)
+        counts_L = torch.full((local,), self.ep * C, dtype=torch.long, device=x_TH.device)
+        return x_LRH, counts_L, _Slotted(sorted_, slot_M, row_X, C)

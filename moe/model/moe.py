@@ -1,0 +1,206 @@
+"""The MoE feed-forward layer: route -> dispatch -> experts -> combine.
+
+Read top to bottom: `Router` scores experts, `Experts` holds the experts' SwiGLU weights as
+stacked tensors and runs rows already sorted by expert, `MoELayer.forward` ties them
+together. The maths (top-k, capacity, drops, losses, stats) lives in `moe/model/routing.py`;
+where rows go lives in the layer's dispatcher (`moe/model/dispatch.py`): all experts here by
+default, spread over expert-parallel ranks once `moe.parallel.apply.apply_ep` installs an
+all-to-all dispatcher. The layer itself holds no process group.
+
+Dispatch is sort-based: assignments are sorted by expert, their token rows gathered into
+one contiguous buffer, each expert multiplies its slice (one `torch._grouped_mm` where the
+build supports it, else a loop over the slices), and each token sums its k weighted
+outputs. Row moves are gathers both ways (`routing.move_rows`), never scatter-adds, and
+no [T, E, C] one-hot tensors are built.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moe.model.dispatch import LocalDispatcher
+from moe.model.routing import (
+    GroupSum,
+    RoutingStats,
+    apply_capacity,
+    expert_capacity,
+    router_dtype,
+    router_probs,
+    routing_stats,
+    swiglu,
+    top_k_routing,
+)
+
+__all__ = ["Router", "Experts", "MoELayer", "RoutingStats", "grouped_mm_works"]
+
+
+class Router(nn.Module):
+    """Linear gate without bias, weight [E, H], computed in `dtype` (fp32) outside autocast."""
+
+    def __init__(self, hidden_size: int, num_experts: int, dtype=torch.float32, jitter_eps: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.dtype, self.jitter_eps = dtype, jitter_eps
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x_TH.device.type, enabled=False):
+            x_TH = x_TH.to(self.dtype)
+            if self.training and self.jitter_eps > 0:  # multiplicative noise U(1-eps, 1+eps)
+                x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
+            return F.linear(x_TH, self.weight.to(self.dtype))
+
+
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs forward and backward correctly here; probed once, cached.
+
+    Some builds lack a kernel for a device/dtype or reject some layouts; then the
+    experts fall back to a loop over contiguous slices.
+    """
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_OK:
+        # The probe checks the backward too, so it needs autograd even under no_grad; identity
+        # saved-tensor hooks keep its tensors away from an enclosing activation checkpoint,
+        # whose recomputation would otherwise count different saved tensors.
+        keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with torch.inference_mode(False), torch.enable_grad(), keep:
+            _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype)
+    return _GROUPED_MM_OK[key]
+
+
+def _probe_grouped_mm(device, dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(6, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 16, 8, generator=gen).to(device, dtype).requires_grad_()
+        g = torch.randn(6, 8, generator=gen).to(device, dtype)
+        offs = torch.tensor([2, 2, 6], dtype=torch.int32, device=device)  # expert 1 gets no rows
+        y = torch._grouped_mm(x, w, offs=offs)
+        ref = torch.cat([x[:2] @ w[0], x[2:2] @ w[1], x[2:] @ w[2]])
+        grads = torch.autograd.grad((y * g).sum(), (x, w))
+        ref_grads = torch.autograd.grad((ref * g).sum(), (x, w))
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        pairs = [(y, ref), *zip(grads, ref_grads, strict=True)]
+        return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked parameters: gate_up [E, H, 2F] (gate cols, then up), down [E, F, H]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts  # experts held here (E / ep after sharding)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
+        self.down = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.use_grouped_mm: bool | None = None  # None: use it where grouped_mm_works()
+        self._mark_expert()
+
+    def _mark_expert(self):
+        for p in self.parameters():
+            p.is_expert = True
+
+    def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert, expert e owning the next counts_E[e] rows -> outputs [M, H]."""
+        use_gmm = self.use_grouped_mm
+        if use_gmm is None:
+            use_gmm = grouped_mm_works(x_MH.device, x_MH.dtype) and x_MH.dtype == self.gate_up.dtype
+        if use_gmm:
+            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            h_MF = swiglu(torch._grouped_mm(x_MH, self.gate_up, offs=offs_E))
+            return torch._grouped_mm(h_MF, self.down, offs=offs_E)
+        xs = x_MH.split(counts_E.tolist())
+        return torch.cat([swiglu(x @ self.gate_up[e]) @ self.down[e] for e, x in enumerate(xs)])
+
+    def shard(self, first: int, count: int) -> None:
+        """Keep experts [first, first+count) only (expert parallelism)."""
+        self.gate_up = nn.Parameter(self.gate_up.detach()[first : first + count].clone())
+        self.down = nn.Parameter(self.down.detach()[first : first + count].clone())
+        self.num_experts = count
+        self._mark_expert()
+
+
+class SharedExpert(nn.Module):
+    """An always-on SwiGLU added to every token's MoE output (DeepSeek/Qwen-MoE style)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return self.down(swiglu(self.gate_up(x_TH)))
+
+
+class MoELayer(nn.Module):
+    """Top-k routed SwiGLU experts; forward(x_BSH) -> (y_BSH, RoutingStats).
+
+    A dropped assignment adds nothing to its token's output (the block's residual carries
+    the token). Capacity uses moe_opt.capacity_factor in training and
+    moe_opt.eval_capacity_factor in eval; null means dropless; it counts this process's
+    tokens (under EP the dispatcher makes every rank use the group's largest capacity).
+
+    Installed by `moe.parallel.apply`: `dispatcher` (where rows go; local by default) and
+    `stats_sum` (sums routing statistics over the ranks whose tokens the load-balance and
+    z-losses cover, e.g. the EP group or every data-parallel rank; None = this process's).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, moe_opt,
+                 shared_expert_intermediate_size: int = 0, init_range: float = 0.02,
+                 out_init_std: float | None = None):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.capacity_factor = moe_opt.capacity_factor
+        self.eval_capacity_factor = moe_opt.eval_capacity_factor
+        self.min_capacity, self.drop_policy = moe_opt.min_capacity, moe_opt.drop_policy
+        self.normalize_top_k = moe_opt.normalize_top_k
+        self.dispatcher = LocalDispatcher()
+        self.stats_sum: GroupSum | None = None
+
+        self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = None
+        if shared_expert_intermediate_size > 0:
+            self.shared_expert = SharedExpert(hidden_size, shared_expert_intermediate_size)
+        self._init_weights(init_range, init_range if out_init_std is None else out_init_std)
+
+    def _init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.router.weight, std=std)
+        nn.init.normal_(self.experts.gate_up, std=std)
+        nn.init.normal_(self.experts.down, std=out_std)
+        if self.shared_expert is not None:
+            nn.init.normal_(self.shared_expert.gate_up.weight, std=std)
+            nn.init.normal_(self.shared_expert.down.weight, std=out_std)
+
+    def forward(self, x_BSH: torch.Tensor,
+                generating: bool = False) -> tuple[torch.Tensor, RoutingStats | None]:
+        """generating: per-token (dropless) routing and no statistics, as generation wants."""
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+
+        # 1. route: fp32 softmax over all E experts (the router is replicated under EP)
+        logits_TE = self.router(x_TH)
+        probs_TE = router_probs(logits_TE, self.router.dtype)
+        weights_TK, idx_TK = top_k_routing(probs_TE, self.top_k, self.normalize_top_k)
+
+        # 2. capacity: which assignments fit (all of them when dropless)
+        cf = None if generating else self.capacity_factor if self.training else self.eval_capacity_factor
+        capacity = expert_capacity(x_TH.shape[0], self.num_experts, self.top_k, cf, self.min_capacity)
+        capacity = self.dispatcher.agree_capacity(capacity, x_TH.device)
+        keep_TK = apply_capacity(idx_TK, weights_TK, self.num_experts, capacity, self.drop_policy)
+
+        # 3. dispatch -> experts -> combine
+        rows_MH, counts, ctx = self.dispatcher.dispatch(
+            x_TH, idx_TK, None if capacity is None else keep_TK, capacity, self.num_experts)
+        y_TH = self.dispatcher.combine(self.experts(rows_MH, counts), weights_TK, ctx)
+        if self.shared_expert is not None:
+            y_TH = y_TH + self.shared_expert(x_TH)
+
+        if generating:  # the losses and monitoring numbers would be thrown away
+            return y_TH.view_as(x_BSH), None
+        return y_TH.view_as(x_BSH), routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, self.stats_sum)

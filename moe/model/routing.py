@@ -1,0 +1,267 @@
+"""Routing maths for the MoE layer: pure functions on shape-suffixed tensors.
+
+Shapes: T tokens, E experts, K experts per token (top_k), N = T*K assignments,
+M = kept assignments. `idx_TK[t, j]` is the j-th expert chosen by token t and
+`weights_TK[t, j]` the weight its output gets in the combine.
+
+Conventions (see docs/ARCHITECTURE.md):
+- softmax in fp32 (or `router_dtype`), then top-k; k >= 2 renormalises the k weights,
+  k = 1 keeps the raw probability so the router gets gradient through the LM loss.
+- load balance `E * sum_i f_i * P_i`, f_i = assignments to i / (K*T) counted over all
+  top-k picks before drops, P_i = mean router probability of i. A perfectly balanced
+  router gives 1.0 for any K. Hugging Face's `load_balancing_loss_func` on one layer
+  gives K times this value (it divides by T, not K*T).
+- z-loss `mean(logsumexp(logits)^2)` (ST-MoE).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe.config.validate import ROUTER_DTYPES
+
+# Sums a statistics tensor over a process group (identity in one process).
+GroupSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class RoutingStats:
+    """One MoE layer, one forward. The losses carry grad; the rest are detached."""
+
+    aux_loss: torch.Tensor  # load-balance loss, 1.0 when balanced
+    z_loss: torch.Tensor  # mean(logsumexp(logits)^2)
+    tokens_per_expert_E: torch.Tensor  # long, assignments before drops, global over EP
+    dropped_fraction: torch.Tensor  # dropped assignments / all assignments
+    max_load: torch.Tensor  # largest per-expert count after drops
+    mean_load: torch.Tensor  # mean per-expert count after drops
+    entropy: torch.Tensor  # mean router entropy, nats
+
+
+def router_dtype(name: str) -> torch.dtype:
+    """Map `moe_opt.router_dtype` (validated) to a torch dtype."""
+    return getattr(torch, ROUTER_DTYPES[name])
+
+
+def router_probs(logits_TE: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Softmax over experts, computed in `dtype` (fp32: bf16 softmax mis-ranks close experts)."""
+    return torch.softmax(logits_TE.to(dtype), dim=-1)
+
+
+def top_k_routing(
+    probs_TE: torch.Tensor, top_k: int, normalize: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the top_k experts per token -> (weights_TK, idx_TK).
+
+    normalize=None renormalises the k weights to sum to 1 when top_k >= 2 (Mixtral) and
+    keeps the raw probability for top-1 (Switch: renormalising would make it a constant 1
+    and starve the router of gradient).
+    """
+    weights_TK, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if normalize is None:
+        normalize = top_k >= 2
+    if normalize:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return weights_TK, idx_TK
+
+
+def expert_capacity(
+    num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None, min_capacity: int = 0
+) -> int | None:
+    """Slots per expert: min(T, max(min_capacity, ceil(K*T*cf/E))); None (dropless) when cf is None."""
+    if capacity_factor is None:
+        return None
+    capacity = math.ceil(top_k * num_tokens * capacity_factor / num_experts)
+    return min(num_tokens, max(min_capacity, capacity))
+
+
+def dispatch_order(
+    expert_N: torch.Tensor, num_experts: int, keep_N: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept assignments sorted by expert (stable, so token order within an expert).
+
+    Returns (order_M, counts_E): order_M indexes the flat [N] assignments, counts_E is
+    how many kept assignments each expert got (the contiguous slice sizes).
+    """
+    if keep_N is not None:
+        # Dropped assignments get the sentinel expert E, sort to the end and are cut off.
+        expert_N = torch.where(keep_N, expert_N, num_experts)
+    order_N = torch.argsort(expert_N, stable=True)
+    counts_E = torch.bincount(expert_N, minlength=num_experts + 1)[:num_experts]
+    return order_N[: int(counts_E.sum())], counts_E
+
+
+def apply_capacity(
+    idx_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    num_experts: int,
+    capacity: int | None,
+    drop_policy: str = "probs",
+) -> torch.Tensor:
+    """Keep mask over the [T, K] assignments: at most `capacity` per expert.
+
+    drop_policy "position": each expert keeps its earliest tokens (latest dropped first).
+    drop_policy "probs": each expert keeps its highest-weight assignments (the combine
+    weight, i.e. what the token would lose; ties go to the earlier token), as Megatron.
+    """
+    if capacity is None:
+        return torch.ones_like(idx_TK, dtype=torch.bool)
+    expert_N = idx_TK.reshape(-1)
+    if drop_policy == "position":
+        order_N = torch.argsort(expert_N, stable=True)
+    else:
+        by_weight_N = torch.argsort(weights_TK.reshape(-1).detach(), descending=True, stable=True)
+        order_N = by_weight_N[torch.argsort(expert_N[by_weight_N], stable=True)]
+    counts_E = torch.bincount(expert_N, minlength=num_experts)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    rank_in_expert_N = torch.arange(expert_N.numel(), device=expert_N.device) - starts_E[expert_N[order_N]]
+    keep_N = torch.empty_like(expert_N, dtype=torch.bool)
+    keep_N[order_N] = rank_in_expert_N < capacity
+    return keep_N.view_as(idx_TK)
+
+
+def load_balance_loss(
+    probs_TE: torch.Tensor, idx_TK: torch.Tensor, counts_E: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Switch/GShard loss E * sum_i f_i * P_i; 1.0 for a perfectly balanced router.
+
+    f_i counts every top-k pick before drops (no gradient); P_i = mean prob (gradient).
+    `counts_E` overrides the local pick counts (global counts under expert parallelism).
+    """
+    num_experts = probs_TE.shape[-1]
+    if counts_E is None:
+        counts_E = torch.bincount(idx_TK.reshape(-1), minlength=num_experts)
+    f_E = counts_E.to(probs_TE.dtype) / counts_E.sum().clamp(min=1)
+    P_E = probs_TE.mean(dim=0)
+    return num_experts * torch.sum(f_E * P_E)
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2, in fp32."""
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+
+
+def _with_value(local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` in the forward, the gradient of `local` in the backward."""
+    return local + (value - local).detach()
+
+
+@torch.no_grad()
+def _local_sums(logits_TE, probs_TE, idx_TK, keep_TK) -> torch.Tensor:
+    num_experts = probs_TE.shape[-1]
+    picks_E = torch.bincount(idx_TK.reshape(-1), minlength=num_experts)
+    kept_E = torch.bincount(idx_TK[keep_TK], minlength=num_experts)
+    probs_f = probs_TE.float()
+    scalars = torch.stack(
+        [
+            torch.special.entr(probs_f).sum(),  # entropy summed over tokens
+            torch.logsumexp(logits_TE.float(), dim=-1).square().sum(),
+            probs_f.new_tensor(float(probs_TE.shape[0])),
+        ]
+    )
+    return torch.cat([picks_E.double(), kept_E.double(), probs_f.sum(0).double(), scalars.double()])
+
+
+def routing_stats(
+    logits_TE: torch.Tensor,
+    probs_TE: torch.Tensor,
+    idx_TK: torch.Tensor,
+    keep_TK: torch.Tensor,
+    group_sum: GroupSum | None = None,
+) -> RoutingStats:
+    """Losses and monitoring numbers for one layer, global over the EP group.
+
+    `group_sum` adds a tensor over the expert-parallel ranks (one all-reduce here).
+    Under EP every rank returns the same values, equal to one process routing all the
+    ranks' tokens; the losses' gradients are those of the local-token means, so
+    averaging gradients over ranks (as DDP does) gives the global loss's gradient.
+    """
+    E = probs_TE.shape[-1]
+    sums = _local_sums(logits_TE, probs_TE, idx_TK, keep_TK)
+    if group_sum is not None:
+        sums = group_sum(sums)
+    picks_E, kept_E, prob_sum_E = sums[:E], sums[E : 2 * E], sums[2 * E : 3 * E]
+    entropy_sum, lse2_sum, num_tokens = sums[3 * E :]
+
+    f_E = picks_E / picks_E.sum()
+    aux_value = E * torch.sum(f_E * prob_sum_E / num_tokens)
+    aux = _with_value(load_balance_loss(probs_TE.float(), idx_TK, picks_E), aux_value.float())
+    z = _with_value(z_loss(logits_TE), (lse2_sum / num_tokens).float())
+    return RoutingStats(
+        aux_loss=aux,
+        z_loss=z,
+        tokens_per_expert_E=picks_E.round().long(),
+        dropped_fraction=(1.0 - kept_E.sum() / picks_E.sum()).float(),
+        max_load=kept_E.max().float(),
+        mean_load=kept_E.mean().float(),
+        entropy=(entropy_sum / num_tokens).float(),
+    )
+
+
+# ---- moving rows between token order [T*K] and expert order [M] ----
+# Every move is a gather in the forward AND in the backward (each row of the source is
+# used exactly once, so the backward is the inverse gather). index_select's own backward
+# and index_add are scatter-adds, which are several times slower on CPU.
+
+
+def inverse_index(index_M: torch.Tensor, n: int) -> torch.Tensor:
+    """pos_n with pos_n[index_M[m]] = m; entries nobody maps to get M (the zero row)."""
+    pos_n = torch.full((n,), index_M.numel(), dtype=torch.long, device=index_M.device)
+    pos_n[index_M] = torch.arange(index_M.numel(), device=index_M.device)
+    return pos_n
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] on dim 0; when index is longer than x, index == len(x) selects a zero row."""
+    if index.numel() > x.shape[0]:
+        x = torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
+    return x.index_select(0, index)
+
+
+class _MoveRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, back):
+        ctx.save_for_backward(back)
+        return _take(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (back,) = ctx.saved_tensors
+        return _take(grad, back), None, None
+
+
+def move_rows(x: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    """x[index] (index == len(x) gives a zero row) whose gradient is grad[back].
+
+    `back` must be the inverse map (e.g. `inverse_index(index, len(x))`): every row of x
+    appears once in `index`, and the rows it does not cover get zero gradient.
+    """
+    return _MoveRows.apply(x, index, back)
+
+
+def sort_rows(x_TH: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Token rows for the kept assignments, in expert order -> [M, H]."""
+    x_NH = x_TH.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, x_TH.shape[-1])  # backward: sum over k
+    return move_rows(x_NH, order_M, pos_N)
+
+
+def combine(y_MH: torch.Tensor, weights_TK: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor):
+    """Weighted sum of each token's expert outputs -> [T, H]; dropped assignments add zero.
+
+    Accumulates in fp32 for low-precision inputs.
+    """
+    T, K = weights_TK.shape
+    acc = torch.float32 if y_MH.dtype in (torch.bfloat16, torch.float16) else y_MH.dtype
+    y_TKH = move_rows(y_MH, pos_N, order_M).view(T, K, -1)
+    if K == 1:
+        return (y_TKH[:, 0].to(acc) * weights_TK.to(acc)).to(y_MH.dtype)
+    return (y_TKH.to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(1).to(y_MH.dtype)
+
+
+def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate columns first."""
+    gate, up = h_N2F.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,83 @@
+"""How big a model is, from its config alone: parameter counts by where they live, and training FLOPs.
+
+The one place these are computed: MFU (moe/train), the dry-run planner and the simulation
+(moe/tools) all read them, so a 46.7B-parameter model is sized without building it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def is_moe_layer(layer_idx: int, moe_layer_frequency: int) -> bool:
+    """Layer i (0-based) is MoE when (i + 1) % frequency == 0: frequency 2 makes layers 1, 3, 5... MoE."""
+    return (layer_idx + 1) % moe_layer_frequency == 0
+
+
+def head_dim_of(m) -> int:
+    return m.head_dim or m.hidden_size // m.num_heads
+
+
+@dataclass
+class ParamBreakdown:
+    """Parameter counts by where they live; `experts` is the routed experts of all MoE layers."""
+
+    embedding: int
+    lm_head: int  # 0 when tied to the embedding
+    final_norm: int
+    attention: int  # qkv + o + the two RMSNorms, all layers
+    routers: int
+    shared_experts: int
+    dense_mlp: int  # SwiGLU of the non-MoE layers
+    experts: int
+    active_experts: int  # top_k of num_experts routed experts per MoE layer
+    num_moe_layers: int
+
+    @property
+    def total(self) -> int:
+        return self.non_expert + self.experts
+
+    @property
+    def non_expert(self) -> int:
+        return (self.embedding + self.lm_head + self.final_norm + self.attention + self.routers
+                + self.shared_experts + self.dense_mlp)
+
+    @property
+    def active(self) -> int:
+        """What one token uses: everything but the routed experts, plus top_k of them per MoE layer."""
+        return self.non_expert + self.active_experts
+
+
+def param_breakdown(m) -> ParamBreakdown:
+    """Exact parameter counts of the MoETransformer a ModelConfig builds (unsharded)."""
+    H, F, E = m.hidden_size, m.intermediate_size, m.num_experts
+    head_dim = head_dim_of(m)
+    n_moe = sum(is_moe_layer(i, m.moe_layer_frequency) for i in range(m.num_layers))
+    n_dense = m.num_layers - n_moe
+    qkv = H * (m.num_heads * head_dim + 2 * m.num_kv_heads * head_dim)
+    o_proj = m.num_heads * head_dim * H
+    per_expert = H * 2 * F + F * H  # gate_up [H, 2F] + down [F, H]
+    return ParamBreakdown(
+        embedding=m.vocab_size * H,
+        lm_head=0 if m.tie_word_embeddings else m.vocab_size * H,
+        final_norm=H,
+        attention=m.num_layers * (qkv + o_proj + 2 * H),
+        routers=n_moe * E * H,
+        shared_experts=n_moe * 3 * H * m.shared_expert_intermediate_size,
+        dense_mlp=n_dense * 3 * H * (m.dense_intermediate_size or F),
+        experts=n_moe * E * per_expert,
+        active_experts=n_moe * m.top_k * per_expert,
+        num_moe_layers=n_moe,
+    )
+
+
+def flops_per_token(m, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM appendix B style.
+
+    6 * N_active + 12 * L * num_heads * head_dim * S_ctx, where N_active excludes the input
+    embedding table (a lookup, no matmul; the lm_head counts, tied or not) and
+    S_ctx = min(seq_len, sliding_window). Like PaLM, the attention term is not halved for causality.
+    """
+    active = param_breakdown(m).active
+    n = active - (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
+    ctx = seq_len if m.sliding_window is None else min(seq_len, m.sliding_window)
+    return 6.0 * n + 12.0 * m.num_layers * m.num_heads * head_dim_of(m) * ctx

@@ -1,0 +1,42 @@
+"""Expert gradients when the library does not reduce them itself (DDP with expert parallelism).
+
+Each expert lives on the ranks of one expert-data-parallel group, so its gradient is summed
+over that group and divided by the data-parallel world size: the same average over ranks that
+DDP gives dense parameters. Clipping uses one global norm on every rank, so replicas stay equal.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def expert_param_names(module: torch.nn.Module) -> list[str]:
+    """Names (as `named_parameters` spells them, the names DDP matches) of expert parameters."""
+    return [name for name, p in module.named_parameters() if getattr(p, "is_expert", False)]
+
+
+def expert_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if getattr(p, "is_expert", False)]
+
+
+def reduce_expert_grads(params: list[torch.nn.Parameter], expert_dp_group, dp_world_size: int) -> None:
+    """Sum expert grads over the expert-DP group, divide by the data-parallel world size (one all-reduce)."""
+    for p in params:
+        if p.grad is None:  # no token reached these experts here: still join the all-reduce
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=expert_dp_group)
+    flat.div_(dp_world_size)
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+
+
+def clip_to_global_norm(params, total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale grads by max_norm / (total_norm + 1e-6) when above max_norm, as clip_grad_norm_ does."""
+    coef = torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))

@@ -1,0 +1,251 @@
+"""Dry-run planner: the parallel layout and a per-device memory estimate, from config arithmetic.
+
+`python train.py ... dry_run=true` prints `make_plan(cfg, layout).render()`: world size and
+nodes, TP/PP/DP/EP group sizes with example ranks in neuronx-distributed's order (the run's
+`Layout`), parameter counts (moe.model.size), and parameters + gradients + optimizer states +
+activations per device against `hardware.device_memory_gib`, with the bytes per parameter
+the backend's spec gives. Nothing here touches a device, so a 512-NeuronCore layout can
+be checked on a laptop. The numbers are estimates (see `activation_bytes`); allocator
+fragmentation, communication buffers and compiler scratch space come on top.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moe.backends.specs import spec_of
+from moe.config.layout import Layout, launch_overrides
+from moe.model.size import head_dim_of, is_moe_layer, param_breakdown
+
+GIB = 2**30
+
+
+def activation_dtype_bytes(cfg) -> int:
+    precision = str(cfg.trainer.precision or cfg.hardware.precision)
+    return 4 if precision.startswith("32") or precision.startswith("64") else 2
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
+    """Activation bytes kept for backward by one pipeline stage: (first stage, last stage, note).
+
+    Per token and layer, in elements of the activation dtype (Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", adapted to no dropout,
+    GQA and SwiGLU):
+      norms 2h, attention input h, q/k/v h + 2*kv*hd, o_proj input h, scores 2.5*a*s
+      (their 5as^2b bytes: attention not fused; flash attention keeps none of it),
+      dense SwiGLU input h + gate/up/product 3F,
+      MoE input h + fp32 router logits/probs + per assignment (k of them, padded by the
+      capacity factor): dispatched input h, gate/up/product 3F, expert output h.
+    Under TP the norms/inputs (4h per layer) stay replicated unless sequence_parallel; the
+    rest is split by tp. Policies (moe/parallel/apply.py): full keeps each layer's input
+    plus one layer's activations while it recomputes; every_n does that for every n-th
+    layer; moe_only for MoE layers; selective recomputes the FFN/MoE sub-module of every
+    layer. With pp > 1, 1F1B keeps min(pp, micro-batches) micro-batches on the first stage;
+    the last stage also holds fp32 logits (s*V/tp per sequence).
+    """
+    m, p = cfg.model, cfg.parallel
+    e = activation_dtype_bytes(cfg)
+    s, b, h, t = cfg.data.seq_len, micro_batch, m.hidden_size, p.tp
+    head_dim = head_dim_of(m)
+    F, Fd = m.intermediate_size, m.dense_intermediate_size or m.intermediate_size
+    sp = p.sequence_parallel and t > 1
+    cf = cfg.moe_opt.capacity_factor or 1.0  # dropless: one slot per assignment on average
+
+    def split(replicated: float, sharded: float) -> float:  # elements per token on one device
+        return (replicated + sharded) / t if sp else replicated + sharded / t
+
+    attn = split(3 * h, (h + 2 * m.num_kv_heads * head_dim) + h + 2.5 * m.num_heads * s)
+    dense = split(h, 3 * Fd)
+    routed = m.top_k * cf * (2 * h + 3 * F)
+    moe = split(h, routed + 3 * m.shared_expert_intermediate_size) + 8 * m.num_experts / e  # + fp32 router
+    layer_input = split(h, 0)
+
+    def layer(i: int) -> float:
+        ffn = moe if is_moe_layer(i, m.moe_layer_frequency) else dense
+        policy = p.activation_checkpointing
+        if policy == "full" or (policy == "every_n" and (i + 1) % p.activation_checkpointing_every_n == 0) \
+                or (policy == "moe_only" and is_moe_layer(i, m.moe_layer_frequency)):
+            return layer_input
+        if policy == "selective":
+            return attn + layer_input
+        return attn + ffn
+
+    layers_per_stage = math.ceil(m.num_layers / p.pp)
+    stage = range(layers_per_stage)  # the first stage; stages are alike up to the MoE pattern
+    kept = sum(layer(i) for i in stage)
+    recompute = max((attn + (moe if is_moe_layer(i, m.moe_layer_frequency) else dense)) - layer(i)
+                    for i in stage)  # one checkpointed layer is live again during backward
+    tokens = s * b
+    microbatches = p.pipeline_microbatches or cfg.trainer.accumulate_grad_batches
+    in_flight = min(p.pp, microbatches) if p.pp > 1 else 1
+    logits = tokens * m.vocab_size * 4 / t
+    note = f"{p.activation_checkpointing} checkpointing, micro-batch {b} x {s} tokens"
+    if sp:
+        note += ", sequence parallel"
+    if p.pp > 1:
+        note += f", 1F1B keeps {in_flight} micro-batch(es) on the first stage"
+    first = (kept * in_flight + recompute) * tokens * e
+    last = (kept + recompute) * tokens * e + logits
+    return first, last, note
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Memory:
+    """GiB per device, worst pipeline stage."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    capacity: float
+    precision_note: str
+    activation_note: str
+    sharding_note: str
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def headroom(self) -> float:
+        return self.capacity - self.total
+
+    @property
+    def verdict(self) -> str:
+        """fits below 90% of device memory, tight up to 100%, else does not fit."""
+        if self.total <= 0.9 * self.capacity:
+            return "fits"
+        return "tight" if self.total <= self.capacity else "does not fit"
+
+
+@dataclass
+class Plan:
+    model: str
+    hardware: str
+    parallel: str
+    device_name: str
+    layout: Layout
+    trainer_world: int
+    params_total: int
+    params_active: int
+    memory: Memory
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        """The dry-run report, one screen."""
+        mem, lay = self.memory, self.layout
+        lines = [
+            f"dry run: model={self.model} hardware={self.hardware} parallel={self.parallel}",
+            f"parameters   {_b(self.params_total)} total, {_b(self.params_active)} active per token "
+            f"({100 * self.params_active / self.params_total:.1f}%)",
+            f"world        {lay.world} x {self.device_name} = {lay.nodes} node(s) of {lay.devices_per_node}",
+            f"layout       tp {lay.tp} x pp {lay.pp} x dp {lay.dp} = {lay.tp * lay.pp * lay.dp}; "
+            f"ep {lay.ep} inside dp, expert-dp {lay.expert_dp} = dp / ep; ZeRO stage {lay.zero_stage}",
+            f"batch        {lay.global_batch} sequences x {lay.seq_len} tokens = "
+            f"{lay.tokens_per_step:,} tokens per optimizer step",
+            "groups       size  count  first group (ranks: dense [PP, DP, TP], experts [PP, DP_exp, EP, TP])",
+        ]
+        for g in lay.rank_groups():
+            lines.append(f"  {g.name:<10} {g.size:>5}  {g.count:>5}  {_ranks(g.ranks[0])}")
+        lines += [
+            f"memory per device (GiB, estimate; worst pipeline stage) vs {mem.capacity:.1f} GiB",
+            f"  parameters {mem.params:>9.2f}  {mem.precision_note}",
+            f"  gradients  {mem.grads:>9.2f}",
+            f"  optimizer  {mem.optimizer:>9.2f}  {mem.sharding_note}",
+            f"  activations{mem.activations:>9.2f}  {mem.activation_note}",
+            f"  total      {mem.total:>9.2f}  -> {mem.verdict}, headroom {mem.headroom:.2f} GiB "
+            f"({100 * mem.headroom / mem.capacity:.0f}%)",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def memory_estimate(cfg, layout: Layout) -> Memory:
+    """Parameters, gradients, optimizer states and activations per device, in GiB."""
+    m, p = cfg.model, cfg.parallel
+    bd = param_breakdown(m)
+    ep, tp, pp, dp = layout.ep, layout.tp, layout.pp, layout.dp
+    layer_dense = bd.attention + bd.routers + bd.shared_experts + bd.dense_mlp
+    outer = bd.embedding + bd.lm_head + bd.final_norm
+    if pp > 1:  # first stage holds the embedding, last the norm and lm_head (tied: both keep a copy)
+        outer = max(bd.embedding, (bd.lm_head or bd.embedding) + bd.final_norm)
+    non_expert = (layer_dense / pp + outer) / tp
+    expert = bd.experts / pp / (ep * tp)
+
+    bytes_ = spec_of(cfg).state_bytes(cfg)
+    pb, gb, ob = bytes_.param, bytes_.grad, bytes_.optimizer
+    expert_dp = layout.expert_dp
+    shard = min(dp, p.hybrid_shard_degree or dp)
+    expert_shard = min(expert_dp, p.hybrid_shard_degree or expert_dp)
+
+    def sharded(n_dense: float, n_expert: float, stage_needed: int) -> float:
+        if p.zero_stage >= stage_needed:
+            return n_dense / shard + n_expert / expert_shard
+        return n_dense + n_expert
+
+    params = sharded(non_expert, expert, 3) * pb
+    grads = sharded(non_expert, expert, 2) * gb
+    optimizer = sharded(non_expert, expert, 1) * ob
+    first, last, act_note = activation_bytes(cfg, cfg.trainer.micro_batch_size)
+    if p.zero_stage >= 1:
+        sharding_note = (f"ZeRO-{p.zero_stage}: dense states over {shard} ranks, expert states over "
+                         f"{expert_shard} (expert-dp)")
+    else:
+        sharding_note = "not sharded (ZeRO stage 0)"
+    return Memory(
+        params=params / GIB, grads=grads / GIB, optimizer=optimizer / GIB,
+        activations=max(first, last) / GIB, capacity=float(cfg.hardware.device_memory_gib),
+        precision_note=f"{bytes_.note} ({pb}+{gb}+{ob} bytes/param)",
+        activation_note=act_note, sharding_note=sharding_note,
+    )
+
+
+def memory_hints(cfg) -> list[str]:
+    """What would lower the estimate, skipping what this backend cannot do or the config already does."""
+    p, spec = cfg.parallel, spec_of(cfg)
+    hints = [f"parallel.zero_stage={spec.max_zero_stage} (states shard over dp)"] \
+        if p.zero_stage < spec.max_zero_stage else []
+    able = {"ep": True, "tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
+    degrees = [key for key, ok in able.items() if ok]
+    hints.append("more " + " / ".join(f"parallel.{d}" for d in degrees))
+    if p.activation_checkpointing != "full":
+        hints.append("parallel.activation_checkpointing=full")
+    if cfg.trainer.micro_batch_size > 1:
+        hints.append("a smaller trainer.micro_batch_size")
+    return hints
+
+
+def make_plan(cfg, layout: Layout) -> Plan:
+    """The layout and memory estimate for a composed, validated config."""
+    p, hw = cfg.parallel, cfg.hardware
+    trainer_world = cfg.trainer.devices * cfg.trainer.num_nodes
+    sizes = param_breakdown(cfg.model)
+    memory = memory_estimate(cfg, layout)
+    notes = []
+    if trainer_world != layout.world:
+        notes.append(
+            f"trainer.devices x trainer.num_nodes = {cfg.trainer.devices} x {cfg.trainer.num_nodes} = "
+            f"{trainer_world}; this dry run planned for {layout.world}. To launch: "
+            f"{launch_overrides(layout.world, hw.devices_per_node)}"
+        )
+    if memory.verdict != "fits":
+        notes.append("to save memory: " + ", ".join(memory_hints(cfg)))
+    return Plan(model=cfg.model.name, hardware=hw.name, parallel=p.name, device_name=hw.device_name,
+                layout=layout, trainer_world=trainer_world, params_total=sizes.total,
+                params_active=sizes.active, memory=memory, notes=notes)
+
+
+def _b(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) <= 8:
+        return str(ranks)
+    return "[" + ", ".join(map(str, ranks[:6])) + f", ..., {ranks[-1]}]"

@@ -1,0 +1,1 @@
+"""Training: the run (run.py), the LightningModule (module.py), optimizer, metrics, guard, checkpoints."""

@@ -1,0 +1,93 @@
+"""The Trainer's callbacks and loggers: the run's own (always on), then the ones the config adds.
+
+Always: RunMetrics (metrics.csv, summary.json), SpikeGuard, StepSeed, StepCheckpoint and, when
+trainer.progress_bar, a progress bar. Then every node of `callbacks.<name>` and `logger.<name>`,
+instantiated by Hydra from its `_target_` (lightning-hydra-template style):
+
+    python train.py logger=wandb                       # conf/logger/wandb.yaml
+    python train.py callbacks=lr_monitor               # conf/callbacks/lr_monitor.yaml
+    python train.py +callbacks.early_stop._target_=lightning.pytorch.callbacks.EarlyStopping \\
+        +callbacks.early_stop.monitor=val_loss
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from moe.config.layout import Layout
+from moe.errors import UserError
+from moe.model.size import flops_per_token, param_breakdown
+
+
+def build_callbacks(cfg, run_dir: Path, layout: Layout, fresh: bool = False) -> list:
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from moe.train.checkpoint import StepCheckpoint
+    from moe.train.guard import SpikeGuard
+    from moe.train.metrics import RunMetrics
+    from moe.train.seed import StepSeed
+
+    guard = SpikeGuard.from_config(cfg, run_dir, fresh=fresh)
+    callbacks = [
+        RunMetrics(
+            run_dir, log_every_n_steps=cfg.trainer.log_every_n_steps, tokens_per_step=layout.tokens_per_step,
+            flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
+            peak_flops_total=cfg.hardware.peak_tflops * 1e12 * layout.world,
+            key_config=key_config(cfg, layout), guard=guard,
+        ),
+        guard,  # after RunMetrics: it reads the grads first
+        StepSeed(cfg.seed),
+        StepCheckpoint(  # ModelCheckpoint that also saves the final step
+            dirpath=run_dir / "checkpoints", filename="step-{step:06d}", auto_insert_metric_name=False,
+            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps, save_last=True,
+            save_top_k=cfg.trainer.keep_last_checkpoints, monitor="step", mode="max",
+            enable_version_counter=False,  # a step re-saved after a resume overwrites, never step-N-v1
+        ),
+    ]
+    if cfg.trainer.progress_bar:
+        callbacks.append(RichProgressBar(leave=True))
+    return callbacks + instantiate_group(cfg, "callbacks")
+
+
+def build_loggers(cfg) -> list:
+    """Experiment trackers from `logger.<name>`; metrics.csv is written regardless (logger=csv adds none)."""
+    return instantiate_group(cfg, "logger")
+
+
+def instantiate_group(cfg, group: str) -> list:
+    """Instantiate every `<group>.<name>` node; a missing package or a bad argument is one clear error."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    made = []
+    for name, node in (cfg.get(group) or {}).items():
+        field = f"{group}.{name}"
+        try:
+            made.append(instantiate(node))
+        except InstantiationException as err:
+            cause = err.__cause__ or err
+            missing = isinstance(cause, ImportError)
+            fix = (f"install what {node._target_} needs (pip install -e '.[loggers]' -c constraints.txt), "
+                   f"or drop it: ~{field}" if missing else
+                   f"fix {field}'s arguments to match {node._target_}, or drop it: ~{field}")
+            first = str(cause).strip().splitlines()[0][:240] if str(cause).strip() else type(cause).__name__
+            raise UserError(field, node._target_, fix, problem=f"could not be built ({first})") from err
+    return made
+
+
+def key_config(cfg, layout: Layout) -> dict:
+    """The values a report compares runs by."""
+    sizes = param_breakdown(cfg.model)
+    keys = ["model.name", "model.num_experts", "model.top_k", "moe_opt.name", "moe_opt.capacity_factor",
+            "moe_opt.eval_capacity_factor", "moe_opt.min_capacity", "moe_opt.drop_policy",
+            "moe_opt.aux_loss_coeff", "moe_opt.z_loss_coeff",
+            "parallel.name", "parallel.tp", "parallel.pp", "parallel.ep",
+            "hardware.name", "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size",
+            "trainer.accumulate_grad_batches", "trainer.max_steps", "data.name", "data.seq_len",
+            "optimizer.lr", "optimizer.min_lr", "seed", "run_name"]
+    values = {key: OmegaConf.select(cfg, key) for key in keys}
+    values.update({"params_total": sizes.total, "params_active": sizes.active,
+                   "precision": cfg.trainer.precision or cfg.hardware.precision,
+                   "global_batch_size": layout.global_batch})
+    return values

@@ -1,0 +1,334 @@
+"""Checkpoints that survive a kill at any moment, and the one place that picks what to resume from.
+
+Saving: `torch.save` streams into `<name>.tmp` in the same directory, is flushed and fsynced,
+then `os.replace`d over `<name>`; a sidecar `<name>.meta.json` (sha256, size, global_step) is
+removed before the replace and written after it. So a kill leaves either the old file, or the
+new file with or without its sidecar, never half a file under a checkpoint's name.
+Lightning's `ModelCheckpoint` writes `last.ckpt` with a second full save (save_last=True, not
+a symlink), so routing every save through `AtomicCheckpointIO` makes `last.ckpt` atomic too.
+
+Resuming: `find_resume_checkpoint` takes the newest checkpoint that verifies (sidecar hash, or
+a full load where there is no sidecar) and says on stderr why it passed over any other.
+`check_resume_compatible` refuses a checkpoint whose model shapes differ from the config.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from moe.errors import UserError
+
+TMP_SUFFIX = ".tmp"
+META_SUFFIX = ".meta.json"
+# Test hook, never set in real runs: "<step>" or "<step>:<file name>" makes the save of that
+# step's checkpoint write half of its temporary file, fsync it and SIGKILL its own process,
+# once per run dir (a marker file next to the checkpoints remembers it fired).
+KILL_DURING_SAVE_ENV = "MOE_TEST_KILL_DURING_SAVE"
+_STEP_IN_NAME = re.compile(r"step[-=_]?(\d+)")
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint file that cannot be trusted: truncated, altered, or not a checkpoint."""
+
+
+class _HashingWriter:
+    """File wrapper that hashes what torch.save streams through it."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def meta_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + META_SUFFIX)
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> dict:
+    """torch.save `obj` to `path` atomically; returns the sidecar record written next to it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    step = obj.get("global_step") if isinstance(obj, dict) else None
+    _maybe_kill_during_save(obj, path, tmp, step)
+    with open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    record = {"sha256": writer.sha.hexdigest(), "bytes": writer.size, "global_step": step}
+    meta = meta_path(path)
+    _remove(meta)  # a stale sidecar must never vouch for the new file
+    os.replace(tmp, path)
+    meta_tmp = meta.with_name(meta.name + TMP_SUFFIX)
+    with open(meta_tmp, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(meta_tmp, meta)
+    _fsync_dir(path.parent)
+    return record
+
+
+def _maybe_kill_during_save(obj: Any, path: Path, tmp: Path, step: int | None) -> None:
+    spec = os.environ.get(KILL_DURING_SAVE_ENV)
+    if not spec or step is None:
+        return
+    want_step, _, want_name = spec.partition(":")
+    marker = path.with_name(f".{KILL_DURING_SAVE_ENV}-{step}")
+    if int(want_step) != step or (want_name and want_name != path.name) or marker.exists():
+        return
+    marker.touch()
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    with open(tmp, "wb") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+    print(f"{KILL_DURING_SAVE_ENV}: killing this process half-way through writing {tmp}", file=sys.stderr,
+          flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning CheckpointIO: temp file, fsync, rename, sha256 sidecar; removes sidecars with files."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cleaned: set[Path] = set()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO does not take storage_options")
+        path = Path(path)
+        if path.parent not in self._cleaned:  # temp files of saves killed in an earlier launch
+            for stale in path.parent.glob(f"*{TMP_SUFFIX}"):
+                _remove(stale)
+            self._cleaned.add(path.parent)
+        atomic_torch_save(checkpoint, path)
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        _remove(meta_path(path))
+
+
+def with_atomic_io(plugins: list, strategy: Any = None) -> list:
+    """`plugins` plus an AtomicCheckpointIO, unless the strategy or plugins bring their own CheckpointIO."""
+    plugins = list(plugins or [])
+    if any(isinstance(p, CheckpointIO) for p in plugins) or getattr(strategy, "_checkpoint_io", None):
+        return plugins
+    return [*plugins, AtomicCheckpointIO()]
+
+
+# -- verifying and picking ------------------------------------------------------------------
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+
+def verify_checkpoint(path: str | Path) -> int | None:
+    """The checkpoint's global_step if it can be trusted; raises CorruptCheckpoint saying why not."""
+    path = Path(path)
+    if path.is_dir():  # written by its library (neuronx-distributed, native DeepSpeed): trusted if not empty
+        if not any(path.iterdir()):
+            raise CorruptCheckpoint("is an empty directory")
+        match = _STEP_IN_NAME.search(path.name)
+        return int(match.group(1)) if match else None
+    meta = meta_path(path)
+    if meta.exists():
+        try:
+            record = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            record = None
+        if record is not None:
+            size = path.stat().st_size
+            if size != record["bytes"]:
+                raise CorruptCheckpoint(f"is {size} bytes but was written as {record['bytes']} (truncated)")
+            sha = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    sha.update(block)
+            if sha.hexdigest() != record["sha256"]:
+                raise CorruptCheckpoint("does not match the sha256 recorded when it was written (corrupt)")
+            return record["global_step"]
+    try:
+        ckpt = _load(path)
+    except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError... for bad files
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CorruptCheckpoint(f"cannot be read ({first[:160]})") from err
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "global_step" not in ckpt:
+        raise CorruptCheckpoint("is not a Lightning checkpoint (no state_dict/global_step)")
+    return int(ckpt["global_step"])
+
+
+def _candidates(ckpt_dir: Path) -> list[Path]:
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.iterdir() if p.name.endswith(".ckpt"))
+
+
+def _step_hint(path: Path) -> int:
+    """Order without loading: sidecar step, else the step in the name; last.ckpt first on ties."""
+    try:
+        step = json.loads(meta_path(path).read_text())["global_step"]
+        if step is not None:
+            return int(step)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    match = _STEP_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else sys.maxsize  # unknown step: try it first, verify tells
+
+
+def _is_rank_zero() -> bool:
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+
+
+def find_resume_checkpoint(ckpt_dir: str | Path, step: int | None = None, quiet: bool = False) -> Path | None:
+    """The newest checkpoint in `ckpt_dir` that verifies (at `step` if given), or None when there is none.
+
+    Corrupt or truncated files are reported on stderr and passed over for the previous one.
+    Raises UserError when checkpoints exist but none of them can be loaded.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    bad: list[str] = []
+
+    def check(path: Path) -> int | None:
+        try:
+            found = verify_checkpoint(path)
+            return 0 if found is None else found  # a DeepSpeed directory without a step in its name
+        except CorruptCheckpoint as err:
+            bad.append(f"{path.name} {err}")
+            if not quiet and _is_rank_zero():
+                print(f"warning: checkpoint {path} {err}; falling back to the previous checkpoint",
+                      file=sys.stderr, flush=True)
+            return -1
+
+    steps, verified = {}, set()
+    for path in _candidates(ckpt_dir):
+        steps[path] = _step_hint(path)
+        if steps[path] == sys.maxsize:  # no sidecar and no step in the name: load it to learn the step
+            steps[path] = check(path)
+            verified.add(path)
+    ranked = sorted(steps, key=lambda p: (steps[p], p.name.startswith("last")), reverse=True)
+    for path in ranked:
+        if steps[path] < 0 or (step is not None and steps[path] != step):
+            continue
+        if path in verified or check(path) == steps[path]:
+            return path
+    if bad or step is not None:
+        at = "" if step is None else f" at step {step}"
+        raise UserError(
+            "resume", True,
+            f"delete the bad files in {ckpt_dir} to start from scratch, set resume=false, or use another "
+            "run_name",
+            problem=f"found no loadable checkpoint{at} in {ckpt_dir}: " + ("; ".join(bad) or "none there"),
+        )
+    return None
+
+
+# -- compatibility ---------------------------------------------------------------------------
+def _shapes(model_cfg, moe_opt) -> dict[str, tuple]:
+    from moe.model import MoETransformer
+
+    with torch.device("meta"):
+        model = MoETransformer(model_cfg, moe_opt)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_resume_compatible(ckpt_path: str | Path, cfg) -> None:
+    """Raise UserError naming the field, both values and the fix when the model shapes changed."""
+    from omegaconf import OmegaConf
+
+    ckpt_path = Path(ckpt_path)
+    if ckpt_path.is_dir():
+        return
+    saved = (_load(ckpt_path).get("hyper_parameters") or {}).get("cfg")
+    if not saved or "model" not in saved:
+        return
+    saved = OmegaConf.create(saved)
+    old, new = _shapes(saved.model, saved.moe_opt), _shapes(cfg.model, cfg.moe_opt)
+    if old == new:
+        return
+    changed = [k for k in OmegaConf.to_container(cfg.model)
+               if k in saved.model and saved.model[k] != cfg.model[k]]
+    key = next((k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)), "?")
+    tensor = f"tensor {key}: checkpoint {old.get(key, 'absent')}, config {new.get(key, 'absent')}"
+    fix = (f"train with the checkpoint's settings, or start a new run: resume=false (overwrites "
+           f"{ckpt_path.parent}) or another run_name")
+    if changed:
+        field = changed[0]
+        raise UserError(f"model.{field}", cfg.model[field], fix,
+                        problem=f"differs from the checkpoint being resumed ({ckpt_path}, model.{field}="
+                                f"{saved.model[field]!r}; {tensor})")
+    raise UserError("model", cfg.model.name, fix,
+                    problem=f"does not match the checkpoint being resumed ({ckpt_path}; {tensor})")
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, saving only at optimizer-step boundaries, and the final step too.
+
+    Two Lightning 2.6 behaviours break an exact resume with gradient accumulation:
+    - `_last_global_step_saved` is not restored, so a run resumed at step N (N a multiple of
+      every_n_train_steps) saves step N again after its first micro-batch, mid-accumulation: that
+      checkpoint drops the accumulated gradient, and resuming from it replays a different step.
+      Here a batch end that did not complete an optimizer step never saves.
+    - With a monitor set, the save of an epoch's last batch waits for a validation pass that, with
+      `check_val_every_n_epoch=None`, may never come: a finished run's last.ckpt would stop short
+      of max_steps. Here the run's end saves whatever step was not saved yet.
+    """
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._step_seen = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == getattr(self, "_step_seen", None):
+            return  # accumulating micro-batches: no optimizer step ended here
+        self._step_seen = trainer.global_step
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        done = self._last_global_step_saved == trainer.global_step
+        if not done and not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+        super().on_train_end(trainer, pl_module)

@@ -1,0 +1,151 @@
+"""Loss-spike and NaN guard: a step with a non-finite loss or gradient, or a loss far above its
+running mean, is counted, logged and, as configured, skipped or rolled back.
+
+Decided once per optimizer step in `on_before_optimizer_step`, from the step's loss averaged
+over micro-batches and ranks and the global gradient norm, so every rank decides the same.
+Skipping an update sets every gradient to None: AdamW then leaves parameters and moments
+untouched (no weight decay either); the step counter, the schedule and the data stream move
+on as if the step had run, so the data order of later steps never changes.
+
+Rollback (PaLM's recipe): the spike step M and every step since the last checkpoint N are
+recorded in `<run_dir>/rollbacks.json`, `RollbackRequested` unwinds `Trainer.fit`, and
+`moe.training.train` fits again from checkpoint N; steps N+1..M then consume their batches
+without updating. The ledger outlives a crash, so a relaunch honours it too.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import deque
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from moe.train.metrics import write_json_atomic
+
+LEDGER = "rollbacks.json"
+COUNT_KEYS = ("skipped_steps", "spikes", "nonfinite_steps", "rollbacks")
+
+
+class RollbackRequested(Exception):
+    """Raised inside fit: restart from the checkpoint at `from_step` (None: from scratch)."""
+
+    def __init__(self, spike_step: int, from_step: int | None):
+        self.spike_step, self.from_step = spike_step, from_step
+        start = "the start" if from_step is None else f"step {from_step}"
+        super().__init__(f"loss spike at step {spike_step}: rolling back to {start}, skipping steps "
+                         f"{(from_step or 0) + 1}..{spike_step}")
+
+
+def read_ledger(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / LEDGER
+    if not path.exists():
+        return []
+    return json.loads(path.read_text())["rollbacks"]
+
+
+def skipped_by_rollbacks(events: list[dict]) -> set[int]:
+    return {s for e in events for s in range(e["from_step"] + 1, e["spike_step"] + 1)}
+
+
+class SpikeGuard(L.Callback):
+    """`counts` (cumulative over the run) go to metrics.csv and summary.json through RunMetrics."""
+
+    def __init__(self, run_dir: str | Path, factor: float = 3.0, window: int = 50, action: str = "warn",
+                 skip_nonfinite: bool = True, max_rollbacks: int = 3, fresh: bool = False):
+        self.run_dir = Path(run_dir)
+        self.factor, self.window, self.action = factor, window, action
+        self.skip_nonfinite, self.max_rollbacks, self.fresh = skip_nonfinite, max_rollbacks, fresh
+        self.losses: deque[float] = deque(maxlen=window)
+        self.counts = dict.fromkeys(COUNT_KEYS, 0)
+        self.skip_steps: set[int] = set()
+        self._last_saved_step: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg, run_dir, fresh: bool) -> SpikeGuard:
+        t = cfg.trainer
+        return cls(run_dir, t.spike_factor, t.spike_window, t.spike_action, t.skip_nonfinite,
+                   t.spike_max_rollbacks, fresh=fresh)
+
+    # -- state (saved in every checkpoint, so a resumed run decides as the uninterrupted one) --
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "counts": dict(self.counts)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.losses = deque(state_dict.get("losses", []), maxlen=self.window)
+        self.counts.update(state_dict.get("counts", {}))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._last_saved_step = trainer.global_step
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        step = trainer.global_step
+        self._last_saved_step = step if trainer.ckpt_path else None
+        ledger = self.run_dir / LEDGER
+        if self.fresh and trainer.is_global_zero and ledger.exists():
+            ledger.unlink()  # resume=false: this run owns the run dir from scratch
+        events = [] if self.fresh else read_ledger(self.run_dir)
+        self.skip_steps = {s for s in skipped_by_rollbacks(events) if s > step}
+        later = [e for e in events if e["spike_step"] > step]  # decided after the restored checkpoint
+        self.counts["spikes"] += len(later)
+        self.counts["rollbacks"] += len(later)
+
+    # -- the decision, once per optimizer step -------------------------------------------------
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        step = trainer.global_step + 1  # the step about to be taken
+        if step in self.skip_steps:
+            self._skip(pl_module, f"step {step}: update skipped (rolled back past a loss spike)", trainer)
+            return
+        stats = pl_module.step_stats
+        loss = stats.sums["loss"] / max(1, stats.micro_batches)
+        loss_t = torch.as_tensor(loss, dtype=torch.float32, device=pl_module.device)
+        loss = float(trainer.strategy.reduce(loss_t, reduce_op="mean"))
+        if self.skip_nonfinite and not (math.isfinite(loss) and math.isfinite(float(pl_module.grad_norm()))):
+            self.counts["nonfinite_steps"] += 1
+            self._skip(pl_module, f"step {step}: non-finite loss or gradient (loss={loss}); update skipped",
+                       trainer)
+            return
+        if self.factor and len(self.losses) == self.window and math.isfinite(loss):
+            mean = sum(self.losses) / len(self.losses)
+            if loss > self.factor * mean:
+                self._spike(trainer, pl_module, step, loss, mean)
+                return  # a spike never enters the running mean
+        if math.isfinite(loss):
+            self.losses.append(loss)
+
+    def _spike(self, trainer, pl_module, step: int, loss: float, mean: float) -> None:
+        self.counts["spikes"] += 1
+        what = f"step {step}: loss {loss:.4f} > {self.factor:g} x running mean {mean:.4f} (loss spike)"
+        action = self.action
+        if action == "rollback" and self.counts["rollbacks"] >= self.max_rollbacks:
+            _say(trainer, f"{what}; spike_max_rollbacks={self.max_rollbacks} reached, skipping instead")
+            action = "skip"
+        if action == "warn":
+            _say(trainer, f"{what}; kept (trainer.spike_action=warn)")
+            self.losses.append(loss)
+        elif action == "skip":
+            self._skip(pl_module, f"{what}; update skipped", trainer)
+        else:
+            from_step = self._last_saved_step
+            if trainer.is_global_zero:
+                events = read_ledger(self.run_dir)
+                events.append({"spike_step": step, "from_step": from_step or 0, "loss": loss,
+                               "running_mean": mean})
+                write_json_atomic(self.run_dir / LEDGER, {"rollbacks": events})
+            trainer.strategy.barrier("spike_rollback")
+            err = RollbackRequested(step, from_step)
+            _say(trainer, f"{what}; {err}")
+            raise err
+
+    def _skip(self, pl_module, message: str, trainer) -> None:
+        for p in pl_module.parameters():
+            p.grad = None
+        self.counts["skipped_steps"] += 1
+        _say(trainer, message)
+
+
+def _say(trainer, message: str) -> None:
+    if trainer.is_global_zero:
+        print(f"spike guard: {message}", file=sys.stderr, flush=True)

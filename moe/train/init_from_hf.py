@@ -1,0 +1,87 @@
+"""`model.init_from_hf=DIR`: start training from a Mixtral directory.
+
+The architecture comes from DIR's config.json (applied to the config before validation), the
+weights from its safetensors (loaded into the freshly built model), and a data tokenizer whose
+ids disagree with DIR's is refused, since the model would read the wrong tokens.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from moe.config.schema import ModelConfig
+from moe.errors import ConfigError, UserError
+from moe.infer.load import model_from_hf_dir, read_hf_config
+from moe.model import MoETransformer
+from moe.paths import local_path
+
+# Architecture fields init_from_hf takes from config.json; name/compile/init_from_hf stay the user's.
+KEEP_FROM_USER = ("name", "compile", "init_from_hf")
+
+
+def apply_init_from_hf(cfg: DictConfig) -> None:
+    """`model.init_from_hf=DIR`: replace cfg.model's architecture with DIR's config.json (in place).
+
+    When DIR carries a tokenizer, an unset `data.tokenizer` is pointed at it, and a data
+    tokenizer whose ids disagree with it is refused (the model would read the wrong tokens).
+    """
+    from moe.model.hf import model_config_from_hf
+
+    path = cfg.model.init_from_hf
+    if not path:
+        return
+    try:
+        arch = asdict(model_config_from_hf(read_hf_config(path, "model.init_from_hf")))
+    except ConfigError as err:
+        raise UserError("model.init_from_hf", str(path), err.fix, problem=f"has {err.field}={err.value!r}, "
+                        f"which {err.problem}") from err
+    for key, value in arch.items():
+        if key not in KEEP_FROM_USER:
+            cfg.model[key] = value
+    if not (Path(path) / "tokenizer.json").is_file():
+        return  # the data module still checks that the data's ids fit model.vocab_size
+    data_tok = _data_tokenizer_dir(cfg.data)
+    if data_tok is None and cfg.data.get("kind") != "prepared":
+        cfg.data.tokenizer = str(path)
+        print(f"init_from_hf: tokenizing data with {path}'s tokenizer (set data.tokenizer to override)")
+    elif data_tok is not None:
+        _check_same_ids(data_tok, Path(path), cfg.data)
+
+
+def _data_tokenizer_dir(data) -> Path | None:
+    if data.get("kind") == "prepared" and data.get("path"):
+        meta = local_path(data.path) / "meta.json"
+        return meta.parent / json.loads(meta.read_text())["tokenizer"]["dir"] if meta.is_file() else None
+    return local_path(data.tokenizer) if data.get("tokenizer") else None
+
+
+def _check_same_ids(data_tok: Path, model_tok: Path, data) -> None:
+    """Every token of the data's tokenizer must have the same id in the model's (chat markers may be new)."""
+    from moe.data.tokenizer import read_tokenizer, template_markers
+
+    ours = read_tokenizer(data_tok, "data.tokenizer")[0].get_vocab(with_added_tokens=True)
+    theirs = read_tokenizer(model_tok, "model.init_from_hf")[0].get_vocab(with_added_tokens=True)
+    markers = set(template_markers(data.get("chat_template") or ""))
+    new_marker = markers - set(theirs)  # training adds these as special tokens; absent is fine
+    clash = [t for t, i in ours.items() if theirs.get(t) != i and t not in new_marker]
+    if clash:
+        field = "data.path" if data.get("kind") == "prepared" else "data.tokenizer"
+        fix = ("re-run data_prep.py with tokenizer=" if field == "data.path" else "set data.tokenizer=")
+        raise UserError(field, str(data_tok), f"{fix}{model_tok} (the model's own tokenizer)",
+                        problem=f"gives {len(clash)} tokens ids that differ from {model_tok}'s tokenizer "
+                        f"(e.g. {clash[:3]}): the model would read the wrong tokens")
+
+
+def load_hf_weights(model: MoETransformer, path: str | Path) -> None:
+    """Copy DIR's weights into `model` (built from apply_init_from_hf's config), casting to its dtype."""
+    src = model_from_hf_dir(path, "model.init_from_hf", moe_opt=model.moe_opt)
+    diff = {f.name: (getattr(src.cfg, f.name), getattr(model.cfg, f.name)) for f in fields(ModelConfig)
+            if f.name not in KEEP_FROM_USER and getattr(src.cfg, f.name) != getattr(model.cfg, f.name)}
+    if diff:
+        raise UserError("model.init_from_hf", str(path), "leave the model.* architecture fields to the "
+                        "directory's config.json (only name and compile are yours)",
+                        problem=f"does not match the configured model: {diff} (directory vs config)")
+    model.load_state_dict(src.state_dict(), strict=True)

@@ -1,0 +1,202 @@
+"""Run outputs: metrics.csv (a row per logged optimizer step), summary.json, throughput and MFU.
+
+metrics.csv is the run's record: reports, sweeps and the capacity advisor read it.
+Validation rows carry only `step` and `val_loss`. On resume, rows past the restored
+step are dropped first, so a step retrained after a crash is never counted twice.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+METRIC_COLUMNS = [
+    "step", "loss", "lm_loss", "aux_loss", "z_loss", "drop_fraction", "max_expert_load",
+    "mean_expert_load", "router_entropy", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss",
+    "tokens_per_expert", "tokens_per_forward", "skipped_steps", "spikes",
+]
+
+
+def peak_memory_mib() -> float:
+    """Peak memory of this process: accelerator allocations where there is one, else host RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write to a temporary name, flush, rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunMetrics(L.Callback):
+    """Reduces each optimizer step's StepStats over ranks and writes metrics.csv and summary.json.
+
+    `guard` (moe.train.guard.SpikeGuard, optional) supplies the skipped-step and spike counters.
+    """
+
+    def __init__(self, run_dir: str | Path, log_every_n_steps: int, tokens_per_step: int,
+                 flops_per_token: float, peak_flops_total: float, key_config: dict, guard=None):
+        self.run_dir = Path(run_dir)
+        self.guard = guard
+        self.metrics_path = self.run_dir / "metrics.csv"
+        self.log_every = max(1, log_every_n_steps)
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops_total = peak_flops_total
+        self.key_config = key_config
+        self._grad_norm = float("nan")
+        self._last_step = 0
+        self._last_time = 0.0
+        self._timed_steps = 0
+        self._timed_seconds = 0.0
+        self._start_step = 0
+
+    # -- set-up ---------------------------------------------------------------------------
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._last_step = self._start_step = trainer.global_step
+        self._last_time = time.perf_counter()
+        pl_module.step_stats.reset()
+        if trainer.is_global_zero:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            kept = [r for r in read_metrics(self.metrics_path) if int(r["step"]) <= trainer.global_step]
+            self._rewrite(kept)
+
+    def _rewrite(self, rows: list[dict]) -> None:
+        tmp = self.metrics_path.with_name(".metrics.csv.tmp")
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.metrics_path)
+
+    def _append(self, row: dict) -> None:
+        with self.metrics_path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=METRIC_COLUMNS).writerow(row)
+
+    # -- per step ---------------------------------------------------------------------------
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not pl_module.backend.norm_after_step:
+            self._grad_norm = float(pl_module.grad_norm())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._last_step:
+            return  # still accumulating micro-batches of this optimizer step
+        step = trainer.global_step
+        now = time.perf_counter()
+        seconds = now - self._last_time
+        steps_done = step - self._last_step
+        self._last_step, self._last_time = step, now
+        if step - steps_done > self._start_step:  # the first step after (re)start includes warm-up
+            self._timed_steps += steps_done
+            self._timed_seconds += seconds
+        if pl_module.backend.norm_after_step:
+            norm = pl_module.backend.grad_norm_after_step(pl_module)
+            self._grad_norm = float("nan") if norm is None else norm
+        stats = pl_module.step_stats
+        means = reduce_scalars(trainer, pl_module, stats.means(), "mean")
+        tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
+        row = {
+            "step": step, **means,
+            "lr": optimizer_lr(trainer),
+            "grad_norm": self._grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * self.flops_per_token / self.peak_flops_total,
+            "val_loss": "",
+            "tokens_per_expert": json.dumps(stats.tokens_per_expert()),
+            "tokens_per_forward": stats.last_tokens_per_forward,
+        }
+        counts = self.guard.counts if self.guard else {}  # cumulative over the run
+        row.update(skipped_steps=counts.get("skipped_steps", 0), spikes=counts.get("spikes", 0))
+        stats.reset()
+        pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
+        if step % self.log_every and step != trainer.max_steps and step != 1:
+            return
+        if trainer.is_global_zero:
+            self._append(row)
+            numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+            for logger in trainer.loggers:
+                logger.log_metrics(numeric, step=step)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        val = trainer.callback_metrics.get("val_loss")
+        if val is None or trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        self._append({"step": trainer.global_step, "val_loss": float(val)})
+
+    # -- end of run ---------------------------------------------------------------------------
+    def on_train_end(self, trainer, pl_module) -> None:
+        peak = reduce_scalars(trainer, pl_module, {"peak": peak_memory_mib()}, "max")["peak"]
+        if trainer.is_global_zero:
+            summary = self.summary(trainer.global_step, peak)
+            summary.update(self.guard.counts if self.guard else {})
+            write_json_atomic(self.run_dir / "summary.json", summary)
+
+    def summary(self, steps: int, peak_mib: float) -> dict:
+        rows = read_metrics(self.metrics_path)
+        train = [r for r in rows if r["loss"] not in ("", None)]
+        val = [float(r["val_loss"]) for r in rows if r["val_loss"] not in ("", None)]
+        losses = [float(r["loss"]) for r in train]
+        measured = self._timed_steps > 0
+        throughput = self.tokens_per_step * self._timed_steps / self._timed_seconds if measured else None
+        if throughput is None and train:  # a run resumed at its end: keep the logged figure
+            throughput = float(train[-1]["tokens_per_s"])
+        last = train[-1] if train else {}
+        return {
+            "steps": steps,
+            "tokens_seen": steps * self.tokens_per_step,
+            "initial_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+            "best_loss": min(losses) if losses else None,
+            "final_val_loss": val[-1] if val else None,
+            "best_val_loss": min(val) if val else None,
+            "drop_fraction": _num(last.get("drop_fraction")),
+            "max_expert_load": _num(last.get("max_expert_load")),
+            "mean_expert_load": _num(last.get("mean_expert_load")),
+            "tokens_per_s": throughput,
+            "mfu": throughput * self.flops_per_token / self.peak_flops_total if throughput else None,
+            "peak_memory_mib": peak_mib,
+            "config": self.key_config,
+        }
+
+
+def reduce_scalars(trainer, pl_module, values: dict[str, float], op: str) -> dict[str, float]:
+    """Numbers every rank logged, reduced over ranks (mean or max) in one collective on the module's device.
+
+    A collective's tensor must live where the backend communicates (CUDA for NCCL, the XLA device
+    for Neuron), so the numbers travel as one tensor on the module's device.
+    """
+    keys = list(values)
+    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float32, device=pl_module.device)
+    reduced = trainer.strategy.reduce(tensor, reduce_op=op).detach().cpu().tolist()
+    return dict(zip(keys, reduced, strict=True))
+
+
+def optimizer_lr(trainer) -> float:
+    return float(trainer.optimizers[0].param_groups[0]["lr"]) if trainer.optimizers else float("nan")
+
+
+def _num(value):
+    if value in ("", None):
+        return None
+    number = float(value)
+    return None if math.isnan(number) else number

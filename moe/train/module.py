@@ -1,0 +1,90 @@
+"""LitMoE: the LightningModule that trains `moe.model.MoETransformer` on the DDP and DeepSpeed backends.
+
+The objective is moe.model.loss's (CE + every MoE layer's router terms), the optimizer and
+schedule moe.train.optim's; how the model is spread over devices is the backend's business
+(moe/backends), which parallelises it in `configure_model` and handles what is special about
+its gradients and checkpoints through the hooks below. The Neuron backend trains the same
+model, loss and optimizer groups through its own NxD module (moe/backends/neuron/module.py).
+"""
+from __future__ import annotations
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from moe.model.loss import lm_loss
+from moe.model.model import ModelOutput, MoETransformer
+from moe.train.optim import build_optimizer, build_scheduler
+from moe.train.step_stats import StepStats
+
+
+class LitMoE(L.LightningModule):
+    def __init__(self, cfg: DictConfig, backend=None):
+        super().__init__()
+        container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+        self.save_hyperparameters({"cfg": container})
+        self.cfg = OmegaConf.create(container)
+        if backend is None:  # a module built on its own (tests, tools): one process
+            from moe.backends.ddp import DDPBackend
+            from moe.config.layout import Layout
+
+            backend = DDPBackend(self.cfg, Layout.from_config(self.cfg))
+        self.backend = backend
+        self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt)
+        self.step_stats = StepStats()
+        self._parallelized = False
+
+    def configure_model(self) -> None:
+        """Parallelise once the process group exists, before the strategy wraps the model."""
+        if not self._parallelized:
+            self.backend.parallelize(self)
+            self._parallelized = True
+
+    def forward(self, input_ids: torch.Tensor) -> ModelOutput:
+        return self.model(input_ids)
+
+    def losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, ModelOutput]:
+        """(training loss, LM loss, model output) for one micro-batch."""
+        out = self.model(batch["input_ids"])
+        lm = lm_loss(out.logits_BSV, batch["labels"])
+        return lm + out.router_loss, lm, out
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, lm, out = self.losses(batch)
+        self.step_stats.add(loss=loss, lm_loss=lm, aux_loss=out.aux_loss, z_loss=out.z_loss,
+                            routing=out.routing, tokens=batch["input_ids"].numel())
+        self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        _, lm, _ = self.losses(batch)
+        self.log("val_loss", lm, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        return lm
+
+    def configure_optimizers(self):
+        optimizer = build_optimizer(self.model, self.cfg.optimizer)
+        self.backend.prepare_optimizer(optimizer)  # before the schedule captures the param groups
+        scheduler = build_scheduler(optimizer, self.cfg.optimizer, self.cfg.trainer.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients before clipping (expert shards summed over the EP group)."""
+        return self.backend.grad_norm(self)
+
+    # -- what the backend does around the step and in checkpoints -------------------------------------
+    def on_after_backward(self) -> None:
+        self.backend.after_backward(self)
+
+    def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        norm_clip = gradient_clip_val and gradient_clip_algorithm != "value"
+        if not (norm_clip and self.backend.clip_gradients(self, optimizer, float(gradient_clip_val))):
+            super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self.backend.on_save_checkpoint(self, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.backend.on_load_checkpoint(self, checkpoint)
+
+    def on_fit_start(self) -> None:
+        self.backend.on_fit_start(self)

@@ -1,0 +1,100 @@
+"""cfg -> validate (Layout) -> backend -> DataModule + module -> Trainer.fit -> run dir.
+
+`train.py` is a thin Hydra entry point around `train(cfg, run_dir)`; tests call it too.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from moe.config.validate import validate
+
+
+def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
+    """Validate, then either print the dry-run plan or train into `run_dir`."""
+    from moe.data.arrow_io import apply_prepared_meta
+    from moe.train.init_from_hf import apply_init_from_hf
+
+    apply_init_from_hf(cfg)  # model.init_from_hf=DIR: architecture from DIR/config.json
+    apply_prepared_meta(cfg)  # data=prepared: seq_len from DIR/meta.json
+    layout = validate(cfg)
+    if cfg.dry_run:
+        from moe.tools.plan import make_plan
+
+        print(make_plan(cfg, layout).render())
+        return None
+    run_dir = Path(run_dir)
+    import lightning as L
+    import torch
+
+    from moe.backends import build_backend
+    from moe.data import MoEDataModule
+    from moe.data.tokenizer import copy_tokenizer_files
+    from moe.train.callbacks import build_callbacks, build_loggers
+    from moe.train.checkpoint import check_resume_compatible, find_resume_checkpoint, with_atomic_io
+    from moe.train.guard import RollbackRequested
+
+    ckpt_dir = run_dir / "checkpoints"
+    resume_from = find_resume_checkpoint(ckpt_dir) if cfg.resume else None  # newest that verifies
+    rolled_back = False
+    while True:  # once, plus once per loss-spike rollback (moe/train/guard.py)
+        if resume_from:
+            check_resume_compatible(resume_from, cfg)
+        backend = build_backend(cfg, layout)
+        os.environ.update(backend.env())
+        if backend.num_threads():
+            torch.set_num_threads(backend.num_threads())
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+        datamodule = MoEDataModule(
+            cfg.data, micro_batch_size=cfg.trainer.micro_batch_size,
+            accumulate_grad_batches=cfg.trainer.accumulate_grad_batches, max_steps=cfg.trainer.max_steps,
+            seed=cfg.seed, limit_val_batches=cfg.trainer.limit_val_batches, layout=layout,
+        )
+        datamodule.check_model(cfg.model)
+        module = backend.build_module()
+        if cfg.model.init_from_hf and not resume_from:  # fine-tuning: start from DIR's weights
+            from moe.train.init_from_hf import load_hf_weights
+
+            load_hf_weights(module.model, cfg.model.init_from_hf)
+        parts = backend.trainer_parts()
+        trainer = L.Trainer(**dict(
+            accelerator=parts.accelerator, strategy=parts.strategy, precision=parts.precision,
+            plugins=with_atomic_io(parts.plugins, parts.strategy) or None,
+            devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
+            max_steps=cfg.trainer.max_steps, accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
+            gradient_clip_val=cfg.optimizer.grad_clip or None, gradient_clip_algorithm="norm",
+            val_check_interval=cfg.trainer.val_check_interval * cfg.trainer.accumulate_grad_batches,
+            check_val_every_n_epoch=None, limit_val_batches=cfg.trainer.limit_val_batches,
+            num_sanity_val_steps=0, use_distributed_sampler=False,
+            logger=build_loggers(cfg) or False,
+            callbacks=build_callbacks(cfg, run_dir, layout, fresh=not cfg.resume and not rolled_back),
+            default_root_dir=str(run_dir), enable_progress_bar=cfg.trainer.progress_bar,
+            deterministic=cfg.trainer.deterministic, enable_model_summary=False,
+        ) | parts.overrides)  # Neuron: manual optimization, NxD accumulates and clips
+        if trainer.is_global_zero:
+            copy_tokenizer_files(datamodule.tokenizer_dir, run_dir / "tokenizer")  # all inference needs
+            if resume_from:
+                print(f"resuming from {resume_from}")
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
+            break
+        except RollbackRequested as err:
+            rolled_back = True
+            step = err.from_step
+            resume_from = None if step is None else find_resume_checkpoint(ckpt_dir, step=step)
+    if trainer.is_global_zero:
+        print(f"run dir: {run_dir}  (metrics.csv, summary.json, checkpoints/)")
+    return run_dir
+
+
+def objective(run_dir: Path | None) -> float | None:
+    """What a sweeper minimises: the run's final validation loss, else its final training loss."""
+    summary = Path(run_dir or "") / "summary.json"
+    if run_dir is None or not summary.is_file():
+        return None
+    values = json.loads(summary.read_text())
+    return values.get("final_val_loss") or values.get("final_loss")
