@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train data test test-slow smoke sweep-smoke report bench lint compile-neuron clean
+.PHONY: help setup train data test test-slow test-neuron smoke sweep-smoke report bench lint compile-neuron clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -30,9 +30,14 @@ test: $(STAMP) ## fast test suite (the CI gate, under 15 minutes on 2 cores)
 test-slow: $(STAMP) ## slow tests: multi-process runs, kill-and-resume
 	$(PY) -m pytest -q -m slow $(ARGS)
 
+NXD_CPU ?= $(HOME)/.cache/moe-nxd-cpu
+test-neuron: ## the trn1 backend on neuronx-distributed's real code (CPU mode, 2-4 processes); first run sets up ~7 GB in NXD_CPU
+	@test -x $(NXD_CPU)/venv/bin/python || PREFIX=$(NXD_CPU) bash tests/neuron_real/setup.sh
+	PREFIX=$(NXD_CPU) bash tests/neuron_real/run.sh
+
 smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1 and gpu presets
 	$(PY) train.py trainer=smoke run_name=smoke resume=false $(ARGS)
-	$(PY) train.py dry_run=true hardware=trn1 parallel=tp8_pp8_ep8 model=mixtral_8x7b
+	$(PY) train.py dry_run=true experiment=karakuri_8x7b_trn1
 	$(PY) train.py dry_run=true hardware=gpu parallel=dp2_ep8 model=mixtral_8x7b
 
 data: $(STAMP) ## prepare the bundled sample offline into data/prepared/sample (python data_prep.py data=sample)
@@ -56,10 +61,11 @@ bench: $(STAMP) ## benchmarks side by side with their peers (figures go in docs/
 	$(PY) bench/data_prep.py
 
 NEURON_DEVICES ?= 32
-NEURON_ARGS ?= hardware=trn1 parallel=tp8_sp
-compile-neuron: ## trn1, one node: compile graphs ahead with neuron_parallel_compile (10 steps); NEURON_ARGS='...'
-	neuron_parallel_compile torchrun --nproc_per_node=$(NEURON_DEVICES) train.py $(NEURON_ARGS) \
-	  trainer.devices=$(NEURON_DEVICES) trainer.max_steps=10 optimizer.decay_steps=1000000 \
+NEURON_ARGS ?= experiment=karakuri_8x7b_trn1
+TORCHRUN ?= torchrun --nproc_per_node=$(NEURON_DEVICES)
+compile-neuron: ## trn1: compile the train and eval graphs ahead (neuron_parallel_compile, 10 steps, nothing saved); NEURON_ARGS, TORCHRUN
+	neuron_parallel_compile $(TORCHRUN) train.py $(NEURON_ARGS) trainer.devices=$(NEURON_DEVICES) \
+	  trainer.max_steps=10 trainer.val_check_interval=5 trainer.limit_val_batches=2 optimizer.warmup_steps=1 \
 	  run_name=neuron_compile resume=false
 	rm -rf runs/neuron_compile
 

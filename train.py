@@ -3,7 +3,7 @@
 Examples:
     python train.py                                    # tiny model, bundled data, CPU
     python train.py parallel=dp2 trainer.devices=2      # 2-process DDP over gloo
-    python train.py hardware=trn1 parallel=tp8_pp8_ep8 model=mixtral_8x7b dry_run=true
+    python train.py experiment=karakuri_8x7b_trn1 dry_run=true        # the trn1 plan, 16 nodes
     python train.py -m moe_opt.capacity_factor=1.0,1.25,1.5,2.0
 """
 import hydra

@@ -1,4 +1,4 @@
-"""MoE layer forward+backward: this repo's layer vs transformers' Mixtral block, seed 000's loop
+"""MoE layer forward+backward: this repo's layer vs transformers' Mixtral block, KARAKURI's published loop
 and a dense floor, same weights, one table.
 
     .venv/bin/python bench/moe_layer.py            # H=1024 F=2816 E=8 T=4096 fp32, top-2 and top-1
@@ -21,7 +21,7 @@ Variants:
                               "grouped_mm" (what a MixtralForCausalLM gets by default)
   hf-eager                    the same block with its eager per-expert loop (what a bare
                               block built from a config gets: no experts_implementation)
-  seed000                     a faithful copy of seed 000's layer, bugs included: each
+  karakuri                    a faithful copy of KARAKURI LM 8x7B's published layer, bugs included: each
                               expert's output is scaled by the SUM of the token's top-k
                               weights (not its own weight), no renormalisation, biased gate,
                               `self.num_experts` never set (we set it), k hard-coded to 2
@@ -50,12 +50,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe.config import MoEOptConfig  # noqa: E402
 from moe.model.moe import MoELayer, grouped_mm_works  # noqa: E402
 
-VARIANTS = ["ours-dropless", "ours-cf1.25", "hf-grouped_mm", "hf-eager", "seed000", "dense"]
+VARIANTS = ["ours-dropless", "ours-cf1.25", "hf-grouped_mm", "hf-eager", "karakuri", "dense"]
 
 
-# ---- seed 000, copied as published (only `self.num_experts` and `k` added so it runs) ----
+# ---- KARAKURI LM 8x7B's MoE layer as published (only `self.num_experts` and `k` added so it runs) ----
 class Expert(nn.Module):
-    """The seed does not define Expert; Mixtral's SwiGLU (w1 gate, w3 up, w2 down)."""
+    """The published code does not define Expert; Mixtral's SwiGLU (w1 gate, w3 up, w2 down)."""
 
     def __init__(self, hidden_size, expert_size):
         super().__init__()
@@ -72,7 +72,7 @@ class Seed000MoELayer(nn.Module):
         super().__init__()
         self.experts = nn.ModuleList([Expert(hidden_size, expert_size) for _ in range(num_experts)])
         self.gate = nn.Linear(hidden_size, num_experts)
-        self.num_experts, self.k = num_experts, k  # not set in the seed
+        self.num_experts, self.k = num_experts, k  # not set in the published code
 
     def forward(self, x):
         logits = self.gate(x)  # [batch*seq_len, num_experts]
@@ -122,7 +122,7 @@ def build(variant, w, k):
             m.experts.gate_up_proj.copy_(w["gate_up"].transpose(1, 2))
             m.experts.down_proj.copy_(w["down"].transpose(1, 2))
         return (lambda x: m(x[None])[0]), m
-    if variant == "seed000":
+    if variant == "karakuri":
         m = Seed000MoELayer(H, F_, E, k)
         with torch.no_grad():
             m.gate.weight.copy_(w["router"])

@@ -56,8 +56,9 @@ def test_ac_policies_wrap_the_documented_modules():
     assert wrapped(build("none")) == [False] * 4
     selective = build("selective")
     assert wrapped(selective) == [False] * 4
-    assert all(isinstance(b.ffn, CheckpointWrapper) and not isinstance(b.attn, CheckpointWrapper)
-               for b in selective.layers)
+    # core attention everywhere, the FFN only where it is an MoE layer (Megatron/NxD's CoreAttention + MoE)
+    assert all(isinstance(b.attn.core, CheckpointWrapper) and not isinstance(b.attn, CheckpointWrapper)
+               and isinstance(b.ffn, CheckpointWrapper) == b.is_moe for b in selective.layers)
 
 
 def test_state_dict_keys_survive_ac_both_ways():

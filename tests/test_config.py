@@ -23,7 +23,7 @@ needs_data = pytest.mark.skipif(
 pytestmark = needs_data
 
 # trainer overrides that give each parallel preset the world it needs on each hardware
-WORLD = {"single": 1, "dp2": 2, "ep2": 2, "dp2_ep8": 16, "tp8_pp8_ep8": 512, "tp8_sp": 8,
+WORLD = {"single": 1, "dp2": 2, "ep2": 2, "dp2_ep8": 16, "tp8_pp8": 512, "tp8_pp8_ep8": 512, "tp8_sp": 8,
          "dp2_zero1": 2, "ep2_zero2": 2}
 DEVICES_PER_NODE = {"cpu": 2, "cpu_deepspeed": 2, "gpu": 8, "trn1": 32}
 
@@ -84,14 +84,21 @@ def test_every_group_preset_composes_and_validates(group):
 MATRIX_ERRORS = {
     ("cpu", "dp2_ep8"): "parallel.zero_stage",  # plain DDP has no ZeRO
     ("cpu", "tp8_pp8_ep8"): "parallel.tp",  # DDP has no tensor/pipeline parallelism
+    ("cpu", "tp8_pp8"): "parallel.tp",
     ("cpu", "tp8_sp"): "parallel.tp",
     ("cpu", "dp2_zero1"): "parallel.zero_stage",
     ("cpu", "ep2_zero2"): "parallel.zero_stage",
     ("trn1", "ep2_zero2"): "parallel.zero_stage",  # NxD shards optimizer states only (ZeRO-1)
+    ("trn1", "ep2"): "parallel.ep",  # NxD does not train expert parallelism on trn1
+    ("trn1", "dp2_ep8"): "parallel.ep",
+    ("trn1", "tp8_pp8_ep8"): "parallel.ep",
+    ("trn1", "single"): "trainer.devices",  # NxD's XLA strategy needs 2 or more devices
     # DeepSpeed here gives data and expert parallelism only: a tp/pp it would ignore is refused
     ("cpu_deepspeed", "tp8_pp8_ep8"): "parallel.tp",
+    ("cpu_deepspeed", "tp8_pp8"): "parallel.tp",
     ("cpu_deepspeed", "tp8_sp"): "parallel.tp",
     ("gpu", "tp8_pp8_ep8"): "parallel.tp",
+    ("gpu", "tp8_pp8"): "parallel.tp",
     ("gpu", "tp8_sp"): "parallel.tp",
 }
 
@@ -122,15 +129,16 @@ def test_experiments_validate_at_their_own_world(experiment):
 def test_karakuri_experiment_values():
     cfg = make_cfg("experiment=karakuri_8x7b_trn1")
     assert (cfg.model.name, cfg.model.position_encoding, cfg.hardware.name, cfg.parallel.name) == (
-        "mixtral_8x7b", "alibi", "trn1", "tp8_pp8_ep8")
+        "mixtral_8x7b", "alibi", "trn1", "tp8_pp8")
+    assert (cfg.parallel.ep, cfg.moe_opt.name, cfg.moe_opt.capacity_factor) == (1, "nxd", 2.0)
     assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.data.seq_len) == (6e-5, 6e-6, 4096)
     assert cfg.trainer.devices * cfg.trainer.num_nodes == 512
     assert cfg.trainer.global_batch_size == 1024
 
 
 def test_dry_run_plans_the_layout_without_devices():
-    """A dry run of a 512-core layout validates with the default trainer.devices=1."""
-    overrides = ["hardware=trn1", "parallel=tp8_pp8_ep8", "model=mixtral_8x7b"]
+    """A dry run of a 512-core layout validates on one node's devices (trn1's default, 32)."""
+    overrides = ["hardware=trn1", "parallel=tp8_pp8", "model=mixtral_8x7b"]
     with pytest.raises(ConfigError) as err:
         validate(make_cfg(*overrides))
     assert err.value.field == "parallel.tp" and "trainer.devices=32 trainer.num_nodes=2" in str(err.value)
@@ -155,7 +163,8 @@ INVALID = [
     (["hardware.strategy=horovod"], "hardware.strategy", "horovod", "not a known strategy"),
     (["parallel.tp=2", "trainer.devices=2"], "parallel.tp", 2, "DDP"),
     (["parallel.pp=2", "trainer.devices=2"], "parallel.pp", 2, "DDP"),
-    (["hardware=trn1", "parallel.tp=2"], "parallel.tp", 2, "does not divide the world size 1"),
+    (["hardware=trn1", "parallel.tp=2", "trainer.devices=3"], "parallel.tp", 2,
+     "does not divide the world size 3"),
     (["parallel=dp2"], "parallel.dp", 2, "world is 1"),
     (["parallel.ep=3", "trainer.devices=2", "trainer.num_nodes=3"], "parallel.ep", 3, "num_experts=8"),
     (["parallel=ep2"], "parallel.ep", 2, "data-parallel size 1"),
@@ -235,13 +244,13 @@ class TestEntryPoint:
         assert (cfg.model.top_k, cfg.moe_opt.drop_policy, cfg.moe_opt.jitter_eps) == (1, "position", 0.01)
 
     def test_dry_run_prints_layout_and_exits_0(self):
-        proc = run_entry("train.py", "hardware=trn1", "parallel=tp8_pp8_ep8", "model=mixtral_8x7b",
+        proc = run_entry("train.py", "hardware=trn1", "parallel=tp8_pp8", "model=mixtral_8x7b",
                          "dry_run=true", check=True)
         out = proc.stdout
-        assert "512 x trn1 NeuronCore-v2 = 16 node(s) of 32" in out
+        assert "64 x trn1 NeuronCore-v2 = 2 node(s) of 32" in out  # the smallest world for tp 8 x pp 8
         assert "46.70B total, 12.88B active" in out
-        assert "tp 8 x pp 8 x dp 8 = 512" in out
-        assert "trainer.devices=32 trainer.num_nodes=16" in out
+        assert "tp 8 x pp 8 x dp 1 = 64" in out
+        assert "trainer.devices=32 trainer.num_nodes=2" in out
 
     def test_invalid_config_exits_2_with_the_fix(self):
         proc = run_entry("train.py", "parallel=dp2")

@@ -126,7 +126,7 @@ def transformers_dir(path, tok_dir, window=None, seed=0):
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                            num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
                            rms_norm_eps=1e-6,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+                           rope_theta=1e4)  # both transformers 4.x and 5 accept rope_theta
     hf = MixtralForCausalLM(config).eval()
     hf.save_pretrained(path)
     AutoTokenizer.from_pretrained(tok_dir).save_pretrained(path)
@@ -201,8 +201,9 @@ def test_init_from_hf_refuses_a_data_tokenizer_with_other_ids(tmp_path, tok_dir)
     with pytest.raises(UserError, match="model.init_from_hf=.* has no config.json"):
         apply_init_from_hf(bad)
     config = json.loads((tmp_path / "mix" / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
-    (tmp_path / "mix" / "config.json").write_text(json.dumps(config))
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 32}
     bad.model.init_from_hf = str(tmp_path / "mix")
-    with pytest.raises(UserError, match="model.init_from_hf=.*rope_type"):
-        apply_init_from_hf(bad)
+    for key in ("rope_parameters", "rope_scaling"):  # as transformers 5 / 4.x write it
+        (tmp_path / "mix" / "config.json").write_text(json.dumps(config | {key: yarn}))
+        with pytest.raises(UserError, match="model.init_from_hf=.*rope_type"):
+            apply_init_from_hf(bad)

@@ -1,6 +1,13 @@
-"""Hugging Face Mixtral interop: logits parity both ways, save/load dirs, aux-loss normalisation, refusals."""
+"""Hugging Face Mixtral interop: logits parity both ways, save/load dirs, aux-loss normalisation, refusals.
+
+Runs under transformers 5 (stacked experts in memory) and 4.x (per-expert modules, the Trainium pin):
+configs are built with `rope_theta`, which both versions accept.
+"""
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -8,6 +15,7 @@ from moe.config import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
 from moe.hf import from_hf, model_config_from_hf, to_hf
 from moe.model import MoETransformer
+from moe.model import hf as hf_interop
 
 DROPLESS = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
 
@@ -26,7 +34,7 @@ def hf_model(theta, heads, kv, window, k, experts, tied, head_dim, seed=0) -> Mi
         vocab_size=67, hidden_size=32, intermediate_size=20, num_hidden_layers=2, num_attention_heads=heads,
         num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=64, sliding_window=window,
         num_experts_per_tok=k, num_local_experts=experts, tie_word_embeddings=tied, rms_norm_eps=1e-6,
-        router_aux_loss_coef=0.02, rope_parameters={"rope_type": "default", "rope_theta": theta},
+        router_aux_loss_coef=0.02, rope_theta=theta,
     )
     model = MixtralForCausalLM(config).eval()
     with torch.no_grad():  # HF zero-inits nothing here, but make norms non-trivial so they are tested too
@@ -70,7 +78,7 @@ def test_from_hf_matches_transformers_logits(case):
 def test_to_hf_matches_our_logits(case):
     model = ours(*case)
     hf = to_hf(model)
-    assert hf.config.rope_parameters["rope_theta"] == case[0]
+    assert model_config_from_hf(hf.config).rope_theta == case[0]
     assert hf.config.sliding_window == case[3] and hf.config.num_experts_per_tok == case[4]
     assert hf.config.tie_word_embeddings == case[6]
     with torch.no_grad():
@@ -80,7 +88,8 @@ def test_to_hf_matches_our_logits(case):
 def test_round_trip_through_save_pretrained(tmp_path):
     model = ours(1.0e4, 4, 2, 6, 2, 4, False, None)
     to_hf(model).save_pretrained(tmp_path)
-    assert (tmp_path / "config.json").is_file()
+    # rope_theta at the top level too: transformers 4.x reads only that, 5.x rope_parameters
+    assert json.loads((tmp_path / "config.json").read_text())["rope_theta"] == 1.0e4
     reloaded = MixtralForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
     back = from_hf(tmp_path)
     with torch.no_grad():
@@ -134,8 +143,45 @@ def test_export_refuses_what_mixtral_cannot_express(kw, opt, field):
     assert err.value.field == field and "Fix:" in str(err.value)
 
 
-def test_import_refuses_rope_scaling():
+@pytest.mark.parametrize("field,scaling", [
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 1.0e6, "factor": 2.0}),  # transformers 5
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),  # transformers 4.x
+    ("rope_scaling", {"type": "dynamic", "factor": 2.0}),  # older 4.x spelling
+])
+@pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")  # 5.x, on the 4.x spelling
+def test_import_refuses_rope_scaling(field, scaling):
     config = hf_model(1.0e6, 4, 2, None, 2, 4, False, None).config
-    config.rope_parameters = {"rope_type": "linear", "rope_theta": 1.0e6, "factor": 2.0}
+    setattr(config, field, scaling)
     with pytest.raises(ConfigError, match="rope_type"):
         model_config_from_hf(config)
+
+
+def test_per_expert_layout_is_what_save_pretrained_writes(tmp_path):
+    """transformers 4.x's in-memory layout is the on-disk layout of both versions: check our
+    stacked <-> per-expert conversion against the file transformers itself writes."""
+    model = ours(1.0e6, 4, 2, None, 2, 4, False, None)
+    to_hf(model).save_pretrained(tmp_path)
+    disk = load_file(tmp_path / "model.safetensors")
+    stacked = hf_interop._to_hf_state_dict(model)
+    per_expert = hf_interop._per_expert(stacked, num_layers=2)
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in disk
+    assert sorted(per_expert) == sorted(disk)
+    for key, value in disk.items():
+        assert torch.equal(per_expert[key], value), key
+
+
+
+def test_safetensors_read_lazily_give_our_tensors_expert_by_expert(tmp_path):
+    """hf_tensor_source (trn1's init_from_hf) reads one tensor, or a run of experts, from the files
+    save_pretrained wrote, and gives exactly our model's values, for every parameter."""
+    from moe.model.hf_tensors import hf_tensor_source
+
+    model = ours(1.0e6, 4, 2, None, 2, 4, False, None)
+    to_hf(model).save_pretrained(tmp_path)
+    source = hf_tensor_source(tmp_path, model.cfg)
+    for name, value in model.state_dict().items():
+        assert torch.equal(source(name, tuple(value.shape), None), value), name
+    gate_up = model.state_dict()["layers.1.ffn.experts.gate_up"]
+    assert torch.equal(source("layers.1.ffn.experts.gate_up", (2, *gate_up.shape[1:]), 1), gate_up[1:3])
+    with pytest.raises(ValueError, match="expects"):
+        source("layers.0.attn.o_proj.weight", (3, 3), None)

@@ -70,7 +70,8 @@ def test_rope_and_alibi_differ_and_slopes_are_standard():
 
 
 def test_sliding_window_mask_matches_transformers():
-    from transformers.masking_utils import sliding_window_causal_mask_function
+    masking = pytest.importorskip("transformers.masking_utils", reason="transformers 5's mask functions")
+    sliding_window_causal_mask_function = masking.sliding_window_causal_mask_function
 
     for window in (1, 3, 5):
         hf_fn = sliding_window_causal_mask_function(window)
@@ -192,6 +193,23 @@ def test_config_errors_name_field_value_and_fix(kw, field, fix_word):
 
 
 def test_attention_uses_one_fused_qkv_projection():
-    attn = Attention(tiny(num_heads=4, num_kv_heads=2), out_init_std=0.01)
+    attn = Attention(tiny(num_heads=4, num_kv_heads=2))
     assert attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 8, 32)
     assert attn.qkv_proj.bias is None
+
+
+def test_init_values_do_not_depend_on_how_the_model_is_split():
+    """Each parameter and each expert draws from its own seed: a rank holding experts [2, 4) of a layer,
+    initialised on its own, gets exactly the rows one process gives them (moe.model.init)."""
+    from moe.model.init import initial_values
+
+    torch.manual_seed(3)
+    model = build()
+    std, out_std = model.init_std
+    full = model.layers[0].ffn.experts.gate_up
+    shard = initial_values("layers.0.ffn.experts.gate_up", (2, *full.shape[1:]), model.init_seed, std,
+                           out_std, first_expert=2)
+    assert torch.equal(shard, full[2:4])
+    assert torch.equal(initial_values("norm.weight", (32,), model.init_seed, std, out_std), model.norm.weight)
+    torch.manual_seed(3)
+    assert torch.equal(build().layers[1].attn.qkv_proj.weight, model.layers[1].attn.qkv_proj.weight)

@@ -34,6 +34,8 @@ def reference(layer, x_BSH):
     cf = layer.capacity_factor if layer.training else layer.eval_capacity_factor
     cap = expert_capacity(x_TH.shape[0], E, layer.top_k, cf, layer.min_capacity)
     keep = apply_capacity(idx, w, E, cap, layer.drop_policy)
+    if layer.normalize_after_drop and cap is not None:  # the kept weights of each token sum to 1
+        w = (w * keep) / (w * keep).sum(-1, keepdim=True).clamp(min=1e-12)
     rows = []
     for t in range(x_TH.shape[0]):
         y = x_TH.new_zeros(H)
@@ -54,12 +56,13 @@ def grads(layer, x, g, fn):
     return y.detach(), [x.grad] + [p.grad.clone() for p in layer.parameters()]
 
 
-CASES = [(2, None, "probs"), (1, None, "probs"), (2, 0.75, "probs"), (2, 0.75, "position"), (1, 1.0, "probs")]
+CASES = [(2, None, "probs", False), (1, None, "probs", False), (2, 0.75, "probs", False),
+         (2, 0.75, "position", False), (1, 1.0, "probs", False), (2, 0.75, "position", True)]
 
 
-@pytest.mark.parametrize("k,cf,policy", CASES)
-def test_matches_token_by_token_reference(k, cf, policy):
-    layer = make(k, cf, drop_policy=policy)
+@pytest.mark.parametrize("k,cf,policy,after_drop", CASES)
+def test_matches_token_by_token_reference(k, cf, policy, after_drop):
+    layer = make(k, cf, drop_policy=policy, normalize_after_drop=after_drop)
     x, g = inputs()
     y, gl = grads(layer, x, g, lambda x: layer(x)[0])
     y_ref, gr = grads(layer, x, g, lambda x: reference(layer, x)[0])
@@ -82,10 +85,18 @@ def test_matches_transformers_mixtral_block():
     hf = MixtralSparseMoeBlock(cfg)
     with torch.no_grad():
         hf.gate.weight.copy_(layer.router.weight)
-        hf.experts.gate_up_proj.copy_(layer.experts.gate_up.transpose(1, 2))
-        hf.experts.down_proj.copy_(layer.experts.down.transpose(1, 2))
+        if hasattr(hf.experts, "gate_up_proj"):  # transformers 5: stacked experts
+            hf.experts.gate_up_proj.copy_(layer.experts.gate_up.transpose(1, 2))
+            hf.experts.down_proj.copy_(layer.experts.down.transpose(1, 2))
+        else:  # 4.x: one module per expert, w1 gate, w3 up, w2 down
+            for j, expert in enumerate(hf.experts):
+                gate, up = layer.experts.gate_up[j].chunk(2, dim=-1)
+                expert.w1.weight.copy_(gate.T)
+                expert.w3.weight.copy_(up.T)
+                expert.w2.weight.copy_(layer.experts.down[j].T)
     x, _ = inputs()
-    torch.testing.assert_close(layer(x)[0], hf(x), atol=1e-5, rtol=1e-5)
+    out = hf(x)
+    torch.testing.assert_close(layer(x)[0], out[0] if isinstance(out, tuple) else out, atol=1e-5, rtol=1e-5)
 
 
 def test_top1_router_gets_gradient_from_output_loss():
@@ -128,6 +139,23 @@ def test_stats_match_routing_functions():
     assert st.aux_loss.requires_grad and st.z_loss.requires_grad
     cap = expert_capacity(24, E, 2, 1.0, 0)
     assert st.max_load <= cap and st.mean_load * E == (1 - st.dropped_fraction) * 48
+
+
+def test_normalize_after_drop_gives_a_token_the_weight_of_its_dropped_expert():
+    """NxD's and DeepSpeed's rule: a token that kept one of its two experts gets that expert's output
+    at weight 1; with the default (Megatron's) it keeps its pre-drop weight and loses the rest."""
+    x, _ = inputs()
+    after, before = (make(2, 0.75, drop_policy="position", normalize_after_drop=flag)
+                     for flag in (True, False))
+    keep = reference(after, x)[1]
+    one_kept = keep.sum(-1) == 1
+    assert one_kept.any() and (keep.sum(-1) == 2).any()
+    y_after, y_before = after(x)[0].reshape(-1, H), before(x)[0].reshape(-1, H)
+    torch.testing.assert_close(y_after[~one_kept], y_before[~one_kept])  # nothing dropped: same
+    probs = torch.softmax(x.reshape(-1, H) @ after.router.weight.T, -1)
+    w, _ = top_k_routing(probs, 2)
+    kept_weight = (w * keep).sum(-1)[one_kept, None]
+    torch.testing.assert_close(y_before[one_kept], y_after[one_kept] * kept_weight)
 
 
 def test_capacity_in_training_eval_factor_in_eval():

@@ -73,11 +73,21 @@ class Backend:
         return {**({"OMP_NUM_THREADS": str(threads)} if threads else {}),
                 **{str(k): str(v) for k, v in self.cfg.hardware.env.items()}}
 
-    def build_module(self):
-        """The LightningModule that trains `moe.model.MoETransformer` on this backend."""
+    def build_module(self, resuming: bool = False):
+        """The LightningModule that trains `moe.model.MoETransformer` on this backend; a fresh run with
+        model.init_from_hf starts from that directory's weights (a resumed one from its checkpoint)."""
         from moe.train.module import LitMoE
 
-        return LitMoE(self.cfg, backend=self)
+        module = LitMoE(self.cfg, backend=self)
+        if self.cfg.model.init_from_hf and not resuming:
+            from moe.train.init_from_hf import load_hf_weights
+
+            load_hf_weights(module.model, self.cfg.model.init_from_hf)
+        return module
+
+    def checkpoint_options(self) -> dict:
+        """How ModelCheckpoint keeps checkpoints: last.ckpt plus the newest keep_last_checkpoints steps."""
+        return {"save_last": True, "save_top_k": self.cfg.trainer.keep_last_checkpoints}
 
     # -- the model, once the process group exists ----------------------------------------------
     def make_expert_groups(self) -> ExpertGroups:
@@ -127,9 +137,26 @@ class Backend:
             expert = expert.cpu()
         return (dense + expert).sqrt()
 
+    def skip_update(self, module) -> None:
+        """Leave parameters and optimizer moments as they are this step (moe.train.guard): with no
+        gradient, AdamW updates nothing (no weight decay either)."""
+        for p in module.parameters():
+            p.grad = None
+
+    def take_skip(self) -> bool:
+        """Whether the optimizer step about to run was skipped (backends that skip inside the step)."""
+        return False
+
     def grad_norm_after_step(self, module) -> float | None:
         """With `norm_after_step`: the norm the optimizer computed in its last step."""
         return None
+
+    def all_reduce(self, module, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """`tensor` summed (op "sum") or maxed ("max") over every rank, returned on the CPU.
+
+        The tensor travels on the module's device: where the backend communicates (CUDA for NCCL).
+        """
+        return module.trainer.strategy.reduce(tensor.to(module.device), reduce_op=op).detach().cpu()
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def on_save_checkpoint(self, module, checkpoint: dict) -> None:

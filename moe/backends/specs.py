@@ -71,9 +71,9 @@ SPECS: dict[str, BackendSpec] = {
         name="deepspeed", library="DeepSpeed", max_zero_stage=2,  # ZeRO-3 rejects DeepSpeed's native MoE
         tensor_parallel=False, pipeline_parallel=False, max_expert_parallel=None, hybrid_shard=False,
         precisions=("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")),
-    "neuron": NeuronSpec(
+    "neuron": NeuronSpec(  # expert parallelism: moe.config.validate.check_neuron says why not
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
-        pipeline_parallel=True, max_expert_parallel=None, hybrid_shard=False, precisions=None),
+        pipeline_parallel=True, max_expert_parallel=1, hybrid_shard=False, precisions=None),
 }
 
 

@@ -33,7 +33,7 @@ class PrepConfig:
     on_bad_row: str = "error"  # error | skip (skips counted in meta.json)
     num_proc: int = 1  # processes for Dataset.map
     batch_size: int = 1000  # rows per map batch
-    one_file_per_split: bool = False  # one Arrow file per split (seed 001) instead of ~500 MB shards
+    one_file_per_split: bool = False  # one Arrow file per split (Llama 2 7B trn1 recipe), not ~500 MB shards
     split: Optional[str] = None  # split of a hub dataset / DatasetDict dir (null: train, or the only one)
     hub_config: Optional[str] = None  # hub dataset config name, e.g. sst2 for input=glue
     cache_dir: Optional[str] = None  # datasets cache for hub downloads (null: HF default)

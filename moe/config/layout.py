@@ -7,7 +7,7 @@ Rank order is neuronx-distributed's (parallel_layers/parallel_state.py): dense r
 out [PP, DP, TP] (TP fastest), experts [PP, DP_exp, EP, TP] with DP_exp * EP = DP, so an EP
 group is `ep` consecutive members of a DP group. With tp = pp = 1 this is also DeepSpeed's
 `_create_expert_and_data_parallel` order: EP groups are consecutive ranks (one node's GPUs),
-expert-DP groups are `ep` apart (across nodes), as seed 004 lays out 16 GPUs.
+expert-DP groups are `ep` apart (across nodes), as the 16-GPU MoE recipe lays out 2 nodes.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ class Layout:
     # -- degrees and batch arithmetic ---------------------------------------------------------------
     @property
     def expert_dp(self) -> int:
-        """Replicas of each expert: dp / ep (seed 004's "DP 2" for 16 GPUs at EP 8)."""
+        """Replicas of each expert: dp / ep (the 16-GPU recipe's "DP 2" at EP 8)."""
         return self.dp // self.ep
 
     @property

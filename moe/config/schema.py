@@ -56,9 +56,19 @@ class MoEOptConfig:
     jitter_eps: float = 0.0  # multiplicative router-input noise U(1-eps, 1+eps), training only
     router_dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp32 recommended)
     normalize_top_k: Optional[bool] = None  # null: renormalise when top_k >= 2, raw prob for top-1
+    # renormalise over the assignments a capacity kept (NxD, DeepSpeed): a token that lost one of its
+    # experts gives the others its weight; false: the weights are normalised before drops (Megatron)
+    normalize_after_drop: bool = False
     # load-balance statistics (f_i, P_i) over: ep = the expert-parallel group (this rank's tokens
     # when ep=1) | dp = every data-parallel rank (global-batch balancing; same loss as one process)
     aux_loss_group: str = "ep"
+
+
+def normalizes(normalize_top_k: bool | None, top_k: int) -> bool:
+    """moe_opt.normalize_top_k's meaning: None renormalises the k weights to sum to 1 when top_k >= 2
+    (Mixtral) and keeps the raw probability for top-1 (Switch: renormalising would make it a
+    constant 1 and starve the router of gradient)."""
+    return top_k >= 2 if normalize_top_k is None else bool(normalize_top_k)
 
 
 @dataclass
@@ -88,6 +98,7 @@ class HardwareConfig:
     backend: str = "gloo"  # gloo | nccl | xla
     device_name: str = "CPU"
     devices_per_node: int = 2
+    default_devices: int = 1  # trainer.devices unless given (trn1: every NeuronCore of the node)
     device_memory_gib: float = 24.0
     peak_tflops: float = 0.5  # dense bf16 (fp32 on cpu) peak per device, for MFU
     precision: str = "32-true"  # Lightning precision string
@@ -137,7 +148,7 @@ class TrainerConfig:
     """Loop length, batch arithmetic and checkpoint cadence."""
 
     name: str = "default"
-    devices: int = 1
+    devices: int = "${hardware.default_devices}"  # type: ignore[assignment]  (processes per node)
     num_nodes: int = 1
     max_steps: int = 300
     micro_batch_size: int = 8

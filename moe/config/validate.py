@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 
 from moe.backends.specs import SPECS, spec_of
-from moe.config.layout import Layout, launch_overrides, world_of
+from moe.config.layout import Layout, launch_overrides, planning, world_of
+from moe.config.schema import normalizes
 from moe.errors import ConfigError
 
 # -- enumerations -------------------------------------------------------------------------------
@@ -166,10 +167,6 @@ def check_backend_degrees(cfg) -> None:
                               f"set parallel.{key}=1 (use parallel.ep and data parallelism), or a backend "
                               f"that has it (hardware.strategy: {', '.join(others)}; e.g. hardware=trn1)",
                               problem=f"is not implemented by {spec.library} (hardware={hw.name})")
-    if spec.max_expert_parallel is not None:
-        _need(p.ep <= spec.max_expert_parallel, "parallel.ep", p.ep,
-              f"use parallel.ep={spec.max_expert_parallel} on hardware={hw.name}",
-              f"is more than {spec.library} trains (at most {spec.max_expert_parallel})")
 
 
 def check_world_divisible(cfg) -> None:
@@ -357,11 +354,71 @@ def check_instantiables(cfg) -> None:
                   "is missing or not a dotted class path")
 
 
+def check_neuron(cfg) -> None:
+    """What neuronx-distributed 2.28 (the last release that trains on trn1) cannot do, refused with why.
+
+    Lines are src/neuronx_distributed/ at v2.28.0; docs/TRAINIUM.md explains each choice.
+    """
+    if cfg.hardware.strategy != "neuron":
+        return
+    p, m, r, t = cfg.parallel, cfg.model, cfg.moe_opt, cfg.trainer
+    _need(p.ep == 1, "parallel.ep", p.ep,
+          "use parallel.ep=1: on trn1 each expert is split over the tensor-parallel group instead, as "
+          "AWS's Mixtral recipes run (e.g. parallel=tp8_pp8 for Mixtral 8x7B on 16 trn1.32xlarge)",
+          "is not trained by neuronx-distributed on trn1: its expert-parallel MoE needs enable_spmd_rank "
+          "with ranks filled by hand and reduces over the world group (modules/moe/expert_mlps_v2.py:"
+          "122-139, model.py:227-240), is tested on trn2 only, and no AWS trn1 recipe uses it")
+    _need(t.devices >= 2 or planning(cfg), "trainer.devices", t.devices,
+          "use 2 or more NeuronCores per node (a trn1.2xlarge has 2, a trn1.32xlarge 32)",
+          "is too few: neuronx-distributed's XLA strategy fails with a single device (Lightning "
+          "XLAStrategy.setup_distributed)")
+    _need(m.num_kv_heads % p.tp == 0, "parallel.tp", p.tp,
+          f"use a tp that divides model.num_kv_heads={m.num_kv_heads}",
+          f"does not divide num_kv_heads={m.num_kv_heads}: each rank holds whole KV heads (no KV "
+          "replication)")
+    _need(not m.tie_word_embeddings, "model.tie_word_embeddings", True, "set model.tie_word_embeddings=false",
+          "is not supported on trn1 (the embedding and the LM head are separate parallel layers)")
+    _need(m.shared_expert_intermediate_size == 0, "model.shared_expert_intermediate_size",
+          m.shared_expert_intermediate_size, "use 0 on trn1", "is not wired to neuronx-distributed's MoE")
+    _need(p.activation_checkpointing != "every_n", "parallel.activation_checkpointing", "every_n",
+          "use none, full, moe_only or selective on trn1",
+          "has no neuronx-distributed equivalent (it checkpoints by module class)")
+    nxd_routing = "or use moe_opt=nxd (neuronx-distributed's routing)"
+    if r.capacity_factor is not None:
+        _need(r.drop_policy == "position", "moe_opt.drop_policy", r.drop_policy,
+              f"set moe_opt.drop_policy=position, {nxd_routing}",
+              "is not neuronx-distributed's: it drops the latest tokens (modules/moe/expert_mlps_v2.py:"
+              "514-528)")
+        _need(r.min_capacity == 0, "moe_opt.min_capacity", r.min_capacity,
+              f"set moe_opt.min_capacity=0, {nxd_routing}",
+              "has no neuronx-distributed equivalent (capacity min(ceil(T*k*cf/E), T), "
+              "expert_mlps_v2.py:498-501)")
+        _need(r.normalize_after_drop or not normalizes(r.normalize_top_k, m.top_k),
+              "moe_opt.normalize_after_drop", r.normalize_after_drop,
+              f"set moe_opt.normalize_after_drop=true, {nxd_routing}",
+              "is not neuronx-distributed's: it renormalises the top-k weights over the experts a capacity "
+              "kept (expert_mlps_v2.py:299-318)")
+    _need(r.eval_capacity_factor == r.capacity_factor, "moe_opt.eval_capacity_factor", r.eval_capacity_factor,
+          f"set moe_opt.eval_capacity_factor={r.capacity_factor}, {nxd_routing}",
+          "differs from capacity_factor, and neuronx-distributed's MoE has one capacity factor")
+    _need(r.jitter_eps == 0, "moe_opt.jitter_eps", r.jitter_eps, f"set moe_opt.jitter_eps=0, {nxd_routing}",
+          "is not supported on trn1 (NxD's router jitter writes into its input, "
+          "modules/moe/routing.py:92-97)")
+    _need(r.router_dtype == "fp32", "moe_opt.router_dtype", r.router_dtype, "use fp32 on trn1",
+          "is not supported on trn1 (NxD's router runs in fp32)")
+    _need(r.aux_loss_group == "ep", "moe_opt.aux_loss_group", r.aux_loss_group, "use ep on trn1",
+          "is not supported on trn1 (load balance over one data-parallel rank's tokens only)")
+    _need(not (m.top_k == 1 and r.normalize_top_k), "moe_opt.normalize_top_k", True,
+          "leave moe_opt.normalize_top_k null or false with top_k=1",
+          "with top_k=1 is refused by neuronx-distributed (expert_mlps_v2.py:270-271)")
+
+
 RULES = [  # in order: counts, then the hardware, then divisibility of the layout, then the rest
     check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_model,
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
+    check_neuron,
 ]
 
 

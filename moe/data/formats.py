@@ -14,7 +14,8 @@ from moe.errors import UserError
 BENIGN = frozenset({"blank_line"})
 ROLES = ("system", "user", "assistant")
 TURN_SEPARATOR = "\n"  # between rendered (prompt, completion) turns of one conversation
-# The chat format of no_robots (seed 000); the default of data.chat_template and data_prep's chat_template.
+# The chat format of no_robots (the KARAKURI LM 8x7B Chat recipe); the default of data.chat_template
+# and data_prep's chat_template.
 DEFAULT_CHAT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
 
 

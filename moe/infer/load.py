@@ -4,7 +4,9 @@
 `state_dict` keys are `model.<our key>` and whose `hyper_parameters["cfg"]` is the full
 resolved config, so the architecture comes from the file itself. They are read with
 `torch.load(weights_only=True)` (tensors and plain containers only, no code runs); only
-a checkpoint holding other objects falls back to a full unpickle, with a warning.
+a checkpoint holding other objects falls back to a full unpickle, with a warning. A trn1 run's
+checkpoints are neuronx-distributed directories of shards (no last.ckpt): the newest complete one
+is put back together by moe.backends.neuron.files.read_checkpoint.
 """
 from __future__ import annotations
 
@@ -25,15 +27,25 @@ PREFIX = "model."  # LitMoE.model
 
 
 def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
-    """`last` -> newest `<runs_dir>/*/checkpoints/last.ckpt`; a run dir -> its last.ckpt; a file -> itself."""
+    """`last` -> the newest run's; a run dir -> its last.ckpt (trn1: newest complete NxD checkpoint);
+    a file or an NxD checkpoint directory -> itself."""
+    from moe.backends.neuron.files import is_complete, newest_complete
+
     if ckpt == "last":
-        found = sorted(Path(runs_dir).glob(f"*/checkpoints/{LAST}"), key=lambda p: p.stat().st_mtime)
+        found = [*Path(runs_dir).glob(f"*/checkpoints/{LAST}"),
+                 *filter(None, (newest_complete(d) for d in Path(runs_dir).glob("*/checkpoints")))]
+        found.sort(key=lambda p: p.stat().st_mtime)
         if not found:
             raise UserError("ckpt", ckpt, "train first (python train.py) or pass ckpt=PATH; ckpt=last looks "
                             f"in runs_dir={runs_dir!r}", problem=f"found no {runs_dir}/*/checkpoints/{LAST}")
         return found[-1]
     path = Path(ckpt).expanduser()
+    if path.is_dir() and is_complete(path):
+        return path  # a trn1 checkpoint
     if path.is_dir():
+        newest_nxd = newest_complete(path / "checkpoints") if (path / "checkpoints").is_dir() else None
+        if newest_nxd and not (path / "checkpoints" / LAST).is_file():
+            return newest_nxd
         if (path / "checkpoint").is_dir() or any(path.glob("*model_states.pt")):
             raise UserError("ckpt", ckpt, "consolidate it first: python -m "
                             f"lightning.pytorch.utilities.deepspeed {ckpt} consolidated.ckpt, then pass "
@@ -52,7 +64,12 @@ def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
 
 
 def read_checkpoint(path: str | Path) -> dict:
-    """torch.load on CPU, weights_only when the file allows it (it does for train.py's checkpoints)."""
+    """torch.load on CPU, weights_only when the file allows it (it does for train.py's checkpoints);
+    a trn1 checkpoint directory, joined into the same dict."""
+    if Path(path).is_dir():
+        from moe.backends.neuron.files import read_checkpoint as read_nxd_checkpoint
+
+        return read_nxd_checkpoint(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:

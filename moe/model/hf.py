@@ -6,6 +6,11 @@ Layouts (transformers 5.x, read from `models/mixtral/modeling_mixtral.py`):
        (gate columns first, then up; HF chunks the output the same way: w1 rows then w3 rows)
   ours `experts.down [E, F, H]`         = transpose(1, 2)   <->  `mlp.experts.down_proj [E, H, F]`
   ours `ffn.router.weight [E, H]`                           <->  `mlp.gate.weight [E, H]`
+transformers 4.x (the Trainium environment pins 4.52.4) keeps one module per expert instead:
+`block_sparse_moe.experts.J.w1/w2/w3.weight` and `block_sparse_moe.gate.weight`, which is also
+what `save_pretrained` writes in both versions. `_per_expert` converts 5.x's to those keys, and
+moe.model.hf_tensors maps them to ours (also for reading the files lazily), so one path serves
+both versions; the layout is read from the HF model's own state_dict keys.
 
 Mixtral always renormalises the top-k weights and never drops tokens, so an imported model
 gets a dropless `MoEOptConfig` (capacity_factor=None, eval_capacity_factor=None,
@@ -21,14 +26,11 @@ from pathlib import Path
 
 import torch
 
-from moe.config.schema import ModelConfig, MoEOptConfig
+from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
+from moe.model.hf_tensors import our_value
 from moe.model.model import MoETransformer
 from moe.model.size import head_dim_of
-
-
-def _effective_normalize(moe_opt: MoEOptConfig, top_k: int) -> bool:
-    return moe_opt.normalize_top_k if moe_opt.normalize_top_k is not None else top_k >= 2
 
 
 def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
@@ -45,7 +47,7 @@ def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
         raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
                           "use 0 (no shared expert) to export to Mixtral",
                           "adds a shared expert, which Mixtral cannot express")
-    if not _effective_normalize(moe_opt, cfg.top_k):
+    if not normalizes(moe_opt.normalize_top_k, cfg.top_k):
         raise ConfigError("moe_opt.normalize_top_k", moe_opt.normalize_top_k,
                           "set moe_opt.normalize_top_k=true (Mixtral always renormalises the top-k weights)",
                           f"means raw router probabilities at top_k={cfg.top_k}; Mixtral cannot express that")
@@ -56,7 +58,7 @@ def hf_config_from_model_config(cfg: ModelConfig, moe_opt: MoEOptConfig):
     from transformers import MixtralConfig
 
     check_exportable(cfg, moe_opt)
-    return MixtralConfig(
+    config = MixtralConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, head_dim=head_dim_of(cfg), hidden_act="silu",
@@ -64,15 +66,24 @@ def hf_config_from_model_config(cfg: ModelConfig, moe_opt: MoEOptConfig):
         rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
         sliding_window=cfg.sliding_window, num_experts_per_tok=cfg.top_k, num_local_experts=cfg.num_experts,
         router_aux_loss_coef=moe_opt.aux_loss_coeff, router_jitter_noise=moe_opt.jitter_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        rope_theta=float(cfg.rope_theta),
     )
+    # `rope_theta=` is 4.x's argument (4.52.4 configuration_mixtral.py:146); 5.x still accepts it and
+    # moves it into rope_parameters (5.x configuration_utils.py:471, modeling_rope_utils.py:785). 5.x
+    # then saves only rope_parameters, which 4.x ignores (falling back to theta 1e6), so keep
+    # `rope_theta` as an attribute too: config.json then loads with the right theta in both versions.
+    config.rope_theta = float(cfg.rope_theta)
+    return config
 
 
 def model_config_from_hf(hf_config) -> ModelConfig:
     """ModelConfig for a MixtralConfig; refuses what our decoder does not implement."""
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError("rope_parameters.rope_type", rope.get("rope_type"),
+    # 5.x: rope_parameters {rope_type, rope_theta}; 4.x: rope_theta and rope_scaling, None for plain RoPE,
+    # else {"rope_type" or the older "type", ...} (4.52.4 modeling_mixtral.py:395)
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError("rope_parameters.rope_type", rope_type,
                           "only plain RoPE is implemented; use a checkpoint without RoPE scaling",
                           "is not supported")
     if hf_config.hidden_act != "silu":
@@ -126,7 +137,8 @@ def to_hf(model: MoETransformer):
     _unsharded(model)
     ref = next(model.parameters())
     hf = MixtralForCausalLM(hf_config).to(dtype=ref.dtype)
-    hf.load_state_dict(_to_hf_state_dict(model), strict=True)
+    sd = _to_hf_state_dict(model)
+    hf.load_state_dict(sd if _is_stacked(hf.state_dict()) else _per_expert(sd, cfg.num_layers), strict=True)
     return hf.eval()
 
 
@@ -171,23 +183,34 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
     moe_opt = moe_opt if moe_opt is not None else moe_opt_from_hf(hf.config)
     ref = next(hf.parameters())
     model = MoETransformer(cfg, moe_opt).to(dtype=ref.dtype)
-    model.load_state_dict(_from_hf_state_dict(hf.state_dict(), cfg), strict=True)
+    hf_sd = hf.state_dict()
+    hf_sd = _per_expert(hf_sd, cfg.num_layers) if _is_stacked(hf_sd) else hf_sd
+    ours = {name: our_value(name, hf_sd.__getitem__, cfg.num_experts) for name in model.state_dict()}
+    model.load_state_dict({k: v.detach().clone().contiguous() for k, v in ours.items()}, strict=True)
     return model
 
 
-def _from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    embed = hf_sd["model.embed_tokens.weight"]
-    sd = {"embed_tokens.weight": embed, "norm.weight": hf_sd["model.norm.weight"],
-          "lm_head.weight": hf_sd.get("lm_head.weight", embed)}
-    for i in range(cfg.num_layers):
-        p, o = f"model.layers.{i}.", f"layers.{i}."
-        qkv = torch.cat([hf_sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-        sd |= {o + "attn.qkv_proj.weight": qkv,
-               o + "attn.o_proj.weight": hf_sd[p + "self_attn.o_proj.weight"],
-               o + "attn_norm.weight": hf_sd[p + "input_layernorm.weight"],
-               o + "ffn_norm.weight": hf_sd[p + "post_attention_layernorm.weight"],
-               o + "ffn.router.weight": hf_sd[p + "mlp.gate.weight"],
-               o + "ffn.experts.gate_up": hf_sd[p + "mlp.experts.gate_up_proj"].transpose(1, 2),
-               o + "ffn.experts.down": hf_sd[p + "mlp.experts.down_proj"].transpose(1, 2)}
-    return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+# -- transformers 4.x: one module per expert ------------------------------------------------------
+# 5.x stacks the experts in memory (modeling_mixtral.py:56, `MixtralExperts`) and converts to and
+# from the per-expert keys itself when it loads or saves (conversion_mapping.py:1270, "mixtral").
+# 4.x keeps them per expert in memory (4.52.4 modeling_mixtral.py:64 `MixtralBlockSparseTop2MLP`
+# w1/w2/w3, :102-104 gate and experts, :317 `block_sparse_moe`), so we do that conversion for it.
 
+
+def _is_stacked(hf_sd: dict[str, torch.Tensor]) -> bool:
+    """Whether a MixtralForCausalLM's state_dict uses 5.x's stacked experts (else 4.x's per-expert)."""
+    return any(key.endswith(".mlp.experts.gate_up_proj") for key in hf_sd)
+
+
+def _per_expert(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Stacked keys -> per-expert keys: gate_up_proj [E, 2F, H] = w1 rows then w3 rows per expert."""
+    sd = dict(sd)
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        w1, w3 = sd.pop(p + "mlp.experts.gate_up_proj").chunk(2, dim=1)
+        w2 = sd.pop(p + "mlp.experts.down_proj")
+        sd[p + "block_sparse_moe.gate.weight"] = sd.pop(p + "mlp.gate.weight")
+        for j in range(w2.shape[0]):
+            e = f"{p}block_sparse_moe.experts.{j}."
+            sd |= {e + "w1.weight": w1[j], e + "w3.weight": w3[j], e + "w2.weight": w2[j]}
+    return sd

@@ -18,6 +18,7 @@ from torch import nn
 
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.config.validate import validate_model
+from moe.model.init import draw_base_seed, init_stds, initialize
 from moe.model.loss import router_loss_sum
 from moe.model.moe import MoELayer, RoutingStats
 from moe.model.size import is_moe_layer
@@ -124,10 +125,25 @@ class KVCache:
         return k, v, start
 
 
-class Attention(nn.Module):
-    """Causal GQA self-attention: one fused qkv_proj, SDPA, RoPE or ALiBi, optional sliding window."""
+class CoreAttention(nn.Module):
+    """softmax(q k^T + mask) v: the part that keeps [S, S] activations, a module of its own so that
+    selective activation checkpointing can recompute it alone (Megatron's and NxD's "selective")."""
 
-    def __init__(self, cfg: ModelConfig, out_init_std: float):
+    def forward(self, q, k, v, mask, is_causal: bool, enable_gqa: bool) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              enable_gqa=enable_gqa)
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention: one fused qkv_proj, SDPA, RoPE or ALiBi, optional sliding window.
+
+    Activations are [B, S, H], or [S, B, H] with `sequence_first` (set by the trn1 backend under
+    sequence parallelism: NxD's sequence-parallel layers gather and scatter dim 0 only).
+    """
+
+    sequence_first = False
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
@@ -137,33 +153,34 @@ class Attention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        nn.init.normal_(self.qkv_proj.weight, std=cfg.init_range)
-        nn.init.normal_(self.o_proj.weight, std=out_init_std)
+        self.core = CoreAttention()
         if self.position_encoding == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(self.num_heads), persistent=False)
 
-    def forward(self, x_BSH: torch.Tensor, kv_cache: KVCache | None = None, position_offset: int = 0,
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, position_offset: int = 0,
                 attention_mask_BS: torch.Tensor | None = None):
-        qkv = self.qkv_proj(x_BSH)  # sequence-parallel layers gather the full sequence here
-        B, S, _ = qkv.shape
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        qkv = self.qkv_proj(x)  # sequence-parallel layers gather the full sequence here
+        parts = qkv.split(self.split_sizes, dim=-1)
+        if self.sequence_first:
+            S, B, _ = qkv.shape
+            q, k, v = (t.view(S, B, -1, self.head_dim).permute(1, 2, 0, 3) for t in parts)
+        else:
+            B, S, _ = qkv.shape
+            q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2) for t in parts)
         if self.position_encoding == "rope":
-            cos, sin = rope_cos_sin(position_offset, S, self.head_dim, self.rope_theta, x_BSH.device, q.dtype)
+            cos, sin = rope_cos_sin(position_offset, S, self.head_dim, self.rope_theta, x.device, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_start = position_offset
         if kv_cache is not None:
             k, v, k_start = kv_cache.append(k, v, position_offset)
 
-        mask, is_causal = self._mask(position_offset, S, k_start, k.shape[2], q.dtype, x_BSH.device)
+        mask, is_causal = self._mask(position_offset, S, k_start, k.shape[2], q.dtype, x.device)
         if attention_mask_BS is not None:
             mask = self._hide_padding(mask, attention_mask_BS, position_offset, S, k_start, k.shape[2])
             is_causal = False
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        y = self.core(q, k, v, mask, is_causal, self.num_heads != self.num_kv_heads)  # [B, heads, S, hd]
+        if self.sequence_first:
+            return self.o_proj(y.permute(2, 0, 1, 3).reshape(S, B, -1))
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
 
     def _mask(self, q_start, q_len, k_start, k_len, dtype, device):
@@ -204,12 +221,10 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """Dense FFN: down(silu(gate(x)) * up(x)); gate and up fused in one gate_up_proj ([gate | up] rows)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, init_range: float, out_init_std: float):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        nn.init.normal_(self.gate_up_proj.weight, std=init_range)
-        nn.init.normal_(self.down_proj.weight, std=out_init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -221,21 +236,17 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, moe_opt: MoEOptConfig, layer_idx: int):
         super().__init__()
-        out_std = cfg.init_range / math.sqrt(2 * cfg.num_layers)
         self.layer_idx = layer_idx
         self.is_moe = is_moe_layer(layer_idx, cfg.moe_layer_frequency)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, out_std)
+        self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
-            self.ffn = MoELayer(
-                cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k, moe_opt,
-                shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-                init_range=cfg.init_range, out_init_std=out_std,
-            )
+            self.ffn = MoELayer(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k, moe_opt,
+                                shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+                                init_range=None)  # the model initialises every parameter at once
         else:
-            dense = cfg.dense_intermediate_size or cfg.intermediate_size
-            self.ffn = SwiGLU(cfg.hidden_size, dense, cfg.init_range, out_std)
+            self.ffn = SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size or cfg.intermediate_size)
 
     def forward(self, x_BSH, kv_cache: KVCache | None = None, position_offset: int = 0,
                 attention_mask_BS: torch.Tensor | None = None, generating: bool = False):
@@ -264,23 +275,30 @@ class MoETransformer(nn.Module):
     """Decoder-only LM; layer i is MoE when (i + 1) % moe_layer_frequency == 0.
 
     Frequency 1: every layer MoE (Mixtral). Frequency 2: layers 1, 3, 5, ... (0-based) are MoE
-    and the first layer is dense, i.e. every second layer as seed 004.
-    Init: normal(0, init_range) for linear and embedding weights; output projections
-    (o_proj, down_proj, expert down) use init_range / sqrt(2 * num_layers); norms are 1.
+    and the first layer is dense, i.e. every second layer as the 16-GPU MoE recipe.
+    Init (moe.model.init): normal(0, init_range) for linear and embedding weights; output
+    projections (o_proj, down_proj, expert down) use init_range / sqrt(2 * num_layers); norms are
+    1. Each parameter (each expert) draws from its own generator seeded from `init_seed` and its
+    name, so a model built on the meta device and materialised shard by shard gets the same values.
     """
 
-    def __init__(self, model_cfg: ModelConfig, moe_opt: MoEOptConfig):
+    def __init__(self, model_cfg: ModelConfig, moe_opt: MoEOptConfig, init_seed: int | None = None,
+                 block_cls: type[Block] | None = None):
+        """init_seed: the base seed of every parameter's values (None: drawn from torch's generator);
+        block_cls: a Block subclass a backend's training forward needs (moe/backends/neuron)."""
         super().__init__()
         validate_model(model_cfg, moe_opt)
         self.cfg, self.moe_opt = model_cfg, moe_opt
         self.embed_tokens = nn.Embedding(model_cfg.vocab_size, model_cfg.hidden_size)
-        self.layers = nn.ModuleList([Block(model_cfg, moe_opt, i) for i in range(model_cfg.num_layers)])
+        block_cls = block_cls or Block
+        self.layers = nn.ModuleList([block_cls(model_cfg, moe_opt, i) for i in range(model_cfg.num_layers)])
         self.norm = RMSNorm(model_cfg.hidden_size, model_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(model_cfg.hidden_size, model_cfg.vocab_size, bias=False)
-        nn.init.normal_(self.embed_tokens.weight, std=model_cfg.init_range)
-        nn.init.normal_(self.lm_head.weight, std=model_cfg.init_range)
         if model_cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.init_seed = draw_base_seed() if init_seed is None else init_seed
+        self.init_std = init_stds(model_cfg)
+        initialize(self, self.init_seed, *self.init_std)
 
     def new_kv_cache(self) -> list[KVCache]:
         """An empty per-layer cache to pass as `kv_cache` for generation."""

@@ -19,7 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe.config.schema import normalizes
 from moe.model.dispatch import LocalDispatcher
+from moe.model.init import draw_base_seed, initialize
 from moe.model.routing import (
     GroupSum,
     RoutingStats,
@@ -100,11 +102,12 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.down = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.use_grouped_mm: bool | None = None  # None: use it where grouped_mm_works()
-        self._mark_expert()
+        self._mark_expert(first=0)
 
-    def _mark_expert(self):
+    def _mark_expert(self, first: int):
+        """Expert parameters say so (strategies treat them apart) and which global expert row 0 is."""
         for p in self.parameters():
-            p.is_expert = True
+            p.is_expert, p.first_expert = True, first
 
     def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, expert e owning the next counts_E[e] rows -> outputs [M, H]."""
@@ -123,7 +126,7 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(self.gate_up.detach()[first : first + count].clone())
         self.down = nn.Parameter(self.down.detach()[first : first + count].clone())
         self.num_experts = count
-        self._mark_expert()
+        self._mark_expert(first)
 
 
 class SharedExpert(nn.Module):
@@ -152,14 +155,17 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, moe_opt,
-                 shared_expert_intermediate_size: int = 0, init_range: float = 0.02,
+                 shared_expert_intermediate_size: int = 0, init_range: float | None = 0.02,
                  out_init_std: float | None = None):
+        """init_range None: leave the parameters for the model to initialise (moe.model.init)."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.capacity_factor = moe_opt.capacity_factor
         self.eval_capacity_factor = moe_opt.eval_capacity_factor
         self.min_capacity, self.drop_policy = moe_opt.min_capacity, moe_opt.drop_policy
         self.normalize_top_k = moe_opt.normalize_top_k
+        self.normalize_after_drop = (moe_opt.normalize_after_drop
+                                     and normalizes(moe_opt.normalize_top_k, top_k))
         self.dispatcher = LocalDispatcher()
         self.stats_sum: GroupSum | None = None
 
@@ -168,15 +174,9 @@ class MoELayer(nn.Module):
         self.shared_expert = None
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpert(hidden_size, shared_expert_intermediate_size)
-        self._init_weights(init_range, init_range if out_init_std is None else out_init_std)
-
-    def _init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.router.weight, std=std)
-        nn.init.normal_(self.experts.gate_up, std=std)
-        nn.init.normal_(self.experts.down, std=out_std)
-        if self.shared_expert is not None:
-            nn.init.normal_(self.shared_expert.gate_up.weight, std=std)
-            nn.init.normal_(self.shared_expert.down.weight, std=out_std)
+        if init_range is not None:
+            out_std = init_range if out_init_std is None else out_init_std
+            initialize(self, draw_base_seed(), init_range, out_std)
 
     def forward(self, x_BSH: torch.Tensor,
                 generating: bool = False) -> tuple[torch.Tensor, RoutingStats | None]:
@@ -193,6 +193,8 @@ class MoELayer(nn.Module):
         capacity = expert_capacity(x_TH.shape[0], self.num_experts, self.top_k, cf, self.min_capacity)
         capacity = self.dispatcher.agree_capacity(capacity, x_TH.device)
         keep_TK = apply_capacity(idx_TK, weights_TK, self.num_experts, capacity, self.drop_policy)
+        if self.normalize_after_drop and capacity is not None:
+            weights_TK = F.normalize(weights_TK * keep_TK, p=1.0, dim=-1)  # NxD's eps: all dropped -> 0
 
         # 3. dispatch -> experts -> combine
         rows_MH, counts, ctx = self.dispatcher.dispatch(

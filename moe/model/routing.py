@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe.config.schema import normalizes
 from moe.config.validate import ROUTER_DTYPES
 
 # Sums a statistics tensor over a process group (identity in one process).
@@ -54,16 +55,9 @@ def router_probs(logits_TE: torch.Tensor, dtype: torch.dtype = torch.float32) ->
 def top_k_routing(
     probs_TE: torch.Tensor, top_k: int, normalize: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the top_k experts per token -> (weights_TK, idx_TK).
-
-    normalize=None renormalises the k weights to sum to 1 when top_k >= 2 (Mixtral) and
-    keeps the raw probability for top-1 (Switch: renormalising would make it a constant 1
-    and starve the router of gradient).
-    """
+    """Pick the top_k experts per token -> (weights_TK, idx_TK), weights as `normalizes` says."""
     weights_TK, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
-    if normalize is None:
-        normalize = top_k >= 2
-    if normalize:
+    if normalizes(normalize, top_k):
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return weights_TK, idx_TK
 

@@ -61,16 +61,20 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
     """Activation checkpointing on `model.layers`.
 
     none: nothing. full: every block. every_n: blocks i with (i + 1) % every_n == 0 (the
-    N-th, 2N-th, ... block). moe_only: blocks whose FFN is an MoELayer. selective: only the
-    FFN/MoE sub-module of every block (attention activations are kept).
+    N-th, 2N-th, ... block). moe_only: blocks whose FFN is an MoELayer. selective: the core
+    attention (softmax(qk)v) of every block and every MoE layer, as Megatron-Core's and
+    neuronx-distributed's Mixtral "selective" (CoreAttention, MoE): the parts whose activations
+    are large for their compute; projections and dense FFNs keep theirs.
     """
     for i, block in enumerate(model.layers):
-        if isinstance(block, CheckpointWrapper) or isinstance(block.ffn, CheckpointWrapper):
+        if isinstance(block, CheckpointWrapper) or isinstance(block.attn.core, CheckpointWrapper):
             raise ConfigError("parallel.activation_checkpointing", policy,
                               "apply activation checkpointing once, on a freshly built model",
                               "is applied twice")
         if policy == "selective":
-            block.ffn = CheckpointWrapper(block.ffn)
+            block.attn.core = CheckpointWrapper(block.attn.core)
+            if block.is_moe:
+                block.ffn = CheckpointWrapper(block.ffn)
         elif (policy == "full" or (policy == "every_n" and (i + 1) % every_n == 0)
               or (policy == "moe_only" and block.is_moe)):
             model.layers[i] = CheckpointWrapper(block)
@@ -110,7 +114,7 @@ def apply_compile(model: nn.Module) -> nn.Module:
     Left eager: MoE layers (their dispatch has data-dependent shapes that would recompile, and
     fp32 `torch._grouped_mm` has no traceable kernel) and anything inside a CheckpointWrapper
     (torch recomputes checkpointed code with dynamo disabled, so a compiled forward would not
-    match its recomputation). With `selective` AC the attention half of each block is compiled.
+    match its recomputation). With `selective` AC the rest of each block is compiled.
     """
     for layer in moe_layers(model):
         layer.forward = torch.compiler.disable(layer.forward)

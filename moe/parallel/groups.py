@@ -1,6 +1,6 @@
 """Expert-parallel (EP) and expert-data-parallel process groups, from the run's Layout.
 
-16 ranks with ep 8 (tp = pp = 1), as seed 004 lays out 2 nodes of 8 GPUs:
+16 ranks with ep 8 (tp = pp = 1), as the 16-GPU MoE recipe lays out 2 nodes of 8 GPUs:
 
     EP groups         [0..7], [8..15]                 all-to-all of tokens (inside a node)
     expert-DP groups  [0, 8], [1, 9], ..., [7, 15]    all-reduce of expert gradients (across nodes)

@@ -42,9 +42,10 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     Under TP the norms/inputs (4h per layer) stay replicated unless sequence_parallel; the
     rest is split by tp. Policies (moe/parallel/apply.py): full keeps each layer's input
     plus one layer's activations while it recomputes; every_n does that for every n-th
-    layer; moe_only for MoE layers; selective recomputes the FFN/MoE sub-module of every
-    layer. With pp > 1, 1F1B keeps min(pp, micro-batches) micro-batches on the first stage;
-    the last stage also holds fp32 logits (s*V/tp per sequence).
+    layer; moe_only for MoE layers; selective recomputes the core attention (its scores) of
+    every layer and the whole MoE FFN (which then keeps only its input). With pp > 1, 1F1B keeps
+    min(pp, micro-batches) micro-batches on the first stage; the last stage also holds fp32 logits
+    (s*V/tp per sequence).
     """
     m, p = cfg.model, cfg.parallel
     e = activation_dtype_bytes(cfg)
@@ -57,7 +58,8 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     def split(replicated: float, sharded: float) -> float:  # elements per token on one device
         return (replicated + sharded) / t if sp else replicated + sharded / t
 
-    attn = split(3 * h, (h + 2 * m.num_kv_heads * head_dim) + h + 2.5 * m.num_heads * s)
+    scores = split(0, 2.5 * m.num_heads * s)
+    attn = split(3 * h, (h + 2 * m.num_kv_heads * head_dim) + h) + scores
     dense = split(h, 3 * Fd)
     routed = m.top_k * cf * (2 * h + 3 * F)
     moe = split(h, routed + 3 * m.shared_expert_intermediate_size) + 8 * m.num_experts / e  # + fp32 router
@@ -70,7 +72,7 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
                 or (policy == "moe_only" and is_moe_layer(i, m.moe_layer_frequency)):
             return layer_input
         if policy == "selective":
-            return attn + layer_input
+            return attn - scores + (layer_input if is_moe_layer(i, m.moe_layer_frequency) else dense)
         return attn + ffn
 
     layers_per_stage = math.ceil(m.num_layers / p.pp)
@@ -211,7 +213,8 @@ def memory_hints(cfg) -> list[str]:
     p, spec = cfg.parallel, spec_of(cfg)
     hints = [f"parallel.zero_stage={spec.max_zero_stage} (states shard over dp)"] \
         if p.zero_stage < spec.max_zero_stage else []
-    able = {"ep": True, "tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
+    more_ep = spec.max_expert_parallel is None or p.ep < spec.max_expert_parallel
+    able = {"ep": more_ep, "tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
     degrees = [key for key, ok in able.items() if ok]
     hints.append("more " + " / ".join(f"parallel.{d}" for d in degrees))
     if p.activation_checkpointing != "full":

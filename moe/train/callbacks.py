@@ -20,7 +20,7 @@ from moe.errors import UserError
 from moe.model.size import flops_per_token, param_breakdown
 
 
-def build_callbacks(cfg, run_dir: Path, layout: Layout, fresh: bool = False) -> list:
+def build_callbacks(cfg, run_dir: Path, layout: Layout, backend, fresh: bool = False) -> list:
     from lightning.pytorch.callbacks import RichProgressBar
 
     from moe.train.checkpoint import StepCheckpoint
@@ -40,9 +40,9 @@ def build_callbacks(cfg, run_dir: Path, layout: Layout, fresh: bool = False) -> 
         StepSeed(cfg.seed),
         StepCheckpoint(  # ModelCheckpoint that also saves the final step
             dirpath=run_dir / "checkpoints", filename="step-{step:06d}", auto_insert_metric_name=False,
-            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps, save_last=True,
-            save_top_k=cfg.trainer.keep_last_checkpoints, monitor="step", mode="max",
+            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps, monitor="step", mode="max",
             enable_version_counter=False,  # a step re-saved after a resume overwrites, never step-N-v1
+            **backend.checkpoint_options(),
         ),
     ]
     if cfg.trainer.progress_bar:

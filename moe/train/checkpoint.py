@@ -167,11 +167,13 @@ def _load(path: Path) -> dict:
 def verify_checkpoint(path: str | Path) -> int | None:
     """The checkpoint's global_step if it can be trusted; raises CorruptCheckpoint saying why not."""
     path = Path(path)
-    if path.is_dir():  # written by its library (neuronx-distributed, native DeepSpeed): trusted if not empty
-        if not any(path.iterdir()):
-            raise CorruptCheckpoint("is an empty directory")
-        match = _STEP_IN_NAME.search(path.name)
-        return int(match.group(1)) if match else None
+    if path.is_dir():  # neuronx-distributed's: complete once every rank has written it
+        from moe.backends.neuron.files import USER_CONTENT, is_complete
+
+        if not is_complete(path):
+            raise CorruptCheckpoint("was not finished by every rank (no `done` file: the run stopped while "
+                                    "saving it)")
+        return int(_load(path / USER_CONTENT)["global_step"])
     meta = meta_path(path)
     if meta.exists():
         try:
@@ -277,10 +279,11 @@ def check_resume_compatible(ckpt_path: str | Path, cfg) -> None:
     """Raise UserError naming the field, both values and the fix when the model shapes changed."""
     from omegaconf import OmegaConf
 
+    from moe.backends.neuron.files import USER_CONTENT
+
     ckpt_path = Path(ckpt_path)
-    if ckpt_path.is_dir():
-        return
-    saved = (_load(ckpt_path).get("hyper_parameters") or {}).get("cfg")
+    lightning_part = ckpt_path / USER_CONTENT if ckpt_path.is_dir() else ckpt_path  # NxD keeps it apart
+    saved = (_load(lightning_part).get("hyper_parameters") or {}).get("cfg")
     if not saved or "model" not in saved:
         return
     saved = OmegaConf.create(saved)

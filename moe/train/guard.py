@@ -21,9 +21,8 @@ from collections import deque
 from pathlib import Path
 
 import lightning as L
-import torch
 
-from moe.train.metrics import write_json_atomic
+from moe.train.metrics import step_means, write_json_atomic
 
 LEDGER = "rollbacks.json"
 COUNT_KEYS = ("skipped_steps", "spikes", "nonfinite_steps", "rollbacks")
@@ -98,10 +97,7 @@ class SpikeGuard(L.Callback):
         if step in self.skip_steps:
             self._skip(pl_module, f"step {step}: update skipped (rolled back past a loss spike)", trainer)
             return
-        stats = pl_module.step_stats
-        loss = stats.sums["loss"] / max(1, stats.micro_batches)
-        loss_t = torch.as_tensor(loss, dtype=torch.float32, device=pl_module.device)
-        loss = float(trainer.strategy.reduce(loss_t, reduce_op="mean"))
+        loss = step_means(pl_module)["loss"]
         if self.skip_nonfinite and not (math.isfinite(loss) and math.isfinite(float(pl_module.grad_norm()))):
             self.counts["nonfinite_steps"] += 1
             self._skip(pl_module, f"step {step}: non-finite loss or gradient (loss={loss}); update skipped",
@@ -140,8 +136,7 @@ class SpikeGuard(L.Callback):
             raise err
 
     def _skip(self, pl_module, message: str, trainer) -> None:
-        for p in pl_module.parameters():
-            p.grad = None
+        pl_module.backend.skip_update(pl_module)
         self.counts["skipped_steps"] += 1
         _say(trainer, message)
 

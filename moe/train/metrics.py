@@ -13,9 +13,14 @@ import os
 import resource
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import torch
+
+from moe.model.loss import router_loss
+from moe.model.size import param_breakdown
+from moe.train.step_stats import means_from_totals
 
 METRIC_COLUMNS = [
     "step", "loss", "lm_loss", "aux_loss", "z_loss", "drop_fraction", "max_expert_load",
@@ -113,7 +118,7 @@ class RunMetrics(L.Callback):
             norm = pl_module.backend.grad_norm_after_step(pl_module)
             self._grad_norm = float("nan") if norm is None else norm
         stats = pl_module.step_stats
-        means = reduce_scalars(trainer, pl_module, stats.means(), "mean")
+        means = step_means(pl_module)
         tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
         row = {
             "step": step, **means,
@@ -138,14 +143,17 @@ class RunMetrics(L.Callback):
                 logger.log_metrics(numeric, step=step)
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        val = trainer.callback_metrics.get("val_loss")
-        if val is None or trainer.sanity_checking or not trainer.is_global_zero:
-            return
-        self._append({"step": trainer.global_step, "val_loss": float(val)})
+        """The LM loss over every rank's validation batches (all ranks take part in the sum)."""
+        stats = pl_module.val_stats
+        totals = pl_module.backend.all_reduce(pl_module, stats.totals(pl_module.device), "sum")
+        val = means_from_totals(totals)
+        stats.reset()
+        if trainer.is_global_zero and not trainer.sanity_checking and not math.isnan(val["lm_loss"]):
+            self._append({"step": trainer.global_step, "val_loss": val["lm_loss"]})
 
     # -- end of run ---------------------------------------------------------------------------
     def on_train_end(self, trainer, pl_module) -> None:
-        peak = reduce_scalars(trainer, pl_module, {"peak": peak_memory_mib()}, "max")["peak"]
+        peak = float(pl_module.backend.all_reduce(pl_module, torch.tensor(peak_memory_mib()), "max"))
         if trainer.is_global_zero:
             summary = self.summary(trainer.global_step, peak)
             summary.update(self.guard.counts if self.guard else {})
@@ -179,16 +187,19 @@ class RunMetrics(L.Callback):
         }
 
 
-def reduce_scalars(trainer, pl_module, values: dict[str, float], op: str) -> dict[str, float]:
-    """Numbers every rank logged, reduced over ranks (mean or max) in one collective on the module's device.
+def step_means(pl_module) -> dict[str, float]:
+    """This step's losses and routing statistics, averaged over every rank (one sum-reduce).
 
-    A collective's tensor must live where the backend communicates (CUDA for NCCL, the XLA device
-    for Neuron), so the numbers travel as one tensor on the module's device.
+    Where no rank reported the LM loss (NxD's pipeline returns the loss alone), it is the loss less
+    every MoE layer's router term at the step's mean load-balance and z-losses.
     """
-    keys = list(values)
-    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float32, device=pl_module.device)
-    reduced = trainer.strategy.reduce(tensor, reduce_op=op).detach().cpu().tolist()
-    return dict(zip(keys, reduced, strict=True))
+    stats = pl_module.step_stats
+    means = means_from_totals(pl_module.backend.all_reduce(pl_module, stats.totals(pl_module.device), "sum"))
+    if math.isnan(means["lm_loss"]) and not math.isnan(means["aux_loss"]):
+        per_layer = router_loss(SimpleNamespace(aux_loss=means["aux_loss"], z_loss=means["z_loss"]),
+                                pl_module.cfg.moe_opt)
+        means["lm_loss"] = means["loss"] - param_breakdown(pl_module.cfg.model).num_moe_layers * per_layer
+    return means
 
 
 def optimizer_lr(trainer) -> float:

@@ -30,8 +30,8 @@ class LitMoE(L.LightningModule):
 
             backend = DDPBackend(self.cfg, Layout.from_config(self.cfg))
         self.backend = backend
-        self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt)
-        self.step_stats = StepStats()
+        self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)
+        self.step_stats, self.val_stats = StepStats(), StepStats()
         self._parallelized = False
 
     def configure_model(self) -> None:
@@ -51,14 +51,14 @@ class LitMoE(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, lm, out = self.losses(batch)
-        self.step_stats.add(loss=loss, lm_loss=lm, aux_loss=out.aux_loss, z_loss=out.z_loss,
-                            routing=out.routing, tokens=batch["input_ids"].numel())
+        self.step_stats.add(loss=loss, lm_loss=lm, routing=out.routing, tokens=batch["input_ids"].numel())
         self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=batch["input_ids"].shape[0])
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         _, lm, _ = self.losses(batch)
-        self.log("val_loss", lm, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        self.val_stats.add_losses(lm, lm)  # RunMetrics sums it over ranks for metrics.csv
+        self.log("val_loss", lm, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return lm
 
     def configure_optimizers(self):

@@ -2,19 +2,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay_norms_and_biases: bool) -> list[dict]:
-    """Split parameters into decay and no-decay groups; 1-D tensors are norms and biases.
+def param_groups(model: nn.Module | Iterable[nn.Parameter], weight_decay: float,
+                 no_decay_norms_and_biases: bool) -> list[dict]:
+    """Split a model's (or these) parameters into decay and no-decay groups; 1-D tensors are norms and biases.
 
     Each group carries a `name` (DeepSpeed's MoE group splitter needs one) and, through
     `param.is_expert`, stays splittable into expert and non-expert groups later.
     """
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in model.parameters() if isinstance(model, nn.Module) else model:
         if not p.requires_grad:
             continue
         (no_decay if no_decay_norms_and_biases and p.ndim < 2 else decay).append(p)

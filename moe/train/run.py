@@ -55,11 +55,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
             seed=cfg.seed, limit_val_batches=cfg.trainer.limit_val_batches, layout=layout,
         )
         datamodule.check_model(cfg.model)
-        module = backend.build_module()
-        if cfg.model.init_from_hf and not resume_from:  # fine-tuning: start from DIR's weights
-            from moe.train.init_from_hf import load_hf_weights
-
-            load_hf_weights(module.model, cfg.model.init_from_hf)
+        module = backend.build_module(resuming=bool(resume_from))
         parts = backend.trainer_parts()
         trainer = L.Trainer(**dict(
             accelerator=parts.accelerator, strategy=parts.strategy, precision=parts.precision,
@@ -71,7 +67,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
             check_val_every_n_epoch=None, limit_val_batches=cfg.trainer.limit_val_batches,
             num_sanity_val_steps=0, use_distributed_sampler=False,
             logger=build_loggers(cfg) or False,
-            callbacks=build_callbacks(cfg, run_dir, layout, fresh=not cfg.resume and not rolled_back),
+            callbacks=build_callbacks(cfg, run_dir, layout, backend,
+                                      fresh=not cfg.resume and not rolled_back),
             default_root_dir=str(run_dir), enable_progress_bar=cfg.trainer.progress_bar,
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,
         ) | parts.overrides)  # Neuron: manual optimization, NxD accumulates and clips

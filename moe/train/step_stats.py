@@ -1,9 +1,12 @@
-"""Per-optimizer-step accumulation of losses and routing statistics.
+"""Per-optimizer-step accumulation of losses and routing statistics, as sums and counts.
 
-The LightningModule adds one micro-batch at a time; the metrics callback reads the
-step's means once the optimizer has stepped, reduces them over ranks and resets.
-Nothing here recomputes routing: it only sums what the MoE layers returned, as detached
-tensors, so an accelerator is synchronised once a step (in `means`), not once a micro-batch.
+The module adds each micro-batch's losses and each MoE layer's RoutingStats; the metrics
+callback sums the sums and the counts over every rank in one collective and divides. Sums and
+counts (not local means) are what make that right on any layout: a pipeline stage that holds
+no loss adds a count of 0, a stage adds only its own MoE layers, and tensor-parallel ranks,
+which hold the same values, weigh in equally in numerator and denominator. Nothing here
+recomputes routing, and values stay detached tensors until the step ends, so an accelerator
+is synchronised once a step, not once a micro-batch.
 """
 from __future__ import annotations
 
@@ -11,37 +14,56 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCALAR_KEYS = ("loss", "lm_loss", "aux_loss", "z_loss", "drop_fraction",
-               "max_expert_load", "mean_expert_load", "router_entropy")
+ROUTING_KEYS = ("aux_loss", "z_loss", "drop_fraction", "max_expert_load", "mean_expert_load",
+                "router_entropy")
+KEYS = ("loss", "lm_loss") + ROUTING_KEYS
 
 
 @dataclass
 class StepStats:
-    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SCALAR_KEYS, 0.0))
+    sums: dict = field(default_factory=lambda: dict.fromkeys(KEYS, 0.0))
+    loss_count: int = 0  # micro-batches (pipeline: steps) whose loss this rank holds
+    lm_count: int = 0  # ... whose LM loss it holds (NxD's pipeline returns the loss alone)
+    routing_count: int = 0  # MoE-layer forwards this rank ran
     micro_batches: int = 0
-    tokens: int = 0
     last_tokens_per_expert: list = field(default_factory=list)  # per MoE layer: counts [E], last forward
     last_tokens_per_forward: int = 0
 
-    def add(self, *, loss, lm_loss, aux_loss, z_loss, routing, tokens: int) -> None:
-        """Record one micro-batch: its losses and the RoutingStats of each MoE layer."""
-        values = {"loss": loss, "lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss}
+    def add_losses(self, loss, lm_loss=None) -> None:
+        """One micro-batch's training loss and, when known, its LM loss."""
+        self.sums["loss"] = self.sums["loss"] + _detached(loss)
+        self.loss_count += 1
+        if lm_loss is not None:
+            self.sums["lm_loss"] = self.sums["lm_loss"] + _detached(lm_loss)
+            self.lm_count += 1
+
+    def add_routing(self, routing: list, tokens: int) -> None:
+        """The RoutingStats of each MoE layer this rank ran in one micro-batch."""
+        for r in routing:
+            for key, value in (("aux_loss", r.aux_loss), ("z_loss", r.z_loss),
+                               ("drop_fraction", r.dropped_fraction), ("max_expert_load", r.max_load),
+                               ("mean_expert_load", r.mean_load), ("router_entropy", r.entropy)):
+                self.sums[key] = self.sums[key] + _detached(value)
+        self.routing_count += len(routing)
         if routing:
-            n = len(routing)
-            values["drop_fraction"] = sum(_f(r.dropped_fraction) for r in routing) / n
-            values["max_expert_load"] = sum(_f(r.max_load) for r in routing) / n
-            values["mean_expert_load"] = sum(_f(r.mean_load) for r in routing) / n
-            values["router_entropy"] = sum(_f(r.entropy) for r in routing) / n
             self.last_tokens_per_expert = [r.tokens_per_expert_E.detach() for r in routing]
             self.last_tokens_per_forward = tokens
-        for key, value in values.items():
-            self.sums[key] = self.sums[key] + _f(value)
-        self.micro_batches += 1
-        self.tokens += tokens
 
-    def means(self) -> dict[str, float]:
-        n = max(1, self.micro_batches)
-        return {key: float(total) / n for key, total in self.sums.items()}
+    def add(self, *, loss, lm_loss, routing, tokens: int) -> None:
+        """One micro-batch: its losses and the RoutingStats of each of its MoE layers."""
+        self.add_losses(loss, lm_loss)
+        self.add_routing(routing, tokens)
+        self.micro_batches += 1
+
+    def totals(self, device) -> torch.Tensor:
+        """[sum of every key..., its count...]: one fp32 tensor on `device` to sum-reduce over ranks."""
+        values = [torch.as_tensor(self.sums[k], dtype=torch.float32).reshape(()).to(device) for k in KEYS]
+        counts = torch.tensor(self._counts(), dtype=torch.float32, device=device)
+        return torch.cat([torch.stack(values), counts])
+
+    def _counts(self) -> list[int]:
+        by_key = {"loss": self.loss_count, "lm_loss": self.lm_count}
+        return [by_key.get(k, self.routing_count) for k in KEYS]
 
     def tokens_per_expert(self) -> list[list[int]]:
         """[moe_layer][expert] routed assignments of the step's last forward (before drops)."""
@@ -51,6 +73,13 @@ class StepStats:
         self.__init__()
 
 
-def _f(value):
-    """A detached float32 tensor, or the number itself."""
+def means_from_totals(totals: torch.Tensor) -> dict[str, float]:
+    """Per-key means from (possibly rank-summed) `StepStats.totals`; NaN where no rank counted any."""
+    values = totals.tolist()
+    sums, counts = values[: len(KEYS)], values[len(KEYS):]
+    return {k: total / count if count else float("nan")
+            for k, total, count in zip(KEYS, sums, counts, strict=True)}
+
+
+def _detached(value):
     return value.detach().float() if torch.is_tensor(value) else float(value)

@@ -1,0 +1,136 @@
+"""Our model with neuronx-distributed's parallel layers swapped in, built on the meta device and
+materialised shard by shard from the same initial values every backend uses.
+
+`build_model(cfg)` is NxD's `model_fn`: it runs under NxD's meta-device context
+(trainer/trainer.py:159-168 with model_init_config meta_device_init, as NxD's Mixtral recipe,
+examples/training/mixtral/mixtral_pretrain/run_mixtral_pretrain_ptl.py:142-151), so no rank ever
+holds more than its own shard. NxD then gives every module of the local pipeline stage empty CPU
+parameters of the local shard's shape and calls `param_init_fn(module, device)`
+(utils/model_utils.py:220-229, :335-356), which fills them with this rank's piece of the full value
+(moe.model.init for a fresh run, a Mixtral directory for model.init_from_hf; moe/backends/neuron/
+shards.py says which piece). The full value of a stacked expert tensor is drawn one expert at a
+time, so the transient host memory is one expert, not the layer.
+
+Layers (neuronx-distributed v2.28.0, src/neuronx_distributed/parallel_layers/layers.py:205, :588,
+:847): vocabulary-parallel embedding and LM head; the fused qkv as one ColumnParallelLinear whose
+rank holds its own heads' [q | k | v] rows (so tp divides num_kv_heads: there is no KV replication
+here); o_proj and the dense down_proj as RowParallelLinear; the dense gate_up as a stride-2
+ColumnParallelLinear ([gate | up] per rank); MoE layers as NxD's MoE (moe_layer.py). With sequence
+parallelism activations are sequence-first ([S / tp, B, H], causal_lm.SEQUENCE_DIM) and norm weights are
+marked
+`sequence_parallel_enabled`, whose gradients NxD's optimizer all-reduces over TP
+(parallel_layers/grads.py:330-346, trainer/optimizer.py:124-128).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from neuronx_distributed.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallelLinear,
+    parallel_state,
+)
+from torch import nn
+
+from moe.backends.neuron.causal_lm import SEQUENCE_DIM, NxDCausalLM, StageBlock
+from moe.backends.neuron.moe_layer import NxDMoELayer
+from moe.backends.neuron.shards import layout_of, local_shard, our_name
+from moe.model.init import init_stds, initial_values
+from moe.model.model import MoETransformer, alibi_slopes
+
+NAMES = "_moe_param_names"  # module attribute: parameter key -> our name, for param_init_fn
+
+
+def build_model(cfg, sequence_parallel: bool) -> NxDCausalLM:
+    """NxD's model_fn: our model (meta), its layers swapped for NxD's, under the training forward."""
+    model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed, block_cls=StageBlock)
+    swap_layers(model, cfg.model, cfg.moe_opt, sequence_parallel)
+    causal_lm = NxDCausalLM(model, sequence_parallel)
+    for name, module in causal_lm.named_modules():
+        setattr(module, NAMES, {key: our_name(f"{name}.{key}") for key, p in module._parameters.items()
+                                if p is not None})
+    return causal_lm
+
+
+def swap_layers(model: MoETransformer, model_cfg, moe_opt, sp: bool) -> None:
+    tp = parallel_state.get_tensor_model_parallel_size()
+    H, V = model_cfg.hidden_size, model_cfg.vocab_size
+    parallel = dict(bias=False, sequence_parallel_enabled=sp, sequence_dimension=SEQUENCE_DIM)
+    model.embed_tokens = ParallelEmbedding(V, H)
+    model.lm_head = ColumnParallelLinear(H, V, gather_output=False, **parallel)
+    _mark_sequence_parallel(model.norm, sp)
+    for block in model.layers:
+        attn = block.attn
+        q, kv, _ = attn.split_sizes
+        attn.qkv_proj = ColumnParallelLinear(H, q + 2 * kv, gather_output=False, **parallel)
+        attn.o_proj = RowParallelLinear(q, H, input_is_parallel=True, **parallel)
+        attn.num_heads, attn.num_kv_heads = attn.num_heads // tp, attn.num_kv_heads // tp
+        attn.split_sizes = [size // tp for size in attn.split_sizes]
+        attn.sequence_first = sp  # causal_lm.SEQUENCE_DIM
+        if model_cfg.position_encoding == "alibi":  # this rank's heads' slopes
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            slopes = alibi_slopes(model_cfg.num_heads)[rank * attn.num_heads:(rank + 1) * attn.num_heads]
+            attn.register_buffer("alibi_slopes", slopes, persistent=False)
+        for norm in (block.attn_norm, block.ffn_norm):
+            _mark_sequence_parallel(norm, sp)
+        if block.is_moe:
+            block.ffn = NxDMoELayer(model_cfg, moe_opt, sp, init_method=_unused_init)
+        else:
+            F = block.ffn.down_proj.in_features
+            block.ffn.gate_up_proj = ColumnParallelLinear(H, 2 * F, gather_output=False, stride=2, **parallel)
+            block.ffn.down_proj = RowParallelLinear(F, H, input_is_parallel=True, **parallel)
+
+
+def _mark_sequence_parallel(norm: nn.Module, sp: bool) -> None:
+    norm.weight.sequence_parallel_enabled = sp
+
+
+def _unused_init(weight: torch.Tensor) -> None:
+    """NxD layers built on the meta device are never initialised by their init_method."""
+
+
+def init_from(source, model_cfg):
+    """NxD's param_init_fn: fill a module's (empty, local-shard) parameters from `source`.
+
+    `source(name, shape, first_expert)` gives the full value of our parameter `name` (for a stacked
+    expert tensor, the experts [first_expert, first_expert + shape[0])). Expert parallelism is 1 on
+    trn1, so this rank holds every expert, each split over tensor-parallel ranks.
+    """
+    return functools.partial(_init_module, source=source, model_cfg=model_cfg)
+
+
+@torch.no_grad()
+def _init_module(module: nn.Module, device, *, source, model_cfg) -> None:
+    names = getattr(module, NAMES, {})
+    tp = parallel_state.get_tensor_model_parallel_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for key, param in module._parameters.items():
+        if param is None:
+            continue
+        name = names[key]
+        layout = layout_of(name, model_cfg)
+        full_shape = list(param.shape)
+        if layout.dim is not None:
+            full_shape[layout.dim] *= tp
+        if name.endswith(EXPERT_TENSORS):
+            full_shape[0] = 1  # one expert at a time
+            values = torch.cat([local_shard(source(name, tuple(full_shape), e), layout, rank, tp)
+                                for e in range(param.shape[0])])
+        else:
+            values = local_shard(source(name, tuple(full_shape), None), layout, rank, tp)
+        param.copy_(values.to(param.dtype))
+
+
+EXPERT_TENSORS = ("experts.gate_up", "experts.down")
+
+
+def random_init(cfg):
+    """moe.model.init's values for cfg.seed: what every backend starts from."""
+    std, out_std = init_stds(cfg.model)
+
+    def source(name, shape, first_expert):
+        return initial_values(name, shape, cfg.seed, std, out_std, first_expert=first_expert)
+
+    return source

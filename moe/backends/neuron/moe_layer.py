@@ -1,0 +1,96 @@
+"""Our MoE layer's interface over neuronx-distributed's MoE module (RouterTopK + ExpertMLPs + MoE).
+
+`forward(x_BSH, generating=False) -> (y_BSH, RoutingStats | None)`, as moe.model.moe.MoELayer, so
+the Block around it is ours. NxD routes and runs the experts; the load-balance and z-losses and
+the monitoring numbers are ours (moe.model.routing.routing_stats), computed from the router logits
+NxD returns, with the assignments it kept recomputed by its own rule. Lines cited are
+neuronx-distributed v2.28.0 (SDK 2.28, the last release that trains on trn1), src/neuronx_distributed/.
+
+- Dropless (moe_opt.capacity_factor null) is NxD's capacity_factor 0.0, the blockwise path;
+  None there would run every token through every expert (modules/moe/expert_mlps_v2.py:1451-1465).
+- A capacity drops by position: tokens earlier in the flattened order keep their slot, with
+  capacity min(ceil(T*k*cf/E), T) and no minimum (expert_mlps_v2.py:498-521); validation refuses
+  drop_policy=probs and min_capacity > 0 on trn1.
+- ExpertMLPs gets the router's sequence_parallel_enabled, or eval gathers the wrong sizes
+  (expert_mlps_v2.py:472-473, :503-511, :774-775; NxD's own Mixtral example misses this).
+- In eval, capacity_factor <= 0 takes the capacity path with capacity 0 and fails
+  (expert_mlps_v2.py:1496-1497, :580), so a dropless layer runs its eval forward in training mode
+  (no_grad around it keeps it cheap); with jitter off (refused on trn1) the result is the same.
+- With sequence parallelism the router logits are gathered over the sequence in training only
+  (modules/moe/routing.py:78-83, :102-109): statistics are computed in training, not in eval.
+- Under sequence parallelism the input is [S / tp, B, H] (causal_lm.SEQUENCE_DIM): tokens are in
+  sequence-major order, which decides which ones a capacity drops when a micro-batch holds more
+  than one sequence (NxD's own models run the same way).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from moe.backends.neuron.causal_lm import SEQUENCE_DIM
+from moe.config.schema import normalizes
+from moe.model.routing import (
+    RoutingStats,
+    apply_capacity,
+    router_probs,
+    routing_stats,
+    top_k_routing,
+)
+
+
+def nxd_capacity_factor(capacity_factor: float | None) -> float:
+    """Our capacity factor as NxD's: null (dropless) is 0.0, the blockwise dropless path."""
+    return 0.0 if capacity_factor is None else float(capacity_factor)
+
+
+def nxd_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """NxD's slots per expert: min(ceil(T*k*cf/E), T) (expert_mlps_v2.py:498-501)."""
+    return min(math.ceil(num_tokens * top_k * capacity_factor / num_experts), num_tokens)
+
+
+class NxDMoELayer(nn.Module):
+    def __init__(self, model_cfg, moe_opt, sequence_parallel: bool, init_method):
+        super().__init__()
+        from neuronx_distributed.modules.moe import MoE, RouterTopK
+        from neuronx_distributed.modules.moe.expert_mlps import ExpertMLPs
+
+        E, k, H = model_cfg.num_experts, model_cfg.top_k, model_cfg.hidden_size
+        self.num_experts, self.top_k, self.normalize_top_k = E, k, moe_opt.normalize_top_k
+        self.capacity_factor = nxd_capacity_factor(moe_opt.capacity_factor)
+        sp = sequence_parallel
+        router = RouterTopK(num_experts=E, top_k=k, hidden_size=H, sequence_parallel_enabled=sp,
+                            sequence_dimension=SEQUENCE_DIM, act_fn="softmax", jitter_eps=moe_opt.jitter_eps)
+        experts = ExpertMLPs(num_experts=E, top_k=k, hidden_size=H,
+                             intermediate_size=model_cfg.intermediate_size, hidden_act="silu", glu_mlp=True,
+                             capacity_factor=self.capacity_factor, sequence_parallel_enabled=sp,
+                             normalize_top_k_affinities=normalizes(moe_opt.normalize_top_k, k),
+                             init_method=init_method, output_layer_init_method=init_method)
+        self.moe = MoE(router=router, expert_mlps=experts, return_router_logits=True,
+                       sequence_parallel_enabled=sp, sequence_dimension=SEQUENCE_DIM)
+
+    def forward(self, x: torch.Tensor, generating: bool = False) -> tuple[torch.Tensor, RoutingStats | None]:
+        """x: [B, S, H], or [S / tp, B, H] under sequence parallelism; returns y shaped as x."""
+        dropless = self.capacity_factor <= 0
+        eval_in_train_mode = not self.training and dropless
+        with _training(self.moe) if eval_in_train_mode else contextlib.nullcontext():
+            y, logits_TE = self.moe(x)[:2]
+        if not self.training or generating:
+            return y, None
+        probs_TE = router_probs(logits_TE.float())
+        weights_TK, idx_TK = top_k_routing(probs_TE, self.top_k, self.normalize_top_k)
+        capacity = None if dropless else nxd_capacity(logits_TE.shape[0], self.num_experts, self.top_k,
+                                                      self.capacity_factor)
+        keep_TK = apply_capacity(idx_TK, weights_TK, self.num_experts, capacity, "position")
+        return y, routing_stats(logits_TE, probs_TE, idx_TK, keep_TK)
+
+
+@contextlib.contextmanager
+def _training(module: nn.Module):
+    module.train()
+    try:
+        yield
+    finally:
+        module.eval()

@@ -1,0 +1,1 @@
+"""Stub of neuronxcc.nki.isa (only used inside NKI kernel bodies)."""

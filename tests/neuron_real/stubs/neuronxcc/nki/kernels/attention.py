@@ -1,0 +1,3 @@
+from _neuron_stub import unavailable_class as _uc
+
+FlashConfig = _uc("neuronxcc.nki.kernels.attention.FlashConfig")

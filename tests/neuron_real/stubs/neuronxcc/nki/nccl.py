@@ -1,0 +1,1 @@
+"""Stub of neuronxcc.nki.nccl (only used inside NKI kernels)."""

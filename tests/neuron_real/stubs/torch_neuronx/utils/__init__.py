@@ -1,0 +1,1 @@
+from .utils import get_platform_target  # noqa: F401

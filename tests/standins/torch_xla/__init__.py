@@ -1,2 +1,0 @@
-"""STAND-IN for torch_xla (tests only; see tests/standins/README.md)."""
-STANDIN = True

@@ -1,0 +1,686 @@
+"""hardware=trn1 through neuronx-distributed, on the fakes of tests/fakes (what they are: its README).
+
+Each test names the failure it guards against: the numbered items of issue B (what the trn1 path
+did wrong when read against NxD v2.28.0) and the behaviour that had silently changed there. The
+backend's own code runs unchanged; only neuronx_distributed and torch_xla are the fakes, whose
+signatures tests/test_neuron_fakes.py checks against the real release.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
+from moe.config.validate import validate
+from moe.errors import ConfigError, UserError
+from tests.conftest import REPO, free_port, run_entry
+
+FAKES = REPO / "tests" / "fakes"
+FAKE_ENV = {"PYTHONPATH": str(FAKES)}
+TRN1 = ("hardware=trn1", "trainer.devices=2")
+MIXTRAL_TRN1 = ("experiment=karakuri_8x7b_trn1",)
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def _forget_fakes() -> None:
+    for name in list(sys.modules):
+        if name.split(".")[0] in ("neuronx_distributed", "torch_xla") or name.startswith(
+            "moe.backends.neuron."
+        ):
+            del sys.modules[name]
+
+
+@pytest.fixture
+def nxd_fakes(monkeypatch):
+    """The fakes on sys.path for this test only; the environment the backend sets restored after."""
+    env = dict(os.environ)
+    _forget_fakes()
+    monkeypatch.syspath_prepend(str(FAKES))
+    yield
+    _forget_fakes()
+    os.environ.clear()
+    os.environ.update(env)
+
+
+@pytest.fixture
+def nxd(nxd_fakes):
+    """The fakes and one gloo process, whose model-parallel state NxD's config initialises."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def backend_for(*overrides: str):
+    """The trn1 backend (hardware=trn1, 2 devices unless overridden) with NxD's config made."""
+    from moe.backends.neuron import NeuronBackend
+
+    cfg = compose_cfg(*TRN1, *overrides)
+    backend = NeuronBackend(cfg, validate(cfg))
+    backend.nxd_config()  # initialises NxD's parallel state when torch.distributed is up
+    return backend
+
+
+def neuron_module(*overrides: str):
+    """NeuronLitMoE attached to a Trainer with NxD's strategy, its model built by NxD's setup (meta
+    device, then param_init_fn), as trainer.fit does before the first step."""
+    backend = backend_for(*overrides)
+    return attached(backend, backend.build_module())
+
+
+def attached(backend, module):
+    import lightning as L
+
+    parts = backend.trainer_parts()
+    trainer = L.Trainer(
+        accelerator=parts.accelerator,
+        strategy=parts.strategy,
+        plugins=parts.plugins,
+        devices=backend.cfg.trainer.devices,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    module.setup("fit")
+    return module
+
+
+def module_routing(cfg) -> list[str]:
+    """The overrides giving another backend the routing `cfg` runs."""
+    return [f"moe_opt.{k}={'null' if v is None else v}" for k, v in cfg.moe_opt.items()]
+
+
+def batch_of(cfg, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len), generator=g)
+    labels = ids.roll(-1, dims=1)
+    labels[:, -1] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+# -- 1. import next to transformers 5 -----------------------------------------------------------------
+class _NoHFTracer:
+    """A meta-path finder: `import neuronx_distributed` fails as NxD's pipeline/trace.py:43 does
+    next to transformers 5 (`from transformers.utils.fx import HFTracer`)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "neuronx_distributed":
+            raise ModuleNotFoundError("No module named 'transformers.utils.fx'", name="transformers.utils.fx")
+        return None
+
+
+def test_1_transformers_5_is_named_not_reported_as_missing_package(monkeypatch):
+    from moe.backends.neuron import _import_nxd
+
+    monkeypatch.delitem(sys.modules, "neuronx_distributed", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_NoHFTracer(), *sys.meta_path])
+    with pytest.raises(UserError) as err:
+        _import_nxd(compose_cfg(*TRN1))
+    assert "transformers 5" in str(err.value) and "HFTracer" in str(err.value)
+    assert "not installed" not in str(err.value)
+    assert "constraints-trn1.txt" in err.value.fix
+
+
+def test_1_missing_neuron_sdk_says_what_to_install(tmp_path):
+    proc = run_entry("train.py", *TRN1, f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "needs neuronx-distributed and torch-neuronx (SDK 2.28)" in proc.stderr
+    assert "constraints-trn1.txt" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+# -- 2. devices: NxD's accelerator takes 1 or TPU_NUM_DEVICES -------------------------------------------
+def test_2_tpu_num_devices_is_set_from_trainer_devices_before_the_trainer_checks_it(nxd_fakes):
+    import lightning as L
+
+    backend = backend_for(
+        "parallel=tp8_pp8", "model=mixtral_8x7b", "trainer.devices=32", "trainer.num_nodes=16", "dry_run=true"
+    )
+    assert {
+        os.environ[k] for k in ("TPU_NUM_DEVICES", "TPU_CHIPS_PER_HOST_BOUNDS", "NEURON_RT_NUM_CORES")
+    } == {"32"}
+    parts = backend.trainer_parts()
+    trainer = L.Trainer(
+        accelerator=parts.accelerator,
+        strategy=parts.strategy,
+        plugins=parts.plugins,
+        devices=32,
+        num_nodes=16,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    assert trainer.num_devices == 32
+    os.environ.pop("TPU_NUM_DEVICES")  # NxD's default, 8: what the run met before
+    with pytest.raises(ValueError, match="can only be 'auto', 1, 8"):
+        L.Trainer(
+            accelerator=parts.accelerator,
+            strategy=backend.trainer_parts().strategy,
+            devices=32,
+            num_nodes=16,
+            logger=False,
+            enable_checkpointing=False,
+        )
+
+
+# -- 3. expert parallelism is refused on trn1, with what works ------------------------------------------
+def test_3_expert_parallelism_is_refused_with_the_recipe_that_works():
+    cfg = compose_cfg(
+        "hardware=trn1",
+        "parallel=tp8_pp8_ep8",
+        "model=mixtral_8x7b",
+        "trainer.devices=32",
+        "trainer.num_nodes=16",
+    )
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    text = str(err.value)
+    assert "parallel.ep=8" in text and "enable_spmd_rank" in text and "parallel=tp8_pp8" in text
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("moe_opt.drop_policy=probs", "moe_opt.drop_policy"),
+        ("moe_opt.min_capacity=4", "moe_opt.min_capacity"),
+        ("moe_opt.normalize_after_drop=false", "moe_opt.normalize_after_drop"),
+        ("moe_opt.eval_capacity_factor=4.0", "moe_opt.eval_capacity_factor"),
+        ("moe_opt.jitter_eps=0.01", "moe_opt.jitter_eps"),
+        ("parallel.activation_checkpointing=every_n", "parallel.activation_checkpointing"),
+        ("model.tie_word_embeddings=true", "model.tie_word_embeddings"),
+        ("trainer.devices=1", "trainer.devices"),
+    ],
+)
+def test_what_nxd_cannot_train_is_refused_naming_nxds_behaviour(override, field):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg("hardware=trn1", override))
+    assert err.value.field == field and "Fix:" in str(err.value)
+
+
+def test_3_train_py_refuses_ep_on_trn1_before_anything_is_written(tmp_path):
+    proc = run_entry(
+        "train.py",
+        "hardware=trn1",
+        "parallel=tp8_pp8_ep8",
+        "model=mixtral_8x7b",
+        "trainer.devices=32",
+        "trainer.num_nodes=16",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env=FAKE_ENV,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "parallel.ep" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_3_karakuri_experiment_dry_run_prints_the_aws_layout(tmp_path):
+    proc = run_entry(
+        "train.py", *MIXTRAL_TRN1, "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tp 8 x pp 8 x dp 8 = 512; ep 1" in proc.stdout and "16 node(s) of 32" in proc.stdout
+    assert "1024 sequences x 4096 tokens" in proc.stdout and "-> fits" in proc.stdout
+
+
+# -- 4. pipeline tracing with sequence parallelism ------------------------------------------------------
+def test_4_pipeline_keeps_the_sequence_scatter_and_the_loss_as_single_calls(nxd):
+    """Traced into, the scatter's body fails at tp > 1 (mappings.py:85 asserts on a traced shape), so
+    NxD's recipes auto-wrap the mappings module; the graph must call it, not inline it."""
+    from neuronx_distributed.parallel_layers import mappings
+    from neuronx_distributed.pipeline.model import NxDPPModel
+
+    from moe.backends.neuron.causal_lm import nxd_lm_loss
+    from moe.backends.neuron.layers import build_model
+    from moe.backends.neuron.nxd_config import nxd_config_kwargs
+
+    backend_for()  # NxD's parallel state at tp=1 for the model; the pipeline's arguments at pp=2
+    cfg = compose_cfg(*TRN1, "parallel.pp=2", "trainer.accumulate_grad_batches=2")
+    pipeline = nxd_config_kwargs(cfg, validate(cfg), None)["pipeline_config"]
+    assert pipeline["autowrap_modules"] == [mappings] and pipeline["autowrap_functions"] == [nxd_lm_loss]
+
+    def called(pp_kwargs) -> set:
+        traced = NxDPPModel(build_model(cfg, sequence_parallel=True), **pp_kwargs).traced
+        return {
+            getattr(n.target, "__name__", str(n.target))
+            for n in traced.graph.nodes
+            if n.op == "call_function"
+        }
+
+    assert {"scatter_to_sequence_parallel_region", "nxd_lm_loss"} <= called(pipeline)
+    assert "scatter_to_sequence_parallel_region" not in called({**pipeline, "autowrap_modules": None})
+
+
+# -- 5. pipeline: the loss exists on the last stage only ------------------------------------------------
+def test_5_pipeline_trains_with_loss_on_the_last_stage_only(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_entry(
+        "train.py",
+        *TRN1,
+        "parallel.pp=2",
+        "trainer=smoke",
+        "trainer.max_steps=4",
+        "trainer.accumulate_grad_batches=2",
+        "optimizer.warmup_steps=1",
+        "trainer.val_check_interval=4",
+        "trainer.checkpoint_every_n_steps=4",
+        f"hydra.run.dir={run_dir}",
+        env=FAKE_ENV,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in _rows(run_dir) if r["loss"]]
+    assert [r["step"] for r in rows] == ["1", "4"]
+    for row in rows:  # the router terms come from both stages, the LM loss is derived from them
+        loss, lm = float(row["loss"]), float(row["lm_loss"])
+        assert 0 < lm < loss < 20 and float(row["aux_loss"]) > 0
+    assert [float(r["val_loss"]) > 0 for r in _rows(run_dir) if r["val_loss"]] == [True]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    import csv
+
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+# -- 6. metrics are reduced on the device -----------------------------------------------------------------
+def test_6_metrics_go_through_xla_all_reduce_on_the_module_device(nxd, monkeypatch):
+    import torch_xla.core.xla_model as xm
+
+    seen = []
+    monkeypatch.setattr(
+        xm, "all_reduce", lambda kind, t, **kw: seen.append((kind, t.device)) or torch.ones(2)
+    )
+    backend = backend_for()
+
+    class OnDevice:  # the fake device is the CPU: any other device shows the move
+        device = torch.device("meta")
+
+    assert backend.all_reduce(OnDevice(), torch.tensor([2.0, 3.0]), "max").device.type == "cpu"
+    assert seen == [(xm.REDUCE_MAX, torch.device("meta"))]
+
+
+# -- 7. validation with sequence parallelism and MoE ------------------------------------------------------
+@pytest.mark.parametrize("moe_opt", ["moe_opt=nxd", "moe_opt.capacity_factor=null"])
+def test_7_moe_layer_eval_runs_with_sequence_parallel_and_dropless(nxd, moe_opt):
+    from moe.backends.neuron.layers import build_model, init_from, random_init
+
+    cfg = backend_for(moe_opt, "moe_opt.eval_capacity_factor=${moe_opt.capacity_factor}").cfg
+    model = build_model(cfg, sequence_parallel=True).to_empty(device="cpu")
+    fill = init_from(random_init(cfg), cfg.model)
+    for module in model.modules():  # as NxD's materialisation does (utils/model_utils.py:220-229)
+        fill(module, torch.device("cpu"))
+    for block in model.model.layers:
+        if block.is_moe:
+            layer = block.ffn.moe
+            assert (
+                layer.expert_mlps.sequence_parallel_enabled == layer.router.sequence_parallel_enabled is True
+            )
+    batch = batch_of(cfg)
+    model.eval()
+    with torch.no_grad():
+        loss, lm = model(batch["input_ids"], batch["labels"])
+    assert torch.isfinite(lm)
+
+
+# -- 8. host memory: the model is built on the meta device, each rank fills its own shard --------------------
+def test_8_mixtral_8x7b_is_built_on_the_meta_device(nxd):
+    """NxD builds the model under init_on_device(meta) (trainer.py:162-166) when model_init_config
+    asks for it; then no rank holds more than one parameter of the full model at any time."""
+    import resource
+
+    from neuronx_distributed.utils.model_utils import init_on_device
+
+    from moe.backends.neuron.layers import build_model
+    from moe.backends.neuron.nxd_config import nxd_config_kwargs
+
+    backend_for()  # NxD's parallel state (tp=1: the whole model, the worst case for one rank)
+    cfg = compose_cfg(*MIXTRAL_TRN1)
+    init = nxd_config_kwargs(cfg, validate(cfg), param_init_fn=print)["model_init_config"]
+    assert init["meta_device_init"] is True and init["param_init_fn"] is print
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with init_on_device(device=torch.device("meta"), force_custom_init_on_device=True):
+        model = build_model(cfg, sequence_parallel=False)
+    params = list(model.parameters())
+    assert {p.device.type for p in params} == {"meta"}
+    assert sum(p.numel() for p in params) == pytest.approx(46.70e9, rel=1e-3)
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 2**20
+    assert grown_gib < 4  # one expert tensor at most; the model is 174 GiB in fp32
+
+
+def test_8_each_parameter_gets_the_values_every_backend_starts_from(nxd):
+    """param_init_fn fills NxD's model with moe.model.init's values: the same numbers as LitMoE's."""
+    from moe.backends.neuron.shards import our_name
+    from moe.train.module import LitMoE
+
+    module = neuron_module()
+    ours = LitMoE(compose_cfg("trainer.devices=2")).model.state_dict()
+    theirs = {our_name(k): v for k, v in module.model.state_dict().items()}
+    assert set(theirs) == set(ours)
+    for name, value in ours.items():
+        assert torch.equal(theirs[name], value), name
+
+
+def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_path):
+    """model.init_from_hf on trn1: each rank's param_init_fn reads its shard from DIR's safetensors
+    (moe.model.hf_tensors), so the model NxD trains holds DIR's weights; a resumed run does not."""
+    from moe.backends.neuron import NeuronBackend
+    from moe.backends.neuron.shards import our_name
+    from moe.model.hf import from_hf, to_hf
+    from moe.model.model import MoETransformer
+    from moe.train.init_from_hf import apply_init_from_hf
+
+    cfg = compose_cfg(*TRN1)
+    to_hf(MoETransformer(cfg.model, compose_cfg("moe_opt=dropless").moe_opt, init_seed=7)).save_pretrained(
+        tmp_path
+    )
+    cfg = compose_cfg(*TRN1, f"model.init_from_hf={tmp_path}")
+    apply_init_from_hf(cfg)
+    expected = from_hf(tmp_path).state_dict()
+    for resuming, same in ((False, True), (True, False)):
+        backend = NeuronBackend(cfg, validate(cfg))
+        module = attached(backend, backend.build_module(resuming=resuming))
+        got = {our_name(k): v for k, v in module.model.state_dict().items()}
+        assert all(torch.equal(got[k], v) for k, v in expected.items()) is same
+
+
+# -- the objective: the same numbers as the CPU/GPU model ---------------------------------------------
+NXD_HEAVY_DROPS = ("moe_opt=nxd", "moe_opt.capacity_factor=0.5", "moe_opt.eval_capacity_factor=0.5")
+
+
+@pytest.mark.parametrize(
+    "moe_opt",
+    [
+        ("moe_opt=nxd",),
+        NXD_HEAVY_DROPS,
+        ("moe_opt.capacity_factor=null", "moe_opt.eval_capacity_factor=null"),
+    ],
+)
+def test_loss_matches_litmoe_at_degree_1(nxd, moe_opt):
+    """Dropless, NxD's capacity, and a capacity that drops a quarter of the assignments (where NxD's
+    renormalisation over the kept experts, moe_opt.normalize_after_drop, decides the numbers)."""
+    from moe.backends.neuron.causal_lm import pop_routing
+    from moe.train.module import LitMoE
+
+    module = neuron_module(*moe_opt)
+    reference = LitMoE(compose_cfg(*module_routing(module.cfg)))
+    batch = batch_of(module.cfg)
+    loss, lm = module.model(batch["input_ids"], batch["labels"])
+    ref_loss, ref_lm, out = reference.losses(batch)
+    torch.testing.assert_close(lm, ref_lm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    routing = pop_routing(module.model.modules())
+    assert len(routing) == len(out.routing)
+    if moe_opt == NXD_HEAVY_DROPS:
+        assert min(float(r.dropped_fraction) for r in routing) > 0.1
+    for got, want in zip(routing, out.routing, strict=True):
+        assert torch.equal(got.tokens_per_expert_E, want.tokens_per_expert_E)
+        torch.testing.assert_close(got.dropped_fraction, want.dropped_fraction)
+        torch.testing.assert_close(got.aux_loss, want.aux_loss)
+
+
+# -- what had silently changed on trn1 ----------------------------------------------------------------------
+def test_spike_guard_hooks_run_before_the_step_and_a_skip_leaves_the_weights(nxd):
+    """NxD's precision plugin steps without the closure, so Lightning never fired on_before_optimizer_step
+    (the spike guard's and the metrics' hook); ours fires it, and skips the update when told."""
+    import lightning as L
+
+    from moe.backends.neuron.strategy import NeuronPrecision
+
+    calls = []
+
+    class Recorder(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            calls.append(trainer.global_step)
+
+    module = neuron_module()
+    module.trainer.callbacks.append(Recorder())
+    optimizer = module.configure_optimizers()[0][0]
+    batch = batch_of(module.cfg)
+
+    def step(skip: bool) -> bool:
+        before = [p.detach().clone() for p in module.model.parameters()]
+        module.model(batch["input_ids"], batch["labels"])[0].backward()
+        if skip:
+            module.backend.skip_update(module)
+        NeuronPrecision().optimizer_step(optimizer, module, closure=lambda: None)
+        return any(not torch.equal(b, p) for b, p in zip(before, module.model.parameters(), strict=True))
+
+    assert step(skip=False) and calls == [0]
+    assert not step(skip=True) and calls == [0, 0]
+    assert all(p.grad is None or not p.grad.any() for p in module.model.parameters())
+
+
+@pytest.mark.parametrize("zero", ["parallel.zero_stage=0", "parallel.zero_stage=1"])
+def test_grad_clip_is_applied_with_and_without_zero1(nxd, zero):
+    """With ZeRO-1 torch-xla's optimizer clips at its own max_norm (default 1.0, NxD's max_grad_norm
+    ignored: trainer/trainer.py:243-301); the configured grad_clip reaches it either way."""
+    module = neuron_module(zero, "optimizer.grad_clip=0.25")
+    optimizer = module.configure_optimizers()[0][0]
+    for p in module.model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    optimizer.step()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.model.parameters()]))
+    assert norm.item() == pytest.approx(0.25, rel=1e-4)
+    assert float(optimizer.grad_norm) > 100  # the norm before clipping, as NxD reports it
+
+
+def test_dropless_is_nxds_capacity_factor_0_not_none(nxd):
+    """NxD's capacity_factor None runs every token through every expert (expert_mlps_v2.py:1451-1465);
+    its dropless path is 0.0, which ours (null) must become."""
+    module = neuron_module("moe_opt.capacity_factor=null", "moe_opt.eval_capacity_factor=null")
+    layers = [m.moe.expert_mlps for m in module.model.modules() if type(m).__name__ == "NxDMoELayer"]
+    assert layers and {m.capacity_factor for m in layers} == {0.0}
+
+
+@pytest.mark.parametrize(
+    "policy, classes",
+    [
+        ("selective", {"CoreAttention", "NxDMoELayer"}),
+        ("moe_only", {"NxDMoELayer"}),
+        ("full", {"StageBlock"}),
+    ],
+)
+def test_activation_checkpointing_wraps_nxds_classes(nxd, policy, classes):
+    """selective is NxD's Mixtral selection, core attention + MoE (run_mixtral_pretrain_ptl.py:182)."""
+    module = neuron_module(f"parallel.activation_checkpointing={policy}")
+    wrapped = {
+        type(m._checkpoint_wrapped_module).__name__
+        for m in module.model.modules()
+        if hasattr(m, "_checkpoint_wrapped_module")
+    }
+    assert wrapped == classes
+
+
+@pytest.mark.parametrize(
+    "preset, xla_env, master",
+    [
+        ("bf16_sr", ("1", "0", "1"), False),  # the Llama 2 trn1 recipe
+        ("mixed", ("0", "1", "0"), True),
+        ("fp32", ("0", "0", "0"), False),
+    ],
+)
+def test_precision_presets_set_xla_env_and_master_weights(nxd_fakes, preset, xla_env, master):
+    from moe.backends.neuron.env import neuron_env
+    from moe.backends.neuron.nxd_config import nxd_config_kwargs
+
+    cfg = compose_cfg(*TRN1, f"hardware.neuron_precision={preset}", "parallel.zero_stage=1")
+    env = neuron_env(cfg)
+    assert (env["XLA_USE_BF16"], env["XLA_DOWNCAST_BF16"], env["NEURON_RT_STOCHASTIC_ROUNDING_EN"]) == xla_env
+    mixed = nxd_config_kwargs(cfg, validate(cfg), None)["mixed_precision_config"]
+    assert mixed["use_master_weights"] is master and mixed["use_fp32_grad_acc"] is master
+
+
+def test_moe_compiler_flags_follow_nxds_mixtral_recipe(nxd_fakes, monkeypatch):
+    """MoE drops --distribution-strategy=llm-training and adds --enable-saturate-infinity
+    (run_mixtral_pretrain_ptl.sh:31-33); a dense model keeps the flags; the shell's are kept, once."""
+    from moe.backends.neuron.env import cc_flags
+
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--verbose=35 --model-type=transformer")
+    moe_flags = cc_flags(compose_cfg(*TRN1)).split()
+    assert (
+        "--distribution-strategy=llm-training" not in moe_flags and "--enable-saturate-infinity" in moe_flags
+    )
+    assert moe_flags.count("--model-type=transformer") == 1 and "--verbose=35" in moe_flags
+    dense = compose_cfg(*TRN1, "model.moe_layer_frequency=100")  # no layer is MoE
+    assert "--distribution-strategy=llm-training" in cc_flags(dense).split()
+
+
+# -- a run on the fakes: two processes, NxD's checkpoints, resume --------------------------------------------
+TRAIN_6 = (
+    *TRN1,
+    "trainer=smoke",
+    "trainer.max_steps=6",
+    "optimizer.warmup_steps=2",
+    "trainer.val_check_interval=3",
+    "trainer.checkpoint_every_n_steps=3",
+    "trainer.log_every_n_steps=1",
+)
+
+
+@pytest.fixture(scope="module")
+def trn1_run(tmp_path_factory) -> Path:
+    """Six steps on two processes (checkpoints at 3 and 6), once for the tests below."""
+    run_dir = tmp_path_factory.mktemp("trn1") / "run"
+    proc = run_entry("train.py", *TRAIN_6, f"hydra.run.dir={run_dir}", env=FAKE_ENV, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run_dir
+
+
+def test_two_process_run_writes_nxd_checkpoints_and_resumes_to_the_same_numbers(trn1_run, tmp_path):
+    """The module trains through Lightning's Trainer with NxD's strategy (device count, reduce, no DDP
+    wrapper), saves with nxd.save_checkpoint, and a run restarted from step 3 ends where the straight
+    run ends: weights, optimizer state, schedule and data position all come back."""
+    import shutil
+
+    from moe.backends.neuron.files import is_complete, model_shard
+
+    tags = sorted(p.name for p in (trn1_run / "checkpoints").iterdir())
+    assert tags == ["step-000003.ckpt", "step-000006.ckpt"]
+    for tag in tags:
+        ckpt = trn1_run / "checkpoints" / tag
+        assert is_complete(ckpt) and model_shard(ckpt, 0, 0).is_file()
+        assert torch.load(ckpt / "user_content.pt", weights_only=False)["global_step"] == int(tag[5:11])
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(
+        trn1_run / "checkpoints" / "step-000003.ckpt", resumed / "checkpoints" / "step-000003.ckpt"
+    )
+    proc = run_entry("train.py", *TRAIN_6, f"hydra.run.dir={resumed}", env=FAKE_ENV, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    straight = {r["step"]: r for r in _rows(trn1_run) if r["loss"]}
+    again = {r["step"]: r for r in _rows(resumed) if r["loss"]}
+    assert min(again, key=int) == "4"
+    for step in ("4", "5", "6"):
+        assert (
+            again[step]["loss"] == straight[step]["loss"]
+            and again[step]["grad_norm"] == straight[step]["grad_norm"]
+        )
+
+
+def test_trn1_checkpoints_generate_convert_and_export(trn1_run, tmp_path):
+    """infer.py reads the run's newest NxD checkpoint; convert_nxd writes the same weights as one
+    portable .ckpt; export_hf from it gives a Mixtral directory holding those weights."""
+    from moe.backends.neuron.files import read_checkpoint
+    from moe.infer.load import model_from_checkpoint, resolve_checkpoint
+    from moe.model.hf import from_hf
+
+    newest = trn1_run / "checkpoints" / "step-000006.ckpt"
+    assert resolve_checkpoint(str(trn1_run)) == newest
+    proc = run_entry(
+        "infer.py", f"ckpt={trn1_run}", "prompt=Once upon a time", "max_new_tokens=4", timeout=300
+    )
+    assert proc.returncode == 0 and "tokens/s" in proc.stdout, proc.stderr[-2000:]
+
+    portable = tmp_path / "trn1.ckpt"
+    proc = subprocess_module("moe.tools.convert_nxd", str(trn1_run), str(portable))
+    assert proc.returncode == 0 and "(step 6)" in proc.stdout, proc.stderr[-2000:]
+    model, _ = model_from_checkpoint(portable)
+    shards = read_checkpoint(newest)["state_dict"]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, shards["model." + name]), name
+
+    out = tmp_path / "hf"
+    proc = run_entry("infer.py", f"ckpt={portable}", f"export_hf={out}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exported = from_hf(out).state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(exported[name], value), name
+
+    bad = subprocess_module("moe.tools.convert_nxd", str(tmp_path), str(tmp_path / "x.ckpt"))
+    assert bad.returncode == 2 and "no complete neuronx-distributed checkpoint" in bad.stderr
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def subprocess_module(module: str, *args: str):
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+# -- shards: how each parameter sits on a tensor-parallel rank (pure arithmetic, no NxD) -----------
+def create_local_weight(
+    full: torch.Tensor, partition_dim: int, per_partition_size: int, stride: int, rank: int, world_size: int
+) -> torch.Tensor:
+    """neuronx-distributed v2.28.0 parallel_layers/layers.py:88-107, with the rank and size passed in."""
+    pieces = torch.split(full, per_partition_size // stride, dim=partition_dim)
+    return torch.cat(pieces[rank::world_size], dim=partition_dim)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_shards_are_nxds_local_weights_and_join_back(tp):
+    from moe.backends.neuron.shards import full_tensor, layout_of, local_shard
+    from moe.model.model import MoETransformer
+
+    cfg = compose_cfg("model=tiny_dense_every2", "model.num_heads=8", "model.num_kv_heads=8")
+    state = MoETransformer(cfg.model, cfg.moe_opt, init_seed=0).state_dict()
+    checked_with_nxd = set()
+    for name, full in state.items():
+        layout = layout_of(name, cfg.model)
+        shards = [local_shard(full, layout, rank, tp) for rank in range(tp)]
+        assert torch.equal(full_tensor(shards, layout), full), name
+        if layout.dim is not None and len(set(layout.groups)) <= 1:  # equal groups: NxD's stride
+            stride = len(layout.groups) or 1
+            per_partition = full.shape[layout.dim] // tp
+            for rank, shard in enumerate(shards):
+                assert torch.equal(
+                    shard, create_local_weight(full, layout.dim, per_partition, stride, rank, tp)
+                ), name
+            checked_with_nxd.add(name)
+    for suffix in (
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "o_proj.weight",
+        "ffn.gate_up_proj.weight",
+        "ffn.down_proj.weight",
+        "experts.gate_up",
+        "experts.down",
+        "qkv_proj.weight",
+    ):
+        assert any(n.endswith(suffix) for n in checked_with_nxd), suffix
+
+
+def test_gqa_qkv_shard_holds_each_ranks_own_heads():
+    """q and kv differ in size under GQA: rank r holds [its q heads | its k heads | its v heads]."""
+    from moe.backends.neuron.shards import layout_of, local_shard
+
+    cfg = compose_cfg()  # tiny: 4 query heads, 2 KV heads of 32
+    q, kv = 4 * 32, 2 * 32
+    rows = torch.arange(q + 2 * kv).unsqueeze(1).float()
+    shard = local_shard(rows, layout_of("layers.0.attn.qkv_proj.weight", cfg.model), rank=1, tp=2).flatten()
+    assert shard.tolist() == [*range(64, 128), *range(q + 32, q + 64), *range(q + kv + 32, q + 2 * kv)]
