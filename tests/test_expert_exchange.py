@@ -18,7 +18,7 @@ from moe.config import MoEOptConfig
 from moe.model.moe import MoELayer
 from moe.model.routing import load_balance_loss, router_probs, top_k_routing, z_loss
 from moe.parallel.apply import apply_ep, apply_load_balance_group
-from moe.parallel.comm import exchange_tokens
+from moe.parallel.comm import even_splits, exchange_counts, exchange_rows
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -28,18 +28,22 @@ def _check_exchange(rank, world):
     """Uneven rows out and back, counts exchanged, backward = reverse all-to-all."""
     counts = [[1, 3], [0, 2]][rank]  # rows this rank sends to rank 0, rank 1
     x = (torch.arange(sum(counts) * 2, dtype=torch.float32).view(-1, 2) + 100 * rank).requires_grad_()
-    y, recv_counts = exchange_tokens(x, torch.tensor(counts), dist.group.WORLD)
+    recv_counts, sent, received = exchange_counts(torch.tensor(counts), dist.group.WORLD, x.shape[0])
+    assert recv_counts.tolist() == [[1, 0], [3, 2]][rank] and sent == counts
+    assert received == [[1, 0], [3, 2]][rank]
+    y = exchange_rows(x, sent, received, dist.group.WORLD)
     expected = [[[0.0, 1.0]], [[2.0, 3.0], [4.0, 5.0], [6.0, 7.0], [100.0, 101.0], [102.0, 103.0]]][rank]
-    assert y.tolist() == expected and recv_counts.tolist() == [[1, 0], [3, 2]][rank]
+    assert y.tolist() == expected
     y.backward(y.detach())  # each row's grad is its own value: it must land on the row it came from
     assert torch.equal(x.grad, x.detach())
-    back, _ = exchange_tokens(y, recv_counts, dist.group.WORLD, recv_counts=torch.tensor(counts))
+    back = exchange_rows(y, received, sent, dist.group.WORLD)
     assert torch.equal(back, x.detach())  # the return trip restores the sender's order
 
     buf = torch.arange(8, dtype=torch.float32).view(4, 2) + 100 * rank  # fixed-size: 2 rows per rank
-    out, none = exchange_tokens(buf, None, dist.group.WORLD)
+    splits = even_splits(buf.shape[0], dist.group.WORLD)
+    out = exchange_rows(buf, splits, splits, dist.group.WORLD)
     expected = [[[0, 1], [2, 3], [100, 101], [102, 103]], [[4, 5], [6, 7], [104, 105], [106, 107]]][rank]
-    assert none is None and out.tolist() == expected
+    assert out.tolist() == expected
 
 
 def _check_against_one_process(rank, world, k, cf, policy, shared=0, eval_mode=False):

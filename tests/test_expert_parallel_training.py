@@ -1,11 +1,13 @@
-"""Expert parallelism in training under plain DDP (hardware=cpu): parity, gradients, portable checkpoints.
+"""Expert parallelism in training under plain DDP (hardware=cpu): parity, gradients, sharded checkpoints.
 
-Fast tests check the expert-gradient reduction and the checkpoint gather/slice on a real
-2-process gloo group; the slow ones train 20 steps with 2 processes and compare every
-step's loss with one process holding the same global batch (tests/_parity.py).
+Fast tests check the expert-gradient reduction and the portable-file gather/slice (DeepSpeed's
+format) on a real 2-process gloo group; the slow ones train 20 steps with 2 processes, compare
+every step's loss with one process holding the same global batch (tests/_parity.py), and resume
+the sharded checkpoints (moe/train/sharded_checkpoint.py) at another expert-parallel degree.
 """
 from __future__ import annotations
 
+import math
 import shutil
 from types import SimpleNamespace
 
@@ -81,7 +83,7 @@ def test_expert_grad_reduction_and_checkpoint_gather_slice_on_two_ranks():
 
 
 @pytest.mark.slow
-def test_ep2_ddp_matches_single_process_and_checkpoint_holds_all_experts(tmp_path, tmp_path_factory):
+def test_ep2_ddp_matches_single_process_and_its_sharded_checkpoint_reads_whole(tmp_path, tmp_path_factory):
     single = single_process_baseline(tmp_path_factory)
     run = tmp_path / "ep2"
     train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS)
@@ -90,11 +92,14 @@ def test_ep2_ddp_matches_single_process_and_checkpoint_holds_all_experts(tmp_pat
     norms = [(float(a["grad_norm"]), float(b["grad_norm"])) for a, b in pairs]
     assert all(abs(a - b) <= 1e-3 * b for a, b in norms)  # expert grads summed over the EP group
 
-    # the checkpoint stores all 8 experts (and their Adam moments): ep1 loads it as it is
+    # each rank wrote its own 4 experts; read back whole, the checkpoint holds all 8 and their moments
+    from moe.infer.load import read_checkpoint
     from moe.train.module import LitMoE
 
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert ckpt["expert_parallel"] == {"ep_saved": 2, "experts": "full"}
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.is_symlink() and sorted(p.name for p in last.resolve().glob("__*_0.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
+    ckpt = read_checkpoint(last)
     assert ckpt["state_dict"]["model.layers.0.ffn.experts.gate_up"].shape[0] == 8
     module = LitMoE(ckpt["hyper_parameters"]["cfg"])
     module.load_state_dict(ckpt["state_dict"], strict=True)
@@ -119,13 +124,69 @@ def test_ep2_ddp_resume_from_step_10_continues_the_same_run(tmp_path):
     train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS)
     uninterrupted = losses(run)
     ckpts = run / "checkpoints"
-    for name in ("last.ckpt", "step-000020.ckpt"):  # as if killed after the step-10 save
-        (ckpts / name).unlink()
-        (ckpts / f"{name}.meta.json").unlink(missing_ok=True)
-    assert (ckpts / "step-000010.ckpt").exists()
+    (ckpts / "last.ckpt").unlink()  # as if killed after the step-10 save: a link, then the step-20 dir
+    shutil.rmtree(ckpts / "step-000020.ckpt")
+    assert (ckpts / "step-000010.ckpt" / ".metadata").exists()
     shutil.copy(run / "metrics.csv", tmp_path / "metrics_before.csv")
     proc = train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS, resume=True)
     assert "resuming from" in proc.stdout and "step-000010" in proc.stdout
     resumed = losses(run)
     assert len(resumed) == 20
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted, strict=True)) <= TOL
+
+
+AT_EP1 = ("parallel=dp2", "moe_opt.aux_loss_group=dp")  # load balance over both ranks, as ep2's EP group
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume_parallel", [("parallel=ep2",), AT_EP1], ids=["at_ep2", "at_ep1"])
+def test_sharded_checkpoint_at_ep2_resumes_at_ep1_and_ep2_with_the_same_losses(tmp_path, resume_parallel):
+    """Saved at step 10 by 2 ranks holding 4 experts each; resumed by 2 ranks holding 4 (ep2) or all 8
+    (dp2, read whole; load balance over both ranks, as ep2's EP group gives): steps 11-20 equal the
+    uninterrupted run's."""
+    run = tmp_path / "ep2"
+    train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS)
+    uninterrupted = losses(run)
+    resumed_run = tmp_path / "resumed"
+    step_10 = "checkpoints/step-000010.ckpt"
+    shutil.copytree(run / step_10, resumed_run / step_10)
+    proc = train(resumed_run, "hardware=cpu", *resume_parallel, *TWO_RANKS, resume=True)
+    assert "step-000010" in proc.stdout
+    resumed = losses(resumed_run)
+    assert len(resumed) == 10
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[10:], strict=True)) <= TOL
+
+
+FOUR_RANKS = ("trainer.devices=4", "hardware.devices_per_node=4", "trainer.micro_batch_size=1",
+              "moe_opt.aux_loss_group=dp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [("hardware=cpu",),
+                                     ("hardware=cpu_deepspeed", "parallel.zero_stage=1"),
+                                     ("hardware=cpu_deepspeed", "parallel.zero_stage=2")],
+                         ids=["ddp", "zero1", "zero2"])
+def test_four_ranks_with_expert_data_parallel_2_match_single_process(tmp_path, tmp_path_factory, backend):
+    """ep 2 on 4 ranks: two EP groups, so every expert has 2 replicas whose gradients the expert-DP
+    all-reduce must sum (2 ranks with ep 2 have one replica, and pass without that reduction)."""
+    single = single_process_baseline(tmp_path_factory)
+    run = tmp_path / "ep2x2"
+    train(run, *backend, "parallel=ep2", *FOUR_RANKS)
+    assert_same_losses(run, single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [("moe_opt.capacity_factor=1.0", "moe_opt.eval_capacity_factor=1.0"),
+                                   ("trainer.precision=bf16-mixed",)], ids=["capacity", "bf16"])
+def test_ep2_trains_with_capacity_drops_and_in_bf16(tmp_path, tmp_path_factory, extra):
+    """Capacity mode under EP (fixed buffers, the group's capacity) drops tokens and trains; bf16 autocast
+    under EP stays within bf16 rounding of the fp32 single-process run."""
+    single = single_process_baseline(tmp_path_factory)
+    run = tmp_path / "ep2"
+    train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS, *extra)
+    got, want = losses(run), losses(single)
+    assert len(got) == len(want) and all(math.isfinite(x) for x in got) and got[-1] < got[0]
+    if "capacity" in extra[0]:
+        assert max(float(r["drop_fraction"]) for r in rows(run)) > 0
+    else:
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 5e-2

@@ -621,7 +621,7 @@ def test_trn1_checkpoints_generate_convert_and_export(trn1_run, tmp_path):
         assert torch.equal(exported[name], value), name
 
     bad = subprocess_module("moe.tools.convert_nxd", str(tmp_path), str(tmp_path / "x.ckpt"))
-    assert bad.returncode == 2 and "no complete neuronx-distributed checkpoint" in bad.stderr
+    assert bad.returncode == 2 and "holds no complete checkpoint directory" in bad.stderr
     assert not (tmp_path / "x.ckpt").exists()
 
 

@@ -52,6 +52,7 @@ class Backend:
     def __init__(self, cfg, layout: Layout):
         self.cfg, self.layout = cfg, layout
         self.expert_groups: ExpertGroups | None = None  # set by parallelize when ep > 1
+        self._resuming = False  # set by build_module
 
     @property
     def spec(self) -> BackendSpec:
@@ -73,21 +74,46 @@ class Backend:
         return {**({"OMP_NUM_THREADS": str(threads)} if threads else {}),
                 **{str(k): str(v) for k, v in self.cfg.hardware.env.items()}}
 
+    def apply_torch_settings(self) -> None:
+        """Process-wide torch settings the hardware group asks for: hardware.allow_tf32 lets CUDA run
+        fp32 matmuls on TF32 tensor cores (torch.set_float32_matmul_precision "high"), else full fp32."""
+        torch.set_float32_matmul_precision("high" if self.cfg.hardware.allow_tf32 else "highest")
+
     def build_module(self, resuming: bool = False):
-        """The LightningModule that trains `moe.model.MoETransformer` on this backend; a fresh run with
-        model.init_from_hf starts from that directory's weights (a resumed one from its checkpoint)."""
+        """The LightningModule that trains `moe.model.MoETransformer` on this backend, built on the meta
+        device: `parallelize` gives each rank storage and values for its own shard only."""
         from moe.train.module import LitMoE
 
-        module = LitMoE(self.cfg, backend=self)
-        if self.cfg.model.init_from_hf and not resuming:
-            from moe.train.init_from_hf import load_hf_weights
+        self._resuming = resuming
+        return LitMoE(self.cfg, backend=self, on_meta=True)
 
-            load_hf_weights(module.model, self.cfg.model.init_from_hf)
-        return module
+    def initial_source(self):
+        """Where `materialize` takes values from: model.init_from_hf's files on a fresh run, else
+        moe.model.init's seeded values (a resumed run's weights come from its checkpoint after)."""
+        hf_dir = self.cfg.model.init_from_hf
+        if not hf_dir or self._resuming:
+            return None
+        from moe.model.hf_tensors import hf_tensor_source
+
+        return hf_tensor_source(hf_dir, self.cfg.model)
+
+    @staticmethod
+    def device_of(module) -> torch.device:
+        """Where this rank's parameters live: the strategy's device once a Trainer holds the module."""
+        trainer = module._trainer
+        return trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Each rank writes its own experts into a checkpoint directory (moe/train/sharded_checkpoint.py)
+        under expert parallelism; without it every rank holds every expert and one file is written."""
+        return self.layout.ep > 1
 
     def checkpoint_options(self) -> dict:
-        """How ModelCheckpoint keeps checkpoints: last.ckpt plus the newest keep_last_checkpoints steps."""
-        return {"save_last": True, "save_top_k": self.cfg.trainer.keep_last_checkpoints}
+        """How ModelCheckpoint keeps checkpoints: last.ckpt plus the newest keep_last_checkpoints steps;
+        last.ckpt is a link to the newest directory where checkpoints are sharded, not a second save."""
+        return {"save_last": "link" if self.sharded_checkpoints else True,
+                "save_top_k": self.cfg.trainer.keep_last_checkpoints}
 
     # -- the model, once the process group exists ----------------------------------------------
     def make_expert_groups(self) -> ExpertGroups:
@@ -96,13 +122,16 @@ class Backend:
         return build_expert_groups(self.layout)
 
     def parallelize(self, module) -> None:
-        """Expert parallelism, load-balance scope, activation checkpointing and compile, in that order."""
+        """Expert parallelism, storage for this rank's shard (a model built on the meta device),
+        load-balance scope, activation checkpointing and compile, in that order."""
         from moe.parallel.apply import apply_ac, apply_compile, apply_ep, apply_load_balance_group
 
         model, par = module.model, self.cfg.parallel
         if self.layout.ep > 1:
             self.expert_groups = self.make_expert_groups()
             apply_ep(model, self.expert_groups.ep)
+        if model.embed_tokens.weight.is_meta:
+            model.materialize(self.device_of(module), self.initial_source())
         if self.cfg.moe_opt.aux_loss_group == "dp" and dist.is_initialized() and dist.get_world_size() > 1:
             apply_load_balance_group(model, dist.group.WORLD)
         apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)
@@ -160,15 +189,17 @@ class Backend:
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def on_save_checkpoint(self, module, checkpoint: dict) -> None:
-        """Make `checkpoint` portable: every expert in it whatever ep was (collective over the EP group)."""
-        if self.expert_groups is not None:
+        """Make `checkpoint` portable: every expert in it whatever ep was (collective over the EP group),
+        unless each rank writes its own shard (sharded_checkpoints)."""
+        if self.expert_groups is not None and not self.sharded_checkpoints:
             from moe.parallel.expert_state import gather_full_experts
 
             gather_full_experts(module, checkpoint, self.expert_groups.ep, self.layout.ep)
 
     def on_load_checkpoint(self, module, checkpoint: dict) -> None:
-        """Slice this rank's experts out of a portable checkpoint (optimizer moments once it exists)."""
-        if self.expert_groups is None:
+        """Slice this rank's experts out of a portable checkpoint (optimizer moments once it exists); a
+        sharded checkpoint has been read into this rank's tensors already."""
+        if self.expert_groups is None or not checkpoint.get("state_dict"):
             return
         from moe.parallel.expert_state import slice_local_experts, slice_local_optimizer_states
 

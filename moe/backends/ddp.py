@@ -1,5 +1,8 @@
 """Plain PyTorch: a process per device, DDP over the hardware's backend (gloo on CPU); one device: no DDP.
 
+Checkpoints under expert parallelism are sharded (moe/train/sharded_checkpoint.py): each rank
+writes its own experts with torch.distributed.checkpoint; no rank gathers them all.
+
 Expert parallelism under DDP: DDP is told to ignore expert parameters
 (`_ddp_params_and_buffers_to_ignore`, read when DDP wraps the module), and after the backward
 of an optimizer step's last micro-batch their gradients are summed over the expert-DP group
@@ -11,6 +14,7 @@ and replicas stay identical.
 from __future__ import annotations
 
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 
 from moe.backends.base import Backend, TrainerParts
 
@@ -19,10 +23,11 @@ class DDPBackend(Backend):
     name = "ddp"
 
     def trainer_parts(self) -> TrainerParts:
-        from lightning.pytorch.strategies import DDPStrategy
-
-        world = self.layout.world
-        strategy = DDPStrategy(process_group_backend=self.cfg.hardware.backend) if world > 1 else "auto"
+        world, backend = self.layout.world, self.cfg.hardware.backend
+        if self.sharded_checkpoints:
+            strategy = ShardedDDPStrategy(self.layout, process_group_backend=backend)
+        else:
+            strategy = DDPStrategy(process_group_backend=backend) if world > 1 else "auto"
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=strategy,
                             precision=self.cfg.trainer.precision or self.cfg.hardware.precision, plugins=[],
                             overrides={})
@@ -48,3 +53,49 @@ class DDPBackend(Backend):
 
         clip_to_global_norm(module.parameters(), self.grad_norm(module), max_norm)
         return True
+
+
+class ShardedDDPStrategy(DDPStrategy):
+    """DDPStrategy whose checkpoints are sharded directories (collective save and load on every rank).
+
+    Lightning's own DCP path (ModelParallelStrategy) needs DTensor modules; ours keeps plain tensors
+    and wraps only the expert entries at save time (moe.train.sharded_checkpoint). The checkpoint is
+    restored after setup, once the optimizer exists, straight into the live tensors.
+    """
+
+    def __init__(self, layout, **kwargs):
+        super().__init__(**kwargs)
+        self.layout = layout
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def mesh(self):
+        from moe.train.sharded_checkpoint import expert_mesh
+
+        return expert_mesh(self.layout, self.root_device.type)
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        from moe.train.sharded_checkpoint import save_sharded
+
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(self.broadcast(str(filepath)), self.lightning_module, list(self.optimizers), self.mesh(),
+                     rest, self.is_global_zero)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        from moe.train.sharded_checkpoint import is_sharded_checkpoint, load_sharded
+
+        if not is_sharded_checkpoint(checkpoint_path):  # a portable file (every expert): sliced on load
+            self._from_file = True
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        self._from_file = False
+        return load_sharded(checkpoint_path, self.lightning_module, list(self.optimizers), self.mesh())
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if getattr(self, "_from_file", False):
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if getattr(self, "_from_file", False):
+            super().load_optimizer_state_dict(checkpoint)

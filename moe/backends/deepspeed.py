@@ -12,10 +12,12 @@ plus what our MoE layer needs from DeepSpeed:
   `_ExpertAwareEngine` also counts models whose parameters are marked as experts, which
   switches on the expert-DP gradient reduction, ZeRO's expert partitions and expert-aware
   grad norms. Its fp32 clipping (ZeRO off) uses the true global norm.
-- Checkpoints: one portable file (all experts, written by rank 0: infer.py and the DDP
-  strategy read it) plus each rank's optimizer partition in `<file>.zero/`. Resuming
-  with the same world size, ep and ZeRO stage restores the partitions exactly; otherwise
-  only the weights are restored (with a warning) and the fp32 masters are refreshed from them.
+- Checkpoints: without expert parallelism one file (written by rank 0) plus each rank's ZeRO
+  optimizer partition in `<file>.zero/`; with it a sharded directory (moe/train/sharded_checkpoint.py:
+  each rank writes its own experts, no rank gathers them) with each rank's partition in
+  `per_rank/`. Resuming with the same world size, ep and ZeRO stage restores the partitions
+  exactly; otherwise only the weights are restored, resharded (with a warning), and the fp32
+  masters are refreshed from them.
 - CPU: Lightning refuses a non-CUDA accelerator; three overrides (`setup_environment`,
   `setup_distributed`, the device rank in `_setup_model_and_optimizer`) make ZeRO-1/2 train
   on CPU processes over gloo, for tests.
@@ -86,7 +88,7 @@ class DeepSpeedBackend(Backend):
             raise UserError("hardware.strategy", "deepspeed", "pip install deepspeed -c constraints.txt "
                             "(or pip install -e '.[gpu]'), or use hardware=cpu",
                             problem="needs the deepspeed package, which is not installed") from err
-        self.strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg), ep=layout.ep,
+        self.strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg), layout=layout,
                                              process_group_backend=cfg.hardware.backend,
                                              logging_level=logging.WARNING)
 
@@ -131,9 +133,10 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
 
     strategy_name = "moe_deepspeed"
 
-    def __init__(self, *args, ep: int = 1, **kwargs):
+    def __init__(self, *args, layout=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.ep = ep
+        self.layout = layout
+        self.ep = layout.ep if layout is not None else 1
 
     # -- CPU support (Lightning's checks assume CUDA) ----------------------------------------
     def setup_environment(self) -> None:
@@ -169,12 +172,20 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
     # -- checkpoints: one portable file + per-rank optimizer partitions -----------------------
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         filepath = Path(self.broadcast(str(filepath)))
+        partition = {"optimizer": self.deepspeed_engine.optimizer.state_dict(),
+                     "layout": self._layout(checkpoint.get("global_step"))}
+        if self.ep > 1:  # a sharded directory: each rank its experts and its partition
+            from moe.train.sharded_checkpoint import expert_mesh, save_sharded
+
+            rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            save_sharded(filepath, self.lightning_module, [], expert_mesh(self.layout, self.root_device.type),
+                         {**rest, "optimizer_states": []}, self.is_global_zero, per_rank=partition)
+            return
         shards = zero_shards_dir(filepath)
         shards.mkdir(parents=True, exist_ok=True)
         shard = shards / f"rank_{self.global_rank:05d}.pt"
         tmp = shard.with_name(shard.name + ".tmp")  # a kill mid-write never leaves half a shard
-        layout = self._layout(checkpoint.get("global_step"))
-        torch.save({"optimizer": self.deepspeed_engine.optimizer.state_dict(), "layout": layout}, tmp)
+        torch.save(partition, tmp)
         os.replace(tmp, shard)
         checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
         checkpoint["optimizer_states"] = []  # they are the per-rank partitions in <file>.zero/
@@ -188,22 +199,32 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
             shutil.rmtree(zero_shards_dir(Path(filepath)), ignore_errors=True)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        from moe.train.sharded_checkpoint import expert_mesh, is_sharded_checkpoint, load_sharded, rank_file
+
         path = Path(checkpoint_path)
-        if path.is_dir():  # a DeepSpeed-native checkpoint directory
+        if is_sharded_checkpoint(path) and self.ep > 1:  # weights resharded into the live tensors
+            self._loaded_from, self._partition_file = path, rank_file(path, self.global_rank)
+            mesh = expert_mesh(self.layout, self.root_device.type)
+            return load_sharded(path, self.lightning_module, [], mesh)
+        if path.is_dir() and not is_sharded_checkpoint(path):  # a DeepSpeed-native checkpoint directory
             return super().load_checkpoint(checkpoint_path, weights_only)
-        self._loaded_from = path
+        self._loaded_from = path  # a file, or a sharded directory read whole (ep=1 holds every expert)
+        self._partition_file = (rank_file(path, self.global_rank) if path.is_dir()
+                                else zero_shards_dir(path) / f"rank_{self.global_rank:05d}.pt")
         return self.checkpoint_io.load_checkpoint(path, weights_only=False)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        """Weights from the portable file, then this rank's optimizer partition when the layout matches."""
+        """Weights (already in place from a sharded directory), then this rank's optimizer partition
+        when the layout matches."""
         path = getattr(self, "_loaded_from", None)
         if path is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        if checkpoint["state_dict"]:
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         optimizer = self.deepspeed_engine.optimizer
         if optimizer is None or self.lightning_module.trainer.state.fn != "fit":
             return
-        shard_file = zero_shards_dir(path) / f"rank_{self.global_rank:05d}.pt"
+        shard_file = self._partition_file
         shard = torch.load(shard_file, weights_only=False) if shard_file.exists() else None
         layout = self._layout(checkpoint.get("global_step"))  # a shard from another save is never mixed in
         if shard is not None and shard["layout"] == layout:

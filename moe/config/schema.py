@@ -188,6 +188,10 @@ class TrainConfig:
     seed: int = 1234
     run_name: str = "${now:%Y-%m-%d_%H-%M-%S}"  # run dir is runs/<run_name>
     dry_run: bool = False
+    # simulate=true: one rank's real training step at the configured size with fake tensors on this CPU
+    # (moe/tools/simulate.py); writes <run dir>/simulation.json. simulate_rank: which rank.
+    simulate: bool = False
+    simulate_rank: int = 0
     resume: bool = True  # resume from <run dir>/checkpoints/last.ckpt when present
 
 

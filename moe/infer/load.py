@@ -30,6 +30,7 @@ def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
     """`last` -> the newest run's; a run dir -> its last.ckpt (trn1: newest complete NxD checkpoint);
     a file or an NxD checkpoint directory -> itself."""
     from moe.backends.neuron.files import is_complete, newest_complete
+    from moe.train.sharded_checkpoint import is_sharded_checkpoint
 
     if ckpt == "last":
         found = [*Path(runs_dir).glob(f"*/checkpoints/{LAST}"),
@@ -40,8 +41,8 @@ def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
                             f"in runs_dir={runs_dir!r}", problem=f"found no {runs_dir}/*/checkpoints/{LAST}")
         return found[-1]
     path = Path(ckpt).expanduser()
-    if path.is_dir() and is_complete(path):
-        return path  # a trn1 checkpoint
+    if path.is_dir() and (is_complete(path) or is_sharded_checkpoint(path)):
+        return path  # a trn1 checkpoint, or a sharded one
     if path.is_dir():
         newest_nxd = newest_complete(path / "checkpoints") if (path / "checkpoints").is_dir() else None
         if newest_nxd and not (path / "checkpoints" / LAST).is_file():
@@ -52,7 +53,7 @@ def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
                             "ckpt=consolidated.ckpt",
                             problem="is a DeepSpeed sharded checkpoint directory")
         for candidate in (path / "checkpoints" / LAST, path / LAST):
-            if candidate.is_file():
+            if candidate.is_file() or is_sharded_checkpoint(candidate):
                 return candidate
         raise UserError("ckpt", ckpt, "pass a .ckpt file, a run dir holding checkpoints/last.ckpt, or "
                         "ckpt=last",
@@ -66,6 +67,10 @@ def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
 def read_checkpoint(path: str | Path) -> dict:
     """torch.load on CPU, weights_only when the file allows it (it does for train.py's checkpoints);
     a trn1 checkpoint directory, joined into the same dict."""
+    from moe.train.sharded_checkpoint import is_sharded_checkpoint, read_full_checkpoint
+
+    if is_sharded_checkpoint(path):
+        return read_full_checkpoint(path)
     if Path(path).is_dir():
         from moe.backends.neuron.files import read_checkpoint as read_nxd_checkpoint
 

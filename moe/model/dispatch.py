@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moe.model.routing import combine as combine_rows
 from moe.model.routing import dispatch_order, inverse_index, move_rows, sort_rows
-from moe.parallel.comm import exchange_tokens, group_max
+from moe.parallel.comm import even_splits, exchange_counts, exchange_rows, group_max
 
 
 @dataclass
@@ -57,8 +57,8 @@ class _Exchanged:
     """What the return trip of a dropless exchange needs."""
 
     sorted: Sorted
-    counts_E: torch.Tensor  # rows this rank sent to each global expert
-    recv_counts: torch.Tensor  # [source rank][local expert] rows received
+    sent_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
     by_expert_R: torch.Tensor  # received rows -> local-expert order
     arrival_R: torch.Tensor  # its inverse
 
@@ -92,11 +92,12 @@ class AllToAllDispatcher:
     def combine(self, y_MH, weights_TK, ctx) -> torch.Tensor:
         if isinstance(ctx, _Exchanged):
             y_RH = move_rows(y_MH, ctx.arrival_R, ctx.by_expert_R)  # back to arrival order
-            y_MH, _ = exchange_tokens(y_RH, ctx.recv_counts, self.group, recv_counts=ctx.counts_E)
+            y_MH = exchange_rows(y_RH, ctx.recv_splits, ctx.sent_splits, self.group)
         else:
             E_local, C = y_MH.shape[0] // (self.ep * ctx.capacity), ctx.capacity
             y_XH = y_MH.view(E_local, self.ep, C, -1).transpose(0, 1).reshape(self.ep * E_local * C, -1)
-            back_XH, _ = exchange_tokens(y_XH, None, self.group)
+            splits = even_splits(y_XH.shape[0], self.group)
+            back_XH = exchange_rows(y_XH, splits, splits, self.group)
             y_MH = move_rows(back_XH, ctx.slot_M, ctx.row_X)
         return combine_rows(y_MH, weights_TK, ctx.sorted.order_M, ctx.sorted.pos_N)
 
@@ -104,13 +105,15 @@ class AllToAllDispatcher:
         """Rows sorted by expert are also sorted by owning rank: send, then regroup by local expert."""
         local = num_experts // self.ep
         x_MH, counts_E, sorted_ = sort_by_expert(x_TH, idx_TK, None, num_experts)
-        recv_RH, recv_counts = exchange_tokens(x_MH, counts_E, self.group)
+        recv_counts, sent, received = exchange_counts(counts_E, self.group, x_MH.shape[0])  # the one sync
+        recv_RH = exchange_rows(x_MH, sent, received, self.group)
         # rows arrive grouped [source rank][local expert]; regroup them by local expert
-        local_R = torch.arange(local, device=x_TH.device).repeat(self.ep).repeat_interleave(recv_counts)
+        local_R = torch.arange(local, device=x_TH.device).repeat(self.ep).repeat_interleave(
+            recv_counts, output_size=recv_RH.shape[0])
         by_expert_R = torch.argsort(local_R, stable=True)
         arrival_R = inverse_index(by_expert_R, by_expert_R.numel())
         x_RH = move_rows(recv_RH, by_expert_R, arrival_R)
-        ctx = _Exchanged(sorted_, counts_E, recv_counts, by_expert_R, arrival_R)
+        ctx = _Exchanged(sorted_, sent, received, by_expert_R, arrival_R)
         return x_RH, recv_counts.view(self.ep, local).sum(0), ctx
 
     def _dispatch_fixed(self, x_TH, idx_TK, keep_TK, capacity, num_experts):
@@ -122,7 +125,8 @@ class AllToAllDispatcher:
         slot_M = expert_M * C + torch.arange(expert_M.numel(), device=x_TH.device) - starts_E[expert_M]
         row_X = inverse_index(slot_M, E * C)  # buffer slot -> kept row (M = empty slot, zeros)
         send_XH = move_rows(x_MH, row_X, slot_M)
-        recv_XH, _ = exchange_tokens(send_XH, None, self.group)  # [source rank][local expert][slot]
+        splits = even_splits(send_XH.shape[0], self.group)
+        recv_XH = exchange_rows(send_XH, splits, splits, self.group)  # [source rank][local expert][slot]
         x_LRH = recv_XH.view(self.ep, local, C, H).transpose(0, 1).reshape(local * self.ep * C, H)
         counts_L = torch.full((local,), self.ep * C, dtype=torch.long, device=x_TH.device)
         return x_LRH, counts_L, _Slotted(sorted_, slot_M, row_X, C)

@@ -18,6 +18,7 @@ import math
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "experts.down", "shared_expert.down.weight")
 
@@ -28,8 +29,9 @@ def init_stds(model_cfg) -> tuple[float, float]:
 
 
 def draw_base_seed() -> int:
-    """A base seed from torch's global CPU generator (also under a meta-device context)."""
-    return int(torch.randint(2**62, (1,), generator=torch.default_generator, device="cpu"))
+    """A base seed from torch's global CPU generator (also under a meta device or fake tensors)."""
+    with unset_fake_temporarily():
+        return int(torch.randint(2**62, (1,), generator=torch.default_generator, device="cpu"))
 
 
 def parameter_seed(base_seed: int, name: str, expert: int | None = None) -> int:

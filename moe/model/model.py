@@ -20,7 +20,7 @@ from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.config.validate import validate_model
 from moe.model.init import draw_base_seed, init_stds, initialize
 from moe.model.loss import router_loss_sum
-from moe.model.moe import MoELayer, RoutingStats
+from moe.model.moe import Experts, MoELayer, RoutingStats
 from moe.model.size import is_moe_layer
 
 
@@ -154,8 +154,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.core = CoreAttention()
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Computed buffers (ALiBi slopes), again after the model leaves the meta device."""
         if self.position_encoding == "alibi":
-            self.register_buffer("alibi_slopes", alibi_slopes(self.num_heads), persistent=False)
+            device = self.qkv_proj.weight.device
+            self.register_buffer("alibi_slopes", alibi_slopes(self.num_heads).to(device), persistent=False)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, position_offset: int = 0,
                 attention_mask_BS: torch.Tensor | None = None):
@@ -299,6 +304,29 @@ class MoETransformer(nn.Module):
         self.init_seed = draw_base_seed() if init_seed is None else init_seed
         self.init_std = init_stds(model_cfg)
         initialize(self, self.init_seed, *self.init_std)
+
+    @torch.no_grad()
+    def materialize(self, device="cpu", source=None) -> None:
+        """Give a model built on the meta device (and perhaps sharded since) real storage on `device`,
+        only for what this process holds, and fill it: from `source(name, shape, first_expert)` (e.g.
+        moe.model.hf_tensors.hf_tensor_source) or moe.model.init's values for `init_seed`, which equal
+        what one process building the whole model would give these parameters. Call it before
+        wrapping (activation checkpointing, compile): the values are keyed by parameter name.
+        """
+        self.to_empty(device=device)  # new Parameters: ties and expert marks are set again below
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.mark_expert(module.first_expert)
+            elif isinstance(module, Attention):
+                module.init_buffers()
+        if source is None:
+            initialize(self, self.init_seed, *self.init_std)
+            return
+        for name, p in self.named_parameters():
+            first = p.first_expert if getattr(p, "is_expert", False) else None
+            p.copy_(source(name, tuple(p.shape), first))
 
     def new_kv_cache(self) -> list[KVCache]:
         """An empty per-layer cache to pass as `kv_cache` for generation."""

@@ -33,6 +33,7 @@ from moe.model.routing import (
     swiglu,
     top_k_routing,
 )
+from moe.model.sync import host_sizes
 
 __all__ = ["Router", "Experts", "MoELayer", "RoutingStats", "grouped_mm_works"]
 
@@ -102,10 +103,11 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.down = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.use_grouped_mm: bool | None = None  # None: use it where grouped_mm_works()
-        self._mark_expert(first=0)
+        self.mark_expert(first=0)
 
-    def _mark_expert(self, first: int):
-        """Expert parameters say so (strategies treat them apart) and which global expert row 0 is."""
+    def mark_expert(self, first: int):
+        """Expert parameters say so (backends treat them apart) and which global expert row 0 is."""
+        self.first_expert = first
         for p in self.parameters():
             p.is_expert, p.first_expert = True, first
 
@@ -118,7 +120,7 @@ class Experts(nn.Module):
             offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
             h_MF = swiglu(torch._grouped_mm(x_MH, self.gate_up, offs=offs_E))
             return torch._grouped_mm(h_MF, self.down, offs=offs_E)
-        xs = x_MH.split(counts_E.tolist())
+        xs = x_MH.split(host_sizes(counts_E, x_MH.shape[0]))  # the loop needs sizes on the host
         return torch.cat([swiglu(x @ self.gate_up[e]) @ self.down[e] for e, x in enumerate(xs)])
 
     def shard(self, first: int, count: int) -> None:
@@ -126,7 +128,7 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(self.gate_up.detach()[first : first + count].clone())
         self.down = nn.Parameter(self.down.detach()[first : first + count].clone())
         self.num_experts = count
-        self._mark_expert(first)
+        self.mark_expert(first)
 
 
 class SharedExpert(nn.Module):

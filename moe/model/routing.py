@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from moe.config.schema import normalizes
 from moe.config.validate import ROUTER_DTYPES
+from moe.model.sync import host_int
 
 # Sums a statistics tensor over a process group (identity in one process).
 GroupSum = Callable[[torch.Tensor], torch.Tensor]
@@ -72,20 +73,33 @@ def expert_capacity(
     return min(num_tokens, max(min_capacity, capacity))
 
 
+def expert_counts(expert_N: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """How many entries of `expert_N` hold each value 0..num_bins-1, as a long tensor [num_bins].
+
+    A scatter-add, not `torch.bincount`: bincount sizes its output from the data, which on CUDA
+    reads the maximum back to the host (a sync) and under fake tensors has no shape.
+    """
+    ones = torch.ones_like(expert_N, dtype=torch.long)
+    return torch.zeros(num_bins, dtype=torch.long, device=expert_N.device).scatter_add_(0, expert_N, ones)
+
+
 def dispatch_order(
     expert_N: torch.Tensor, num_experts: int, keep_N: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept assignments sorted by expert (stable, so token order within an expert).
 
     Returns (order_M, counts_E): order_M indexes the flat [N] assignments, counts_E is
-    how many kept assignments each expert got (the contiguous slice sizes).
+    how many kept assignments each expert got (the contiguous slice sizes). Dropless, every
+    assignment is kept and nothing is read back; with drops, the kept count is (one sync).
     """
-    if keep_N is not None:
-        # Dropped assignments get the sentinel expert E, sort to the end and are cut off.
-        expert_N = torch.where(keep_N, expert_N, num_experts)
+    if keep_N is None:
+        return torch.argsort(expert_N, stable=True), expert_counts(expert_N, num_experts)
+    # Dropped assignments get the sentinel expert E, sort to the end and are cut off.
+    expert_N = torch.where(keep_N, expert_N, num_experts)
     order_N = torch.argsort(expert_N, stable=True)
-    counts_E = torch.bincount(expert_N, minlength=num_experts + 1)[:num_experts]
-    return order_N[: int(counts_E.sum())], counts_E
+    counts_E = expert_counts(expert_N, num_experts + 1)[:num_experts]
+    kept = host_int(counts_E.sum(), expert_N.numel())  # fake tensors: assume no drops
+    return order_N[:kept], counts_E
 
 
 def apply_capacity(
@@ -109,7 +123,7 @@ def apply_capacity(
     else:
         by_weight_N = torch.argsort(weights_TK.reshape(-1).detach(), descending=True, stable=True)
         order_N = by_weight_N[torch.argsort(expert_N[by_weight_N], stable=True)]
-    counts_E = torch.bincount(expert_N, minlength=num_experts)
+    counts_E = expert_counts(expert_N, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     rank_in_expert_N = torch.arange(expert_N.numel(), device=expert_N.device) - starts_E[expert_N[order_N]]
     keep_N = torch.empty_like(expert_N, dtype=torch.bool)
@@ -127,7 +141,7 @@ def load_balance_loss(
     """
     num_experts = probs_TE.shape[-1]
     if counts_E is None:
-        counts_E = torch.bincount(idx_TK.reshape(-1), minlength=num_experts)
+        counts_E = expert_counts(idx_TK.reshape(-1), num_experts)
     f_E = counts_E.to(probs_TE.dtype) / counts_E.sum().clamp(min=1)
     P_E = probs_TE.mean(dim=0)
     return num_experts * torch.sum(f_E * P_E)
@@ -146,8 +160,9 @@ def _with_value(local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def _local_sums(logits_TE, probs_TE, idx_TK, keep_TK) -> torch.Tensor:
     num_experts = probs_TE.shape[-1]
-    picks_E = torch.bincount(idx_TK.reshape(-1), minlength=num_experts)
-    kept_E = torch.bincount(idx_TK[keep_TK], minlength=num_experts)
+    picks_E = expert_counts(idx_TK.reshape(-1), num_experts)
+    dropped_as_E = torch.where(keep_TK, idx_TK, num_experts).reshape(-1)  # dropped: the sentinel bin E
+    kept_E = expert_counts(dropped_as_E, num_experts + 1)[:num_experts]
     probs_f = probs_TE.float()
     scalars = torch.stack(
         [

@@ -62,9 +62,12 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
 
     none: nothing. full: every block. every_n: blocks i with (i + 1) % every_n == 0 (the
     N-th, 2N-th, ... block). moe_only: blocks whose FFN is an MoELayer. selective: the core
-    attention (softmax(qk)v) of every block and every MoE layer, as Megatron-Core's and
-    neuronx-distributed's Mixtral "selective" (CoreAttention, MoE): the parts whose activations
-    are large for their compute; projections and dense FFNs keep theirs.
+    attention (softmax(qk)v) of every block and the experts' MLPs of every MoE layer (and its
+    shared expert), the parts whose activations are large for their compute, as Megatron-Core's
+    selective recompute of core attention and its MoE-selective recompute of the expert MLPs: the
+    router, the capacity cut and the dispatch (the all-to-all under EP) run once, so recompute
+    never repeats a collective nor meets a near-tie that routes differently the second time.
+    Projections and dense FFNs keep their activations.
     """
     for i, block in enumerate(model.layers):
         if isinstance(block, CheckpointWrapper) or isinstance(block.attn.core, CheckpointWrapper):
@@ -74,7 +77,9 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
         if policy == "selective":
             block.attn.core = CheckpointWrapper(block.attn.core)
             if block.is_moe:
-                block.ffn = CheckpointWrapper(block.ffn)
+                block.ffn.experts = CheckpointWrapper(block.ffn.experts)
+                if block.ffn.shared_expert is not None:
+                    block.ffn.shared_expert = CheckpointWrapper(block.ffn.shared_expert)
         elif (policy == "full" or (policy == "every_n" and (i + 1) % every_n == 0)
               or (policy == "moe_only" and block.is_moe)):
             model.layers[i] = CheckpointWrapper(block)

@@ -1,4 +1,4 @@
-"""Every token movement between expert-parallel ranks goes through `exchange_tokens`.
+"""Every token movement between expert-parallel ranks goes through `exchange_rows`.
 
 Built on `torch.distributed.all_to_all_single`, which every backend (gloo included)
 supports with uneven split sizes. The exchange is differentiable: its backward is the
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from moe.model.sync import host_int, host_sizes
 
 
 class _AllToAll(torch.autograd.Function):
@@ -27,36 +29,38 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
-def exchange_tokens(
-    x_NH: torch.Tensor,
-    send_counts: torch.Tensor | None,
-    group,
-    recv_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Send token rows to the ranks of `group`; return (received rows, recv_counts).
+def exchange_counts(send_counts: torch.Tensor, group, rows: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Before an uneven exchange: (recv_counts, rows sent to each rank, rows received from each rank).
 
-    Uneven (dropless): `send_counts` is a long tensor [ep * m]: chunk r (m entries, e.g.
-    one per expert of rank r) counts the consecutive rows of `x_NH` bound for rank r.
-    Rows come back ordered [source rank][group], with `recv_counts` [ep * m] in the same
-    layout (exchanged here unless the caller already knows it, as on the return trip).
-
-    Fixed (capacity mode): `send_counts=None` splits dim 0 of `x_NH` (e.g. an [E*C, H]
-    buffer, experts in rank order) into ep equal chunks; the result has the same shape
-    and needs no count exchange, so all shapes are static.
+    `send_counts` is a long tensor [ep * m]: chunk r (m entries, e.g. one per expert of rank r)
+    counts the consecutive rows of the `rows` about to be sent that are bound for rank r.
+    `recv_counts` comes back in the same layout, [source rank][m]. The split sizes are read to the
+    host together: the one host sync of an expert-parallel MoE forward (moe.model.sync).
     """
     ep = dist.get_world_size(group)
-    if send_counts is None:
-        if x_NH.shape[0] % ep:
-            raise ValueError(f"fixed-size exchange needs dim 0 ({x_NH.shape[0]}) divisible by ep={ep}")
-        splits = [x_NH.shape[0] // ep] * ep
-        return _AllToAll.apply(x_NH, splits, splits, group), None
     send_counts = send_counts.to(torch.long).contiguous()
-    if recv_counts is None:
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
-    in_splits = send_counts.view(ep, -1).sum(1).tolist()
-    out_splits = recv_counts.view(ep, -1).sum(1).tolist()
-    return _AllToAll.apply(x_NH, in_splits, out_splits, group), recv_counts
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    per_rank = torch.cat([send_counts.view(ep, -1).sum(1), recv_counts.view(ep, -1).sum(1)])
+    sizes = host_sizes(per_rank, 2 * rows)  # fake tensors: balanced, each rank receives what it sends
+    return recv_counts, sizes[:ep], sizes[ep:]
+
+
+def exchange_rows(x_NH: torch.Tensor, in_splits: list[int], out_splits: list[int], group) -> torch.Tensor:
+    """Send `in_splits[r]` consecutive rows of `x_NH` to rank r; receive `out_splits[r]` from each.
+
+    Differentiable: the backward sends the gradients back the reverse way. Fixed-size exchanges
+    (capacity mode: an [E*C, H] buffer, experts in rank order) pass equal splits and need no counts.
+    """
+    return _AllToAll.apply(x_NH, in_splits, out_splits, group)
+
+
+def even_splits(rows: int, group) -> list[int]:
+    """Equal split sizes of `rows` over the ranks of `group` (a fixed-size exchange)."""
+    ep = dist.get_world_size(group)
+    if rows % ep:
+        raise ValueError(f"fixed-size exchange needs dim 0 ({rows}) divisible by ep={ep}")
+    return [rows // ep] * ep
 
 
 def group_sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -70,4 +74,4 @@ def group_max(value: int, group, device=None) -> int:
     """Largest `value` over `group` (e.g. expert capacity when ranks hold different token counts)."""
     t = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    return host_int(t, value)

@@ -43,7 +43,8 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     rest is split by tp. Policies (moe/parallel/apply.py): full keeps each layer's input
     plus one layer's activations while it recomputes; every_n does that for every n-th
     layer; moe_only for MoE layers; selective recomputes the core attention (its scores) of
-    every layer and the whole MoE FFN (which then keeps only its input). With pp > 1, 1F1B keeps
+    every layer and the experts' MLPs (the MoE layer keeps its input, the router's output and the
+    dispatched rows in and out, 2h per assignment). With pp > 1, 1F1B keeps
     min(pp, micro-batches) micro-batches on the first stage; the last stage also holds fp32 logits
     (s*V/tp per sequence).
     """
@@ -62,7 +63,9 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     attn = split(3 * h, (h + 2 * m.num_kv_heads * head_dim) + h) + scores
     dense = split(h, 3 * Fd)
     routed = m.top_k * cf * (2 * h + 3 * F)
-    moe = split(h, routed + 3 * m.shared_expert_intermediate_size) + 8 * m.num_experts / e  # + fp32 router
+    router = 8 * m.num_experts / e  # fp32 logits and probabilities
+    moe = split(h, routed + 3 * m.shared_expert_intermediate_size) + router
+    moe_selective = split(h, m.top_k * cf * 2 * h) + router  # expert MLP internals recomputed
     layer_input = split(h, 0)
 
     def layer(i: int) -> float:
@@ -72,7 +75,7 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
                 or (policy == "moe_only" and is_moe_layer(i, m.moe_layer_frequency)):
             return layer_input
         if policy == "selective":
-            return attn - scores + (layer_input if is_moe_layer(i, m.moe_layer_frequency) else dense)
+            return attn - scores + (moe_selective if is_moe_layer(i, m.moe_layer_frequency) else dense)
         return attn + ffn
 
     layers_per_stage = math.ceil(m.num_layers / p.pp)

@@ -146,6 +146,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             self._cleaned.add(path.parent)
         atomic_torch_save(checkpoint, path)
 
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
+        """A file as Lightning loads it; a sharded directory whole (a resume where this rank holds
+        every expert: one process, or ep=1)."""
+        from moe.train.sharded_checkpoint import is_sharded_checkpoint, read_full_checkpoint
+
+        if is_sharded_checkpoint(path):
+            return read_full_checkpoint(path)
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
     def remove_checkpoint(self, path) -> None:
         super().remove_checkpoint(path)
         _remove(meta_path(path))
@@ -166,7 +175,13 @@ def _load(path: Path) -> dict:
 
 def verify_checkpoint(path: str | Path) -> int | None:
     """The checkpoint's global_step if it can be trusted; raises CorruptCheckpoint saying why not."""
+    from moe.train.sharded_checkpoint import DCP_METADATA, TRAINER_STATE
+
     path = Path(path)
+    if path.is_dir() and (path / TRAINER_STATE).exists():  # sharded (DCP): renamed into place when complete
+        if not (path / DCP_METADATA).is_file():
+            raise CorruptCheckpoint(f"has no {DCP_METADATA} (not written by torch.distributed.checkpoint)")
+        return verify_checkpoint(path / TRAINER_STATE)
     if path.is_dir():  # neuronx-distributed's: complete once every rank has written it
         from moe.backends.neuron.files import USER_CONTENT, is_complete
 
@@ -196,7 +211,7 @@ def verify_checkpoint(path: str | Path) -> int | None:
     except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError... for bad files
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptCheckpoint(f"cannot be read ({first[:160]})") from err
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "global_step" not in ckpt:
+    if not isinstance(ckpt, dict) or "global_step" not in ckpt or not ({"state_dict", "loops"} & set(ckpt)):
         raise CorruptCheckpoint("is not a Lightning checkpoint (no state_dict/global_step)")
     return int(ckpt["global_step"])
 
@@ -267,6 +282,19 @@ def find_resume_checkpoint(ckpt_dir: str | Path, step: int | None = None, quiet:
 
 
 # -- compatibility ---------------------------------------------------------------------------
+def lightning_part(ckpt_path: str | Path) -> Path:
+    """The file holding hyper-parameters and step: the checkpoint itself, or inside its directory
+    (trainer_state.pt of a sharded one, user_content.pt of a neuronx-distributed one)."""
+    from moe.backends.neuron.files import USER_CONTENT
+    from moe.train.sharded_checkpoint import TRAINER_STATE
+
+    ckpt_path = Path(ckpt_path)
+    if not ckpt_path.is_dir():
+        return ckpt_path
+    return ckpt_path / (TRAINER_STATE if (ckpt_path / TRAINER_STATE).exists() else USER_CONTENT)
+
+
+
 def _shapes(model_cfg, moe_opt) -> dict[str, tuple]:
     from moe.model import MoETransformer
 
@@ -279,11 +307,7 @@ def check_resume_compatible(ckpt_path: str | Path, cfg) -> None:
     """Raise UserError naming the field, both values and the fix when the model shapes changed."""
     from omegaconf import OmegaConf
 
-    from moe.backends.neuron.files import USER_CONTENT
-
-    ckpt_path = Path(ckpt_path)
-    lightning_part = ckpt_path / USER_CONTENT if ckpt_path.is_dir() else ckpt_path  # NxD keeps it apart
-    saved = (_load(lightning_part).get("hyper_parameters") or {}).get("cfg")
+    saved = (_load(lightning_part(ckpt_path)).get("hyper_parameters") or {}).get("cfg")
     if not saved or "model" not in saved:
         return
     saved = OmegaConf.create(saved)

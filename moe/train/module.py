@@ -19,7 +19,9 @@ from moe.train.step_stats import StepStats
 
 
 class LitMoE(L.LightningModule):
-    def __init__(self, cfg: DictConfig, backend=None):
+    def __init__(self, cfg: DictConfig, backend=None, on_meta: bool = False):
+        """on_meta: build the model on the meta device (no storage); the backend's `parallelize`
+        materialises this rank's shard in `configure_model` (Backend.build_module does this)."""
         super().__init__()
         container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
         self.save_hyperparameters({"cfg": container})
@@ -30,7 +32,8 @@ class LitMoE(L.LightningModule):
 
             backend = DDPBackend(self.cfg, Layout.from_config(self.cfg))
         self.backend = backend
-        self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)
+        with torch.device("meta" if on_meta else "cpu"):
+            self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)
         self.step_stats, self.val_stats = StepStats(), StepStats()
         self._parallelized = False
 

@@ -26,6 +26,13 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
 
         print(make_plan(cfg, layout).render())
         return None
+    if cfg.simulate:
+        from moe.tools.simulate import check_simulatable, simulate
+
+        check_simulatable(cfg, layout)
+        print(simulate(cfg, layout, run_dir).render())
+        print(f"wrote {Path(run_dir) / 'simulation.json'}")
+        return None
     run_dir = Path(run_dir)
     import lightning as L
     import torch
@@ -45,6 +52,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
             check_resume_compatible(resume_from, cfg)
         backend = build_backend(cfg, layout)
         os.environ.update(backend.env())
+        backend.apply_torch_settings()
         if backend.num_threads():
             torch.set_num_threads(backend.num_threads())
         L.seed_everything(cfg.seed, workers=True, verbose=False)

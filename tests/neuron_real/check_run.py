@@ -4,7 +4,7 @@ STRAIGHT trained to the end; RESUMED started from STRAIGHT's first checkpoint (N
 load_checkpoint: weights, optimizer, Lightning's state). Checks, on one process:
 
 - RESUMED's steps after the checkpoint log the same loss and gradient norm as STRAIGHT's;
-- STRAIGHT's newest checkpoint, its tensor-parallel shards joined by moe/tools/convert_nxd.py into
+- STRAIGHT's newest checkpoint, its tensor-parallel shards joined by moe/tools/consolidate.py into
   one portable file, evaluates the validation batches to the validation loss the run logged
   (the model NxD trained, read back without NxD).
 """

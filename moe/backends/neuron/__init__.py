@@ -35,7 +35,7 @@ class NeuronBackend(Backend):
         self._env = neuron_env(cfg)
         os.environ.update(self._env)  # before torch_xla starts: XLA reads these once
         _import_nxd(cfg)
-        self._skip, self._resuming = False, False
+        self._skip = False
         self._nxd_config: dict | None = None
         self._source = None  # initial_values' source, chosen at the first parameter
 
@@ -78,11 +78,8 @@ class NeuronBackend(Backend):
         resumed run's weights come from its checkpoint right after)."""
         if self._source is None:
             from moe.backends.neuron.layers import random_init
-            from moe.model.hf_tensors import hf_tensor_source
 
-            hf_dir = self.cfg.model.init_from_hf
-            self._source = (hf_tensor_source(hf_dir, self.cfg.model) if hf_dir and not self._resuming
-                            else random_init(self.cfg))
+            self._source = self.initial_source() or random_init(self.cfg)
         return self._source(name, shape, first_expert)
 
     def build_module(self, resuming: bool = False):

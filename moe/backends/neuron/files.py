@@ -10,7 +10,7 @@ Files are plain torch.save (moe.backends.neuron.strategy saves with use_xser=Fal
 
 `read_checkpoint` puts one back together as the Lightning checkpoint the other backends write
 (state_dict `model.<our name>` of full tensors, hyper_parameters, global_step), so inference,
-export and moe/tools/convert_nxd.py read trn1 runs like any other. It holds the whole model in
+export and moe/tools/consolidate.py read trn1 runs like any other. It holds the whole model in
 host memory once (Mixtral 8x7B: 93 GB in bf16; a trn1.32xlarge has 512 GiB).
 """
 from __future__ import annotations

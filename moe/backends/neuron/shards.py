@@ -2,7 +2,7 @@
 
 Pure tensor arithmetic (no NxD import), shared by the parameter initialisation on trn1 (each rank
 builds only its shard of the full value moe.model.init gives, moe/backends/neuron/layers.py) and
-the checkpoint converter (moe/tools/convert_nxd.py, shards -> full tensors), so both agree.
+the checkpoint converter (moe/tools/consolidate.py, shards -> full tensors), so both agree.
 
 A parameter's layout is (dim, groups): the full tensor is cut along `dim` into consecutive groups
 (e.g. [q | k | v] rows of the fused qkv weight, [gate | up] columns of an expert), each group is

@@ -1,0 +1,67 @@
+"""A checkpoint directory as one portable file: `python -m moe.tools.consolidate SRC OUT.ckpt`.
+
+SRC is a sharded checkpoint directory (expert parallelism, moe/train/sharded_checkpoint.py), a
+neuronx-distributed one (trn1), or a run dir (its newest complete NxD checkpoint, else its
+last.ckpt). OUT is the single-file Lightning checkpoint: full tensors under `state_dict`
+(`model.<name>`), the run's config under `hyper_parameters`, its step, so `infer.py ckpt=OUT`
+generates and `export_hf=DIR` exports from it on any machine. infer.py also reads SRC directly;
+this file is for copying a model off the cluster without its shard files. The optimizer state
+stays behind: OUT is not for resuming. `python -m moe.tools.convert_nxd` is the same command.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from moe.backends.neuron.files import is_complete, newest_complete
+from moe.errors import UserError, exit_on_user_error
+from moe.infer.load import LAST, read_checkpoint
+from moe.train.sharded_checkpoint import is_sharded_checkpoint
+
+KEPT = ("state_dict", "hyper_parameters", "hparams_name", "global_step", "epoch", "pytorch-lightning_version")
+
+
+def checkpoint_dir(src: str) -> Path:
+    """SRC as a complete checkpoint directory, or a UserError saying what SRC is instead."""
+    path = Path(src).expanduser()
+    if path.is_dir() and not (is_complete(path) or is_sharded_checkpoint(path)):
+        checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        newest = newest_complete(checkpoints)
+        if newest is None and is_sharded_checkpoint(checkpoints / LAST):
+            newest = (checkpoints / LAST).resolve()
+        if newest is None:
+            raise UserError("SRC", src, "pass a run dir (runs/<run>) or one of its checkpoints/<name>.ckpt/ "
+                            "directories (a sharded one with .metadata, or an NxD one with a `done` file)",
+                            problem="holds no complete checkpoint directory")
+        path = newest
+    if not path.is_dir():
+        raise UserError("SRC", src, "pass a trn1 run dir or a checkpoint directory; a .ckpt file is already "
+                        "portable", problem="is not a directory")
+    return path
+
+
+def convert(src: str, out: str) -> Path:
+    source = checkpoint_dir(src)
+    ckpt = read_checkpoint(source)
+    out_path = Path(out).expanduser()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_path.with_name(out_path.name + ".partial")
+    torch.save({k: ckpt[k] for k in KEPT if k in ckpt}, partial)
+    partial.replace(out_path)  # never a half-written OUT
+    print(f"{source} (step {ckpt['global_step']}) -> {out_path}")
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="a sharded or NxD checkpoint directory, or a run dir (its newest one)")
+    parser.add_argument("out", help="the .ckpt file to write")
+    args = parser.parse_args(argv)
+    exit_on_user_error(convert)(args.src, args.out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

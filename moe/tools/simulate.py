@@ -1,0 +1,215 @@
+"""`python train.py <config> simulate=true`: one rank's real training step at full size, on this CPU.
+
+The run's own code builds the model, shards the experts over a fake process group of the
+configured world size (torch's "fake" backend: collectives return at once), applies activation
+checkpointing, and runs a forward, the loss, a backward and an optimizer step, twice (the first
+step creates the optimizer state), with every tensor a FakeTensor: shapes and dtypes are real,
+storage is never allocated. torch's MemTracker (torch.distributed._tools.mem_tracker) counts the
+bytes each live tensor would hold on the device, by kind. torchtitan's memory estimator
+(scripts/estimate/estimation.py, up to commit 4a950ea) is the model for this sequence.
+
+What it assumes: routing is perfectly balanced (no data exists to route; moe.model.sync), and the
+DeepSpeed ZeRO optimizer is its fp32 master partition plus two moments and the partition's fp32
+gradient (deepspeed/runtime/zero/stage_1_and_2.py keeps exactly these per rank). Not counted:
+DDP's gradient buckets, communication buffers, the CUDA context and allocator fragmentation.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe.backends.specs import spec_of
+from moe.config.layout import Layout
+from moe.errors import ConfigError
+from moe.tools.plan import GIB, make_plan
+
+SIMULATION_FILE = "simulation.json"
+
+
+@dataclass
+class Simulation:
+    """One rank's simulated step: what simulation.json holds (GiB per device)."""
+
+    world_size: int
+    rank: int
+    params_local: int
+    params_total: int
+    peak_memory_gib: float
+    planned_peak_memory_gib: float
+    breakdown_gib: dict  # MemTracker's peak by kind: Parameter, Gradient, Activation, Optstate, Temp...
+    planned_gib: dict  # the planner's parameters, gradients, optimizer, activations
+    precision: str
+    micro_batch_size: int
+    seq_len: int
+    seconds: float
+
+    @property
+    def planner_error(self) -> float:
+        """(planned - simulated) / simulated."""
+        return (self.planned_peak_memory_gib - self.peak_memory_gib) / self.peak_memory_gib
+
+    def render(self) -> str:
+        kinds = sorted(set(self.breakdown_gib) | {"Total"}, key=lambda k: (k == "Total", k))
+        lines = [f"simulation: rank {self.rank} of {self.world_size}, micro-batch {self.micro_batch_size} x "
+                 f"{self.seq_len} tokens, {self.precision} ({self.seconds:.0f} s on this CPU, fake tensors)",
+                 f"parameters   {self.params_local / 1e9:.3f}B on this rank of "
+                 f"{self.params_total / 1e9:.3f}B",
+                 "peak memory per device (GiB)"]
+        lines += [f"  {kind:<11}{self.breakdown_gib.get(kind, 0.0):>9.2f}" for kind in kinds]
+        lines.append(f"  planner    {self.planned_peak_memory_gib:>9.2f}  ({100 * self.planner_error:+.1f}% "
+                     "against the simulation)")
+        return "\n".join(lines)
+
+
+def check_simulatable(cfg, layout: Layout) -> None:
+    """What the simulation cannot run here, refused before anything starts."""
+    if layout.tp > 1 or layout.pp > 1:
+        raise ConfigError("simulate", True, "use dry_run=true for this layout's plan",
+                          f"runs the torch model's own code path; tensor/pipeline parallelism "
+                          f"(tp={layout.tp}, pp={layout.pp}) is neuronx-distributed's, which needs XLA")
+    if not 0 <= cfg.simulate_rank < layout.world:
+        raise ConfigError("simulate_rank", cfg.simulate_rank, f"use a rank in 0..{layout.world - 1}",
+                          f"is not a rank of the {layout.world}-device world")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Parameters are built in the dtype the backend keeps them in (fake ones cannot be cast later)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _param_dtype_and_autocast(cfg) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype of the weights on the device, autocast dtype or None), as the backend trains."""
+    precision = str(cfg.trainer.precision or cfg.hardware.precision)
+    half = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+    if precision.endswith("-true") and not precision.startswith(("32", "64")):
+        return half, None
+    if precision.endswith("-mixed"):
+        weights = half if cfg.hardware.strategy == "deepspeed" else torch.float32  # DeepSpeed casts the model
+        return weights, half
+    return torch.float32, None
+
+
+def _zero_shards(cfg, layout: Layout) -> tuple[int, int]:
+    """(ranks the dense optimizer state is split over, ranks the expert state is split over)."""
+    if cfg.parallel.zero_stage < 1:
+        return 1, 1
+    return layout.dp, layout.expert_dp
+
+
+def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
+    """Run the simulated step of rank `cfg.simulate_rank`; write <run_dir>/simulation.json."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from moe.model import MoETransformer
+    from moe.model.loss import lm_loss
+    from moe.parallel.apply import apply_ac, apply_ep, apply_load_balance_group, moe_layers
+    from moe.parallel.groups import build_expert_groups
+    from moe.train.optim import build_optimizer
+
+    check_simulatable(cfg, layout)
+    rank, start = cfg.simulate_rank, time.perf_counter()
+    param_dtype, autocast = _param_dtype_and_autocast(cfg)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
+    try:
+        groups = build_expert_groups(layout) if layout.ep > 1 else None  # the run's own groups, on fake ranks
+        with FakeTensorMode(), _default_dtype(param_dtype):
+            model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
+        if groups is not None:
+            apply_ep(model, groups.ep)
+        if cfg.moe_opt.aux_loss_group == "dp" and layout.world > 1:
+            apply_load_balance_group(model, dist.group.WORLD)
+        apply_ac(model, cfg.parallel.activation_checkpointing, cfg.parallel.activation_checkpointing_every_n)
+        for layer in moe_layers(model):  # what a GPU runs in half precision; fake kernels exist for bf16 only
+            layer.experts.use_grouped_mm = (autocast or param_dtype) == torch.bfloat16
+        params_local = sum(p.numel() for p in model.parameters())
+
+        fake_mode = model.embed_tokens.weight.fake_mode
+        with fake_mode:
+            optimizer = _optimizer(cfg, layout, model, param_dtype, build_optimizer)
+            tokens = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len))
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer.optimizer, tokens)
+        with fake_mode, tracker:
+            for step in range(2):  # the first step creates the optimizer state; the second has it all
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                    out = model(tokens)
+                    loss = lm_loss(out.logits_BSV, tokens) + out.router_loss
+                loss.backward()
+                optimizer.step()
+                if step == 0:
+                    tracker.reset_mod_stats()
+        peak = tracker.get_tracker_snapshot("peak")
+    finally:
+        dist.destroy_process_group()
+
+    device_peak = max(peak.values(), key=lambda kinds: kinds["Total"])
+    breakdown = {getattr(k, "value", str(k)): v / GIB for k, v in device_peak.items() if v}
+    plan = make_plan(cfg, layout).memory
+    result = Simulation(
+        world_size=layout.world, rank=rank, params_local=params_local,
+        params_total=make_plan(cfg, layout).params_total, peak_memory_gib=device_peak["Total"] / GIB,
+        planned_peak_memory_gib=plan.total,
+        breakdown_gib=breakdown,
+        planned_gib={"parameters": plan.params, "gradients": plan.grads, "optimizer": plan.optimizer,
+                     "activations": plan.activations},
+        precision=str(cfg.trainer.precision or cfg.hardware.precision),
+        micro_batch_size=cfg.trainer.micro_batch_size, seq_len=cfg.data.seq_len,
+        seconds=time.perf_counter() - start)
+    if run_dir is not None:
+        path = Path(run_dir) / SIMULATION_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(result) | {"planner_error": result.planner_error}, indent=2) + "\n")
+    return result
+
+
+class _Optimizer:
+    """The optimizer step the backend runs, in its memory shape.
+
+    Plain torch (DDP): the run's own AdamW over the model's parameters. DeepSpeed: its ZeRO
+    optimizer keeps, per rank, an fp32 master copy of its 1/shard partition of the dense and
+    expert weights, that partition's fp32 gradient and AdamW's two moments; the model's own
+    (half precision) gradients are freed once reduced into the partition.
+    """
+
+    def __init__(self, optimizer, model, partitions=None):
+        self.optimizer, self.model, self.partitions = optimizer, model, partitions
+
+    def step(self) -> None:
+        if self.partitions is not None:
+            for part, params in self.partitions:
+                part.grad = torch.zeros_like(part)  # the reduced fp32 gradient partition
+                for p in params:
+                    p.grad = None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.partitions is None:
+            self.model.zero_grad(set_to_none=True)
+
+
+def _optimizer(cfg, layout, model, param_dtype, build_optimizer) -> _Optimizer:
+    if spec_of(cfg).name != "deepspeed" or (cfg.parallel.zero_stage < 1 and param_dtype == torch.float32):
+        return _Optimizer(build_optimizer(model, cfg.optimizer), model)
+    dense_shard, expert_shard = _zero_shards(cfg, layout)
+    dense = [p for p in model.parameters() if not getattr(p, "is_expert", False)]
+    expert = [p for p in model.parameters() if getattr(p, "is_expert", False)]
+    partitions = []
+    for params, shard in ((dense, dense_shard), (expert, expert_shard)):
+        if params:
+            numel = -(-sum(p.numel() for p in params) // shard)
+            partitions.append((torch.nn.Parameter(torch.empty(numel, dtype=torch.float32)), params))
+    adamw = torch.optim.AdamW([part for part, _ in partitions], lr=cfg.optimizer.lr)
+    return _Optimizer(adamw, model, partitions)

@@ -1,0 +1,180 @@
+"""Sharded checkpoints under expert parallelism: each rank writes its own experts, none holds them all.
+
+A checkpoint is a directory `<name>.ckpt/` written with torch.distributed.checkpoint (DCP):
+`.metadata` and `__<rank>_0.distcp` (the model's weights and the torch optimizer's state, expert
+tensors as DTensors sharded over the EP dimension of a (expert_dp, ep) mesh, so every expert is
+written once, by its expert-DP rank 0 replica), plus `trainer_state.pt` (everything else Lightning
+keeps: loops, callbacks, hyper-parameters, step). Loading reads into the live tensors of the
+current layout; DCP's planner reads only the chunks that overlap each rank's shard, so a run
+saved at ep=2 resumes at ep=1, ep=2 or ep=4.
+
+Atomic: every rank writes into `<name>.ckpt.partial/`, and rank 0 renames it to `<name>.ckpt`
+once all ranks have written (DCP writes its data files in place, so a kill mid-save of an
+existing directory would leave a torn checkpoint that loads silently). A directory without
+`trainer_state.pt` or `.metadata` is not a checkpoint.
+
+`read_full_checkpoint` streams a directory into one Lightning-style dict on one process (every
+expert: for infer.py, export, a resume with ep=1 and `python -m moe.tools.consolidate`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+TRAINER_STATE = "trainer_state.pt"
+PARTIAL_SUFFIX = ".partial"
+DCP_METADATA = ".metadata"
+MODEL_KEY, OPTIMIZER_KEY = "model", "optim"
+PARAM_GROUPS = "optimizer_param_groups"  # in trainer_state.pt: each optimizer's groups, params by name
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / DCP_METADATA).is_file() and (path / TRAINER_STATE).is_file()
+
+
+_MESHES: dict = {}
+
+
+def expert_mesh(layout, device_type: str):
+    """The (expert_dp, ep) DeviceMesh of the layout (tp = pp = 1): EP groups are consecutive ranks.
+    Collective the first time (every rank builds it, at its first save or load), cached after."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (layout.expert_dp, layout.ep, device_type)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, key[:2], mesh_dim_names=("expert_dp", "ep"))
+    return _MESHES[key]
+
+
+def rank_file(path: str | Path, rank: int) -> Path:
+    """A rank's own file in a sharded checkpoint (DeepSpeed: its ZeRO optimizer partition)."""
+    return Path(path) / "per_rank" / f"rank_{rank:05d}.pt"
+
+
+def _wrapped(module, optimizers: list, mesh) -> dict:
+    """The live state of module and optimizer, expert tensors wrapped as DTensors of their global shape."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    # by state-dict key (the model's) and by parameter name (the optimizer's; they differ inside wrappers)
+    experts = {name for name, p in [*module.named_parameters(), *module.state_dict(keep_vars=True).items()]
+               if getattr(p, "is_expert", False)}
+
+    def wrap(name: str, t):
+        if name in experts and torch.is_tensor(t) and t.dim() > 0:
+            return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
+        return t
+
+    if not optimizers:  # the backend keeps the optimizer state itself (DeepSpeed: per_rank files)
+        return {MODEL_KEY: {k: wrap(k, v) for k, v in module.state_dict().items()}}
+    model_sd, optim_sd = get_state_dict(module, optimizers)
+    state = {MODEL_KEY: {k: wrap(k, v) for k, v in model_sd.items()}}
+    if optimizers:
+        state[OPTIMIZER_KEY] = {
+            "state": {k: {n: wrap(k, t) for n, t in s.items()} for k, s in optim_sd["state"].items()},
+            "param_groups": optim_sd["param_groups"],
+        }
+    return state
+
+
+def _local(tree):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    return tree.to_local() if isinstance(tree, DTensor) else tree
+
+
+def save_sharded(path: str | Path, module, optimizers: list, mesh, trainer_state: dict, is_global_zero: bool,
+                 per_rank: dict | None = None):
+    """Collective: every rank writes its shard (and `per_rank`, its own file) into path.partial; rank 0
+    renames it to `path`."""
+    path = Path(path)
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    if is_global_zero:
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / "per_rank").mkdir(parents=True)
+    dist.barrier()
+    if per_rank is not None:
+        torch.save(per_rank, rank_file(partial, dist.get_rank()))
+    state = _wrapped(module, optimizers, mesh)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True, overwrite=False))
+    if is_global_zero:
+        from moe.train.checkpoint import atomic_torch_save
+
+        groups = [state[OPTIMIZER_KEY]["param_groups"]] if optimizers else []
+        atomic_torch_save({**trainer_state, PARAM_GROUPS: groups}, partial / TRAINER_STATE)
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+        os.rename(partial, path)
+        _fsync_dir(path.parent)
+    dist.barrier()
+
+
+def load_sharded(path: str | Path, module, optimizers: list, mesh) -> dict:
+    """Collective: fill the live module and optimizers from `path`, resharded to this layout; returns
+    the trainer state (with empty weights, which are already in place)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    state = _wrapped(module, optimizers, mesh)
+    dcp.load(state, checkpoint_id=str(path))
+    if optimizers:
+        set_state_dict(module, optimizers, model_state_dict=_local(state[MODEL_KEY]),
+                       optim_state_dict=_local(state[OPTIMIZER_KEY]))
+    rest = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    rest.pop(PARAM_GROUPS, None)
+    return {**rest, "state_dict": {}, "optimizer_states": [{}] * len(optimizers)}
+
+
+def read_full_checkpoint(path: str | Path) -> dict:
+    """One process: the whole checkpoint as Lightning writes a file (state_dict with every expert,
+    optimizer_states in torch's id-keyed form), read tensor by tensor without a process group."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    reader = dcp.FileSystemReader(str(path))
+    metadata = reader.read_metadata()
+    flat: dict[str, torch.Tensor] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            flat[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    if flat:
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    checkpoint = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    prefix = MODEL_KEY + "."
+    checkpoint["state_dict"] = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    checkpoint["optimizer_states"] = [_torch_optimizer_state(groups, flat)
+                                      for groups in checkpoint.pop(PARAM_GROUPS, [])]
+    return checkpoint
+
+
+def _torch_optimizer_state(groups: list[dict], flat: dict) -> dict:
+    """DCP's name-keyed optimizer state -> torch's: parameters numbered 0.. across groups in order."""
+    ids: dict[str, int] = {}
+    for group in groups:
+        for fqn in group["params"]:
+            ids.setdefault(fqn, len(ids))
+    state: dict[int, dict] = {}
+    prefix = f"{OPTIMIZER_KEY}.state."
+    for key, value in flat.items():
+        if key.startswith(prefix):
+            fqn, name = key[len(prefix):].rsplit(".", 1)
+            state.setdefault(ids[fqn], {})[name] = value
+    return {"state": state, "param_groups": [{**g, "params": [ids[f] for f in g["params"]]} for g in groups]}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

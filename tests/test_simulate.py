@@ -1,0 +1,39 @@
+"""simulate=true: one rank's real step at the configured world size, with fake tensors, on this CPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import REPO, run_entry
+
+from moe.config import ModelConfig
+from moe.model.size import param_breakdown
+
+
+def test_simulated_ep_rank_holds_its_share_and_the_planner_agrees(tmp_path):
+    run_dir = tmp_path / "sim"
+    proc = run_entry("train.py", "parallel=ep2", "model.num_experts=4", "simulate=true", "simulate_rank=1",
+                     f"hydra.run.dir={run_dir}", check=True)
+    result = json.loads((run_dir / "simulation.json").read_text())
+    cfg = ModelConfig(**(_tiny() | {"num_experts": 4}))
+    sizes = param_breakdown(cfg)
+    assert result["world_size"] == 2 and result["rank"] == 1
+    assert result["params_local"] == sizes.non_expert + sizes.experts // 2
+    assert result["params_total"] == sizes.total
+    assert result["peak_memory_gib"] > 0
+    assert abs(result["planned_peak_memory_gib"] / result["peak_memory_gib"] - 1) <= 0.2
+    assert "planner" in proc.stdout and not (run_dir / "checkpoints").exists()
+
+
+def _tiny() -> dict:
+    values = yaml.safe_load((REPO / "conf/model/tiny.yaml").read_text())
+    return {k: v for k, v in values.items() if k in ModelConfig.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("override,field", [("experiment=karakuri_8x7b_trn1", "simulate"),
+                                            ("simulate_rank=5", "simulate_rank")])
+def test_what_cannot_be_simulated_is_refused_with_exit_2(tmp_path, override, field):
+    proc = run_entry("train.py", override, "simulate=true", f"hydra.run.dir={tmp_path / 'sim'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert field in proc.stderr and not (tmp_path / "sim" / "simulation.json").exists()
