@@ -1,7 +1,7 @@
 """Bad-input matrix: configs, data, checkpoints and the command line.
 
-Every case must end with a documented exit code (2 for a UserError, 1 for Hydra's own
-command-line errors), one message naming the field, the value and the fix, no traceback,
+Every case must end with exit code 2 (a config or input error, which the supervisor never
+retries; Hydra's composition errors too), one message naming the field, the value and the fix, no traceback,
 and no partial output: no metrics.csv, summary.json or checkpoints/ in the run dir (an
 existing run dir is left byte for byte as it was; data_prep.py leaves no output dir).
 
@@ -84,7 +84,7 @@ CONFIG_CASES = [
     (["optimizer.lr=-0.001"], "optimizer.lr", "-0.001", "use a positive learning rate"),
     (["data.seq_len=1024"], "data.seq_len", "1024", "raise model.max_position_embeddings"),
     (["trainer.max_steps=0"], "trainer.max_steps", "0", "positive number"),
-    (["optimizer.warmup_steps=500"], "optimizer.warmup_steps", "500", "warmup steps"),
+    (["optimizer.warmup_steps=-5"], "optimizer.warmup_steps", "-5", "positive step count"),
     (["parallel.zero_stage=2"], "parallel.zero_stage", "2", "hardware=cpu_deepspeed"),
     (["trainer.global_batch_size=10"], "trainer.global_batch_size", "10", "global_batch_size=null"),
     (["model.top_k=9"], "model.top_k", "9", "1 <= top_k <= model.num_experts=8"),
@@ -218,15 +218,29 @@ def run_cli(tmp_path, script, *overrides):
 @pytest.mark.parametrize("override, needles", [
     ("model=tinyy", ["Could not find 'model/tinyy'", "Available options", "tiny_switch"]),  # unknown preset
     ("trainer.max_step=5", ["trainer.max_step", "Key 'max_step' not in 'TrainerConfig'"]),  # unknown key
+    ("+trainer.max_step=5", ["trainer.max_step=5 is not a key of the config schema", "max_steps"]),  # with +
+    ("+moe_opt.capacity=2", ["moe_opt.capacity=2 is not a key", "capacity_factor"]),
     ("trainer.max_steps=abc", ["trainer.max_steps", "'abc'", "could not be converted to Integer"]),  # type
     ("resume=maybe", ["resume", "'maybe'", "is not a valid bool"]),  # wrong type for a flag
+    ("moe_opt.aux_loss_coeff=nan", ["moe_opt.aux_loss_coeff=nan is not a finite number"]),  # skipped all
+    ("moe_opt.capacity_factor=inf", ["moe_opt.capacity_factor=inf is not a finite number"]),  # crashed
+    ("optimizer.lr=-inf", ["optimizer.lr=-inf is not a finite number"]),
+    ("parallel.ep=3", ["parallel.ep=3 does not divide num_experts=8"]),  # a rule of validate
 ])
-def test_bad_command_line_is_refused_before_the_run_dir_exists(tmp_path, override, needles):
+def test_bad_command_line_exits_2_before_the_run_dir_exists(tmp_path, override, needles):
     proc, run_dir = run_cli(tmp_path, "train.py", override)
-    assert proc.returncode == 1, proc.stderr  # Hydra's composition error
+    assert proc.returncode == 2, proc.stderr  # never retried by the supervisor
     assert "Traceback" not in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("error: ")]) == 1, proc.stderr
+    assert "Fix: " in proc.stderr and "To append to your config use +" not in proc.stderr
     for needle in needles:
         assert needle in proc.stderr, proc.stderr
+    assert not run_dir.exists()  # no .hydra/, no train.log: nothing half-written
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    proc, run_dir = run_cli(tmp_path, "train.py", "dry_run=true")
+    assert proc.returncode == 0 and "memory per device" in proc.stdout, proc.stderr
     assert not run_dir.exists()
 
 
@@ -234,7 +248,7 @@ def test_train_py_user_error_end_to_end(tmp_path):
     proc, run_dir = run_cli(tmp_path, "train.py", "parallel.ep=3")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: parallel.ep=3 does not divide num_experts=8. Fix: " in proc.stderr
-    assert not any((run_dir / name).exists() for name in OUTPUTS)
+    assert not run_dir.exists()
 
 
 def test_data_prep_bad_input_leaves_no_output(tmp_path):

@@ -164,3 +164,21 @@ def test_truncated_checkpoints_at_resume_are_reported_and_the_previous_one_is_us
     assert "(truncated); falling back to the previous checkpoint" in proc.stderr
     assert f"resuming from {run_dir / 'checkpoints' / 'step-000008.ckpt'}" in proc.stdout
     assert_same_run(run_dir, reference)  # steps 9-12 retrained to the same result
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_saves_the_step_exits_nonzero_and_resumes_exactly(tmp_path, reference, signum):
+    """A SLURM/Kubernetes pre-emption between two scheduled checkpoints: the step in progress is saved,
+    the exit status is 128 + the signal (a supervisor never reads it as success), the relaunch ends
+    where the uninterrupted run does, with the same losses."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    proc = launch(run_dir, log)
+    wait_for(proc, lambda: any(s >= 5 for s, _ in train_losses(run_dir)), "step 5")
+    proc.send_signal(signum)
+    assert proc.wait(timeout=TIMEOUT) == 128 + signum, log.read_text()[-3000:]
+    stopped = params(run_dir)["global_step"]
+    assert 5 <= stopped < 12 and (run_dir / "checkpoints" / f"step-{stopped:06d}.ckpt").exists()
+    assert f"stopped by {signal.Signals(signum).name} after step {stopped}" in log.read_text()
+    proc = launch(run_dir, log)
+    assert proc.wait(timeout=TIMEOUT) == 0, log.read_text()[-3000:]
+    assert_same_run(run_dir, reference)

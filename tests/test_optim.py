@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from moe.config import OptimizerConfig
-from moe.train.optim import build_optimizer, build_scheduler, lr_at, param_groups
+from moe.train.optim import build_optimizer, build_scheduler, lr_at, param_groups, warmup_note
 
 
 def opt_cfg(**kw):
@@ -51,3 +51,12 @@ def test_norms_and_biases_skip_weight_decay():
     assert len(param_groups(model, 0.1, False)) == 1
     optimizer = build_optimizer(model, opt_cfg(betas=[0.8, 0.9], eps=1e-5))
     assert optimizer.param_groups[0]["betas"] == (0.8, 0.9) and optimizer.param_groups[0]["eps"] == 1e-5
+
+
+def test_a_short_run_clamps_the_default_warmup_to_a_tenth_and_says_so():
+    """trainer.max_steps=10 with the default 20 warm-up steps: the lr still reaches its peak."""
+    cfg = opt_cfg(lr=1.0, min_lr=0.1, warmup_steps=20)
+    lrs = [lr_at(step, cfg, max_steps=10) for step in range(10)]
+    assert lrs[0] == pytest.approx(1.0) and lrs[-1] < lrs[0]  # warm-up of 1 step, then decay
+    assert "warming up over 1 steps" in warmup_note(cfg, 10)
+    assert warmup_note(cfg, 300) is None

@@ -26,6 +26,7 @@ def build_callbacks(cfg, run_dir: Path, layout: Layout, backend, fresh: bool = F
     from moe.train.checkpoint import StepCheckpoint
     from moe.train.guard import SpikeGuard
     from moe.train.metrics import RunMetrics
+    from moe.train.preemption import PreemptionCheckpoint
     from moe.train.seed import StepSeed
 
     guard = SpikeGuard.from_config(cfg, run_dir, fresh=fresh)
@@ -44,6 +45,7 @@ def build_callbacks(cfg, run_dir: Path, layout: Layout, backend, fresh: bool = F
             enable_version_counter=False,  # a step re-saved after a resume overwrites, never step-N-v1
             **backend.checkpoint_options(),
         ),
+        PreemptionCheckpoint(backend),  # after StepCheckpoint: saves the step unless it just did
     ]
     if cfg.trainer.progress_bar:
         callbacks.append(RichProgressBar(leave=True))

@@ -32,9 +32,26 @@ def build_optimizer(model: nn.Module, opt_cfg) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
 
 
+def warmup_of(opt_cfg, max_steps: int) -> int:
+    """optimizer.warmup_steps, or 10% of the decay horizon where it would not fit in it (a short run,
+    e.g. trainer.max_steps=10 with the default 20: the learning rate would never reach optimizer.lr)."""
+    horizon = opt_cfg.decay_steps or max_steps
+    return opt_cfg.warmup_steps if opt_cfg.warmup_steps <= horizon else horizon // 10
+
+
+def warmup_note(opt_cfg, max_steps: int) -> str | None:
+    """What train.py prints when warmup_of clamped the warm-up."""
+    warmup = warmup_of(opt_cfg, max_steps)
+    if warmup == opt_cfg.warmup_steps:
+        return None
+    horizon = opt_cfg.decay_steps or max_steps
+    return (f"note: optimizer.warmup_steps={opt_cfg.warmup_steps} is longer than the {horizon}-step "
+            f"schedule; warming up over {warmup} steps (10%) instead")
+
+
 def lr_at(step: int, opt_cfg, max_steps: int) -> float:
     """Learning rate after `step` optimizer steps: linear warmup, cosine to min_lr, then flat."""
-    warmup = opt_cfg.warmup_steps
+    warmup = warmup_of(opt_cfg, max_steps)
     if warmup > 0 and step < warmup:
         return opt_cfg.lr * (step + 1) / warmup
     decay_steps = opt_cfg.decay_steps or max_steps

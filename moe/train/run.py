@@ -34,6 +34,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
         print(f"wrote {Path(run_dir) / 'simulation.json'}")
         return None
     run_dir = Path(run_dir)
+    from moe.train.optim import warmup_note
+
+    if note := warmup_note(cfg.optimizer, cfg.trainer.max_steps):
+        print(note)
     import lightning as L
     import torch
 
@@ -43,6 +47,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     from moe.train.callbacks import build_callbacks, build_loggers
     from moe.train.checkpoint import check_resume_compatible, find_resume_checkpoint, with_atomic_io
     from moe.train.guard import RollbackRequested
+    from moe.train.preemption import Preempted
 
     ckpt_dir = run_dir / "checkpoints"
     resume_from = find_resume_checkpoint(ckpt_dir) if cfg.resume else None  # newest that verifies
@@ -87,6 +92,10 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
             break
+        except Preempted as err:
+            if trainer.is_global_zero:
+                print(f"{err}; relaunch the same command to resume from {ckpt_dir}", flush=True)
+            raise SystemExit(err.exit_code) from err
         except RollbackRequested as err:
             rolled_back = True
             step = err.from_step

@@ -1,0 +1,129 @@
+"""train.py's checks before Hydra starts a run: nothing is written for a run that never starts.
+
+Hydra creates the run dir (`.hydra/`, `train.log`) before it calls the task, and exits 1 on a
+composition error, which a supervisor retries. So `train.py` composes the same config first,
+with Hydra's Compose API, and validates it: a config error (an unknown preset, an unknown key
+however it is written, `+trainer.max_step=5` included, a wrong type, a NaN, a rule of
+moe.config.validate) prints one paragraph and exits 2 (moe.tools.supervise never retries it),
+and `dry_run=true` prints its plan and exits 0, both before any directory exists.
+Multirun sweeps (`-m`) and Hydra's own flags (`--help`, `--cfg`, ...) go straight to Hydra.
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+from moe.errors import ConfigError, UserError
+
+# Nodes whose keys are free-form (a logger's or a callback's constructor arguments).
+FREE_FORM = ("logger", "callbacks")
+
+
+def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> None:
+    """Compose and validate `argv`'s config; exit 2 on a config error, exit 0 after a dry run's plan."""
+    if any(arg.startswith("-") for arg in argv):
+        return  # -m / --multirun / --help / --cfg ...: Hydra's business
+    try:
+        cfg = compose_config(argv, config_dir, config_name)
+        check_config(cfg)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if cfg.dry_run:
+        from moe.tools.plan import make_plan
+
+        print(make_plan(cfg, validate_run(cfg)).render())
+        sys.exit(0)
+
+
+def compose_config(overrides: list[str], config_dir: str, config_name: str) -> DictConfig:
+    """The config Hydra would give the task, without the `hydra` node; composition errors as UserError."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise composition_error(err, overrides) from err
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def composition_error(err: Exception, overrides: list[str]) -> UserError:
+    """Hydra's or OmegaConf's message (and its cause) as one paragraph naming the override it came from."""
+    # Hydra suggests `+key=value` for a misspelt key, which would add it silently: left out
+    text = re.sub(r"To append to your config use \S+", "", str(err).split("Config search path")[0])
+    if err.__cause__ is not None:
+        text += f": {str(err.__cause__).splitlines()[0]}"
+    message = " ".join(text.split()).replace(". :", ":").rstrip(".")
+    culprit = next((o for o in overrides if o.lstrip("+~").split("=")[0] in message), None)
+    field, _, value = (culprit or "overrides").lstrip("+~").partition("=")
+    fix = ("check the spelling against docs/CONFIG.md (every key and preset is listed there; "
+           "`python train.py --cfg job` prints the composed config)")
+    return UserError(field, value or overrides, fix,
+                     problem=f"is refused when composing the config: {message}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Keys beyond the schema (however added) and non-finite numbers, then every rule of validate."""
+    check_known_keys(cfg)
+    check_finite(cfg)
+    validate_run(cfg)
+
+
+def validate_run(cfg: DictConfig):
+    """What train() does before building anything: HF architecture, prepared-data length, validate."""
+    from moe.config.validate import validate
+    from moe.data.arrow_io import apply_prepared_meta
+    from moe.train.init_from_hf import apply_init_from_hf
+
+    apply_init_from_hf(cfg)
+    apply_prepared_meta(cfg)
+    return validate(cfg)
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse keys the typed schema does not define: `+trainer.max_step=5` adds one silently otherwise."""
+    from moe.config.schema import TrainConfig
+
+    schema = OmegaConf.structured(TrainConfig)
+
+    def walk(node, known, path: str) -> None:
+        if not isinstance(node, DictConfig) or not isinstance(known, DictConfig):
+            return
+        if OmegaConf.get_type(known) is dict:  # a dict-typed field: any key
+            return
+        for key in node.keys():
+            where = f"{path}.{key}" if path else str(key)
+            if key not in known:
+                options = ", ".join(sorted(str(k) for k in known.keys()))
+                raise ConfigError(where, "???" if OmegaConf.is_missing(node, key) else node[key],
+                                  f"remove it or use one of the keys of {path or 'the root'}: {options}",
+                                  problem="is not a key of the config schema (a `+` override adds keys "
+                                          "silently; every key is in docs/CONFIG.md)")
+            if where not in FREE_FORM and not where.startswith(tuple(f"{f}." for f in FREE_FORM)):
+                walk(node[key], known[key], where)
+
+    walk(cfg, schema, "")
+
+
+def check_finite(cfg: DictConfig) -> None:
+    """Every number must be finite: nan/inf pass the type check and fail mid-run (or silently)."""
+
+    def walk(node, path: str) -> None:
+        items = node.items() if isinstance(node, DictConfig) else enumerate(node)
+        for key, value in items:
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(value, DictConfig | ListConfig):
+                walk(value, where)
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(where, value, "give a finite number (see docs/CONFIG.md for its range)",
+                                  problem="is not a finite number")
+
+    walk(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), "")
