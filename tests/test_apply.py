@@ -31,8 +31,8 @@ def loss_and_grads(model):
         out = model(IDS)
         loss = F.cross_entropy(out.logits_BSV[:, :-1].flatten(0, 1), IDS[:, 1:].flatten()) + out.aux_loss
     loss.backward()
-    # the wrapper adds `.module` to parameter names (state-dict keys stay unchanged, tested below)
-    grads = {n.replace(".module.", "."): p.grad for n, p in model.named_parameters()}
+    # the wrapper adds its child's name to parameter names (state-dict keys stay unchanged, tested below)
+    grads = {n.replace("._checkpoint_wrapped_module.", "."): p.grad for n, p in model.named_parameters()}
     return loss.detach(), grads, sum(saved)
 
 
@@ -167,3 +167,17 @@ def test_apply_compile_keeps_names_logits_and_grads(policy):
     with torch.no_grad():
         torch.testing.assert_close(compiled.eval()(IDS).logits_BSV, eager.eval()(IDS).logits_BSV,
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_optimizer_state_names_match_model_keys_under_checkpointing():
+    """Sharded checkpoints key the optimizer state by parameter name (torch.distributed.checkpoint's
+    state-dict helpers); the wrapper's child name is one they strip, so a run saved with `full`
+    checkpointing resumes under any policy."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = build("full")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, model.cfg.vocab_size, (2, 8))).logits_BSV.sum().backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, [optimizer])
+    assert set(optim_sd["state"]) == set(model_sd) == set(build().state_dict())

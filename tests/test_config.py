@@ -201,6 +201,7 @@ INVALID = [
     (["optimizer.lr=0"], "optimizer.lr", 0.0, "positive"),
     (["optimizer.min_lr=0.01"], "optimizer.min_lr", 0.01, "lr=0.003"),
     (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps", -1, "must not be negative"),
+    (["moe_opt.bias_update_rate=-0.001"], "moe_opt.bias_update_rate", -0.001, "must not be negative"),
 ]
 
 

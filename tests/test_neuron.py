@@ -202,6 +202,7 @@ def test_3_expert_parallelism_is_refused_with_the_recipe_that_works():
         ("parallel.activation_checkpointing=every_n", "parallel.activation_checkpointing"),
         ("model.tie_word_embeddings=true", "model.tie_word_embeddings"),
         ("trainer.devices=1", "trainer.devices"),
+        ("moe_opt.enable_expert_bias=true", "moe_opt.enable_expert_bias"),
     ],
 )
 def test_what_nxd_cannot_train_is_refused_naming_nxds_behaviour(override, field):

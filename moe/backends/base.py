@@ -88,14 +88,22 @@ class Backend:
         return LitMoE(self.cfg, backend=self, on_meta=True)
 
     def initial_source(self):
-        """Where `materialize` takes values from: model.init_from_hf's files on a fresh run, else
-        moe.model.init's seeded values (a resumed run's weights come from its checkpoint after)."""
-        hf_dir = self.cfg.model.init_from_hf
-        if not hf_dir or self._resuming:
+        """Where `materialize` takes values from: model.init_from_hf's (or upcycle_from_hf's) files on a
+        fresh run, else moe.model.init's seeded values (a resumed run's come from its checkpoint after)."""
+        model = self.cfg.model
+        if self._resuming or not (model.init_from_hf or model.upcycle_from_hf):
             return None
-        from moe.model.hf_tensors import hf_tensor_source
+        if model.init_from_hf:
+            from moe.model.hf_tensors import hf_tensor_source
 
-        return hf_tensor_source(hf_dir, self.cfg.model)
+            return hf_tensor_source(model.init_from_hf, model)
+        from moe.model.init import init_stds, initial_values
+        from moe.model.upcycle import dense_tensor_source
+
+        std, out_std = init_stds(model)
+        seed = self.cfg.seed
+        return dense_tensor_source(model.upcycle_from_hf, model,
+                                   lambda name, shape: initial_values(name, shape, seed, std, out_std))
 
     @staticmethod
     def device_of(module) -> torch.device:

@@ -13,12 +13,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes per parameter for the weight, its gradient and its AdamW state, and why."""
+    """Bytes per parameter for the weight, its gradient and its AdamW state, and why.
+
+    `step`: what the optimizer step adds for a moment per (optimizer-sharded) parameter: torch's
+    foreach AdamW keeps one more fp32 copy while it computes the update; DeepSpeed's ZeRO optimizer
+    also holds the partition's fp32 gradient then, having freed the model's half-precision ones
+    (`grads_in_step` False; deepspeed/runtime/zero/stage_1_and_2.py).
+    """
 
     param: int
     grad: int
     optimizer: int
     note: str
+    step: int = 4
+    grads_in_step: bool = True
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,9 @@ class BackendSpec:
     max_expert_parallel: int | None  # None: any divisor of the experts and of dp
     hybrid_shard: bool
     precisions: tuple[str, ...] | None  # trainer.precision values it runs; None: it ignores trainer.precision
+    # attention keeps no [heads, S, S] scores for backward: torch's scaled_dot_product_attention
+    # (flash / memory-efficient kernels on CUDA). Under XLA (trn1) it is traced to plain matmuls.
+    fused_attention: bool = True
 
     def state_bytes(self, cfg) -> StateBytes:
         precision = str(cfg.trainer.precision or cfg.hardware.precision)
@@ -46,7 +57,8 @@ class DeepSpeedSpec(BackendSpec):
     def state_bytes(self, cfg) -> StateBytes:
         precision = str(cfg.trainer.precision or cfg.hardware.precision)
         if precision.endswith("-mixed"):  # DeepSpeed keeps half weights and grads, fp32 master + moments
-            return StateBytes(2, 2, 12, f"{precision} DeepSpeed: half weights, grads; fp32 master, moments")
+            return StateBytes(2, 2, 12, f"{precision} DeepSpeed: half weights, grads; fp32 master, moments",
+                              step=8, grads_in_step=False)
         return super().state_bytes(cfg)
 
 
@@ -73,7 +85,8 @@ SPECS: dict[str, BackendSpec] = {
         precisions=("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")),
     "neuron": NeuronSpec(  # expert parallelism: moe.config.validate.check_neuron says why not
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
-        pipeline_parallel=True, max_expert_parallel=1, hybrid_shard=False, precisions=None),
+        pipeline_parallel=True, max_expert_parallel=1, hybrid_shard=False, precisions=None,
+        fused_attention=False),
 }
 
 

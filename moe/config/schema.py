@@ -40,6 +40,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0 = no always-on shared expert
     compile: bool = False  # torch.compile the blocks
     init_from_hf: Optional[str] = None  # Mixtral-format directory to start from
+    upcycle_from_hf: Optional[str] = None  # dense Mistral/Llama directory: every expert a copy of its MLP
 
 
 @dataclass
@@ -62,6 +63,13 @@ class MoEOptConfig:
     # load-balance statistics (f_i, P_i) over: ep = the expert-parallel group (this rank's tokens
     # when ep=1) | dp = every data-parallel rank (global-batch balancing; same loss as one process)
     aux_loss_group: str = "ep"
+    # aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the scores for top-k
+    # selection only, moved by bias_update_rate * sign(mean load - load_i) after each optimizer step
+    enable_expert_bias: bool = False
+    bias_update_rate: float = 1.0e-3
+    # aux_loss: the Switch loss over the batch (aux_loss_group's tokens) | seq_aux_loss: the same
+    # loss per sequence, averaged (DeepSeek-V3's sequence-wise balance loss) | none
+    load_balancing_type: str = "aux_loss"
 
 
 def normalizes(normalize_top_k: bool | None, top_k: int) -> bool:

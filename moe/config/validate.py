@@ -25,6 +25,7 @@ DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # name -> torch attribute
 POSITION_ENCODINGS = ("rope", "alibi")
 AUX_LOSS_GROUPS = ("ep", "dp")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 NEURON_PRECISIONS = ("bf16_sr", "mixed", "fp32")
 SPIKE_ACTIONS = ("warn", "skip", "rollback")
 DATA_KINDS = ("prepared", "online")
@@ -108,6 +109,12 @@ def validate_routing(r, prefix: str = "moe_opt") -> None:
     _need(0 <= r.jitter_eps < 1, f"{prefix}.jitter_eps", r.jitter_eps, jitter_fix, "is outside [0, 1)")
     _one_of(f"{prefix}.router_dtype", r.router_dtype, tuple(ROUTER_DTYPES), "router dtype (fp32 recommended)")
     _one_of(f"{prefix}.aux_loss_group", r.aux_loss_group, AUX_LOSS_GROUPS, "load-balance group")
+    _one_of(f"{prefix}.load_balancing_type", getattr(r, "load_balancing_type", "aux_loss"),
+            LOAD_BALANCING_TYPES, "load-balancing type")
+    rate = getattr(r, "bias_update_rate", 0.0)
+    _finite_number(f"{prefix}.bias_update_rate", rate, "use a small positive rate such as 1e-3")
+    _need(rate >= 0, f"{prefix}.bias_update_rate", rate, "use a small positive rate such as 1e-3 (Megatron's "
+          "default), or moe_opt.enable_expert_bias=false", "must not be negative")
 
 
 # =============================================================================== train.py
@@ -381,6 +388,13 @@ def check_neuron(cfg) -> None:
     _need(p.activation_checkpointing != "every_n", "parallel.activation_checkpointing", "every_n",
           "use none, full, moe_only or selective on trn1",
           "has no neuronx-distributed equivalent (it checkpoints by module class)")
+    _need(not r.enable_expert_bias, "moe_opt.enable_expert_bias", True,
+          "use the load-balance loss on trn1 (moe_opt.aux_loss_coeff), or hardware=gpu / cpu",
+          "is not available on trn1: neuronx-distributed's router has no selection bias "
+          "(modules/moe/routing.py:155 RouterTopK)")
+    _need(r.load_balancing_type == "aux_loss", "moe_opt.load_balancing_type", r.load_balancing_type,
+          "use aux_loss on trn1 (set aux_loss_coeff=0 to turn it off)",
+          "is not wired to neuronx-distributed's MoE layer (moe/backends/neuron/moe_layer.py)")
     nxd_routing = "or use moe_opt=nxd (neuronx-distributed's routing)"
     if r.capacity_factor is not None:
         _need(r.drop_policy == "position", "moe_opt.drop_policy", r.drop_policy,

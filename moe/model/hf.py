@@ -47,6 +47,10 @@ def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
         raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
                           "use 0 (no shared expert) to export to Mixtral",
                           "adds a shared expert, which Mixtral cannot express")
+    if getattr(moe_opt, "enable_expert_bias", False):
+        raise ConfigError("moe_opt.enable_expert_bias", True,
+                          "export a model trained without the expert bias (moe_opt.enable_expert_bias=false)",
+                          "selects experts with a learned bias, which Mixtral's router cannot express")
     if not normalizes(moe_opt.normalize_top_k, cfg.top_k):
         raise ConfigError("moe_opt.normalize_top_k", moe_opt.normalize_top_k,
                           "set moe_opt.normalize_top_k=true (Mixtral always renormalises the top-k weights)",

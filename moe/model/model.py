@@ -20,7 +20,7 @@ from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.config.validate import validate_model
 from moe.model.init import draw_base_seed, init_stds, initialize
 from moe.model.loss import router_loss_sum
-from moe.model.moe import Experts, MoELayer, RoutingStats
+from moe.model.moe import Experts, MoELayer, Router, RoutingStats
 from moe.model.size import is_moe_layer
 
 
@@ -319,7 +319,7 @@ class MoETransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Experts):
                 module.mark_expert(module.first_expert)
-            elif isinstance(module, Attention):
+            elif isinstance(module, Attention | Router):
                 module.init_buffers()
         if source is None:
             initialize(self, self.init_seed, *self.init_std)

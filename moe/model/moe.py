@@ -30,6 +30,7 @@ from moe.model.routing import (
     router_dtype,
     router_probs,
     routing_stats,
+    sequence_load_balance_loss,
     swiglu,
     top_k_routing,
 )
@@ -39,12 +40,24 @@ __all__ = ["Router", "Experts", "MoELayer", "RoutingStats", "grouped_mm_works"]
 
 
 class Router(nn.Module):
-    """Linear gate without bias, weight [E, H], computed in `dtype` (fp32) outside autocast."""
+    """Linear gate without bias, weight [E, H], computed in `dtype` (fp32) outside autocast.
 
-    def __init__(self, hidden_size: int, num_experts: int, dtype=torch.float32, jitter_eps: float = 0.0):
+    With `expert_bias` (moe_opt.enable_expert_bias) it also holds the aux-loss-free balancing bias
+    [E] (a buffer: in checkpoints, not trained by the optimizer; moe.train.expert_bias moves it).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, dtype=torch.float32, jitter_eps: float = 0.0,
+                 expert_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.dtype, self.jitter_eps = dtype, jitter_eps
+        # a None buffer is not in the state dict: models without the bias keep their keys
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
+
+    def init_buffers(self) -> None:
+        """The bias starts at zero (again after the model leaves the meta device)."""
+        if self.expert_bias is not None:
+            self.expert_bias = torch.zeros_like(self.expert_bias, device=self.weight.device)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=x_TH.device.type, enabled=False):
@@ -168,10 +181,12 @@ class MoELayer(nn.Module):
         self.normalize_top_k = moe_opt.normalize_top_k
         self.normalize_after_drop = (moe_opt.normalize_after_drop
                                      and normalizes(moe_opt.normalize_top_k, top_k))
+        self.load_balancing_type = getattr(moe_opt, "load_balancing_type", "aux_loss")  # absent: older cfgs
         self.dispatcher = LocalDispatcher()
         self.stats_sum: GroupSum | None = None
 
-        self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps)
+        self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps,
+                             expert_bias=getattr(moe_opt, "enable_expert_bias", False))  # absent: older cfgs
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = None
         if shared_expert_intermediate_size > 0:
@@ -188,7 +203,8 @@ class MoELayer(nn.Module):
         # 1. route: fp32 softmax over all E experts (the router is replicated under EP)
         logits_TE = self.router(x_TH)
         probs_TE = router_probs(logits_TE, self.router.dtype)
-        weights_TK, idx_TK = top_k_routing(probs_TE, self.top_k, self.normalize_top_k)
+        bias_E = self.router.expert_bias  # None unless aux-loss-free balancing is on
+        weights_TK, idx_TK = top_k_routing(probs_TE, self.top_k, self.normalize_top_k, bias_E)
 
         # 2. capacity: which assignments fit (all of them when dropless)
         cf = None if generating else self.capacity_factor if self.training else self.eval_capacity_factor
@@ -207,4 +223,9 @@ class MoELayer(nn.Module):
 
         if generating:  # the losses and monitoring numbers would be thrown away
             return y_TH.view_as(x_BSH), None
-        return y_TH.view_as(x_BSH), routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, self.stats_sum)
+        stats = routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, self.stats_sum)
+        if self.load_balancing_type == "seq_aux_loss":
+            stats.aux_loss = sequence_load_balance_loss(probs_TE.float(), idx_TK, x_BSH.shape[0])
+        elif self.load_balancing_type == "none":
+            stats.aux_loss = torch.zeros_like(stats.aux_loss)
+        return y_TH.view_as(x_BSH), stats

@@ -54,10 +54,18 @@ def router_probs(logits_TE: torch.Tensor, dtype: torch.dtype = torch.float32) ->
 
 
 def top_k_routing(
-    probs_TE: torch.Tensor, top_k: int, normalize: bool | None = None
+    probs_TE: torch.Tensor, top_k: int, normalize: bool | None = None, bias_E: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the top_k experts per token -> (weights_TK, idx_TK), weights as `normalizes` says."""
-    weights_TK, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
+    """Pick the top_k experts per token -> (weights_TK, idx_TK), weights as `normalizes` says.
+
+    bias_E (aux-loss-free balancing, DeepSeek-V3): added to the scores to choose the experts only;
+    the weights are the chosen experts' unbiased probabilities.
+    """
+    if bias_E is None:
+        weights_TK, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
+    else:
+        idx_TK = torch.topk(probs_TE.detach() + bias_E, top_k, dim=-1).indices
+        weights_TK = probs_TE.gather(-1, idx_TK)
     if normalizes(normalize, top_k):
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return weights_TK, idx_TK
@@ -145,6 +153,20 @@ def load_balance_loss(
     f_E = counts_E.to(probs_TE.dtype) / counts_E.sum().clamp(min=1)
     P_E = probs_TE.mean(dim=0)
     return num_experts * torch.sum(f_E * P_E)
+
+
+def sequence_load_balance_loss(probs_TE: torch.Tensor, idx_TK: torch.Tensor,
+                               num_sequences: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: `load_balance_loss` within each sequence, averaged
+    over the sequences (f_i from the sequence's top-k picks, P_i its mean probability); 1.0 when
+    every sequence is balanced. Local to this process's sequences: no statistics are exchanged."""
+    B, E = num_sequences, probs_TE.shape[-1]
+    idx_BN = idx_TK.reshape(B, -1)
+    counts_BE = torch.zeros(B, E, dtype=probs_TE.dtype, device=probs_TE.device).scatter_add_(
+        1, idx_BN, torch.ones_like(idx_BN, dtype=probs_TE.dtype))
+    f_BE = counts_BE / idx_BN.shape[1]
+    P_BE = probs_TE.reshape(B, -1, E).mean(dim=1)
+    return E * (f_BE * P_BE).sum(-1).mean()
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -19,42 +19,49 @@ from moe.model.dispatch import AllToAllDispatcher
 from moe.model.moe import MoELayer
 from moe.parallel.comm import group_sum
 
+WRAPPED = "_checkpoint_wrapped_module"  # torch's name (torch.distributed.algorithms._checkpoint)
+
 
 class CheckpointWrapper(nn.Module):
     """Recompute the wrapped module's forward during backward instead of keeping its activations.
 
     Non-reentrant `torch.utils.checkpoint` (RNG state restored, so router jitter replays the
     same). Skipped when no gradient is being recorded (eval, generation with a KV cache).
-    State-dict keys are the wrapped module's own, without a `module.` prefix.
+    State-dict keys are the wrapped module's own. The child is named as torch's own checkpoint
+    wrapper names it (`_checkpoint_wrapped_module`), which torch.distributed.checkpoint's state-dict
+    helpers strip from parameter names, so optimizer-state names match model keys in a sharded
+    checkpoint whatever the policy (torch/distributed/checkpoint/state_dict.py `_get_fqns`).
     """
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        self.module = module
+        setattr(self, WRAPPED, module)
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
 
     @torch.compiler.disable  # the checkpoint boundary stays eager; apply_compile compiles inside it
     def forward(self, *args, **kwargs):
         if not (torch.is_grad_enabled() and self.training):
-            return self.module(*args, **kwargs)
-        return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+            return self._modules[WRAPPED](*args, **kwargs)
+        return checkpoint(self._modules[WRAPPED], *args, use_reentrant=False, **kwargs)
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            return getattr(self._modules[WRAPPED], name)
 
 
 def _strip_prefix(module, state_dict, prefix, local_metadata):
-    for key in [k for k in state_dict if k.startswith(prefix + "module.")]:
-        state_dict[prefix + key[len(prefix + "module."):]] = state_dict.pop(key)
+    inner = f"{prefix}{WRAPPED}."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
 
 
 def _add_prefix(module, state_dict, prefix, *_):
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "module.")]:
-        state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+    inner = f"{prefix}{WRAPPED}."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:

@@ -35,7 +35,8 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     "Reducing Activation Recomputation in Large Transformer Models", adapted to no dropout,
     GQA and SwiGLU):
       norms 2h, attention input h, q/k/v h + 2*kv*hd, o_proj input h, scores 2.5*a*s
-      (their 5as^2b bytes: attention not fused; flash attention keeps none of it),
+      (their 5as^2b bytes: attention not fused, as under XLA on trn1; the torch backends'
+      scaled_dot_product_attention keeps none of it, BackendSpec.fused_attention),
       dense SwiGLU input h + gate/up/product 3F,
       MoE input h + fp32 router logits/probs + per assignment (k of them, padded by the
       capacity factor): dispatched input h, gate/up/product 3F, expert output h.
@@ -59,7 +60,7 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     def split(replicated: float, sharded: float) -> float:  # elements per token on one device
         return (replicated + sharded) / t if sp else replicated + sharded / t
 
-    scores = split(0, 2.5 * m.num_heads * s)
+    scores = 0.0 if spec_of(cfg).fused_attention else split(0, 2.5 * m.num_heads * s)
     attn = split(3 * h, (h + 2 * m.num_kv_heads * head_dim) + h) + scores
     dense = split(h, 3 * Fd)
     routed = m.top_k * cf * (2 * h + 3 * F)
@@ -86,7 +87,7 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     tokens = s * b
     microbatches = p.pipeline_microbatches or cfg.trainer.accumulate_grad_batches
     in_flight = min(p.pp, microbatches) if p.pp > 1 else 1
-    logits = tokens * m.vocab_size * 4 / t
+    logits = 2 * tokens * m.vocab_size * 4 / t  # fp32 logits and the cross-entropy's log-probabilities
     note = f"{p.activation_checkpointing} checkpointing, micro-batch {b} x {s} tokens"
     if sp:
         note += ", sequence parallel"
@@ -108,6 +109,8 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
+    step: float  # the optimizer step's transient (fp32 update buffers; DeepSpeed: the fp32 grad partition)
+    grads_in_step: bool  # whether the gradients are still live during the step
     capacity: float
     precision_note: str
     activation_note: str
@@ -115,7 +118,10 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        """Weights and optimizer state, plus the larger of the two phases: backward (gradients and
+        activations) and the optimizer step (its transient, with the gradients where they stay)."""
+        step = self.step + (self.grads if self.grads_in_step else 0.0)
+        return self.params + self.optimizer + max(self.grads + self.activations, step)
 
     @property
     def headroom(self) -> float:
@@ -164,6 +170,8 @@ class Plan:
             f"  gradients  {mem.grads:>9.2f}",
             f"  optimizer  {mem.optimizer:>9.2f}  {mem.sharding_note}",
             f"  activations{mem.activations:>9.2f}  {mem.activation_note}",
+            f"  step       {mem.step:>9.2f}  optimizer-step buffers (the peak is the larger of backward "
+            "and step)",
             f"  total      {mem.total:>9.2f}  -> {mem.verdict}, headroom {mem.headroom:.2f} GiB "
             f"({100 * mem.headroom / mem.capacity:.0f}%)",
         ]
@@ -197,6 +205,7 @@ def memory_estimate(cfg, layout: Layout) -> Memory:
     params = sharded(non_expert, expert, 3) * pb
     grads = sharded(non_expert, expert, 2) * gb
     optimizer = sharded(non_expert, expert, 1) * ob
+    step = sharded(non_expert, expert, 1) * bytes_.step
     first, last, act_note = activation_bytes(cfg, cfg.trainer.micro_batch_size)
     if p.zero_stage >= 1:
         sharding_note = (f"ZeRO-{p.zero_stage}: dense states over {shard} ranks, expert states over "
@@ -205,7 +214,8 @@ def memory_estimate(cfg, layout: Layout) -> Memory:
         sharding_note = "not sharded (ZeRO stage 0)"
     return Memory(
         params=params / GIB, grads=grads / GIB, optimizer=optimizer / GIB,
-        activations=max(first, last) / GIB, capacity=float(cfg.hardware.device_memory_gib),
+        activations=max(first, last) / GIB, step=step / GIB, grads_in_step=bytes_.grads_in_step,
+        capacity=float(cfg.hardware.device_memory_gib),
         precision_note=f"{bytes_.note} ({pb}+{gb}+{ob} bytes/param)",
         activation_note=act_note, sharding_note=sharding_note,
     )

@@ -1,8 +1,10 @@
-"""`model.init_from_hf=DIR`: start training from a Mixtral directory.
+"""`model.init_from_hf=DIR` (a Mixtral directory) and `model.upcycle_from_hf=DIR` (a dense Mistral or
+Llama directory, every expert a copy of its MLP: moe/model/upcycle.py): start training from it.
 
-The architecture comes from DIR's config.json (applied to the config before validation), the
-weights from its safetensors (loaded into the freshly built model), and a data tokenizer whose
-ids disagree with DIR's is refused, since the model would read the wrong tokens.
+The architecture comes from DIR's config.json (applied to the config before validation; with
+upcycling, model.num_experts and model.top_k stay the user's), the weights from its safetensors
+(read tensor by tensor as each rank materialises its shard, Backend.initial_source), and a data
+tokenizer whose ids disagree with DIR's is refused, since the model would read the wrong tokens.
 """
 from __future__ import annotations
 
@@ -19,24 +21,35 @@ from moe.model import MoETransformer
 from moe.paths import local_path
 
 # Architecture fields init_from_hf takes from config.json; name/compile/init_from_hf stay the user's.
-KEEP_FROM_USER = ("name", "compile", "init_from_hf")
+KEEP_FROM_USER = ("name", "compile", "init_from_hf", "upcycle_from_hf")
 
 
 def apply_init_from_hf(cfg: DictConfig) -> None:
-    """`model.init_from_hf=DIR`: replace cfg.model's architecture with DIR's config.json (in place).
+    """`model.init_from_hf=DIR` or `model.upcycle_from_hf=DIR`: replace cfg.model's architecture with
+    DIR's config.json (in place; upcycling keeps the user's num_experts and top_k).
 
     When DIR carries a tokenizer, an unset `data.tokenizer` is pointed at it, and a data
     tokenizer whose ids disagree with it is refused (the model would read the wrong tokens).
     """
     from moe.model.hf import model_config_from_hf
+    from moe.model.upcycle import model_config_from_dense, read_dense_config
 
-    path = cfg.model.init_from_hf
+    if cfg.model.init_from_hf and cfg.model.get("upcycle_from_hf"):
+        raise UserError("model.upcycle_from_hf", cfg.model.upcycle_from_hf, "set only one of "
+                        "model.init_from_hf (a Mixtral directory) and model.upcycle_from_hf (a dense one)",
+                        problem="is set together with model.init_from_hf")
+    field = "model.upcycle_from_hf" if cfg.model.get("upcycle_from_hf") else "model.init_from_hf"
+    path = cfg.model.get("upcycle_from_hf") or cfg.model.init_from_hf
     if not path:
         return
     try:
-        arch = asdict(model_config_from_hf(read_hf_config(path, "model.init_from_hf")))
+        if field == "model.upcycle_from_hf":
+            arch = asdict(model_config_from_dense(read_dense_config(path), cfg.model.num_experts,
+                                                  cfg.model.top_k))
+        else:
+            arch = asdict(model_config_from_hf(read_hf_config(path, field)))
     except ConfigError as err:
-        raise UserError("model.init_from_hf", str(path), err.fix, problem=f"has {err.field}={err.value!r}, "
+        raise UserError(field, str(path), err.fix, problem=f"has {err.field}={err.value!r}, "
                         f"which {err.problem}") from err
     for key, value in arch.items():
         if key not in KEEP_FROM_USER:
@@ -46,7 +59,7 @@ def apply_init_from_hf(cfg: DictConfig) -> None:
     data_tok = _data_tokenizer_dir(cfg.data)
     if data_tok is None and cfg.data.get("kind") != "prepared":
         cfg.data.tokenizer = str(path)
-        print(f"init_from_hf: tokenizing data with {path}'s tokenizer (set data.tokenizer to override)")
+        print(f"{field}: tokenizing data with {path}'s tokenizer (set data.tokenizer to override)")
     elif data_tok is not None:
         _check_same_ids(data_tok, Path(path), cfg.data)
 
@@ -63,7 +76,7 @@ def _check_same_ids(data_tok: Path, model_tok: Path, data) -> None:
     from moe.data.tokenizer import read_tokenizer, template_markers
 
     ours = read_tokenizer(data_tok, "data.tokenizer")[0].get_vocab(with_added_tokens=True)
-    theirs = read_tokenizer(model_tok, "model.init_from_hf")[0].get_vocab(with_added_tokens=True)
+    theirs = read_tokenizer(model_tok, "model's directory")[0].get_vocab(with_added_tokens=True)
     markers = set(template_markers(data.get("chat_template") or ""))
     new_marker = markers - set(theirs)  # training adds these as special tokens; absent is fine
     clash = [t for t, i in ours.items() if theirs.get(t) != i and t not in new_marker]

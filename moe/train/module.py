@@ -36,6 +36,7 @@ class LitMoE(L.LightningModule):
             self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)
         self.step_stats, self.val_stats = StepStats(), StepStats()
         self._parallelized = False
+        self._expert_bias = None  # moe.train.expert_bias.ExpertBiasUpdate, made at the first step
 
     def configure_model(self) -> None:
         """Parallelise once the process group exists, before the strategy wraps the model."""
@@ -55,6 +56,12 @@ class LitMoE(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, lm, out = self.losses(batch)
         self.step_stats.add(loss=loss, lm_loss=lm, routing=out.routing, tokens=batch["input_ids"].numel())
+        if self.cfg.moe_opt.enable_expert_bias:
+            if self._expert_bias is None:
+                from moe.train.expert_bias import ExpertBiasUpdate
+
+                self._expert_bias = ExpertBiasUpdate(self.model, self.cfg.moe_opt.bias_update_rate)
+            self._expert_bias.add(out.routing)
         self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=batch["input_ids"].shape[0])
         return loss
 
@@ -69,6 +76,12 @@ class LitMoE(L.LightningModule):
         self.backend.prepare_optimizer(optimizer)  # before the schedule captures the param groups
         scheduler = build_scheduler(optimizer, self.cfg.optimizer, self.cfg.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        """The optimizer step, then the aux-loss-free balancing bias update (moe.train.expert_bias)."""
+        super().optimizer_step(*args, **kwargs)
+        if self._expert_bias is not None:
+            self._expert_bias.step(lambda t: self.backend.all_reduce(self, t, "sum"))
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients before clipping (expert shards summed over the EP group)."""

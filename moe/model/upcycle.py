@@ -1,0 +1,136 @@
+"""Dense -> MoE upcycling (Komatsuzaki et al. 2023, "Sparse Upcycling"): every expert starts as a
+copy of the dense model's MLP, everything else is the dense model's.
+
+Mixtral 8x7B itself started from Mistral 7B. With dropless routing and top-k weights that sum to 1
+(renormalised, `normalize_top_k`), an upcycled layer computes sum_j w_j * MLP(x) = MLP(x), so the
+upcycled model's logits equal the dense model's whatever the router picks; the router starts
+from the usual random init (near-uniform probabilities, so tokens spread over the experts) and
+learns to specialise the copies. Optional Gaussian noise on the expert copies breaks their
+symmetry (off by default: it also breaks the equality).
+
+The dense keys are Mistral's and Llama's (`mlp.gate_proj/up_proj/down_proj`); `dense_tensor_source`
+reads them through moe.model.hf_tensors.our_value, so a rank building its shard on the meta
+device reads one tensor at a time, as `model.init_from_hf` does.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from moe.config.schema import ModelConfig, MoEOptConfig
+from moe.errors import ConfigError
+from moe.model.hf_tensors import SafetensorsDir, our_value
+
+DENSE_TYPES = ("mistral", "llama")
+_EXPERT_KEY = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.experts\.\d+\.(w1|w2|w3)\.weight")
+_DENSE_MLP = {"w1": "mlp.gate_proj.weight", "w3": "mlp.up_proj.weight", "w2": "mlp.down_proj.weight"}
+
+
+def dense_get(get, router):
+    """`get` over Mixtral keys, answered from a dense model's keys: every expert J is the dense MLP;
+    the router (absent from a dense model) from `router(layer key prefix)`."""
+
+    def mixtral_get(key: str) -> torch.Tensor:
+        match = _EXPERT_KEY.fullmatch(key)
+        if match:
+            return get(match.group(1) + _DENSE_MLP[match.group(2)])
+        if key.endswith("block_sparse_moe.gate.weight"):
+            return router(key)
+        return get(key)
+
+    return mixtral_get
+
+
+def model_config_from_dense(hf_config, num_experts: int, top_k: int) -> ModelConfig:
+    """Our ModelConfig for a Mistral/Llama config with `num_experts` experts of the dense MLP's width."""
+    from dataclasses import replace
+
+    from moe.model.hf import model_config_from_hf
+
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in DENSE_TYPES:
+        raise ConfigError("model.upcycle_from_hf", model_type, "upcycle a Mistral or Llama checkpoint",
+                          f"is not one of {DENSE_TYPES}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, flag, False):
+            raise ConfigError(flag, True, "upcycle a checkpoint without biases (Mistral, Llama 2/3)",
+                              "is not supported: our projections have no bias")
+    for missing in ("sliding_window", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+                    "router_jitter_noise"):
+        if not hasattr(hf_config, missing):
+            setattr(hf_config, missing, None)
+    cfg = model_config_from_hf(hf_config)
+    return replace(cfg, num_experts=num_experts, top_k=top_k, moe_layer_frequency=1)
+
+
+def upcycle(dense, num_experts: int, top_k: int, moe_opt: MoEOptConfig | None = None,
+            noise_std: float = 0.0, seed: int = 0):
+    """A MoETransformer from a transformers Mistral/Llama model or save_pretrained directory.
+
+    moe_opt defaults to dropless, renormalised top-k routing, under which the logits equal the
+    dense model's. noise_std > 0 adds N(0, noise_std * std(weight)) to each expert copy.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from moe.model.model import MoETransformer
+
+    if isinstance(dense, (str, Path)):
+        path = Path(dense)
+        if not (path / "config.json").is_file():
+            raise ConfigError("model.upcycle_from_hf", str(path), "point to a directory written by "
+                              "save_pretrained (config.json + weights)", "has no config.json")
+        dense = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    cfg = model_config_from_dense(dense.config, num_experts, top_k)
+    moe_opt = moe_opt or MoEOptConfig(name="upcycled_dropless", capacity_factor=None,
+                                      eval_capacity_factor=None, normalize_top_k=True)
+    ref = next(dense.parameters())
+    model = MoETransformer(cfg, moe_opt, init_seed=seed).to(dtype=ref.dtype)
+    routers = {name: p for name, p in model.state_dict().items() if name.endswith("ffn.router.weight")}
+    sd = dense.state_dict()
+    get = dense_get(sd.__getitem__, lambda key: routers[_our_router_name(key)])
+    values = {name: our_value(name, get, num_experts) for name in model.state_dict()}
+    if noise_std > 0:
+        gen = torch.Generator().manual_seed(seed)
+        for name, value in values.items():
+            if ".ffn.experts." in name:
+                noise = torch.randn(value.shape, generator=gen, dtype=torch.float32)
+                values[name] = value + (noise * noise_std * value.float().std()).to(value.dtype)
+    model.load_state_dict({k: v.detach().clone().contiguous() for k, v in values.items()}, strict=True)
+    return model
+
+
+def _our_router_name(key: str) -> str:
+    return key.replace("model.layers.", "layers.").replace("block_sparse_moe.gate.weight",
+                                                           "ffn.router.weight")
+
+
+def dense_tensor_source(path: str | Path, model_cfg, router_values):
+    """`source(name, shape, first_expert)` for MoETransformer.materialize (and trn1's param_init_fn) from
+    a dense directory's safetensors; routers from `router_values(name, shape)` (the seeded init)."""
+    files = SafetensorsDir(path)
+
+    def source(name: str, shape, first_expert: int | None) -> torch.Tensor:
+        if name.endswith("ffn.router.weight"):
+            return router_values(name, shape)
+        experts = None if first_expert is None else range(first_expert, first_expert + shape[0])
+        get = dense_get(files.get, lambda key: None)
+        value = our_value(name, get, model_cfg.num_experts, experts)
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"{path}: {name} is {tuple(value.shape)}, the model expects {tuple(shape)}")
+        return value
+
+    return source
+
+
+def read_dense_config(path: str | Path):
+    """The transformers config of a dense directory (config.json), for model.upcycle_from_hf."""
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError("model.upcycle_from_hf", str(path),
+                          "point to a directory written by save_pretrained", "has no config.json")
+    json.loads((Path(path) / "config.json").read_text())  # a readable file, or a clear JSON error
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,77 @@
+"""Dense -> MoE upcycling: every expert a copy of the dense MLP, so with dropless renormalised routing
+the upcycled model computes the dense model's logits; from the command line it trains and exports."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import REPO, run_entry
+
+from moe.hf import upcycle
+
+transformers = pytest.importorskip("transformers")
+
+
+def dense_dir(tmp_path, kind: str = "mistral"):
+    config_cls = {"mistral": transformers.MistralConfig, "llama": transformers.LlamaConfig}[kind]
+    model_cls = {"mistral": transformers.MistralForCausalLM, "llama": transformers.LlamaForCausalLM}[kind]
+    config = config_cls(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        tie_word_embeddings=False)
+    if kind == "mistral":
+        config.sliding_window = None
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    path = tmp_path / kind
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.mark.parametrize("kind", ["mistral", "llama"])
+def test_upcycled_logits_equal_the_dense_models(tmp_path, kind):
+    path, dense = dense_dir(tmp_path, kind)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    for source in (path, dense):  # a directory or a model
+        model = upcycle(source, num_experts=4, top_k=2).eval()
+        assert model.cfg.num_experts == 4 and model.cfg.top_k == 2
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)
+    noisy = upcycle(path, num_experts=4, top_k=2, noise_std=0.01).eval()
+    experts = noisy.layers[0].ffn.experts.gate_up
+    assert not torch.equal(experts[0], experts[1])  # noise breaks the copies' symmetry
+
+
+def test_meta_build_upcycles_each_rank_from_the_files(tmp_path):
+    """The training path: Backend.build_module on meta, materialised from the dense files."""
+    from hydra import compose, initialize_config_dir
+
+    from moe.backends import build_backend
+    from moe.config.validate import validate
+    from moe.train.init_from_hf import apply_init_from_hf
+
+    path, dense = dense_dir(tmp_path)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        overrides = [f"model.upcycle_from_hf={path}", "model.num_experts=4", "model.top_k=2",
+                     "moe_opt=dropless", f"data.tokenizer={REPO}/data/sample"]
+        cfg = compose("train", overrides=overrides)
+    apply_init_from_hf(cfg)
+    backend = build_backend(cfg, validate(cfg))
+    module = backend.build_module()
+    backend.parallelize(module)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(module.model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_train_py_fine_tunes_an_upcycled_model_and_exports_it(tmp_path):
+    path, _ = dense_dir(tmp_path)
+    run = tmp_path / "run"
+    run_entry("train.py", f"hydra.run.dir={run}", f"model.upcycle_from_hf={path}", "model.num_experts=4",
+              "model.top_k=2", f"data.tokenizer={REPO}/data/sample", "trainer.max_steps=6",
+              "trainer.progress_bar=false", "trainer.log_every_n_steps=1", check=True)
+    lines = (run / "metrics.csv").read_text().splitlines()
+    assert len(lines) >= 7
+    export = tmp_path / "export"
+    run_entry("infer.py", f"ckpt={run}", f"export_hf={export}", check=True)
+    exported = transformers.MixtralForCausalLM.from_pretrained(export, local_files_only=True)
+    assert exported.config.num_local_experts == 4 and exported.config.num_experts_per_tok == 2
