@@ -55,6 +55,7 @@ def test_the_bias_is_a_checkpointed_buffer_that_starts_at_zero_also_on_meta():
     model.layers[0].ffn.router.expert_bias += 0.5
     lazy.load_state_dict(model.state_dict())
     assert torch.equal(lazy.layers[0].ffn.router.expert_bias, torch.full((4,), 0.5))
+    assert model.to(torch.bfloat16).layers[0].ffn.router.expert_bias.dtype == torch.float32  # as Megatron
     plain = MoETransformer(cfg, MoEOptConfig(), init_seed=0)
     assert not any(k.endswith("expert_bias") for k in plain.state_dict())  # old checkpoints still load
 

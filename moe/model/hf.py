@@ -165,6 +165,18 @@ def _to_hf_state_dict(model: MoETransformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
 
+def load_local(model_or_dir, model_cls, field: str):
+    """A transformers model as given, or `model_cls.from_pretrained` of a local save_pretrained directory
+    (no hub access)."""
+    if not isinstance(model_or_dir, (str, Path)):
+        return model_or_dir
+    path = Path(model_or_dir)
+    if not (path / "config.json").is_file():
+        raise ConfigError(field, str(path), "point to a directory written by save_pretrained "
+                          "(config.json + weights); hub names are not downloaded", "has no config.json")
+    return model_cls.from_pretrained(str(path), local_files_only=True)
+
+
 def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = None) -> MoETransformer:
     """MoETransformer from a MixtralForCausalLM or a local directory (no hub access).
 
@@ -172,14 +184,7 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
     """
     from transformers import MixtralForCausalLM
 
-    if isinstance(model_or_dir, (str, Path)):
-        path = Path(model_or_dir)
-        if not (path / "config.json").is_file():
-            raise ConfigError("init_from_hf", str(path), "point to a directory written by save_pretrained "
-                              "(config.json + weights); hub names are not downloaded", "has no config.json")
-        hf = MixtralForCausalLM.from_pretrained(str(path), local_files_only=True)
-    else:
-        hf = model_or_dir
+    hf = load_local(model_or_dir, MixtralForCausalLM, "init_from_hf")
     if getattr(hf.config, "model_type", None) != "mixtral":
         raise ConfigError("model_type", getattr(hf.config, "model_type", None),
                           "convert a Mixtral checkpoint (MixtralForCausalLM)", "is not mixtral")

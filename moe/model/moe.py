@@ -59,6 +59,14 @@ class Router(nn.Module):
         if self.expert_bias is not None:
             self.expert_bias = torch.zeros_like(self.expert_bias, device=self.weight.device)
 
+    def _apply(self, fn, recurse=True):
+        """The bias stays fp32 when the model is cast to half precision (DeepSpeed, bf16-true), as
+        Megatron keeps it: steps of bias_update_rate would vanish in bf16 once it grows."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=x_TH.device.type, enabled=False):
             x_TH = x_TH.to(self.dtype)

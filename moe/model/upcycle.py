@@ -14,7 +14,6 @@ device reads one tensor at a time, as `model.init_from_hf` does.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -75,14 +74,10 @@ def upcycle(dense, num_experts: int, top_k: int, moe_opt: MoEOptConfig | None = 
     """
     from transformers import AutoModelForCausalLM
 
+    from moe.model.hf import load_local
     from moe.model.model import MoETransformer
 
-    if isinstance(dense, (str, Path)):
-        path = Path(dense)
-        if not (path / "config.json").is_file():
-            raise ConfigError("model.upcycle_from_hf", str(path), "point to a directory written by "
-                              "save_pretrained (config.json + weights)", "has no config.json")
-        dense = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    dense = load_local(dense, AutoModelForCausalLM, "model.upcycle_from_hf")
     cfg = model_config_from_dense(dense.config, num_experts, top_k)
     moe_opt = moe_opt or MoEOptConfig(name="upcycled_dropless", capacity_factor=None,
                                       eval_capacity_factor=None, normalize_top_k=True)
@@ -130,7 +125,6 @@ def read_dense_config(path: str | Path):
     from transformers import AutoConfig
 
     if not (Path(path) / "config.json").is_file():
-        raise ConfigError("model.upcycle_from_hf", str(path),
-                          "point to a directory written by save_pretrained", "has no config.json")
-    json.loads((Path(path) / "config.json").read_text())  # a readable file, or a clear JSON error
+        raise ConfigError("model.upcycle_from_hf", str(path), "point to a local directory written by "
+                          "save_pretrained (config.json + safetensors)", "has no config.json")
     return AutoConfig.from_pretrained(str(path), local_files_only=True)

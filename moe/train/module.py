@@ -56,7 +56,7 @@ class LitMoE(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, lm, out = self.losses(batch)
         self.step_stats.add(loss=loss, lm_loss=lm, routing=out.routing, tokens=batch["input_ids"].numel())
-        if self.cfg.moe_opt.enable_expert_bias:
+        if getattr(self.cfg.moe_opt, "enable_expert_bias", False):  # absent in older checkpoints' configs
             if self._expert_bias is None:
                 from moe.train.expert_bias import ExpertBiasUpdate
 

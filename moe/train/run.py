@@ -27,9 +27,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
         print(make_plan(cfg, layout).render())
         return None
     if cfg.simulate:
-        from moe.tools.simulate import check_simulatable, simulate
+        from moe.tools.simulate import simulate
 
-        check_simulatable(cfg, layout)
         print(simulate(cfg, layout, run_dir).render())
         print(f"wrote {Path(run_dir) / 'simulation.json'}")
         return None
