@@ -4,7 +4,8 @@ Lightning's own SIGTERM handling stops the fit and exits 0 without a checkpoint,
 reports success and the steps since the last save are lost. Here a signal only sets a flag; at
 the next optimizer-step boundary every rank learns of it (one max all-reduce per step, so a
 signal delivered to rank 0 alone, as a launcher gets it, reaches all), the step just finished is
-checkpointed, and `Preempted` unwinds the fit. train.py then exits 128 + the signal number (143
+checkpointed, a validation pass due at that step still runs, and `Preempted` unwinds the fit
+before the next batch. train.py then exits 128 + the signal number (143
 for SIGTERM, 138 for SIGUSR1), never 0, and relaunching the same command resumes at that step.
 
 Under SLURM, SIGUSR1 also requeues the job (`scontrol requeue $SLURM_JOB_ID`, as Lightning's
@@ -39,6 +40,7 @@ class PreemptionCheckpoint(Callback):
 
     def __init__(self, backend):
         self.backend, self.received, self._previous, self._step_seen = backend, 0, {}, None
+        self._stop: Preempted | None = None
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
@@ -64,7 +66,13 @@ class PreemptionCheckpoint(Callback):
             checkpoint._save_last_checkpoint(trainer, candidates)
         if signum == signal.SIGUSR1 and trainer.is_global_zero and os.environ.get("SLURM_JOB_ID"):
             requeue()
-        raise Preempted(signum, trainer.global_step)
+        self._stop = Preempted(signum, trainer.global_step)
+        if trainer.global_step >= trainer.max_steps:
+            self._stop = None  # the run is complete: it ends as usual
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._stop is not None:  # after the stopped step's validation, before the next batch trains
+            raise self._stop
 
     def teardown(self, trainer, pl_module, stage) -> None:
         for signum, handler in self._previous.items():
