@@ -171,3 +171,23 @@ def test_resume_with_a_changed_model_shape_names_the_field_and_the_fix(tmp_path)
 def test_step_seed_depends_on_every_coordinate():
     seeds = {step_seed(1234, r, s, m) for r in range(2) for s in range(3) for m in range(2)}
     assert len(seeds) == 12 and step_seed(1234, 1, 2, 1) == step_seed(1234, 1, 2, 1)
+
+
+def test_infer_and_export_refuse_a_checkpoint_whose_bytes_changed(tmp_path):
+    """A bit flip that keeps the size passes torch.load; the sidecar's sha256 catches it first."""
+    import pytest
+    import torch
+
+    from moe.errors import UserError
+    from moe.infer.load import read_checkpoint
+    from moe.train.checkpoint import atomic_torch_save
+
+    path = tmp_path / "step-000004.ckpt"
+    atomic_torch_save({"global_step": 4, "state_dict": {"w": torch.arange(1000.0)}}, path)
+    assert read_checkpoint(path)["global_step"] == 4
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="sha256") as err:
+        read_checkpoint(path)
+    assert err.value.field == "ckpt" and "Fix: " in str(err.value)

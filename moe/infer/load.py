@@ -66,8 +66,18 @@ def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
 
 def read_checkpoint(path: str | Path) -> dict:
     """torch.load on CPU, weights_only when the file allows it (it does for train.py's checkpoints);
-    a trn1 checkpoint directory, joined into the same dict."""
+    a sharded or trn1 checkpoint directory, joined into the same dict. Verified first where train.py
+    left a record (the sha256 sidecar, a directory's completion marks): a corrupt file is refused."""
+    from moe.train.checkpoint import CorruptCheckpoint, meta_path, verify_checkpoint
     from moe.train.sharded_checkpoint import is_sharded_checkpoint, read_full_checkpoint
+
+    if Path(path).is_dir() or meta_path(path).exists():
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpoint as err:
+            raise UserError("ckpt", str(path), "use another checkpoint of the run (checkpoints/step-*.ckpt) "
+                            "or the run dir, whose newest good checkpoint train.py resumes from",
+                            problem=str(err)) from err
 
     if is_sharded_checkpoint(path):
         return read_full_checkpoint(path)
