@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -47,6 +49,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     from moe.train.checkpoint import check_resume_compatible, find_resume_checkpoint, with_atomic_io
     from moe.train.guard import RollbackRequested
     from moe.train.preemption import Preempted
+
+    quiet_known_noise()
 
     ckpt_dir = run_dir / "checkpoints"
     resume_from = find_resume_checkpoint(ckpt_dir) if cfg.resume else None  # newest that verifies
@@ -102,6 +106,20 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     if trainer.is_global_zero:
         print(f"run dir: {run_dir}  (metrics.csv, summary.json, checkpoints/)")
     return run_dir
+
+
+class _DropAdvert(logging.Filter):
+    """Lightning 2.6 logs a litlogger advert at every Trainer start (logger_connector.py:90-92)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet_known_noise() -> None:
+    """Lines that tell a cluster user nothing: Lightning's litlogger tip, and torch 2.13's deprecation
+    of `isinstance(treespec, LeafSpec)` raised from inside Lightning's own _pytree.py."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropAdvert())
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 def objective(run_dir: Path | None) -> float | None:
