@@ -158,14 +158,15 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
 
     device_peak = max(peak.values(), key=lambda kinds: kinds["Total"])
     breakdown = {getattr(k, "value", str(k)): v / GIB for k, v in device_peak.items() if v}
-    plan = make_plan(cfg, layout).memory
+    plan = make_plan(cfg, layout)
     result = Simulation(
         world_size=layout.world, rank=rank, params_local=params_local,
-        params_total=make_plan(cfg, layout).params_total, peak_memory_gib=device_peak["Total"] / GIB,
-        planned_peak_memory_gib=plan.total,
+        params_total=plan.params_total, peak_memory_gib=device_peak["Total"] / GIB,
+        planned_peak_memory_gib=plan.memory.total,
         breakdown_gib=breakdown,
-        planned_gib={"parameters": plan.params, "gradients": plan.grads, "optimizer": plan.optimizer,
-                     "activations": plan.activations},
+        planned_gib={"parameters": plan.memory.params, "gradients": plan.memory.grads,
+                     "optimizer": plan.memory.optimizer, "activations": plan.memory.activations,
+                     "step": plan.memory.step},
         precision=str(cfg.trainer.precision or cfg.hardware.precision),
         micro_batch_size=cfg.trainer.micro_batch_size, seq_len=cfg.data.seq_len,
         seconds=time.perf_counter() - start)
