@@ -7,7 +7,7 @@ few that NxD calls at import time or on its plain-torch code paths (documented w
 
 
 class NeuronStubError(NotImplementedError):
-    pass
+    """Raised by every stubbed callable: the real one needs Neuron hardware or its compiler."""
 
 
 def unavailable(qualname):

@@ -88,7 +88,8 @@ class NeuronXLAStrategy(DDPStrategy):
         return model  # no DDP wrapper: NxD's optimizer reduces the gradients
 
     def model_to_device(self) -> None:
-        pass
+        """Nothing to move: NxD's strategy leaves placement to its model builder
+        (lightning/strategy.py:131-133)."""
 
     def broadcast(self, obj, src: int = 0):
         return obj
@@ -149,10 +150,11 @@ class NeuronLTModule(LightningModule):
                                                               **self.scheduler_kwargs)}]
 
     def configure_gradient_clipping(self, *args, **kwargs):
-        pass
+        """Lightning clips nothing: NxD's optimizer wrapper or ZeRO-1 clips (lightning/module.py:89-92;
+        tests/test_neuron.py test_grad_clip_is_applied_with_and_without_zero1 checks the clipping)."""
 
     def clip_gradients(self, *args, **kwargs):
-        pass
+        """As configure_gradient_clipping (lightning/module.py:94-95)."""
 
     def named_parameters(self, *args, **kwargs):
         return self.model.named_parameters(*args, **kwargs)

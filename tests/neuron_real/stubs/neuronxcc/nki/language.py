@@ -3,10 +3,12 @@
 Only names that NxD evaluates at import time are defined (dtype constants used as default
 arguments of NKI kernels). They are opaque placeholders, not real NKI dtypes.
 """
+from _neuron_stub import unavailable as _u
+from _neuron_stub import unavailable_class as _uc
 
 
 class _Dtype(str):
-    pass
+    """An NKI dtype constant's name; NxD only passes these around as default arguments."""
 
 
 int32 = _Dtype("nl.int32")
@@ -15,11 +17,8 @@ float16 = _Dtype("nl.float16")
 float32 = _Dtype("nl.float32")
 uint8 = _Dtype("nl.uint8")
 
-from _neuron_stub import unavailable as _u  # noqa: E402
-
 # Imported by modules/moe/moe_fused_tkg.py:9 and moe_fused_tkg_mx.py:11 (kernel-grid helper).
 nc = _u("neuronxcc.nki.language.nc")
-from _neuron_stub import unavailable_class as _uc  # noqa: E402
 
 # Annotation in modules/moe/moe_fused_tkg.py:82-87.
 ndarray = _uc("neuronxcc.nki.language.ndarray")
