@@ -15,7 +15,8 @@ from moe.infer.generate import generate, left_pad
 from moe.infer.load import model_from_hf_dir
 from moe.infer.run import chat_prefix
 from moe.model import MoETransformer
-from moe.train.init_from_hf import apply_init_from_hf, load_hf_weights
+from moe.model.hf_tensors import hf_tensor_source
+from moe.train.init_from_hf import apply_init_from_hf
 
 V = 300  # tokenizer below has 290 ids; the model keeps 10 spare rows as trained models may
 TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
@@ -175,8 +176,10 @@ def test_init_from_hf_takes_the_architecture_and_weights_from_the_dir(tmp_path, 
     assert got == (32, 2, 20, 5, V, 1e4)
     assert cfg.model.name == "mine" and cfg.model.compile is True  # the user's own fields stay
     assert cfg.data.tokenizer == str(tmp_path / "mix")  # unset data tokenizer -> the model's own
-    model = MoETransformer(cfg.model, MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)).eval()
-    load_hf_weights(model, cfg.model.init_from_hf)
+    with torch.device("meta"):  # as training builds it: each tensor read from the files as it is filled
+        model = MoETransformer(cfg.model, MoEOptConfig(capacity_factor=None, eval_capacity_factor=None))
+    model.materialize("cpu", hf_tensor_source(cfg.model.init_from_hf, cfg.model))
+    model.eval()
     ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits_BSV, hf(ids).logits, rtol=0, atol=1e-4)

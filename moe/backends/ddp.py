@@ -66,6 +66,7 @@ class ShardedDDPStrategy(DDPStrategy):
     def __init__(self, layout, **kwargs):
         super().__init__(**kwargs)
         self.layout = layout
+        self._from_file = False  # the checkpoint being restored is a portable file, not a directory
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -89,13 +90,12 @@ class ShardedDDPStrategy(DDPStrategy):
         if not is_sharded_checkpoint(checkpoint_path):  # a portable file (every expert): sliced on load
             self._from_file = True
             return super().load_checkpoint(checkpoint_path, weights_only)
-        self._from_file = False
         return load_sharded(checkpoint_path, self.lightning_module, list(self.optimizers), self.mesh())
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        if getattr(self, "_from_file", False):
+        if self._from_file:
             super().load_model_state_dict(checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        if getattr(self, "_from_file", False):
+        if self._from_file:
             super().load_optimizer_state_dict(checkpoint)

@@ -57,7 +57,8 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (where the filesystem supports fsync on a directory)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -104,7 +105,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> dict:
         f.flush()
         os.fsync(f.fileno())
     os.replace(meta_tmp, meta)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return record
 
 

@@ -9,27 +9,26 @@ tokenizer whose ids disagree with DIR's is refused, since the model would read t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from moe.config.schema import ModelConfig
 from moe.errors import ConfigError, UserError
-from moe.infer.load import model_from_hf_dir, read_hf_config
-from moe.model import MoETransformer
+from moe.infer.load import read_hf_config
 from moe.paths import local_path
 
 # Architecture fields init_from_hf takes from config.json; name/compile/init_from_hf stay the user's.
 KEEP_FROM_USER = ("name", "compile", "init_from_hf", "upcycle_from_hf")
 
 
-def apply_init_from_hf(cfg: DictConfig) -> None:
+def apply_init_from_hf(cfg: DictConfig) -> str | None:
     """`model.init_from_hf=DIR` or `model.upcycle_from_hf=DIR`: replace cfg.model's architecture with
     DIR's config.json (in place; upcycling keeps the user's num_experts and top_k).
 
-    When DIR carries a tokenizer, an unset `data.tokenizer` is pointed at it, and a data
-    tokenizer whose ids disagree with it is refused (the model would read the wrong tokens).
+    When DIR carries a tokenizer, an unset `data.tokenizer` is pointed at it (returned: a note for
+    the user), and a data tokenizer whose ids disagree with it is refused (the model would read the
+    wrong tokens).
     """
     from moe.model.hf import model_config_from_hf
     from moe.model.upcycle import model_config_from_dense, read_dense_config
@@ -41,7 +40,7 @@ def apply_init_from_hf(cfg: DictConfig) -> None:
     field = "model.upcycle_from_hf" if cfg.model.get("upcycle_from_hf") else "model.init_from_hf"
     path = cfg.model.get("upcycle_from_hf") or cfg.model.init_from_hf
     if not path:
-        return
+        return None
     try:
         if field == "model.upcycle_from_hf":
             arch = asdict(model_config_from_dense(read_dense_config(path), cfg.model.num_experts,
@@ -55,13 +54,14 @@ def apply_init_from_hf(cfg: DictConfig) -> None:
         if key not in KEEP_FROM_USER:
             cfg.model[key] = value
     if not (Path(path) / "tokenizer.json").is_file():
-        return  # the data module still checks that the data's ids fit model.vocab_size
+        return None  # the data module still checks that the data's ids fit model.vocab_size
     data_tok = _data_tokenizer_dir(cfg.data)
     if data_tok is None and cfg.data.get("kind") != "prepared":
         cfg.data.tokenizer = str(path)
-        print(f"{field}: tokenizing data with {path}'s tokenizer (set data.tokenizer to override)")
-    elif data_tok is not None:
+        return f"{field}: tokenizing data with {path}'s tokenizer (set data.tokenizer to override)"
+    if data_tok is not None:
         _check_same_ids(data_tok, Path(path), cfg.data)
+    return None
 
 
 def _data_tokenizer_dir(data) -> Path | None:
@@ -87,14 +87,3 @@ def _check_same_ids(data_tok: Path, model_tok: Path, data) -> None:
                         problem=f"gives {len(clash)} tokens ids that differ from {model_tok}'s tokenizer "
                         f"(e.g. {clash[:3]}): the model would read the wrong tokens")
 
-
-def load_hf_weights(model: MoETransformer, path: str | Path) -> None:
-    """Copy DIR's weights into `model` (built from apply_init_from_hf's config), casting to its dtype."""
-    src = model_from_hf_dir(path, "model.init_from_hf", moe_opt=model.moe_opt)
-    diff = {f.name: (getattr(src.cfg, f.name), getattr(model.cfg, f.name)) for f in fields(ModelConfig)
-            if f.name not in KEEP_FROM_USER and getattr(src.cfg, f.name) != getattr(model.cfg, f.name)}
-    if diff:
-        raise UserError("model.init_from_hf", str(path), "leave the model.* architecture fields to the "
-                        "directory's config.json (only name and compile are yours)",
-                        problem=f"does not match the configured model: {diff} (directory vs config)")
-    model.load_state_dict(src.state_dict(), strict=True)

@@ -28,14 +28,14 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> N
         return  # -m / --multirun / --help / --cfg ...: Hydra's business
     try:
         cfg = compose_config(argv, config_dir, config_name)
-        check_config(cfg)
+        layout = check_config(cfg)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if cfg.dry_run:
         from moe.tools.plan import make_plan
 
-        print(make_plan(cfg, validate_run(cfg)).render())
+        print(make_plan(cfg, layout).render())
         sys.exit(0)
 
 
@@ -70,22 +70,14 @@ def composition_error(err: Exception, overrides: list[str]) -> UserError:
                      problem=f"is refused when composing the config: {message}")
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Keys beyond the schema (however added) and non-finite numbers, then every rule of validate."""
+def check_config(cfg: DictConfig):
+    """Keys beyond the schema (however added) and non-finite numbers, then every rule of validate;
+    returns the run's Layout."""
+    from moe.train.run import validated_layout
+
     check_known_keys(cfg)
     check_finite(cfg)
-    validate_run(cfg)
-
-
-def validate_run(cfg: DictConfig):
-    """What train() does before building anything: HF architecture, prepared-data length, validate."""
-    from moe.config.validate import validate
-    from moe.data.arrow_io import apply_prepared_meta
-    from moe.train.init_from_hf import apply_init_from_hf
-
-    apply_init_from_hf(cfg)
-    apply_prepared_meta(cfg)
-    return validate(cfg)
+    return validated_layout(cfg)[0]  # its note is train()'s to print, once
 
 
 def check_known_keys(cfg: DictConfig) -> None:

@@ -12,17 +12,27 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from moe.config.layout import Layout
 from moe.config.validate import validate
+
+
+def validated_layout(cfg: DictConfig) -> tuple[Layout, str | None]:
+    """What a run settles before anything else (train, and train.py's preflight): the architecture of
+    model.init_from_hf / upcycle_from_hf, a prepared dataset's seq_len, then every rule of validate.
+    Returns the layout and a note for the user, if any."""
+    from moe.data.arrow_io import apply_prepared_meta
+    from moe.train.init_from_hf import apply_init_from_hf
+
+    note = apply_init_from_hf(cfg)  # model.init_from_hf=DIR: architecture from DIR/config.json
+    apply_prepared_meta(cfg)  # data=prepared: seq_len from DIR/meta.json
+    return validate(cfg), note
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     """Validate, then either print the dry-run plan or train into `run_dir`."""
-    from moe.data.arrow_io import apply_prepared_meta
-    from moe.train.init_from_hf import apply_init_from_hf
-
-    apply_init_from_hf(cfg)  # model.init_from_hf=DIR: architecture from DIR/config.json
-    apply_prepared_meta(cfg)  # data=prepared: seq_len from DIR/meta.json
-    layout = validate(cfg)
+    layout, note = validated_layout(cfg)
+    if note:
+        print(note)
     if cfg.dry_run:
         from moe.tools.plan import make_plan
 
@@ -118,7 +128,9 @@ class _DropAdvert(logging.Filter):
 def quiet_known_noise() -> None:
     """Lines that tell a cluster user nothing: Lightning's litlogger tip, and torch 2.13's deprecation
     of `isinstance(treespec, LeafSpec)` raised from inside Lightning's own _pytree.py."""
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropAdvert())
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropAdvert) for f in rank_zero.filters):  # train() may run many times
+        rank_zero.addFilter(_DropAdvert())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 

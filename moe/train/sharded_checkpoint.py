@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from moe.train.checkpoint import atomic_torch_save, fsync_dir
+
 TRAINER_STATE = "trainer_state.pt"
 PARTIAL_SUFFIX = ".partial"
 DCP_METADATA = ".metadata"
@@ -62,9 +64,10 @@ def _wrapped(module, optimizers: list, mesh) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    # by state-dict key (the model's) and by parameter name (the optimizer's; they differ inside wrappers)
-    experts = {name for name, p in [*module.named_parameters(), *module.state_dict(keep_vars=True).items()]
-               if getattr(p, "is_expert", False)}
+    # by state-dict key, which is also the optimizer state's key (get_state_dict strips the AC wrapper's
+    # child name, moe.parallel.apply.WRAPPED)
+    experts = {name for name, value in module.state_dict(keep_vars=True).items()
+               if getattr(value, "is_expert", False)}
 
     def wrap(name: str, t):
         if name in experts and torch.is_tensor(t) and t.dim() > 0:
@@ -74,13 +77,9 @@ def _wrapped(module, optimizers: list, mesh) -> dict:
     if not optimizers:  # the backend keeps the optimizer state itself (DeepSpeed: per_rank files)
         return {MODEL_KEY: {k: wrap(k, v) for k, v in module.state_dict().items()}}
     model_sd, optim_sd = get_state_dict(module, optimizers)
-    state = {MODEL_KEY: {k: wrap(k, v) for k, v in model_sd.items()}}
-    if optimizers:
-        state[OPTIMIZER_KEY] = {
-            "state": {k: {n: wrap(k, t) for n, t in s.items()} for k, s in optim_sd["state"].items()},
-            "param_groups": optim_sd["param_groups"],
-        }
-    return state
+    optim_state = {k: {n: wrap(k, t) for n, t in s.items()} for k, s in optim_sd["state"].items()}
+    return {MODEL_KEY: {k: wrap(k, v) for k, v in model_sd.items()},
+            OPTIMIZER_KEY: {"state": optim_state, "param_groups": optim_sd["param_groups"]}}
 
 
 def _local(tree):
@@ -99,15 +98,13 @@ def save_sharded(path: str | Path, module, optimizers: list, mesh, trainer_state
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     if is_global_zero:
         shutil.rmtree(partial, ignore_errors=True)
-        (partial / "per_rank").mkdir(parents=True)
+        rank_file(partial, 0).parent.mkdir(parents=True)
     dist.barrier()
     if per_rank is not None:
         torch.save(per_rank, rank_file(partial, dist.get_rank()))
     state = _wrapped(module, optimizers, mesh)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True, overwrite=False))
     if is_global_zero:
-        from moe.train.checkpoint import atomic_torch_save
-
         groups = [state[OPTIMIZER_KEY]["param_groups"]] if optimizers else []
         atomic_torch_save({**trainer_state, PARAM_GROUPS: groups}, partial / TRAINER_STATE)
         if path.is_symlink() or path.is_file():
@@ -115,7 +112,7 @@ def save_sharded(path: str | Path, module, optimizers: list, mesh, trainer_state
         elif path.exists():
             shutil.rmtree(path)
         os.rename(partial, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     dist.barrier()
 
 
@@ -170,11 +167,3 @@ def _torch_optimizer_state(groups: list[dict], flat: dict) -> dict:
             fqn, name = key[len(prefix):].rsplit(".", 1)
             state.setdefault(ids[fqn], {})[name] = value
     return {"state": state, "param_groups": [{**g, "params": [ids[f] for f in g["params"]]} for g in groups]}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
