@@ -18,7 +18,8 @@ class StateBytes:
     `step`: what the optimizer step adds for a moment per (optimizer-sharded) parameter: torch's
     foreach AdamW keeps one more fp32 copy while it computes the update; DeepSpeed's ZeRO optimizer
     also holds the partition's fp32 gradient then, having freed the model's half-precision ones
-    (`grads_in_step` False; deepspeed/runtime/zero/stage_1_and_2.py).
+    (`grads_in_step` False; deepspeed 0.19.8 runtime/zero/stage_1_and_2.py:3126 sets the fp32 grad
+    partition, :3128 frees the half gradients, :3139 steps, :3141 frees the partition).
     """
 
     param: int

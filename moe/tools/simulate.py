@@ -10,7 +10,8 @@ bytes each live tensor would hold on the device, by kind. torchtitan's memory es
 
 What it assumes: routing is perfectly balanced (no data exists to route; moe.model.sync), and the
 DeepSpeed ZeRO optimizer is its fp32 master partition plus two moments and the partition's fp32
-gradient (deepspeed/runtime/zero/stage_1_and_2.py keeps exactly these per rank). Not counted:
+gradient (deepspeed 0.19.8 runtime/zero/stage_1_and_2.py: fp32 partitions :364, the partition's
+fp32 gradient set at :3126 after the half gradients are freed at :3128, stepped at :3139). Not counted:
 DDP's gradient buckets, communication buffers, the CUDA context and allocator fragmentation.
 """
 from __future__ import annotations
