@@ -1,11 +1,13 @@
 """User-facing errors: one paragraph naming the field, the value and the fix.
 
-Entry points catch `UserError` and exit non-zero without a traceback, so a bad
-config or a missing file reads like advice rather than a crash.
+Entry points catch `UserError` and exit 2 without a traceback, so a bad config or a missing
+file reads like advice rather than a crash; the paragraph (or an unexpected traceback) is also
+written to the run's train.log.
 """
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 
 
@@ -30,6 +32,19 @@ def exit_on_user_error(main):
             return main(*args, **kwargs)
         except UserError as err:
             print(f"error: {err}", file=sys.stderr)
+            log_to_files(f"error: {err}")
             sys.exit(2)
+        except Exception:
+            log_to_files("the run stopped on an unexpected error", exc_info=sys.exc_info())
+            raise
 
     return wrapper
+
+
+def log_to_files(message: str, level: int = logging.ERROR, exc_info=None) -> None:
+    """A message the console has already shown, into the log files of the root logger (Hydra's
+    `<run dir>/train.log`), so the file keeps the whole story."""
+    record = logging.LogRecord("moe", level, __file__, 0, message, None, exc_info)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)

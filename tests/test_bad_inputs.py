@@ -10,10 +10,13 @@ entry point wrapped in `exit_on_user_error`) so the matrix stays fast; the comma
 and one end-to-end case per entry point run the real scripts in a subprocess.
 """
 import contextlib
+import errno
 import io
+import os
 import shutil
 
 import pytest
+import torch
 from conftest import REPO, run_entry
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -93,11 +96,90 @@ CONFIG_CASES = [
     (["hardware.strategy=tpu"], "hardware.strategy", "'tpu'", "use one of ddp, deepspeed, neuron"),
     (["trainer.spike_action=explode"], "trainer.spike_action", "'explode'", "use one of warn, skip"),
     (["trainer.spike_factor=0.5"], "trainer.spike_factor", "0.5", "0 to turn detection off"),
+    # model
+    (["model.hidden_size=0"], "model.hidden_size", "0", "positive integer"),
+    (["model.hidden_size=100"], "model.head_dim", "25", "use an even head_dim"),  # 100/4 heads: odd for RoPE
+    (["model.num_heads=0"], "model.num_heads", "0", "positive integer"),
+    (["model.num_layers=0"], "model.num_layers", "0", "positive integer"),
+    (["model.vocab_size=0"], "model.vocab_size", "0", "positive integer"),
+    (["model.num_experts=0"], "model.num_experts", "0", "positive integer"),
+    (["model.top_k=0"], "model.top_k", "0", "positive integer"),
+    (["model.head_dim=3"], "model.head_dim", "3", "use an even head_dim"),
+    (["model.position_encoding=alibix"], "model.position_encoding", "'alibix'", "use one of rope, alibi"),
+    (["model.sliding_window=0"], "model.sliding_window", "0", "null for full attention"),
+    (["model.rms_norm_eps=0"], "model.rms_norm_eps", "0.0", "small positive epsilon"),
+    (["model.rope_theta=-1"], "model.rope_theta", "-1.0", "positive base such as 1e6"),
+    (["model.shared_expert_intermediate_size=-1"], "model.shared_expert_intermediate_size", "-1",
+     "0 (no shared expert)"),
+    (["model.dense_intermediate_size=0"], "model.dense_intermediate_size", "0", "or null"),
+    (["model.init_from_hf=/nonexistent"], "model.init_from_hf", "'/nonexistent'", "written by save_pretrained"),
+    (["model.upcycle_from_hf=/nonexistent"], "model.upcycle_from_hf", "'/nonexistent'",
+     "written by save_pretrained"),
+    # routing
+    (["moe_opt.eval_capacity_factor=0"], "moe_opt.eval_capacity_factor", "0.0", "null for dropless routing"),
+    (["moe_opt.min_capacity=-1"], "moe_opt.min_capacity", "-1", "use 0 or more"),
+    (["moe_opt.drop_policy=random"], "moe_opt.drop_policy", "'random'", "use one of probs, position"),
+    (["moe_opt.aux_loss_coeff=-0.1"], "moe_opt.aux_loss_coeff", "-0.1", "0 or a positive coefficient"),
+    (["moe_opt.z_loss_coeff=-1"], "moe_opt.z_loss_coeff", "-1.0", "0 or a positive coefficient"),
+    (["moe_opt.jitter_eps=1.5"], "moe_opt.jitter_eps", "1.5", "0 turns jitter off"),
+    (["moe_opt.router_dtype=fp8"], "moe_opt.router_dtype", "'fp8'", "use one of fp32, bf16, fp16"),
+    (["moe_opt.aux_loss_group=world"], "moe_opt.aux_loss_group", "'world'", "use one of ep, dp"),
+    (["moe_opt.load_balancing_type=magic"], "moe_opt.load_balancing_type", "'magic'",
+     "use one of aux_loss, seq_aux_loss, none"),
+    (["moe_opt.bias_update_rate=-1"], "moe_opt.bias_update_rate", "-1.0", "such as 1e-3"),
+    # trainer
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size", "0", "1 or more"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", "0", "1 or more"),
+    (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps", "0", "1 or more"),
+    (["trainer.val_check_interval=0"], "trainer.val_check_interval", "0", "1 or more"),
+    (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps", "0", "1 or more"),
+    (["trainer.limit_val_batches=-1"], "trainer.limit_val_batches", "-1", "0 (no validation)"),
+    (["trainer.num_nodes=0"], "trainer.num_nodes", "0", "1 or more"),
+    (["trainer.precision=fp8"], "trainer.precision", "'fp8'", "use one of 32-true"),
+    (["trainer.spike_window=0"], "trainer.spike_window", "0", "use 1 or more steps"),
+    (["trainer.spike_max_rollbacks=-1"], "trainer.spike_max_rollbacks", "-1", "use 0 or more"),
+    (["trainer.max_nonfinite_steps=-1"], "trainer.max_nonfinite_steps", "-1", "0 (never stop)"),
+    # hardware and layout
+    (["hardware.neuron_precision=fp4"], "hardware.neuron_precision", "'fp4'", "use one of bf16_sr, mixed, fp32"),
+    (["parallel.tp=0"], "parallel.tp", "0", "1 or more"),
+    (["parallel.pp=0"], "parallel.pp", "0", "1 or more"),
+    (["parallel.ep=0"], "parallel.ep", "0", "1 or more"),
+    (["parallel.dp=0"], "parallel.dp", "0", "or null to derive it"),
+    (["parallel.tp=2"], "parallel.tp", "2", "e.g. hardware=trn1"),  # DDP has no TP: refused, never ignored
+    (["parallel.pp=2"], "parallel.pp", "2", "e.g. hardware=trn1"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "True", "parallel.tp > 1"),
+    (["parallel.zero_stage=5"], "parallel.zero_stage", "5", "use 0, 1, 2 or 3"),
+    (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing", "'some'",
+     "use one of none, selective"),
+    (["parallel.activation_checkpointing_every_n=0"], "parallel.activation_checkpointing_every_n", "0",
+     "use 1 or more"),
+    (["parallel.hybrid_shard_degree=2"], "parallel.hybrid_shard_degree", "2", "hybrid_shard_degree=null"),
+    (["parallel=dp2_ep8"], "parallel.dp", "16", "trainer.devices=2 trainer.num_nodes=8"),
+    (["hardware=trn1"], "hardware", "'trn1'", "Neuron SDK 2.28 environment"),  # no SDK on this machine
+    # data and optimizer
+    (["data.kind=weird"], "data.kind", "'weird'", "use one of prepared, online"),
+    (["data.format=weird"], "data.format", "'weird'", "use one of text, chat, sentence"),
+    (["data.val_fraction=1.5"], "data.val_fraction", "1.5", "a fraction in [0, 1)"),
+    (["data.num_workers=-1"], "data.num_workers", "-1", "0 (load in the training process)"),
+    (["optimizer.lr=0"], "optimizer.lr", "0.0", "positive learning rate"),
+    (["optimizer.min_lr=1"], "optimizer.min_lr", "1.0", "0 <= min_lr <= optimizer.lr"),
+    (["optimizer.betas=[0.9,1.2]"], "optimizer.betas", "[0.9, 1.2]", "two values in [0, 1)"),
+    (["optimizer.eps=0"], "optimizer.eps", "0.0", "small positive epsilon"),
+    (["optimizer.weight_decay=-1"], "optimizer.weight_decay", "-1.0", "use 0 or more"),
+    (["optimizer.grad_clip=-1"], "optimizer.grad_clip", "-1.0", "or 0 for off"),
+    (["optimizer.decay_steps=0"], "optimizer.decay_steps", "0", "null for trainer.max_steps"),
+    # what the machine must offer (moe/train/environment.py)
+    (["hardware=gpu"], "hardware", "'gpu'", "dry_run=true or simulate=true plan the GPU run"),  # no CUDA here
+    (["logger=wandb", "logger.wandb.offline=false"], "logger.wandb.offline", "False", "export WANDB_API_KEY"),
+    (["+callbacks.x._target_=nodots"], "callbacks.x._target_", "'nodots'", "naming a class"),
 ]
 
 
-@pytest.mark.parametrize("overrides, field, value, fix", CONFIG_CASES, ids=[c[0][0] for c in CONFIG_CASES])
-def test_bad_config(tmp_path, overrides, field, value, fix):
+@pytest.mark.parametrize("overrides, field, value, fix", CONFIG_CASES, ids=[" ".join(c[0]) for c in CONFIG_CASES])
+def test_bad_config(tmp_path, monkeypatch, overrides, field, value, fix):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no.netrc"))
     run_dir = tmp_path / "run"
     code, err = run_train(run_dir, *overrides)
     assert_user_error(code, err, field, value, fix)
@@ -165,16 +247,25 @@ def test_prepared_dir_whose_tokenizer_changed_after_prep(tmp_path, prepared):
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
-def existing_run(tmp_path, hidden_size=128):
+def existing_run(tmp_path, hidden_size=128, name="last.ckpt"):
     """A run dir as a crashed run leaves it: metrics.csv and one checkpoint of a model config."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "metrics.csv").write_text("step,loss\n1,6.0\n")
     cfg = compose_train(f"model.hidden_size={hidden_size}")
     hparams = {"cfg": OmegaConf.to_container(cfg, resolve=True)}
-    AtomicCheckpointIO().save_checkpoint({"global_step": 5, "state_dict": {}, "hyper_parameters": hparams},
-                                         run_dir / "checkpoints" / "last.ckpt")
+    weights = {"model.w": torch.arange(4096, dtype=torch.float32)}
+    AtomicCheckpointIO().save_checkpoint({"global_step": 5, "state_dict": weights, "hyper_parameters": hparams},
+                                         run_dir / "checkpoints" / name)
     return run_dir
+
+
+def flip_a_tensor_byte(path):
+    """One bit-rotted byte inside the tensor data (torch.load would read it without complaint)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(torch.arange(4096, dtype=torch.float32)[2048:2052].numpy().tobytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_truncated_checkpoint_with_no_good_one_to_fall_back_to(tmp_path):
@@ -208,6 +299,55 @@ def test_resume_with_a_changed_model_shape(tmp_path):
     assert snapshot(run_dir) == before
 
 
+def test_corrupt_checkpoint_without_its_sidecar_is_not_resumed(tmp_path):
+    run_dir = existing_run(tmp_path, name="step-000005.ckpt")
+    ckpt = run_dir / "checkpoints" / "step-000005.ckpt"
+    (run_dir / "checkpoints" / "step-000005.ckpt.meta.json").unlink()  # copied without it, or killed before it
+    flip_a_tensor_byte(ckpt)
+    before = snapshot(run_dir)
+    code, err = run_train(run_dir)
+    assert_user_error(code, err, "resume", "True", "resume=false")
+    assert "step-000005.ckpt fails the CRC-32 of its record" in err and "(corrupt)" in err
+    assert snapshot(run_dir) == before
+
+
+def test_infer_refuses_a_corrupt_checkpoint_without_its_sidecar(tmp_path):
+    run_dir = existing_run(tmp_path, name="step-000005.ckpt")
+    ckpt = run_dir / "checkpoints" / "step-000005.ckpt"
+    (run_dir / "checkpoints" / "step-000005.ckpt.meta.json").unlink()
+    flip_a_tensor_byte(ckpt)
+    proc = run_entry("infer.py", f"ckpt={ckpt}", "prompt=x", timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: ckpt='{ckpt}' fails the CRC-32 of its record" in proc.stderr and "Fix: " in proc.stderr
+
+
+def test_disk_full_while_saving_a_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC half-way through a save: one paragraph, the temporary file removed, no summary.json."""
+    def full_disk(obj, f, *args, **kwargs):
+        f.write(b"PK" + bytes(1000))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    run_dir = tmp_path / "run"
+    code, err = run_train(run_dir, "trainer.max_steps=2", "model.num_layers=1", "trainer.progress_bar=false")
+    assert code == 2 and "Traceback" not in err, err
+    assert f"error: checkpoint='{run_dir / 'checkpoints' / 'step-000002.ckpt'}' could not be written (No space " \
+           "left on device); its temporary file was removed. Fix: free space" in err
+    assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "summary.json").exists()
+    assert not list((run_dir / "checkpoints").iterdir())
+
+
+def test_a_logger_whose_package_is_missing(tmp_path, monkeypatch):
+    from moe.train import environment
+
+    monkeypatch.setattr(environment, "installed", lambda package: package not in ("tensorboard", "tensorboardX"))
+    code, err = run_train(tmp_path / "run", "logger=tensorboard")
+    assert_user_error(code, err, "logger.tensorboard", "'lightning.pytorch.loggers.TensorBoardLogger'",
+                      "pip install tensorboard")
+    assert "needs tensorboard or tensorboardX, which is not installed" in err
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------------------ command line
 def run_cli(tmp_path, script, *overrides):
     run_dir = tmp_path / "run"
@@ -215,7 +355,7 @@ def run_cli(tmp_path, script, *overrides):
     return proc, run_dir
 
 
-@pytest.mark.parametrize("override, needles", [
+CLI_CASES = [
     ("model=tinyy", ["Could not find 'model/tinyy'", "Available options", "tiny_switch"]),  # unknown preset
     ("trainer.max_step=5", ["trainer.max_step", "Key 'max_step' not in 'TrainerConfig'"]),  # unknown key
     ("+trainer.max_step=5", ["trainer.max_step=5 is not a key of the config schema", "max_steps"]),  # with +
@@ -226,7 +366,10 @@ def run_cli(tmp_path, script, *overrides):
     ("moe_opt.capacity_factor=inf", ["moe_opt.capacity_factor=inf is not a finite number"]),  # crashed
     ("optimizer.lr=-inf", ["optimizer.lr=-inf is not a finite number"]),
     ("parallel.ep=3", ["parallel.ep=3 does not divide num_experts=8"]),  # a rule of validate
-])
+]
+
+
+@pytest.mark.parametrize("override, needles", CLI_CASES, ids=[c[0] for c in CLI_CASES])
 def test_bad_command_line_exits_2_before_the_run_dir_exists(tmp_path, override, needles):
     proc, run_dir = run_cli(tmp_path, "train.py", override)
     assert proc.returncode == 2, proc.stderr  # never retried by the supervisor
@@ -236,6 +379,28 @@ def test_bad_command_line_exits_2_before_the_run_dir_exists(tmp_path, override, 
     for needle in needles:
         assert needle in proc.stderr, proc.stderr
     assert not run_dir.exists()  # no .hydra/, no train.log: nothing half-written
+
+
+def test_a_run_dir_that_cannot_be_created(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    proc = run_entry("train.py", f"hydra.run.dir={tmp_path / 'file' / 'run'}", timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert (f"error: hydra.run.dir='{tmp_path / 'file' / 'run'}' cannot be created: {tmp_path / 'file'} is not "
+            "a directory. Fix: ") in proc.stderr
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
+def test_a_refused_resume_leaves_the_existing_run_byte_for_byte(tmp_path):
+    """Hydra would rewrite .hydra/ and append to train.log before train() refuses: train.py checks first."""
+    run_dir = existing_run(tmp_path, hidden_size=64)
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "config.yaml").write_text("model:\n  hidden_size: 64\n")
+    (run_dir / "train.log").write_text("the first launch\n")
+    before = snapshot(run_dir)
+    proc, _ = run_cli(tmp_path, "train.py")  # hidden_size back to the preset's 128
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "error: model.hidden_size=128 differs from the checkpoint being resumed" in proc.stderr
+    assert snapshot(run_dir) == before
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
@@ -259,3 +424,32 @@ def test_data_prep_bad_input_leaves_no_output(tmp_path):
     assert f"error: input='{tmp_path / 'missing.txt'}'" in proc.stderr and "Fix: " in proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".prepared.tmp-*"))
 
+
+
+# ------------------------------------------------------------------------------------------ the table
+DOC = REPO / "docs" / "FAULT_TOLERANCE.md"
+SUCCEEDS = {"test_dry_run_prints_the_plan_and_writes_nothing"}  # exit 0, and still nothing written
+
+
+def matrix_table() -> str:
+    """The matrix as docs/FAULT_TOLERANCE.md shows it (`python tests/test_bad_inputs.py` prints it)."""
+    rows = [(f"`{' '.join(o)}`", 2, f"`{field}={value}` ... Fix: {fix} ...") for o, field, value, fix in CONFIG_CASES]
+    rows += [(f"`python train.py {o}`", 2, "; ".join(f"`{n}`" for n in needles)) for o, needles in CLI_CASES]
+    functions = [name for name in globals() if name.startswith("test_") and name not in
+                 ("test_bad_config", "test_bad_command_line_exits_2_before_the_run_dir_exists",
+                  "test_the_doc_lists_every_case_of_the_matrix")]
+    rows += [(name[len("test_"):].replace("_", " "), 0 if name in SUCCEEDS else 2, f"see `{name}`")
+             for name in functions]
+    lines = ["| # | bad input | exit | what the message says (asserted) |", "|---|---|---|---|"]
+    lines += [f"| {i} | {what} | {code} | {says.replace('|', '/')} |" for i, (what, code, says) in enumerate(rows, 1)]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_doc_lists_every_case_of_the_matrix():
+    table = matrix_table()
+    assert table.count("\n") - 2 >= 90
+    assert table in DOC.read_text(), "docs/FAULT_TOLERANCE.md is stale: paste `python tests/test_bad_inputs.py`"
+
+
+if __name__ == "__main__":
+    print(matrix_table(), end="")

@@ -4,6 +4,7 @@ Runs under transformers 5 (stacked experts in memory) and 4.x (per-expert module
 configs are built with `rope_theta`, which both versions accept.
 """
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -185,3 +186,25 @@ def test_safetensors_read_lazily_give_our_tensors_expert_by_expert(tmp_path):
     assert torch.equal(source("layers.1.ffn.experts.gate_up", (2, *gate_up.shape[1:]), 1), gate_up[1:3])
     with pytest.raises(ValueError, match="expects"):
         source("layers.0.attn.o_proj.weight", (3, 3), None)
+
+
+def test_the_default_config_in_eval_mode_gives_the_logits_of_its_export():
+    """moe_opt=default trains with capacity 1.25 and evaluates dropless, so validation sees the model that
+    is exported. Every token the same: all route to the same two experts, which a capacity drops."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from conftest import REPO
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train")
+    assert cfg.moe_opt.name == "default" and cfg.moe_opt.capacity_factor == 1.25
+    torch.manual_seed(0)
+    model = MoETransformer(OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.moe_opt)).eval()
+    same_token = torch.full((2, 32), 5)
+    with torch.no_grad():
+        ours_logits = model(same_token).logits_BSV
+        torch.testing.assert_close(to_hf(model)(same_token).logits, ours_logits, rtol=0, atol=1e-4)
+        with_capacity = MoETransformer(model.cfg, replace(model.moe_opt, eval_capacity_factor=2.0)).eval()
+        with_capacity.load_state_dict(model.state_dict())
+        assert (with_capacity(same_token).logits_BSV - ours_logits).abs().max() > 0.01  # 2.0 drops: 100x atol

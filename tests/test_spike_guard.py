@@ -112,6 +112,24 @@ def test_a_nan_loss_skips_the_step_and_training_goes_on(tmp_path, monkeypatch, c
     assert all(torch.isfinite(t).all() for t in last["state_dict"].values())
 
 
+def test_repeated_non_finite_steps_stop_the_run_with_one_paragraph(tmp_path, monkeypatch, capsys):
+    from moe.errors import exit_on_user_error
+
+    Injector(monkeypatch, {step: float("nan") for step in range(3, 20)})
+    with pytest.raises(SystemExit) as stopped:
+        exit_on_user_error(train)(config("trainer.max_steps=12", "trainer.spike_factor=0",
+                                         "trainer.max_nonfinite_steps=4", "trainer.checkpoint_every_n_steps=2"),
+                                  tmp_path)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err
+    assert ("error: trainer.max_nonfinite_steps=4 reached: steps 3 to 6 all had a non-finite loss or gradient"
+            in err) and "resumes from the newest checkpoint (step 4)" in err  # skipped steps save unchanged weights
+    assert err.count("non-finite loss or gradient (loss=nan); update skipped") == 3  # steps 3-5, then stop
+    assert not (tmp_path / "summary.json").exists()  # not a finished run
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*.ckpt"))
+    assert saved == ["step-000002.ckpt", "step-000004.ckpt"]  # nothing after the stop
+
+
 def test_rollback_restores_the_last_checkpoint_and_skips_the_batches_since(tmp_path, monkeypatch, capsys):
     inject = Injector(monkeypatch, {7: 50.0})
     train(config("trainer.max_steps=9", "trainer.spike_action=rollback", "trainer.checkpoint_every_n_steps=4",
@@ -153,6 +171,7 @@ def test_a_crash_after_a_rollback_still_skips_the_rolled_back_batches(tmp_path, 
     ("spike_factor", 0.5, "or 0 to turn detection off"),
     ("spike_window", 0, "use 1 or more steps"),
     ("spike_max_rollbacks", -1, "use 0 or more"),
+    ("max_nonfinite_steps", -1, "use 0 (never stop) or more"),
 ])
 def test_guard_settings_are_checked(key, value, needle):
     cfg = config()

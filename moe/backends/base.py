@@ -118,9 +118,9 @@ class Backend:
         return self.layout.ep > 1
 
     def checkpoint_options(self) -> dict:
-        """How ModelCheckpoint keeps checkpoints: last.ckpt plus the newest keep_last_checkpoints steps;
-        last.ckpt is a link to the newest directory where checkpoints are sharded, not a second save."""
-        return {"save_last": "link" if self.sharded_checkpoints else True,
+        """How ModelCheckpoint keeps checkpoints: the newest keep_last_checkpoints steps, and last.ckpt,
+        a link to the newest of them (a file or a sharded directory), not a second save."""
+        return {"save_last": "link",
                 "save_top_k": self.cfg.trainer.keep_last_checkpoints}
 
     # -- the model, once the process group exists ----------------------------------------------

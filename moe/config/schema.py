@@ -49,7 +49,7 @@ class MoEOptConfig:
 
     name: str = "default"
     capacity_factor: Optional[float] = 1.25  # null = dropless
-    eval_capacity_factor: Optional[float] = 2.0  # null = dropless at eval
+    eval_capacity_factor: Optional[float] = None  # null = dropless at eval: the logits the HF export gives
     min_capacity: int = 4
     drop_policy: str = "probs"  # probs (lowest probability dropped first) | position (latest tokens)
     aux_loss_coeff: float = 0.01  # Switch load-balance loss; raise to 0.1 if routing oscillates
@@ -172,6 +172,7 @@ class TrainerConfig:
     deterministic: bool = False
     # loss-spike and NaN guard (moe/spike_guard.py, docs/FAULT_TOLERANCE.md)
     skip_nonfinite: bool = True  # skip the update of a step whose loss or gradient is NaN/inf
+    max_nonfinite_steps: int = 10  # stop the run after this many non-finite steps in a row; 0 = never
     spike_factor: float = 3.0  # spike: step loss > factor x mean of the last spike_window losses; 0 = off
     spike_window: int = 50
     spike_action: str = "warn"  # warn | skip (the update) | rollback (to the last checkpoint, skip since)

@@ -345,6 +345,8 @@ def check_guard(cfg) -> None:
           "must be at least 1")
     _need(t.spike_max_rollbacks >= 0, "trainer.spike_max_rollbacks", t.spike_max_rollbacks, "use 0 or more",
           "must not be negative")
+    _need(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", t.max_nonfinite_steps,
+          "use 0 (never stop) or more (e.g. 10)", "must not be negative")
 
 
 def check_instantiables(cfg) -> None:

@@ -30,16 +30,20 @@ def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
     """`last` -> the newest run's; a run dir -> its last.ckpt (trn1: newest complete NxD checkpoint);
     a file or an NxD checkpoint directory -> itself."""
     from moe.backends.neuron.files import is_complete, newest_complete
+    from moe.train.checkpoint import resolved_name
     from moe.train.sharded_checkpoint import is_sharded_checkpoint
 
     if ckpt == "last":
         found = [*Path(runs_dir).glob(f"*/checkpoints/{LAST}"),
                  *filter(None, (newest_complete(d) for d in Path(runs_dir).glob("*/checkpoints")))]
-        found.sort(key=lambda p: p.stat().st_mtime)
+        found = sorted((p for p in found if p.exists()), key=lambda p: p.stat().st_mtime)  # no dangling link
         if not found:
             raise UserError("ckpt", ckpt, "train first (python train.py) or pass ckpt=PATH; ckpt=last looks "
                             f"in runs_dir={runs_dir!r}", problem=f"found no {runs_dir}/*/checkpoints/{LAST}")
-        return found[-1]
+        picked = found[-1]
+        print(f"ckpt=last: {picked}{resolved_name(picked)} (the newest of {len(found)} run(s) in {runs_dir}/; "
+              "pass ckpt=PATH for another)", file=sys.stderr)
+        return picked
     path = Path(ckpt).expanduser()
     if path.is_dir() and (is_complete(path) or is_sharded_checkpoint(path)):
         return path  # a trn1 checkpoint, or a sharded one
@@ -67,17 +71,20 @@ def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
 def read_checkpoint(path: str | Path) -> dict:
     """torch.load on CPU, weights_only when the file allows it (it does for train.py's checkpoints);
     a sharded or trn1 checkpoint directory, joined into the same dict. Verified first where train.py
-    left a record (the sha256 sidecar, a directory's completion marks): a corrupt file is refused."""
-    from moe.train.checkpoint import CorruptCheckpoint, meta_path, verify_checkpoint
+    left a record (the sha256 sidecar, a directory's completion marks), else by the CRC-32s inside the
+    file: a corrupt file is refused."""
+    from moe.train.checkpoint import CorruptCheckpoint, check_zip_crc, meta_path, verify_checkpoint
     from moe.train.sharded_checkpoint import is_sharded_checkpoint, read_full_checkpoint
 
-    if Path(path).is_dir() or meta_path(path).exists():
-        try:
+    try:
+        if Path(path).is_dir() or meta_path(path).exists():
             verify_checkpoint(path)
-        except CorruptCheckpoint as err:
-            raise UserError("ckpt", str(path), "use another checkpoint of the run (checkpoints/step-*.ckpt) "
-                            "or the run dir, whose newest good checkpoint train.py resumes from",
-                            problem=str(err)) from err
+        else:  # no sidecar (a copied file, an exported one): the CRC-32 of every record inside it
+            check_zip_crc(Path(path))
+    except CorruptCheckpoint as err:
+        raise UserError("ckpt", str(path), "use another checkpoint of the run (checkpoints/step-*.ckpt) "
+                        "or the run dir, whose newest good checkpoint train.py resumes from",
+                        problem=str(err)) from err
 
     if is_sharded_checkpoint(path):
         return read_full_checkpoint(path)

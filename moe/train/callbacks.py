@@ -1,7 +1,7 @@
 """The Trainer's callbacks and loggers: the run's own (always on), then the ones the config adds.
 
-Always: RunMetrics (metrics.csv, summary.json), SpikeGuard, StepSeed, StepCheckpoint and, when
-trainer.progress_bar, a progress bar. Then every node of `callbacks.<name>` and `logger.<name>`,
+Always: RunMetrics (metrics.csv, summary.json), SpikeGuard, StepSeed, StepCheckpoint, PreemptionCheckpoint and, when
+trainer.progress_bar and stdout is a terminal, a progress bar over optimizer steps. Then every node of `callbacks.<name>` and `logger.<name>`,
 instantiated by Hydra from its `_target_` (lightning-hydra-template style):
 
     python train.py logger=wandb                       # conf/logger/wandb.yaml
@@ -21,9 +21,8 @@ from moe.model.size import flops_per_token, param_breakdown
 
 
 def build_callbacks(cfg, run_dir: Path, layout: Layout, backend, fresh: bool = False) -> list:
-    from lightning.pytorch.callbacks import RichProgressBar
-
     from moe.train.checkpoint import StepCheckpoint
+    from moe.train.console import StepProgressBar, bar_shown
     from moe.train.guard import SpikeGuard
     from moe.train.metrics import RunMetrics
     from moe.train.preemption import PreemptionCheckpoint
@@ -47,8 +46,8 @@ def build_callbacks(cfg, run_dir: Path, layout: Layout, backend, fresh: bool = F
         ),
         PreemptionCheckpoint(backend),  # after StepCheckpoint: saves the step unless it just did
     ]
-    if cfg.trainer.progress_bar:
-        callbacks.append(RichProgressBar(leave=True))
+    if bar_shown(cfg.trainer.progress_bar):
+        callbacks.append(StepProgressBar(leave=True))
     return callbacks + instantiate_group(cfg, "callbacks")
 
 

@@ -3,12 +3,14 @@
 Saving: `torch.save` streams into `<name>.tmp` in the same directory, is flushed and fsynced,
 then `os.replace`d over `<name>`; a sidecar `<name>.meta.json` (sha256, size, global_step) is
 removed before the replace and written after it. So a kill leaves either the old file, or the
-new file with or without its sidecar, never half a file under a checkpoint's name.
-Lightning's `ModelCheckpoint` writes `last.ckpt` with a second full save (save_last=True, not
-a symlink), so routing every save through `AtomicCheckpointIO` makes `last.ckpt` atomic too.
+new file with or without its sidecar, never half a file under a checkpoint's name. A save that
+fails (disk full, a directory that cannot be written) removes its temporary file and stops the
+run with one paragraph. `last.ckpt` is a symbolic link to the newest step's file, replaced
+atomically (StepCheckpoint._link_checkpoint), not a second full copy.
 
-Resuming: `find_resume_checkpoint` takes the newest checkpoint that verifies (sidecar hash, or
-a full load where there is no sidecar) and says on stderr why it passed over any other.
+Resuming: `find_resume_checkpoint` takes the newest checkpoint that verifies (sidecar hash; where
+the sidecar is missing, the CRC-32 that torch.save writes for every record of its zip file, then
+a full load) and says on stderr why it passed over any other.
 `check_resume_compatible` refuses a checkpoint whose model shapes differ from the config.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import re
 import signal
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +82,10 @@ def _remove(path: Path) -> None:
 
 
 def meta_path(path: str | Path) -> Path:
+    """The sidecar of a checkpoint file; `last.ckpt`, a link, shares its target's."""
     path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
     return path.with_name(path.name + META_SUFFIX)
 
 
@@ -90,23 +96,43 @@ def atomic_torch_save(obj: Any, path: str | Path) -> dict:
     tmp = path.with_name(path.name + TMP_SUFFIX)
     step = obj.get("global_step") if isinstance(obj, dict) else None
     _maybe_kill_during_save(obj, path, tmp, step)
-    with open(tmp, "wb") as f:
-        writer = _HashingWriter(f)
-        torch.save(obj, writer)
-        f.flush()
-        os.fsync(f.fileno())
-    record = {"sha256": writer.sha.hexdigest(), "bytes": writer.size, "global_step": step}
     meta = meta_path(path)
-    _remove(meta)  # a stale sidecar must never vouch for the new file
-    os.replace(tmp, path)
     meta_tmp = meta.with_name(meta.name + TMP_SUFFIX)
-    with open(meta_tmp, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(meta_tmp, meta)
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        record = {"sha256": writer.sha.hexdigest(), "bytes": writer.size, "global_step": step}
+        _remove(meta)  # a stale sidecar must never vouch for the new file
+        os.replace(tmp, path)
+        with open(meta_tmp, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(meta_tmp, meta)
+    except OSError as err:  # ENOSPC, EDQUOT, EACCES, EROFS...: leave nothing that fills the disk further
+        _remove(tmp)
+        _remove(meta_tmp)
+        raise unwritable(path, err) from err
     fsync_dir(path.parent)
     return record
+
+
+def resolved_name(path: Path) -> str:
+    """` (-> step-000300.ckpt)` for a link such as last.ckpt, else nothing: says which step a name means."""
+    return f" (-> {Path(path).resolve().name})" if Path(path).is_symlink() else ""
+
+
+def unwritable(path: Path, err: OSError) -> UserError:
+    """A save the filesystem refused, as one paragraph: the previous checkpoints are intact."""
+    return UserError("checkpoint", str(path),
+                     f"free space or fix permissions under {path.parent} (df -h; ls -ld), or move the run "
+                     "with hydra.run.dir=..., then relaunch the same command: it resumes from the newest "
+                     "good checkpoint",
+                     problem=f"could not be written ({getattr(err, 'strerror', None) or err}); its temporary file was "
+                             "removed")
 
 
 def _maybe_kill_during_save(obj: Any, path: Path, tmp: Path, step: int | None) -> None:
@@ -207,6 +233,7 @@ def verify_checkpoint(path: str | Path) -> int | None:
             if sha.hexdigest() != record["sha256"]:
                 raise CorruptCheckpoint("does not match the sha256 recorded when it was written (corrupt)")
             return record["global_step"]
+    check_zip_crc(path)
     try:
         ckpt = _load(path)
     except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError... for bad files
@@ -217,13 +244,30 @@ def verify_checkpoint(path: str | Path) -> int | None:
     return int(ckpt["global_step"])
 
 
+def check_zip_crc(path: Path) -> None:
+    """The checksum inside the file: torch.save writes a zip whose every record carries a CRC-32, which
+    torch.load does not check (a flipped byte in a tensor loads silently); zipfile does."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except zipfile.BadZipFile:
+        return  # not a zip (a legacy torch.save, or garbage): the full load below decides
+    except (OSError, EOFError, ValueError) as err:
+        raise CorruptCheckpoint(f"cannot be read ({err})") from err
+    if bad is not None:
+        raise CorruptCheckpoint(f"fails the CRC-32 of its record {bad} (corrupt)")
+
+
 def _candidates(ckpt_dir: Path) -> list[Path]:
+    """Checkpoints in `ckpt_dir`; a link (last.ckpt) is left out when its target is among them."""
     if not ckpt_dir.is_dir():
         return []
-    return sorted(p for p in ckpt_dir.iterdir() if p.name.endswith(".ckpt"))
+    found = sorted(p for p in ckpt_dir.iterdir() if p.name.endswith(".ckpt"))
+    targets = {p.resolve() for p in found if not p.is_symlink()}
+    return [p for p in found if not (p.is_symlink() and p.resolve() in targets)]
 
 
-def _step_hint(path: Path) -> int:
+def step_hint(path: Path) -> int:
     """Order without loading: sidecar step, else the step in the name; last.ckpt first on ties."""
     try:
         step = json.loads(meta_path(path).read_text())["global_step"]
@@ -261,7 +305,7 @@ def find_resume_checkpoint(ckpt_dir: str | Path, step: int | None = None, quiet:
 
     steps, verified = {}, set()
     for path in _candidates(ckpt_dir):
-        steps[path] = _step_hint(path)
+        steps[path] = step_hint(path)
         if steps[path] == sys.maxsize:  # no sidecar and no step in the name: load it to learn the step
             steps[path] = check(path)
             verified.add(path)
@@ -346,6 +390,25 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
         self._step_seen = trainer.global_step
+
+    @staticmethod
+    def _link_checkpoint(trainer, filepath: str, linkpath: str) -> None:
+        """Point `last.ckpt` at the newest step atomically: a new link renamed over the old one.
+        Lightning's own (model_checkpoint.py:610-622) removes the old link first, and a kill between
+        the two would leave no last.ckpt."""
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            link = Path(linkpath)
+            if link.is_dir() and not link.is_symlink():  # a sharded last.ckpt saved as a directory
+                import shutil
+
+                shutil.rmtree(link)
+            _remove(link.with_name(link.name + META_SUFFIX))  # a full copy's sidecar (older runs)
+            tmp = link.with_name(link.name + ".link" + TMP_SUFFIX)
+            _remove(tmp)
+            os.symlink(os.path.relpath(filepath, link.parent), tmp)
+            os.replace(tmp, link)
+            fsync_dir(link.parent)
+        trainer.strategy.barrier()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == getattr(self, "_step_seen", None):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import lightning as L
 
+from moe.errors import UserError
 from moe.train.metrics import step_means, write_json_atomic
 
 LEDGER = "rollbacks.json"
@@ -53,10 +54,12 @@ class SpikeGuard(L.Callback):
     """`counts` (cumulative over the run) go to metrics.csv and summary.json through RunMetrics."""
 
     def __init__(self, run_dir: str | Path, factor: float = 3.0, window: int = 50, action: str = "warn",
-                 skip_nonfinite: bool = True, max_rollbacks: int = 3, fresh: bool = False):
+                 skip_nonfinite: bool = True, max_rollbacks: int = 3, fresh: bool = False,
+                 max_nonfinite: int = 10):
         self.run_dir = Path(run_dir)
         self.factor, self.window, self.action = factor, window, action
         self.skip_nonfinite, self.max_rollbacks, self.fresh = skip_nonfinite, max_rollbacks, fresh
+        self.max_nonfinite, self.nonfinite_in_a_row = max_nonfinite, 0
         self.losses: deque[float] = deque(maxlen=window)
         self.counts = dict.fromkeys(COUNT_KEYS, 0)
         self.skip_steps: set[int] = set()
@@ -66,7 +69,7 @@ class SpikeGuard(L.Callback):
     def from_config(cls, cfg, run_dir, fresh: bool) -> SpikeGuard:
         t = cfg.trainer
         return cls(run_dir, t.spike_factor, t.spike_window, t.spike_action, t.skip_nonfinite,
-                   t.spike_max_rollbacks, fresh=fresh)
+                   t.spike_max_rollbacks, fresh=fresh, max_nonfinite=t.max_nonfinite_steps)
 
     # -- state (saved in every checkpoint, so a resumed run decides as the uninterrupted one) --
     def state_dict(self) -> dict:
@@ -100,9 +103,13 @@ class SpikeGuard(L.Callback):
         loss = step_means(pl_module)["loss"]
         if self.skip_nonfinite and not (math.isfinite(loss) and math.isfinite(float(pl_module.grad_norm()))):
             self.counts["nonfinite_steps"] += 1
+            self.nonfinite_in_a_row += 1
+            if self.max_nonfinite and self.nonfinite_in_a_row >= self.max_nonfinite:
+                raise self.diverged(step, trainer)
             self._skip(pl_module, f"step {step}: non-finite loss or gradient (loss={loss}); update skipped",
                        trainer)
             return
+        self.nonfinite_in_a_row = 0
         if self.factor and len(self.losses) == self.window and math.isfinite(loss):
             mean = sum(self.losses) / len(self.losses)
             if loss > self.factor * mean:
@@ -110,6 +117,16 @@ class SpikeGuard(L.Callback):
                 return  # a spike never enters the running mean
         if math.isfinite(loss):
             self.losses.append(loss)
+
+    def diverged(self, step: int, trainer) -> UserError:
+        """Every rank sees the same reduced loss, so all stop at once; no checkpoint of this state."""
+        saved = f"step {self._last_saved_step}" if self._last_saved_step else "no checkpoint"
+        return UserError("trainer.max_nonfinite_steps", self.max_nonfinite,
+                         "lower optimizer.lr or raise optimizer.warmup_steps, check the data, or try "
+                         "trainer.precision=32-true; relaunching resumes from the newest checkpoint "
+                         f"({saved}); raise trainer.max_nonfinite_steps (0 = never stop) to keep going",
+                         problem=f"reached: steps {step - self.nonfinite_in_a_row + 1} to {step} all had a "
+                                 "non-finite loss or gradient, so the run stopped (nothing was learned since)")
 
     def _spike(self, trainer, pl_module, step: int, loss: float, mean: float) -> None:
         self.counts["spikes"] += 1

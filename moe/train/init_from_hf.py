@@ -48,6 +48,8 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
         else:
             arch = asdict(model_config_from_hf(read_hf_config(path, field)))
     except ConfigError as err:
+        if err.field == field:  # about the directory itself (no config.json): already says so
+            raise
         raise UserError(field, str(path), err.fix, problem=f"has {err.field}={err.value!r}, "
                         f"which {err.problem}") from err
     for key, value in arch.items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import resource
@@ -19,6 +20,7 @@ import lightning as L
 import torch
 
 from moe.model.loss import router_loss
+from moe.train.console import STEP_LOGGER, log_step
 from moe.model.size import param_breakdown
 from moe.train.step_stats import means_from_totals
 
@@ -75,6 +77,7 @@ class RunMetrics(L.Callback):
         self._timed_steps = 0
         self._timed_seconds = 0.0
         self._start_step = 0
+        self._peak_mib = float("nan")
 
     # -- set-up ---------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
@@ -138,6 +141,7 @@ class RunMetrics(L.Callback):
             return
         if trainer.is_global_zero:
             self._append(row)
+            log_step(row, trainer.max_steps)
             numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
             for logger in trainer.loggers:
                 logger.log_metrics(numeric, step=step)
@@ -150,12 +154,18 @@ class RunMetrics(L.Callback):
         stats.reset()
         if trainer.is_global_zero and not trainer.sanity_checking and not math.isnan(val["lm_loss"]):
             self._append({"step": trainer.global_step, "val_loss": val["lm_loss"]})
+            logging.getLogger(STEP_LOGGER).info(f"step {trainer.global_step}/{trainer.max_steps} "
+                                                f"val_loss {val['lm_loss']:.4f}")
 
     # -- end of run ---------------------------------------------------------------------------
     def on_train_end(self, trainer, pl_module) -> None:
-        peak = float(pl_module.backend.all_reduce(pl_module, torch.tensor(peak_memory_mib()), "max"))
+        self._peak_mib = float(pl_module.backend.all_reduce(pl_module, torch.tensor(peak_memory_mib()), "max"))
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        """summary.json marks a finished run, so it comes after every on_train_end: Lightning runs the
+        checkpoint callbacks' last, and the final checkpoint must exist (and have fitted on disk) first."""
         if trainer.is_global_zero:
-            summary = self.summary(trainer.global_step, peak)
+            summary = self.summary(trainer.global_step, self._peak_mib)
             summary.update(self.guard.counts if self.guard else {})
             write_json_atomic(self.run_dir / "summary.json", summary)
 

@@ -4,15 +4,18 @@ Hydra creates the run dir (`.hydra/`, `train.log`) before it calls the task, and
 composition error, which a supervisor retries. So `train.py` composes the same config first,
 with Hydra's Compose API, and validates it: a config error (an unknown preset, an unknown key
 however it is written, `+trainer.max_step=5` included, a wrong type, a NaN, a rule of
-moe.config.validate) prints one paragraph and exits 2 (moe.tools.supervise never retries it),
-and `dry_run=true` prints its plan and exits 0, both before any directory exists.
+moe.config.validate, a run dir that cannot be created, a resume train() would refuse) prints one
+paragraph and exits 2 (moe.tools.supervise never retries it), and `dry_run=true` prints its plan
+and exits 0, both before any directory exists or an existing run's files are touched.
 Multirun sweeps (`-m`) and Hydra's own flags (`--help`, `--cfg`, ...) go straight to Hydra.
 """
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
+from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
@@ -27,8 +30,10 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> N
     if any(arg.startswith("-") for arg in argv):
         return  # -m / --multirun / --help / --cfg ...: Hydra's business
     try:
-        cfg = compose_config(argv, config_dir, config_name)
+        cfg, run_dir = compose_config(argv, config_dir, config_name)
         layout = check_config(cfg)
+        if not (cfg.dry_run or cfg.simulate):
+            check_run_dir(cfg, run_dir)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -39,20 +44,27 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> N
         sys.exit(0)
 
 
-def compose_config(overrides: list[str], config_dir: str, config_name: str) -> DictConfig:
-    """The config Hydra would give the task, without the `hydra` node; composition errors as UserError."""
+def compose_config(overrides: list[str], config_dir: str, config_name: str) -> tuple[DictConfig, Path]:
+    """The config Hydra would give the task, without the `hydra` node, and the run dir Hydra would
+    create; composition errors as UserError."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from hydra.core.hydra_config import HydraConfig
+
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
             cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+        with open_dict(cfg):  # what Hydra's run sets before the task, for `${hydra:runtime.output_dir}`
+            run_dir = Path(cfg.hydra.run.dir).absolute()
+            cfg.hydra.runtime.output_dir = str(run_dir)
     except (HydraException, OmegaConfBaseException) as err:
         raise composition_error(err, overrides) from err
+    HydraConfig.instance().set_config(cfg)  # the loggers' save_dir interpolates it
     with open_dict(cfg):
         del cfg["hydra"]
-    return cfg
+    return cfg, run_dir
 
 
 def composition_error(err: Exception, overrides: list[str]) -> UserError:
@@ -78,6 +90,25 @@ def check_config(cfg: DictConfig):
     check_known_keys(cfg)
     check_finite(cfg)
     return validated_layout(cfg)[0]  # its note is train()'s to print, once
+
+
+def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
+    """What Hydra would trip over or overwrite: a run dir that cannot be created, and a resume that
+    train() would refuse (Hydra rewrites the existing run's .hydra/ and train.log before the task)."""
+    from moe.train.checkpoint import check_resume_compatible, find_resume_checkpoint
+
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a directory" if not existing.is_dir() else "cannot be written by this user"
+        raise UserError("hydra.run.dir", str(run_dir),
+                        "pick a writable place: hydra.run.dir=DIR (or run_name=NAME under runs/)",
+                        problem=f"cannot be created: {existing} {what}")
+    if cfg.resume:
+        resume_from = find_resume_checkpoint(run_dir / "checkpoints", quiet=True)
+        if resume_from:
+            check_resume_compatible(resume_from, cfg)
 
 
 def check_known_keys(cfg: DictConfig) -> None:

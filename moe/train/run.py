@@ -5,9 +5,7 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
-import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -18,21 +16,27 @@ from moe.config.validate import validate
 
 def validated_layout(cfg: DictConfig) -> tuple[Layout, str | None]:
     """What a run settles before anything else (train, and train.py's preflight): the architecture of
-    model.init_from_hf / upcycle_from_hf, a prepared dataset's seq_len, then every rule of validate.
+    model.init_from_hf / upcycle_from_hf, a prepared dataset's seq_len, every rule of validate, then
+    what the machine must offer.
     Returns the layout and a note for the user, if any."""
     from moe.data.arrow_io import apply_prepared_meta
+    from moe.train.environment import check_environment
     from moe.train.init_from_hf import apply_init_from_hf
 
     note = apply_init_from_hf(cfg)  # model.init_from_hf=DIR: architecture from DIR/config.json
     apply_prepared_meta(cfg)  # data=prepared: seq_len from DIR/meta.json
-    return validate(cfg), note
+    layout = validate(cfg)
+    check_environment(cfg)  # CUDA for hardware=gpu, logger packages, a W&B key
+    return layout, note
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     """Validate, then either print the dry-run plan or train into `run_dir`."""
+    from moe.train.console import say
+
     layout, note = validated_layout(cfg)
     if note:
-        print(note)
+        say(note)
     if cfg.dry_run:
         from moe.tools.plan import make_plan
 
@@ -48,7 +52,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     from moe.train.optim import warmup_note
 
     if note := warmup_note(cfg.optimizer, cfg.trainer.max_steps):
-        print(note)
+        say(note)
     import lightning as L
     import torch
 
@@ -56,11 +60,14 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     from moe.data import MoEDataModule
     from moe.data.tokenizer import copy_tokenizer_files
     from moe.train.callbacks import build_callbacks, build_loggers
-    from moe.train.checkpoint import check_resume_compatible, find_resume_checkpoint, with_atomic_io
+    from moe.train.console import bar_shown, configure_output
+    from moe.train.checkpoint import (
+        check_resume_compatible, find_resume_checkpoint, resolved_name, step_hint, with_atomic_io,
+    )
     from moe.train.guard import RollbackRequested
     from moe.train.preemption import Preempted
 
-    quiet_known_noise()
+    configure_output(cfg.trainer.progress_bar)  # moe/train/console.py: one line each, a line per step
 
     ckpt_dir = run_dir / "checkpoints"
     resume_from = find_resume_checkpoint(ckpt_dir) if cfg.resume else None  # newest that verifies
@@ -95,43 +102,27 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
             logger=build_loggers(cfg) or False,
             callbacks=build_callbacks(cfg, run_dir, layout, backend,
                                       fresh=not cfg.resume and not rolled_back),
-            default_root_dir=str(run_dir), enable_progress_bar=cfg.trainer.progress_bar,
+            default_root_dir=str(run_dir), enable_progress_bar=bar_shown(cfg.trainer.progress_bar),
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,
         ) | parts.overrides)  # Neuron: manual optimization, NxD accumulates and clips
         if trainer.is_global_zero:
             copy_tokenizer_files(datamodule.tokenizer_dir, run_dir / "tokenizer")  # all inference needs
             if resume_from:
-                print(f"resuming from {resume_from}")
+                say(f"resuming from {resume_from}{resolved_name(resume_from)} at step {step_hint(resume_from)}")
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
             break
         except Preempted as err:
             if trainer.is_global_zero:
-                print(f"{err}; relaunch the same command to resume from {ckpt_dir}", flush=True)
+                say(f"{err}; relaunch the same command to resume from {ckpt_dir}")
             raise SystemExit(err.exit_code) from err
         except RollbackRequested as err:
             rolled_back = True
             step = err.from_step
             resume_from = None if step is None else find_resume_checkpoint(ckpt_dir, step=step)
     if trainer.is_global_zero:
-        print(f"run dir: {run_dir}  (metrics.csv, summary.json, checkpoints/)")
+        say(f"run dir: {run_dir}  (metrics.csv, summary.json, checkpoints/)")
     return run_dir
-
-
-class _DropAdvert(logging.Filter):
-    """Lightning 2.6 logs a litlogger advert at every Trainer start (logger_connector.py:90-92)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
-
-
-def quiet_known_noise() -> None:
-    """Lines that tell a cluster user nothing: Lightning's litlogger tip, and torch 2.13's deprecation
-    of `isinstance(treespec, LeafSpec)` raised from inside Lightning's own _pytree.py."""
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _DropAdvert) for f in rank_zero.filters):  # train() may run many times
-        rank_zero.addFilter(_DropAdvert())
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 def objective(run_dir: Path | None) -> float | None:

@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from moe.train.checkpoint import atomic_torch_save, fsync_dir
+from moe.errors import UserError
+from moe.train.checkpoint import atomic_torch_save, fsync_dir, unwritable
 
 TRAINER_STATE = "trainer_state.pt"
 PARTIAL_SUFFIX = ".partial"
@@ -100,13 +102,26 @@ def save_sharded(path: str | Path, module, optimizers: list, mesh, trainer_state
         shutil.rmtree(partial, ignore_errors=True)
         rank_file(partial, 0).parent.mkdir(parents=True)
     dist.barrier()
-    if per_rank is not None:
-        torch.save(per_rank, rank_file(partial, dist.get_rank()))
     state = _wrapped(module, optimizers, mesh)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True, overwrite=False))
+    failure = None
+    try:  # DCP gathers every rank's write errors and raises on all of them (CheckpointException)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True, overwrite=False))
+        if per_rank is not None:
+            torch.save(per_rank, rank_file(partial, dist.get_rank()))
+        if is_global_zero:
+            groups = [state[OPTIMIZER_KEY]["param_groups"]] if optimizers else []
+            atomic_torch_save({**trainer_state, PARAM_GROUPS: groups}, partial / TRAINER_STATE)
+    except (OSError, CheckpointException, UserError) as err:  # disk full, quota, permissions
+        failure = err
+    failed = [None] * dist.get_world_size()
+    dist.all_gather_object(failed, failure is not None)  # a rank that failed alone must stop every rank
+    if any(failed):
+        if is_global_zero:
+            shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(failure, UserError):
+            raise failure
+        raise unwritable(path, failure or OSError("another rank could not write its shard"))
     if is_global_zero:
-        groups = [state[OPTIMIZER_KEY]["param_groups"]] if optimizers else []
-        atomic_torch_save({**trainer_state, PARAM_GROUPS: groups}, partial / TRAINER_STATE)
         if path.is_symlink() or path.is_file():
             path.unlink()
         elif path.exists():

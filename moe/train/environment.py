@@ -1,0 +1,73 @@
+"""What a run needs from the machine, checked before anything is built or written.
+
+A run that asks for a GPU on a machine without CUDA, a logger whose package is missing, or
+Weights & Biases online without a key would otherwise fail minutes in, inside Lightning, with a
+traceback. Dry runs and simulations are exempt: they plan a cluster run on this machine.
+"""
+from __future__ import annotations
+
+import importlib.util
+import netrc
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from moe.errors import ConfigError
+
+LOGGER_PACKAGES = {  # a logger's _target_ -> the packages it can use (any one of them)
+    "lightning.pytorch.loggers.TensorBoardLogger": ("tensorboard", "tensorboardX"),
+    "lightning.pytorch.loggers.WandbLogger": ("wandb",),
+    "lightning.pytorch.loggers.MLFlowLogger": ("mlflow",),
+}
+WANDB_HOST = "api.wandb.ai"
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def check_environment(cfg: DictConfig) -> None:
+    """Raise a ConfigError naming the field when this machine cannot run `cfg`."""
+    if cfg.dry_run or cfg.simulate:
+        return
+    check_accelerator(cfg)
+    for name, node in (cfg.get("logger") or {}).items():
+        target = node.get("_target_", "")
+        packages = LOGGER_PACKAGES.get(target, ())
+        if packages and not any(installed(p) for p in packages):
+            raise ConfigError(f"logger.{name}", target,
+                              f"pip install {packages[0]} -c constraints.txt (or pip install -e '.[loggers]'), "
+                              f"or drop it: ~logger.{name}",
+                              problem=f"needs {' or '.join(packages)}, which is not installed")
+        if target.endswith("WandbLogger") and not node.get("offline", False):
+            check_wandb_key(name)
+
+
+def check_accelerator(cfg: DictConfig) -> None:
+    if cfg.hardware.accelerator != "gpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU build" if torch.version.cuda is None else
+               "torch sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+        raise ConfigError("hardware", cfg.hardware.name,
+                          "run it on the GPU nodes (with a CUDA build of torch), or use hardware=cpu here; "
+                          "dry_run=true or simulate=true plan the GPU run on this machine",
+                          problem=f"needs CUDA GPUs, and {why}")
+
+
+def check_wandb_key(name: str) -> None:
+    """W&B online needs WANDB_API_KEY or `wandb login` (~/.netrc); WANDB_MODE=offline/disabled also do."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
+        return
+    try:
+        if netrc.netrc(os.environ.get("NETRC") or Path.home() / ".netrc").authenticators(WANDB_HOST):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError(f"logger.{name}.offline", False,
+                      "export WANDB_API_KEY=... (or run `wandb login` once), or keep the default "
+                      f"logger.{name}.offline=true and `wandb sync` the run dir later",
+                      problem="sends metrics to Weights & Biases, and no API key is set up on this machine")
