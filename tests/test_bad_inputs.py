@@ -403,6 +403,27 @@ def test_a_refused_resume_leaves_the_existing_run_byte_for_byte(tmp_path):
     assert snapshot(run_dir) == before
 
 
+def test_a_sweep_with_a_bad_job_exits_2_before_any_job_runs(tmp_path):
+    """-m: every job is composed and checked first (job #1 here), with the job named."""
+    proc = run_entry("train.py", "-m", "model=tiny,tinyy", f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr  # Hydra's own exit is 1
+    assert "error: model='tinyy' is refused when composing the config" in proc.stderr
+    assert "(in sweep job #1: model=tinyy" in proc.stderr
+    assert not (tmp_path / "sweep").exists()  # job #0 never ran
+
+
+def test_a_sweep_preset_whose_plugin_is_missing_says_what_to_install(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper"):
+        pytest.skip("hydra-optuna-sweeper is installed here")
+    proc = run_entry("train.py", "-m", "+sweep=capacity_factor_optuna", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                     timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "Fix: install the Hydra plugin: pip install -e '.[optuna]'" in proc.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     proc, run_dir = run_cli(tmp_path, "train.py", "dry_run=true")
     assert proc.returncode == 0 and "memory per device" in proc.stdout, proc.stderr

@@ -7,7 +7,8 @@ however it is written, `+trainer.max_step=5` included, a wrong type, a NaN, a ru
 moe.config.validate, a run dir that cannot be created, a resume train() would refuse) prints one
 paragraph and exits 2 (moe.tools.supervise never retries it), and `dry_run=true` prints its plan
 and exits 0, both before any directory exists or an existing run's files are touched.
-Multirun sweeps (`-m`) and Hydra's own flags (`--help`, `--cfg`, ...) go straight to Hydra.
+A multirun (`-m`) has every job of its sweep checked first (`check_sweep`); Hydra's own flags
+(`--help`, `--cfg`, ...) go straight to Hydra.
 """
 from __future__ import annotations
 
@@ -21,14 +22,20 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from moe.errors import ConfigError, UserError
 
+MULTIRUN_FLAGS = {"-m", "--multirun"}
+PLUGIN_EXTRAS = {"sweeper/optuna": "optuna", "launcher/submitit": "slurm"}  # pyproject.toml's extras
 # Nodes whose keys are free-form (a logger's or a callback's constructor arguments).
 FREE_FORM = ("logger", "callbacks")
 
 
 def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> None:
     """Compose and validate `argv`'s config; exit 2 on a config error, exit 0 after a dry run's plan."""
-    if any(arg.startswith("-") for arg in argv):
-        return  # -m / --multirun / --help / --cfg ...: Hydra's business
+    flags = {arg for arg in argv if arg.startswith("-")}
+    if flags - MULTIRUN_FLAGS:
+        return  # --help / --cfg / --info ...: Hydra's business
+    if flags:
+        check_sweep([arg for arg in argv if arg not in flags], config_dir, config_name)
+        return
     try:
         cfg, run_dir = compose_config(argv, config_dir, config_name)
         layout = check_config(cfg)
@@ -44,7 +51,36 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> N
         sys.exit(0)
 
 
-def compose_config(overrides: list[str], config_dir: str, config_name: str) -> tuple[DictConfig, Path]:
+def check_sweep(overrides: list[str], config_dir: str, config_name: str) -> None:
+    """`-m`: every job of a basic sweep (command-line lists and `hydra.sweeper.params`, expanded by
+    Hydra's own BasicSweeper.split_arguments) is composed and checked before the first one starts:
+    a typo in job 7 exits 2 now, not after six jobs (or with Hydra's exit 1 at composition). Other
+    sweepers' search spaces (Optuna's ranges) are not enumerable: their base config is checked."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    jobs = [overrides]
+    try:
+        base, _ = compose_config([o for o in overrides if "," not in o.partition("=")[2]], config_dir,
+                                 config_name, keep_hydra=True)
+        sweeper = base.hydra.sweeper
+        if sweeper._target_.endswith("BasicSweeper"):
+            params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
+            parsed = OverridesParser.create().parse_overrides([*params, *overrides])
+            jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+        for number, job in enumerate(jobs):
+            try:
+                check_config(compose_config(job, config_dir, config_name)[0])
+            except UserError as err:
+                raise UserError(err.field, err.value, err.fix,
+                                problem=f"{err.problem} (in sweep job #{number}: {' '.join(job)})") from err
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def compose_config(overrides: list[str], config_dir: str, config_name: str,
+                   keep_hydra: bool = False) -> tuple[DictConfig, Path]:
     """The config Hydra would give the task, without the `hydra` node, and the run dir Hydra would
     create; composition errors as UserError."""
     from hydra import compose, initialize_config_dir
@@ -62,8 +98,9 @@ def compose_config(overrides: list[str], config_dir: str, config_name: str) -> t
     except (HydraException, OmegaConfBaseException) as err:
         raise composition_error(err, overrides) from err
     HydraConfig.instance().set_config(cfg)  # the loggers' save_dir interpolates it
-    with open_dict(cfg):
-        del cfg["hydra"]
+    if not keep_hydra:
+        with open_dict(cfg):
+            del cfg["hydra"]
     return cfg, run_dir
 
 
@@ -78,6 +115,9 @@ def composition_error(err: Exception, overrides: list[str]) -> UserError:
     field, _, value = (culprit or "overrides").lstrip("+~").partition("=")
     fix = ("check the spelling against docs/CONFIG.md (every key and preset is listed there; "
            "`python train.py --cfg job` prints the composed config)")
+    for plugin, extra in PLUGIN_EXTRAS.items():
+        if f"Could not find 'hydra/{plugin}" in message:
+            fix = f"install the Hydra plugin: pip install -e '.[{extra}]' -c constraints.txt"
     return UserError(field, value or overrides, fix,
                      problem=f"is refused when composing the config: {message}")
 
