@@ -78,7 +78,7 @@ def read_checkpoint(path: str | Path) -> dict:
 
     try:
         if Path(path).is_dir() or meta_path(path).exists():
-            verify_checkpoint(path)
+            verify_checkpoint(path, deep=True)  # every byte is read next anyway
         else:  # no sidecar (a copied file, an exported one): the CRC-32 of every record inside it
             check_zip_crc(Path(path))
     except CorruptCheckpoint as err:

@@ -200,14 +200,16 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
 
 
-def verify_checkpoint(path: str | Path) -> int | None:
-    """The checkpoint's global_step if it can be trusted; raises CorruptCheckpoint saying why not."""
-    from moe.train.sharded_checkpoint import DCP_METADATA, TRAINER_STATE
+def verify_checkpoint(path: str | Path, deep: bool = False) -> int | None:
+    """The checkpoint's global_step if it can be trusted; raises CorruptCheckpoint saying why not.
+    A sharded directory's files are checked by size, and with `deep` by sha256 too."""
+    from moe.train.sharded_checkpoint import DCP_METADATA, TRAINER_STATE, check_manifests
 
     path = Path(path)
     if path.is_dir() and (path / TRAINER_STATE).exists():  # sharded (DCP): renamed into place when complete
         if not (path / DCP_METADATA).is_file():
             raise CorruptCheckpoint(f"has no {DCP_METADATA} (not written by torch.distributed.checkpoint)")
+        check_manifests(path.resolve(), deep)
         return verify_checkpoint(path / TRAINER_STATE)
     if path.is_dir():  # neuronx-distributed's: complete once every rank has written it
         from moe.backends.neuron.files import USER_CONTENT, is_complete

@@ -1,8 +1,8 @@
 """What a training run prints, and what train.log keeps.
 
 Hydra gives the root logger two handlers: the console (stdout) and `<run dir>/train.log`.
-- Lightning's lines are printed once: its package logger has a stderr handler of its own
-  (lightning/__init__.py:9-14) and also propagates to Hydra's, so that handler is removed.
+- Lightning's lines are printed once, through Hydra's handlers: its package loggers' own stderr
+  handlers are removed and propagation restored (LIGHTNING_LOGGERS).
 - One line per logged optimizer step (`step 40/300 loss ... lr ... tok/s ... drop ...`) always goes
   to train.log, and to the console when no progress bar is drawn (SLURM logs, pipes, CI).
 - The progress bar, drawn only on a terminal, counts optimizer steps out of trainer.max_steps
@@ -21,6 +21,10 @@ from lightning.pytorch.callbacks import RichProgressBar
 from moe.errors import log_to_files
 
 STEP_LOGGER = "moe.train.steps"
+# Lightning's package loggers that install a stderr handler of their own: `lightning` always
+# (lightning/__init__.py:9-14); `lightning.pytorch` and `lightning.fabric`, with propagation off,
+# when imported before Hydra has configured the root logger (lightning/pytorch/__init__.py:16-23)
+LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
 
 
 def bar_shown(progress_bar: bool) -> bool:
@@ -32,10 +36,12 @@ def configure_output(progress_bar: bool) -> None:
     """Route Lightning's and the run's lines as the module docstring says (idempotent)."""
     root = logging.getLogger()
     if root.handlers:  # Hydra's: stdout + train.log
-        lightning = logging.getLogger("lightning")
-        for handler in list(lightning.handlers):
-            if type(handler) is logging.StreamHandler:
-                lightning.removeHandler(handler)
+        for name in LIGHTNING_LOGGERS:
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
+                if type(handler) is logging.StreamHandler:
+                    logger.removeHandler(handler)
+            logger.propagate = True
     steps = logging.getLogger(STEP_LOGGER)
     steps.setLevel(logging.INFO)
     for old in [f for f in steps.filters if isinstance(f, _FilesOnly)]:

@@ -13,11 +13,17 @@ once all ranks have written (DCP writes its data files in place, so a kill mid-s
 existing directory would leave a torn checkpoint that loads silently). A directory without
 `trainer_state.pt` or `.metadata` is not a checkpoint.
 
+Checksums: each rank records the size and sha256 of the files it wrote in `__<rank>.sha256.json`
+(DCP's files carry none). A resume checks every file's size (cheap at any scale: a truncated or
+missing shard); infer.py, export and consolidation, which read every byte anyway, check the sha256.
+
 `read_full_checkpoint` streams a directory into one Lightning-style dict on one process (every
 expert: for infer.py, export, a resume with ep=1 and `python -m moe.tools.consolidate`).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -28,11 +34,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moe.errors import UserError
-from moe.train.checkpoint import atomic_torch_save, fsync_dir, unwritable
+from moe.train.checkpoint import CorruptCheckpoint, atomic_torch_save, fsync_dir, unwritable
 
 TRAINER_STATE = "trainer_state.pt"
 PARTIAL_SUFFIX = ".partial"
 DCP_METADATA = ".metadata"
+MANIFEST = "__{rank}.sha256.json"  # per rank: its files' sizes and sha256
 MODEL_KEY, OPTIMIZER_KEY = "model", "optim"
 PARAM_GROUPS = "optimizer_param_groups"  # in trainer_state.pt: each optimizer's groups, params by name
 
@@ -111,6 +118,7 @@ def save_sharded(path: str | Path, module, optimizers: list, mesh, trainer_state
         if is_global_zero:
             groups = [state[OPTIMIZER_KEY]["param_groups"]] if optimizers else []
             atomic_torch_save({**trainer_state, PARAM_GROUPS: groups}, partial / TRAINER_STATE)
+        write_manifest(partial, dist.get_rank(), with_metadata=is_global_zero)
     except (OSError, CheckpointException, UserError) as err:  # disk full, quota, permissions
         failure = err
     failed = [None] * dist.get_world_size()
@@ -129,6 +137,52 @@ def save_sharded(path: str | Path, module, optimizers: list, mesh, trainer_state
         os.rename(partial, path)
         fsync_dir(path.parent)
     dist.barrier()
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def write_manifest(partial: Path, rank: int, with_metadata: bool) -> None:
+    """This rank's files (DCP's `__<rank>_*.distcp`, per_rank/, rank 0 also `.metadata`): size and sha256."""
+    files = sorted(partial.glob(f"__{rank}_*.distcp"))
+    files += [f for f in (rank_file(partial, rank),) if f.is_file()]
+    files += [partial / DCP_METADATA] if with_metadata else []
+    record = {str(f.relative_to(partial)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
+    tmp = partial / f".{MANIFEST.format(rank=rank)}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, partial / MANIFEST.format(rank=rank))
+
+
+def check_manifests(path: Path, deep: bool = False) -> None:
+    """Raise CorruptCheckpoint unless every file the ranks recorded is there at its size (and, `deep`,
+    its sha256), and every DCP data file is recorded. Directories written before manifests pass."""
+    manifests = sorted(path.glob(MANIFEST.format(rank="*")))
+    if not manifests:
+        return
+    recorded: dict[str, dict] = {}
+    for manifest in manifests:
+        try:
+            recorded.update(json.loads(manifest.read_text()))
+        except (OSError, ValueError) as err:
+            raise CorruptCheckpoint(f"has an unreadable {manifest.name} ({err})") from err
+    for name in sorted({p.name for p in path.glob("*.distcp")} - set(recorded)):
+        raise CorruptCheckpoint(f"has {name}, which no rank recorded writing (a torn save)")
+    for name, want in recorded.items():
+        file = path / name
+        size = file.stat().st_size if file.is_file() else None
+        if size != want["bytes"]:
+            found = "is missing" if size is None else f"is {size} bytes but was written as {want['bytes']}"
+            raise CorruptCheckpoint(f"is not whole: {name} {found}")
+        if deep and _sha256(file) != want["sha256"]:
+            raise CorruptCheckpoint(f"is corrupt: {name} does not match the sha256 recorded when it was written")
 
 
 def load_sharded(path: str | Path, module, optimizers: list, mesh) -> dict:
