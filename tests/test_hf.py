@@ -191,10 +191,9 @@ def test_safetensors_read_lazily_give_our_tensors_expert_by_expert(tmp_path):
 def test_the_default_config_in_eval_mode_gives_the_logits_of_its_export():
     """moe_opt=default trains with capacity 1.25 and evaluates dropless, so validation sees the model that
     is exported. Every token the same: all route to the same two experts, which a capacity drops."""
+    from conftest import REPO
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-
-    from conftest import REPO
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train")

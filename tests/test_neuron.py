@@ -203,11 +203,13 @@ def test_3_expert_parallelism_is_refused_with_the_recipe_that_works():
         ("model.tie_word_embeddings=true", "model.tie_word_embeddings"),
         ("trainer.devices=1", "trainer.devices"),
         ("moe_opt.enable_expert_bias=true", "moe_opt.enable_expert_bias"),
+        ("moe_opt.num_groups=2 moe_opt.group_top_k=1", "moe_opt.num_groups"),
+        ("moe_opt.topk_scaling_factor=2.5", "moe_opt.topk_scaling_factor"),
     ],
 )
 def test_what_nxd_cannot_train_is_refused_naming_nxds_behaviour(override, field):
     with pytest.raises(ConfigError) as err:
-        validate(compose_cfg("hardware=trn1", override))
+        validate(compose_cfg("hardware=trn1", *override.split()))
     assert err.value.field == field and "Fix:" in str(err.value)
 
 
@@ -477,6 +479,23 @@ def test_grad_clip_is_applied_with_and_without_zero1(nxd, zero):
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.model.parameters()]))
     assert norm.item() == pytest.approx(0.25, rel=1e-4)
     assert float(optimizer.grad_norm) > 100  # the norm before clipping, as NxD reports it
+
+
+def test_sigmoid_scores_reach_nxds_router_and_our_routing_statistics(nxd):
+    """moe_opt.score_function=sigmoid is NxD's RouterTopK act_fn (routing.py:19, :116-126); the balance
+    statistics read the sigmoid scores normalised over the experts, as on the torch backends."""
+    module = neuron_module("moe_opt.score_function=sigmoid")
+    layers = [m for m in module.model.modules() if type(m).__name__ == "NxDMoELayer"]
+    assert layers and {m.moe.router.act_fn for m in layers} == {"sigmoid"}
+    layer = layers[0]
+    layer.train()
+    x = torch.randn(2, 8, layer.moe.router.hidden_size)
+    _, stats = layer(x)
+    logits = layer.moe.router.linear_router(x.reshape(-1, x.shape[-1]))
+    scores = torch.sigmoid(logits.double())
+    probs = scores / scores.sum(-1, keepdim=True)
+    entropy = -(probs * probs.log()).sum(-1).mean()
+    assert float(stats.entropy) == pytest.approx(float(entropy), rel=1e-4)
 
 
 def test_dropless_is_nxds_capacity_factor_0_not_none(nxd):

@@ -70,6 +70,13 @@ class MoEOptConfig:
     # aux_loss: the Switch loss over the batch (aux_loss_group's tokens) | seq_aux_loss: the same
     # loss per sequence, averaged (DeepSeek-V3's sequence-wise balance loss) | none
     load_balancing_type: str = "aux_loss"
+    # softmax over the experts (Mixtral) | sigmoid per expert, the chosen k renormalised (DeepSeek-V3)
+    score_function: str = "softmax"
+    # group-limited routing (DeepSeek-V3's node-limited routing): the experts in num_groups groups, the
+    # group_top_k groups with the best top_k/group_top_k scores kept, top_k chosen inside them
+    num_groups: Optional[int] = None
+    group_top_k: Optional[int] = None
+    topk_scaling_factor: Optional[float] = None  # the top-k weights times this (DeepSeek-V3: 2.5)
 
 
 def normalizes(normalize_top_k: bool | None, top_k: int) -> bool:

@@ -26,6 +26,7 @@ ROUTER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # na
 POSITION_ENCODINGS = ("rope", "alibi")
 AUX_LOSS_GROUPS = ("ep", "dp")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 NEURON_PRECISIONS = ("bf16_sr", "mixed", "fp32")
 SPIKE_ACTIONS = ("warn", "skip", "rollback")
 DATA_KINDS = ("prepared", "online")
@@ -88,6 +89,27 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
           "use a positive width or null (= intermediate_size)")
     if r is not None:
         validate_routing(r)
+        validate_groups(m, r, prefix)
+
+
+def validate_groups(m, r, model_prefix: str = "model") -> None:
+    """Group-limited routing needs groups that tile the experts and can hold the top_k choices."""
+    groups, chosen = getattr(r, "num_groups", None), getattr(r, "group_top_k", None)
+    if groups is None:
+        _need(chosen is None, "moe_opt.group_top_k", chosen,
+              "set moe_opt.num_groups too, or group_top_k=null",
+              "needs moe_opt.num_groups")
+        return
+    _need(groups >= 1 and m.num_experts % groups == 0, "moe_opt.num_groups", groups,
+          f"use a divisor of {model_prefix}.num_experts={m.num_experts}, or null for no groups",
+          f"does not divide num_experts={m.num_experts}")
+    _need(chosen is not None and 1 <= chosen <= min(groups, m.top_k), "moe_opt.group_top_k", chosen,
+          f"use 1 <= group_top_k <= min(num_groups={groups}, top_k={m.top_k})",
+          "must pick between 1 group and as many groups as a token picks experts")
+    per_group = m.num_experts // groups
+    _need(chosen * per_group >= m.top_k, "moe_opt.group_top_k", chosen,
+          f"pick at least {-(-m.top_k // per_group)} groups of {per_group} experts for top_k={m.top_k}",
+          f"leaves fewer than top_k={m.top_k} experts to choose from")
 
 
 def validate_routing(r, prefix: str = "moe_opt") -> None:
@@ -111,6 +133,12 @@ def validate_routing(r, prefix: str = "moe_opt") -> None:
     _one_of(f"{prefix}.aux_loss_group", r.aux_loss_group, AUX_LOSS_GROUPS, "load-balance group")
     _one_of(f"{prefix}.load_balancing_type", getattr(r, "load_balancing_type", "aux_loss"),
             LOAD_BALANCING_TYPES, "load-balancing type")
+    _one_of(f"{prefix}.score_function", getattr(r, "score_function", "softmax"), SCORE_FUNCTIONS,
+            "score function")
+    scaling = getattr(r, "topk_scaling_factor", None)
+    _finite_number(f"{prefix}.topk_scaling_factor", scaling, "use a positive factor such as 2.5, or null")
+    _need(scaling is None or scaling > 0, f"{prefix}.topk_scaling_factor", scaling,
+          "use a positive factor such as 2.5 (DeepSeek-V3), or null", "must be positive or null")
     rate = getattr(r, "bias_update_rate", 0.0)
     _finite_number(f"{prefix}.bias_update_rate", rate, "use a small positive rate such as 1e-3")
     _need(rate >= 0, f"{prefix}.bias_update_rate", rate, "use a small positive rate such as 1e-3 (Megatron's "
@@ -397,6 +425,12 @@ def check_neuron(cfg) -> None:
     _need(r.load_balancing_type == "aux_loss", "moe_opt.load_balancing_type", r.load_balancing_type,
           "use aux_loss on trn1 (set aux_loss_coeff=0 to turn it off)",
           "is not wired to neuronx-distributed's MoE layer (moe/backends/neuron/moe_layer.py)")
+    _need(r.num_groups is None, "moe_opt.num_groups", r.num_groups, "set moe_opt.num_groups=null on trn1",
+          "is not available on trn1: neuronx-distributed's RouterTopK has no group-limited routing "
+          "(modules/moe/routing.py:155-205)")
+    _need(r.topk_scaling_factor is None, "moe_opt.topk_scaling_factor", r.topk_scaling_factor,
+          "set moe_opt.topk_scaling_factor=null on trn1",
+          "is not available on trn1: neuronx-distributed's ExpertMLPs takes the affinities as they are")
     nxd_routing = "or use moe_opt=nxd (neuronx-distributed's routing)"
     if r.capacity_factor is not None:
         _need(r.drop_policy == "position", "moe_opt.drop_policy", r.drop_policy,

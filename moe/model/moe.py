@@ -26,6 +26,7 @@ from moe.model.routing import (
     GroupSum,
     RoutingStats,
     apply_capacity,
+    balance_probs,
     expert_capacity,
     router_dtype,
     router_probs,
@@ -190,6 +191,10 @@ class MoELayer(nn.Module):
         self.normalize_after_drop = (moe_opt.normalize_after_drop
                                      and normalizes(moe_opt.normalize_top_k, top_k))
         self.load_balancing_type = getattr(moe_opt, "load_balancing_type", "aux_loss")  # absent: older cfgs
+        self.score_function = getattr(moe_opt, "score_function", "softmax")
+        self.num_groups = getattr(moe_opt, "num_groups", None)
+        self.group_top_k = getattr(moe_opt, "group_top_k", None)
+        self.topk_scaling_factor = getattr(moe_opt, "topk_scaling_factor", None)
         self.dispatcher = LocalDispatcher()
         self.stats_sum: GroupSum | None = None
 
@@ -208,11 +213,12 @@ class MoELayer(nn.Module):
         """generating: per-token (dropless) routing and no statistics, as generation wants."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
 
-        # 1. route: fp32 softmax over all E experts (the router is replicated under EP)
+        # 1. route: fp32 scores over all E experts (the router is replicated under EP)
         logits_TE = self.router(x_TH)
-        probs_TE = router_probs(logits_TE, self.router.dtype)
+        scores_TE = router_probs(logits_TE, self.router.dtype, self.score_function)
         bias_E = self.router.expert_bias  # None unless aux-loss-free balancing is on
-        weights_TK, idx_TK = top_k_routing(probs_TE, self.top_k, self.normalize_top_k, bias_E)
+        weights_TK, idx_TK = top_k_routing(scores_TE, self.top_k, self.normalize_top_k, bias_E,
+                                           self.num_groups, self.group_top_k, self.topk_scaling_factor)
 
         # 2. capacity: which assignments fit (all of them when dropless)
         cf = None if generating else self.capacity_factor if self.training else self.eval_capacity_factor
@@ -231,6 +237,7 @@ class MoELayer(nn.Module):
 
         if generating:  # the losses and monitoring numbers would be thrown away
             return y_TH.view_as(x_BSH), None
+        probs_TE = balance_probs(scores_TE, self.score_function)
         stats = routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, self.stats_sum)
         if self.load_balancing_type == "seq_aux_loss":
             stats.aux_loss = sequence_load_balance_loss(probs_TE.float(), idx_TK, x_BSH.shape[0])

@@ -5,8 +5,8 @@ M = kept assignments. `idx_TK[t, j]` is the j-th expert chosen by token t and
 `weights_TK[t, j]` the weight its output gets in the combine.
 
 Conventions (see docs/ARCHITECTURE.md):
-- softmax in fp32 (or `router_dtype`), then top-k; k >= 2 renormalises the k weights,
-  k = 1 keeps the raw probability so the router gets gradient through the LM loss.
+- softmax (or a per-expert sigmoid) in fp32 (or `router_dtype`), then top-k; k >= 2 renormalises
+  the k weights, k = 1 keeps the raw score so the router gets gradient through the LM loss.
 - load balance `E * sum_i f_i * P_i`, f_i = assignments to i / (K*T) counted over all
   top-k picks before drops, P_i = mean router probability of i. A perfectly balanced
   router gives 1.0 for any K. Hugging Face's `load_balancing_loss_func` on one layer
@@ -48,26 +48,57 @@ def router_dtype(name: str) -> torch.dtype:
     return getattr(torch, ROUTER_DTYPES[name])
 
 
-def router_probs(logits_TE: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Softmax over experts, computed in `dtype` (fp32: bf16 softmax mis-ranks close experts)."""
-    return torch.softmax(logits_TE.to(dtype), dim=-1)
+def router_probs(logits_TE: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 score_function: str = "softmax") -> torch.Tensor:
+    """The router's scores in `dtype` (fp32: bf16 mis-ranks close experts): a softmax over the experts,
+    or a sigmoid per expert (DeepSeek-V3; the scores of a token do not sum to 1)."""
+    logits_TE = logits_TE.to(dtype)
+    return torch.sigmoid(logits_TE) if score_function == "sigmoid" else torch.softmax(logits_TE, dim=-1)
+
+
+def balance_probs(scores_TE: torch.Tensor, score_function: str = "softmax") -> torch.Tensor:
+    """The distribution the load-balance loss and the entropy read: sigmoid scores normalised over the
+    experts (Megatron-Core's `scores_for_aux_loss`, moe/router.py), softmax probabilities as they are."""
+    if score_function != "sigmoid":
+        return scores_TE
+    return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def limit_to_groups(scores_TE: torch.Tensor, top_k: int, num_groups: int, group_top_k: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3's node-limited routing), as Megatron-Core's
+    `group_limited_topk` (moe/moe_utils.py): a group's score is the sum of its best top_k/group_top_k
+    scores; the experts outside the best group_top_k groups get -inf, so top-k never picks them."""
+    T, E = scores_TE.shape
+    grouped_TGe = scores_TE.view(T, num_groups, E // num_groups)
+    group_scores_TG = grouped_TGe.topk(top_k // group_top_k, dim=-1).values.sum(dim=-1)
+    chosen_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(
+        1, group_scores_TG.topk(group_top_k, dim=-1).indices, True)
+    return scores_TE.masked_fill(~chosen_TG.repeat_interleave(E // num_groups, dim=1), float("-inf"))
 
 
 def top_k_routing(
-    probs_TE: torch.Tensor, top_k: int, normalize: bool | None = None, bias_E: torch.Tensor | None = None
+    probs_TE: torch.Tensor, top_k: int, normalize: bool | None = None, bias_E: torch.Tensor | None = None,
+    num_groups: int | None = None, group_top_k: int | None = None, scaling_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the top_k experts per token -> (weights_TK, idx_TK), weights as `normalizes` says.
 
     bias_E (aux-loss-free balancing, DeepSeek-V3): added to the scores to choose the experts only;
-    the weights are the chosen experts' unbiased probabilities.
+    the weights are the chosen experts' unbiased scores. num_groups/group_top_k: the choice is
+    limited to the best groups (`limit_to_groups`, on the biased scores). scaling_factor multiplies
+    the final weights (Megatron-Core's moe_router_topk_scaling_factor).
     """
-    if bias_E is None:
+    if bias_E is None and num_groups is None:
         weights_TK, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
     else:
-        idx_TK = torch.topk(probs_TE.detach() + bias_E, top_k, dim=-1).indices
+        choice_TE = probs_TE.detach() if bias_E is None else probs_TE.detach() + bias_E
+        if num_groups is not None:
+            choice_TE = limit_to_groups(choice_TE, top_k, num_groups, group_top_k)
+        idx_TK = torch.topk(choice_TE, top_k, dim=-1).indices
         weights_TK = probs_TE.gather(-1, idx_TK)
     if normalizes(normalize, top_k):
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    if scaling_factor is not None:
+        weights_TK = weights_TK * scaling_factor
     return weights_TK, idx_TK
 
 

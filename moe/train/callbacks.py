@@ -1,7 +1,8 @@
 """The Trainer's callbacks and loggers: the run's own (always on), then the ones the config adds.
 
-Always: RunMetrics (metrics.csv, summary.json), SpikeGuard, StepSeed, StepCheckpoint, PreemptionCheckpoint and, when
-trainer.progress_bar and stdout is a terminal, a progress bar over optimizer steps. Then every node of `callbacks.<name>` and `logger.<name>`,
+Always: RunMetrics (metrics.csv, summary.json), SpikeGuard, StepSeed, StepCheckpoint,
+PreemptionCheckpoint and, when trainer.progress_bar and stdout is a terminal, a progress bar over
+optimizer steps. Then every node of `callbacks.<name>` and `logger.<name>`,
 instantiated by Hydra from its `_target_` (lightning-hydra-template style):
 
     python train.py logger=wandb                       # conf/logger/wandb.yaml
@@ -82,7 +83,8 @@ def key_config(cfg, layout: Layout) -> dict:
     sizes = param_breakdown(cfg.model)
     keys = ["model.name", "model.num_experts", "model.top_k", "moe_opt.name", "moe_opt.capacity_factor",
             "moe_opt.eval_capacity_factor", "moe_opt.min_capacity", "moe_opt.drop_policy",
-            "moe_opt.aux_loss_coeff", "moe_opt.z_loss_coeff",
+            "moe_opt.aux_loss_coeff", "moe_opt.z_loss_coeff", "moe_opt.score_function", "moe_opt.num_groups",
+            "moe_opt.group_top_k", "moe_opt.enable_expert_bias", "moe_opt.load_balancing_type",
             "parallel.name", "parallel.tp", "parallel.pp", "parallel.ep",
             "hardware.name", "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size",
             "trainer.accumulate_grad_batches", "trainer.max_steps", "data.name", "data.seq_len",

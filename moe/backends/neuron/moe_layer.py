@@ -35,6 +35,7 @@ from moe.config.schema import normalizes
 from moe.model.routing import (
     RoutingStats,
     apply_capacity,
+    balance_probs,
     router_probs,
     routing_stats,
     top_k_routing,
@@ -59,10 +60,13 @@ class NxDMoELayer(nn.Module):
 
         E, k, H = model_cfg.num_experts, model_cfg.top_k, model_cfg.hidden_size
         self.num_experts, self.top_k, self.normalize_top_k = E, k, moe_opt.normalize_top_k
+        self.score_function = moe_opt.score_function
         self.capacity_factor = nxd_capacity_factor(moe_opt.capacity_factor)
         sp = sequence_parallel
         router = RouterTopK(num_experts=E, top_k=k, hidden_size=H, sequence_parallel_enabled=sp,
-                            sequence_dimension=SEQUENCE_DIM, act_fn="softmax", jitter_eps=moe_opt.jitter_eps)
+                            sequence_dimension=SEQUENCE_DIM,
+                            act_fn=moe_opt.score_function,  # routing.py:119-124
+                            jitter_eps=moe_opt.jitter_eps)
         experts = ExpertMLPs(num_experts=E, top_k=k, hidden_size=H,
                              intermediate_size=model_cfg.intermediate_size, hidden_act="silu", glu_mlp=True,
                              capacity_factor=self.capacity_factor, sequence_parallel_enabled=sp,
@@ -79,8 +83,9 @@ class NxDMoELayer(nn.Module):
             y, logits_TE = self.moe(x)[:2]
         if not self.training or generating:
             return y, None
-        probs_TE = router_probs(logits_TE.float())
-        weights_TK, idx_TK = top_k_routing(probs_TE, self.top_k, self.normalize_top_k)
+        scores_TE = router_probs(logits_TE.float(), score_function=self.score_function)
+        weights_TK, idx_TK = top_k_routing(scores_TE, self.top_k, self.normalize_top_k)
+        probs_TE = balance_probs(scores_TE, self.score_function)
         capacity = None if dropless else nxd_capacity(logits_TE.shape[0], self.num_experts, self.top_k,
                                                       self.capacity_factor)
         keep_TK = apply_capacity(idx_TK, weights_TK, self.num_experts, capacity, "position")
