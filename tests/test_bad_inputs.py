@@ -112,7 +112,8 @@ CONFIG_CASES = [
     (["model.shared_expert_intermediate_size=-1"], "model.shared_expert_intermediate_size", "-1",
      "0 (no shared expert)"),
     (["model.dense_intermediate_size=0"], "model.dense_intermediate_size", "0", "or null"),
-    (["model.init_from_hf=/nonexistent"], "model.init_from_hf", "'/nonexistent'", "written by save_pretrained"),
+    (["model.init_from_hf=/nonexistent"], "model.init_from_hf", "'/nonexistent'",
+     "written by save_pretrained"),
     (["model.upcycle_from_hf=/nonexistent"], "model.upcycle_from_hf", "'/nonexistent'",
      "written by save_pretrained"),
     # routing
@@ -140,7 +141,8 @@ CONFIG_CASES = [
     (["trainer.spike_max_rollbacks=-1"], "trainer.spike_max_rollbacks", "-1", "use 0 or more"),
     (["trainer.max_nonfinite_steps=-1"], "trainer.max_nonfinite_steps", "-1", "0 (never stop)"),
     # hardware and layout
-    (["hardware.neuron_precision=fp4"], "hardware.neuron_precision", "'fp4'", "use one of bf16_sr, mixed, fp32"),
+    (["hardware.neuron_precision=fp4"], "hardware.neuron_precision", "'fp4'",
+     "use one of bf16_sr, mixed, fp32"),
     (["parallel.tp=0"], "parallel.tp", "0", "1 or more"),
     (["parallel.pp=0"], "parallel.pp", "0", "1 or more"),
     (["parallel.ep=0"], "parallel.ep", "0", "1 or more"),
@@ -175,7 +177,8 @@ CONFIG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides, field, value, fix", CONFIG_CASES, ids=[" ".join(c[0]) for c in CONFIG_CASES])
+@pytest.mark.parametrize("overrides, field, value, fix", CONFIG_CASES,
+                         ids=[" ".join(c[0]) for c in CONFIG_CASES])
 def test_bad_config(tmp_path, monkeypatch, overrides, field, value, fix):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -255,8 +258,8 @@ def existing_run(tmp_path, hidden_size=128, name="last.ckpt"):
     cfg = compose_train(f"model.hidden_size={hidden_size}")
     hparams = {"cfg": OmegaConf.to_container(cfg, resolve=True)}
     weights = {"model.w": torch.arange(4096, dtype=torch.float32)}
-    AtomicCheckpointIO().save_checkpoint({"global_step": 5, "state_dict": weights, "hyper_parameters": hparams},
-                                         run_dir / "checkpoints" / name)
+    state = {"global_step": 5, "state_dict": weights, "hyper_parameters": hparams}
+    AtomicCheckpointIO().save_checkpoint(state, run_dir / "checkpoints" / name)
     return run_dir
 
 
@@ -302,7 +305,7 @@ def test_resume_with_a_changed_model_shape(tmp_path):
 def test_corrupt_checkpoint_without_its_sidecar_is_not_resumed(tmp_path):
     run_dir = existing_run(tmp_path, name="step-000005.ckpt")
     ckpt = run_dir / "checkpoints" / "step-000005.ckpt"
-    (run_dir / "checkpoints" / "step-000005.ckpt.meta.json").unlink()  # copied without it, or killed before it
+    (run_dir / "checkpoints" / "step-000005.ckpt.meta.json").unlink()  # copied without it, or a kill
     flip_a_tensor_byte(ckpt)
     before = snapshot(run_dir)
     code, err = run_train(run_dir)
@@ -331,8 +334,9 @@ def test_disk_full_while_saving_a_checkpoint(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     code, err = run_train(run_dir, "trainer.max_steps=2", "model.num_layers=1", "trainer.progress_bar=false")
     assert code == 2 and "Traceback" not in err, err
-    assert f"error: checkpoint='{run_dir / 'checkpoints' / 'step-000002.ckpt'}' could not be written (No space " \
-           "left on device); its temporary file was removed. Fix: free space" in err
+    ckpt = run_dir / "checkpoints" / "step-000002.ckpt"
+    assert (f"error: checkpoint='{ckpt}' could not be written (No space left on device); its temporary "
+            "file was removed. Fix: free space") in err
     assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "summary.json").exists()
     assert not list((run_dir / "checkpoints").iterdir())
 
@@ -340,7 +344,7 @@ def test_disk_full_while_saving_a_checkpoint(tmp_path, monkeypatch):
 def test_a_logger_whose_package_is_missing(tmp_path, monkeypatch):
     from moe.train import environment
 
-    monkeypatch.setattr(environment, "installed", lambda package: package not in ("tensorboard", "tensorboardX"))
+    monkeypatch.setattr(environment, "installed", lambda name: name not in ("tensorboard", "tensorboardX"))
     code, err = run_train(tmp_path / "run", "logger=tensorboard")
     assert_user_error(code, err, "logger.tensorboard", "'lightning.pytorch.loggers.TensorBoardLogger'",
                       "pip install tensorboard")
@@ -385,8 +389,8 @@ def test_a_run_dir_that_cannot_be_created(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     proc = run_entry("train.py", f"hydra.run.dir={tmp_path / 'file' / 'run'}", timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert (f"error: hydra.run.dir='{tmp_path / 'file' / 'run'}' cannot be created: {tmp_path / 'file'} is not "
-            "a directory. Fix: ") in proc.stderr
+    assert (f"error: hydra.run.dir='{tmp_path / 'file' / 'run'}' cannot be created: {tmp_path / 'file'} "
+            "is not a directory. Fix: ") in proc.stderr
     assert (tmp_path / "file").read_text() == "not a directory"
 
 
@@ -405,7 +409,8 @@ def test_a_refused_resume_leaves_the_existing_run_byte_for_byte(tmp_path):
 
 def test_a_sweep_with_a_bad_job_exits_2_before_any_job_runs(tmp_path):
     """-m: every job is composed and checked first (job #1 here), with the job named."""
-    proc = run_entry("train.py", "-m", "model=tiny,tinyy", f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=300)
+    sweep_dir = f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    proc = run_entry("train.py", "-m", "model=tiny,tinyy", sweep_dir, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr  # Hydra's own exit is 1
     assert "error: model='tinyy' is refused when composing the config" in proc.stderr
     assert "(in sweep job #1: model=tinyy" in proc.stderr
@@ -417,8 +422,8 @@ def test_a_sweep_preset_whose_plugin_is_missing_says_what_to_install(tmp_path):
 
     if importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper"):
         pytest.skip("hydra-optuna-sweeper is installed here")
-    proc = run_entry("train.py", "-m", "+sweep=capacity_factor_optuna", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-                     timeout=300)
+    sweep_dir = f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    proc = run_entry("train.py", "-m", "+sweep=capacity_factor_optuna", sweep_dir, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "Fix: install the Hydra plugin: pip install -e '.[optuna]'" in proc.stderr
     assert not (tmp_path / "sweep").exists()
@@ -454,7 +459,8 @@ SUCCEEDS = {"test_dry_run_prints_the_plan_and_writes_nothing"}  # exit 0, and st
 
 def matrix_table() -> str:
     """The matrix as docs/FAULT_TOLERANCE.md shows it (`python tests/test_bad_inputs.py` prints it)."""
-    rows = [(f"`{' '.join(o)}`", 2, f"`{field}={value}` ... Fix: {fix} ...") for o, field, value, fix in CONFIG_CASES]
+    rows = [(f"`{' '.join(o)}`", 2, f"`{field}={value}` ... Fix: {fix} ...")
+            for o, field, value, fix in CONFIG_CASES]
     rows += [(f"`python train.py {o}`", 2, "; ".join(f"`{n}`" for n in needles)) for o, needles in CLI_CASES]
     functions = [name for name in globals() if name.startswith("test_") and name not in
                  ("test_bad_config", "test_bad_command_line_exits_2_before_the_run_dir_exists",
@@ -462,14 +468,15 @@ def matrix_table() -> str:
     rows += [(name[len("test_"):].replace("_", " "), 0 if name in SUCCEEDS else 2, f"see `{name}`")
              for name in functions]
     lines = ["| # | bad input | exit | what the message says (asserted) |", "|---|---|---|---|"]
-    lines += [f"| {i} | {what} | {code} | {says.replace('|', '/')} |" for i, (what, code, says) in enumerate(rows, 1)]
+    lines += [f"| {i} | {what} | {code} | {says.replace('|', '/')} |"
+              for i, (what, code, says) in enumerate(rows, 1)]
     return "\n".join(lines) + "\n"
 
 
 def test_the_doc_lists_every_case_of_the_matrix():
     table = matrix_table()
     assert table.count("\n") - 2 >= 90
-    assert table in DOC.read_text(), "docs/FAULT_TOLERANCE.md is stale: paste `python tests/test_bad_inputs.py`"
+    assert table in DOC.read_text(), "docs/FAULT_TOLERANCE.md is stale: paste python tests/test_bad_inputs.py"
 
 
 if __name__ == "__main__":

@@ -26,11 +26,12 @@ def test_non_tty_output_has_each_line_once_and_a_line_per_logged_step(tmp_path):
     assert out.count("GPU available") == 1 and out.count("`Trainer.fit` stopped") == 1  # was twice
     for noise in ("Epoch 0", "💡", "LeafSpec", "Traceback"):
         assert noise not in out, out
-    steps = [line.split(" - ", 1)[1].split(" loss")[0] for line in out.splitlines() if "moe.train.steps" in line]
+    steps = [line.split(" - ", 1)[1].split(" loss")[0]
+             for line in out.splitlines() if "moe.train.steps" in line]
     assert steps == ["step 1/6", "step 2/6", "step 4/6", "step 6/6"]
     log = (run_dir / "train.log").read_text()
     assert "step 6/6 loss " in log and " lr " in log and " tok/s " in log and " drop " in log
-    assert f"run dir: {run_dir}" in log and "GPU available" in log  # Lightning's lines too, via Hydra's handler
+    assert f"run dir: {run_dir}" in log and "GPU available" in log  # Lightning's too, via Hydra's handler
 
     # relaunch with more steps: says which checkpoint and step it resumes from, once, without Lightning's
     # "checkpoint directory is not empty" warning

@@ -58,7 +58,7 @@ def test_each_rank_records_its_files_and_a_resume_checks_their_sizes(sharded):
 
     data = sharded / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:-10])
-    with pytest.raises(CorruptCheckpoint, match=r"is not whole: __0_0.distcp is \d+ bytes but was written as"):
+    with pytest.raises(CorruptCheckpoint, match=r"is not whole: __0_0.distcp is \d+ bytes but was written"):
         verify_checkpoint(sharded)
 
 

@@ -117,13 +117,13 @@ def test_repeated_non_finite_steps_stop_the_run_with_one_paragraph(tmp_path, mon
 
     Injector(monkeypatch, {step: float("nan") for step in range(3, 20)})
     with pytest.raises(SystemExit) as stopped:
-        exit_on_user_error(train)(config("trainer.max_steps=12", "trainer.spike_factor=0",
-                                         "trainer.max_nonfinite_steps=4", "trainer.checkpoint_every_n_steps=2"),
-                                  tmp_path)
+        cfg = config("trainer.max_steps=12", "trainer.spike_factor=0", "trainer.max_nonfinite_steps=4",
+                     "trainer.checkpoint_every_n_steps=2")
+        exit_on_user_error(train)(cfg, tmp_path)
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "Traceback" not in err
     assert ("error: trainer.max_nonfinite_steps=4 reached: steps 3 to 6 all had a non-finite loss or gradient"
-            in err) and "resumes from the newest checkpoint (step 4)" in err  # skipped steps save unchanged weights
+            in err) and "resumes from the newest checkpoint (step 4)" in err  # skipped steps: same weights
     assert err.count("non-finite loss or gradient (loss=nan); update skipped") == 3  # steps 3-5, then stop
     assert not (tmp_path / "summary.json").exists()  # not a finished run
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*.ckpt"))

@@ -41,7 +41,8 @@ def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
             raise UserError("ckpt", ckpt, "train first (python train.py) or pass ckpt=PATH; ckpt=last looks "
                             f"in runs_dir={runs_dir!r}", problem=f"found no {runs_dir}/*/checkpoints/{LAST}")
         picked = found[-1]
-        print(f"ckpt=last: {picked}{resolved_name(picked)} (the newest of {len(found)} run(s) in {runs_dir}/; "
+        print(f"ckpt=last: {picked}{resolved_name(picked)} (the newest of {len(found)} run(s) in "
+              f"{runs_dir}/; "
               "pass ckpt=PATH for another)", file=sys.stderr)
         return picked
     path = Path(ckpt).expanduser()

@@ -131,8 +131,8 @@ def unwritable(path: Path, err: OSError) -> UserError:
                      f"free space or fix permissions under {path.parent} (df -h; ls -ld), or move the run "
                      "with hydra.run.dir=..., then relaunch the same command: it resumes from the newest "
                      "good checkpoint",
-                     problem=f"could not be written ({getattr(err, 'strerror', None) or err}); its temporary file was "
-                             "removed")
+                     problem=f"could not be written ({getattr(err, 'strerror', None) or err}); its "
+                             "temporary file was removed")
 
 
 def _maybe_kill_during_save(obj: Any, path: Path, tmp: Path, step: int | None) -> None:

@@ -37,7 +37,8 @@ def check_environment(cfg: DictConfig) -> None:
         packages = LOGGER_PACKAGES.get(target, ())
         if packages and not any(installed(p) for p in packages):
             raise ConfigError(f"logger.{name}", target,
-                              f"pip install {packages[0]} -c constraints.txt (or pip install -e '.[loggers]'), "
+                              f"pip install {packages[0]} -c constraints.txt "
+                              "(or pip install -e '.[loggers]'), "
                               f"or drop it: ~logger.{name}",
                               problem=f"needs {' or '.join(packages)}, which is not installed")
         if target.endswith("WandbLogger") and not node.get("offline", False):

@@ -126,7 +126,8 @@ class SpikeGuard(L.Callback):
                          "trainer.precision=32-true; relaunching resumes from the newest checkpoint "
                          f"({saved}); raise trainer.max_nonfinite_steps (0 = never stop) to keep going",
                          problem=f"reached: steps {step - self.nonfinite_in_a_row + 1} to {step} all had a "
-                                 "non-finite loss or gradient, so the run stopped (nothing was learned since)")
+                                 "non-finite loss or gradient, so the run stopped (nothing was learned "
+                                 "since)")
 
     def _spike(self, trainer, pl_module, step: int, loss: float, mean: float) -> None:
         self.counts["spikes"] += 1

@@ -20,8 +20,8 @@ import lightning as L
 import torch
 
 from moe.model.loss import router_loss
-from moe.train.console import STEP_LOGGER, log_step
 from moe.model.size import param_breakdown
+from moe.train.console import STEP_LOGGER, log_step
 from moe.train.step_stats import means_from_totals
 
 METRIC_COLUMNS = [
@@ -159,7 +159,8 @@ class RunMetrics(L.Callback):
 
     # -- end of run ---------------------------------------------------------------------------
     def on_train_end(self, trainer, pl_module) -> None:
-        self._peak_mib = float(pl_module.backend.all_reduce(pl_module, torch.tensor(peak_memory_mib()), "max"))
+        peak = pl_module.backend.all_reduce(pl_module, torch.tensor(peak_memory_mib()), "max")
+        self._peak_mib = float(peak)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         """summary.json marks a finished run, so it comes after every on_train_end: Lightning runs the

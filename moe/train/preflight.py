@@ -84,10 +84,9 @@ def compose_config(overrides: list[str], config_dir: str, config_name: str,
     """The config Hydra would give the task, without the `hydra` node, and the run dir Hydra would
     create; composition errors as UserError."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-
-    from hydra.core.hydra_config import HydraConfig
 
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):

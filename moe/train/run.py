@@ -60,10 +60,14 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     from moe.data import MoEDataModule
     from moe.data.tokenizer import copy_tokenizer_files
     from moe.train.callbacks import build_callbacks, build_loggers
-    from moe.train.console import bar_shown, configure_output
     from moe.train.checkpoint import (
-        check_resume_compatible, find_resume_checkpoint, resolved_name, step_hint, with_atomic_io,
+        check_resume_compatible,
+        find_resume_checkpoint,
+        resolved_name,
+        step_hint,
+        with_atomic_io,
     )
+    from moe.train.console import bar_shown, configure_output
     from moe.train.guard import RollbackRequested
     from moe.train.preemption import Preempted
 
@@ -108,7 +112,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
         if trainer.is_global_zero:
             copy_tokenizer_files(datamodule.tokenizer_dir, run_dir / "tokenizer")  # all inference needs
             if resume_from:
-                say(f"resuming from {resume_from}{resolved_name(resume_from)} at step {step_hint(resume_from)}")
+                say(f"resuming from {resume_from}{resolved_name(resume_from)} "
+                    f"at step {step_hint(resume_from)}")
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
             break

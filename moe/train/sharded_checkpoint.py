@@ -182,7 +182,8 @@ def check_manifests(path: Path, deep: bool = False) -> None:
             found = "is missing" if size is None else f"is {size} bytes but was written as {want['bytes']}"
             raise CorruptCheckpoint(f"is not whole: {name} {found}")
         if deep and _sha256(file) != want["sha256"]:
-            raise CorruptCheckpoint(f"is corrupt: {name} does not match the sha256 recorded when it was written")
+            raise CorruptCheckpoint(f"is corrupt: {name} does not match the sha256 recorded when it was "
+                                    "written")
 
 
 def load_sharded(path: str | Path, module, optimizers: list, mesh) -> dict:
