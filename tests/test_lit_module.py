@@ -23,6 +23,7 @@ def test_loss_is_ce_plus_coefficients_times_router_losses_of_every_layer():
     # out.aux_loss is the per-layer mean that metrics.csv logs; the loss uses the sum
     assert float(router_loss_sum(out.routing, cfg.moe_opt)) == pytest.approx(
         2 * (0.5 * float(out.aux_loss) + 0.25 * float(out.z_loss)), rel=1e-6)
-    ce = torch.nn.functional.cross_entropy(out.logits_BSV.reshape(-1, 512), ids.roll(-1, 1).reshape(-1))
+    logits = module.model(ids).logits_BSV  # the plain LM head: training's chunked one gives the same loss
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), ids.roll(-1, 1).reshape(-1))
     assert float(lm_loss) == pytest.approx(float(ce), rel=1e-5)
     assert float(out.router_loss) == pytest.approx(float(expected - lm_loss), rel=1e-6)  # the model's own sum

@@ -43,6 +43,9 @@ class BackendSpec:
     # attention keeps no [heads, S, S] scores for backward: torch's scaled_dot_product_attention
     # (flash / memory-efficient kernels on CUDA). Under XLA (trn1) it is traced to plain matmuls.
     fused_attention: bool = True
+    # the LM head and cross-entropy run in token chunks (moe/model/fused_ce.py): no [tokens, vocab]
+    # logits. NxD's vocabulary-parallel cross-entropy takes the full (sharded) logits.
+    fused_cross_entropy: bool = True
 
     def state_bytes(self, cfg) -> StateBytes:
         precision = str(cfg.trainer.precision or cfg.hardware.precision)
@@ -87,7 +90,7 @@ SPECS: dict[str, BackendSpec] = {
     "neuron": NeuronSpec(  # expert parallelism: moe.config.validate.check_neuron says why not
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
         pipeline_parallel=True, max_expert_parallel=1, hybrid_shard=False, precisions=None,
-        fused_attention=False),
+        fused_attention=False, fused_cross_entropy=False),
 }
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.config.validate import validate_model
+from moe.model.fused_ce import linear_cross_entropy
 from moe.model.init import draw_base_seed, init_stds, initialize
 from moe.model.loss import router_loss_sum
 from moe.model.moe import Experts, MoELayer, Router, RoutingStats
@@ -268,12 +269,13 @@ class Block(nn.Module):
 
 @dataclass
 class ModelOutput:
-    logits_BSV: torch.Tensor
+    logits_BSV: torch.Tensor | None  # None when forward was given labels: the loss is lm_loss
     routing: list[RoutingStats]  # one per MoE layer, in layer order (empty when generating)
     router_loss: torch.Tensor | float  # what training adds to the LM loss (moe.model.loss.router_loss_sum)
     aux_loss: torch.Tensor  # mean over MoE layers, for logging (0 when none)
     z_loss: torch.Tensor
     kv_cache: list[KVCache] | None = None
+    lm_loss: torch.Tensor | None = None  # forward(labels_BS=...): mean CE, from moe.model.fused_ce
 
 
 class MoETransformer(nn.Module):
@@ -334,13 +336,15 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids_BS: torch.Tensor, kv_cache: list[KVCache] | None = None,
                 position_offset: int = 0, attention_mask_BS: torch.Tensor | None = None,
-                generating: bool = False) -> ModelOutput:
+                generating: bool = False, labels_BS: torch.Tensor | None = None) -> ModelOutput:
         """attention_mask_BS: optional [B, position_offset + S], 1 = real token, 0 = left padding, over
         every position fed so far (cached ones included). Pads take positions like tokens; RoPE, ALiBi
         and the window see only distances, so a row's shift by its pad count changes nothing. Pads are
         routed like tokens (dropless routing keeps them from touching real tokens; they do count in
         routing stats and capacity), so pass a mask for generation, not training.
         generating: per-token (dropless) routing, and no routing statistics or losses.
+        labels_BS (-100 = no loss): the LM head and cross-entropy run together in token chunks
+        (moe.model.fused_ce) and return `lm_loss`, never the [tokens, vocab] logits (None then).
         """
         want = (input_ids_BS.shape[0], position_offset + input_ids_BS.shape[1])
         if attention_mask_BS is not None and tuple(attention_mask_BS.shape) != want:
@@ -353,9 +357,14 @@ class MoETransformer(nn.Module):
             x_BSH, stats = block(x_BSH, cache, position_offset, attention_mask_BS, generating)
             if stats is not None:
                 routing.append(stats)
-        logits_BSV = self.lm_head(self.norm(x_BSH))
-        zero = torch.zeros((), device=logits_BSV.device)
+        hidden_BSH = self.norm(x_BSH)
+        logits_BSV = lm = None
+        if labels_BS is None:
+            logits_BSV = self.lm_head(hidden_BSH)
+        else:
+            lm = linear_cross_entropy(hidden_BSH.flatten(0, 1), self.lm_head.weight, labels_BS.flatten())
+        zero = torch.zeros((), device=hidden_BSH.device)
         aux_loss = torch.stack([s.aux_loss for s in routing]).mean() if routing else zero
         z_loss = torch.stack([s.z_loss for s in routing]).mean() if routing else zero
         router_loss = router_loss_sum(routing, self.moe_opt)
-        return ModelOutput(logits_BSV, routing, router_loss, aux_loss, z_loss, kv_cache)
+        return ModelOutput(logits_BSV, routing, router_loss, aux_loss, z_loss, kv_cache, lm)

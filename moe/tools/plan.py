@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from moe.backends.specs import spec_of
 from moe.config.layout import Layout, launch_overrides
+from moe.model.fused_ce import CE_CHUNK_TOKENS
 from moe.model.size import head_dim_of, is_moe_layer, param_breakdown
 
 GIB = 2**30
@@ -47,7 +48,8 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     every layer and the experts' MLPs (the MoE layer keeps its input, the router's output and the
     dispatched rows in and out, 2h per assignment). With pp > 1, 1F1B keeps
     min(pp, micro-batches) micro-batches on the first stage; the last stage also holds fp32 logits
-    (s*V/tp per sequence).
+    (s*V/tp per sequence), or with BackendSpec.fused_cross_entropy one chunk's (CE_CHUNK_TOKENS)
+    and the LM head's fp32 gradient, which the chunked head computes in the forward.
     """
     m, p = cfg.model, cfg.parallel
     e = activation_dtype_bytes(cfg)
@@ -87,7 +89,10 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     tokens = s * b
     microbatches = p.pipeline_microbatches or cfg.trainer.accumulate_grad_batches
     in_flight = min(p.pp, microbatches) if p.pp > 1 else 1
-    logits = 2 * tokens * m.vocab_size * 4 / t  # fp32 logits and the cross-entropy's log-probabilities
+    if spec_of(cfg).fused_cross_entropy:  # a chunk's fp32 logits and softmax, the head's fp32 gradient
+        logits = 2 * min(tokens, CE_CHUNK_TOKENS) * m.vocab_size * 4 + m.vocab_size * m.hidden_size * 4
+    else:
+        logits = 2 * tokens * m.vocab_size * 4 / t  # fp32 logits and the cross-entropy's log-probabilities
     note = f"{p.activation_checkpointing} checkpointing, micro-batch {b} x {s} tokens"
     if sp:
         note += ", sequence parallel"

@@ -116,7 +116,6 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moe.model import MoETransformer
-    from moe.model.loss import lm_loss
     from moe.parallel.apply import apply_ac, apply_ep, apply_load_balance_group, moe_layers
     from moe.parallel.groups import build_expert_groups
     from moe.train.optim import build_optimizer
@@ -147,8 +146,8 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
         with fake_mode, tracker:
             for step in range(2):  # the first step creates the optimizer state; the second has it all
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                    out = model(tokens)
-                    loss = lm_loss(out.logits_BSV, tokens) + out.router_loss
+                    out = model(tokens, labels_BS=tokens)  # as LitMoE.losses: the chunked LM head + CE
+                    loss = out.lm_loss + out.router_loss
                 loss.backward()
                 optimizer.step()
                 if step == 0:

@@ -12,7 +12,6 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from moe.model.loss import lm_loss
 from moe.model.model import ModelOutput, MoETransformer
 from moe.train.optim import build_optimizer, build_scheduler
 from moe.train.step_stats import StepStats
@@ -49,9 +48,8 @@ class LitMoE(L.LightningModule):
 
     def losses(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, ModelOutput]:
         """(training loss, LM loss, model output) for one micro-batch."""
-        out = self.model(batch["input_ids"])
-        lm = lm_loss(out.logits_BSV, batch["labels"])
-        return lm + out.router_loss, lm, out
+        out = self.model(batch["input_ids"], labels_BS=batch["labels"])  # chunked LM head + CE
+        return out.lm_loss + out.router_loss, out.lm_loss, out
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, lm, out = self.losses(batch)
