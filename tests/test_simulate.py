@@ -39,3 +39,15 @@ def test_what_cannot_be_simulated_is_refused_with_exit_2(tmp_path, override, fie
     proc = run_entry("train.py", override, "simulate=true", f"hydra.run.dir={tmp_path / 'sim'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert field in proc.stderr and not (tmp_path / "sim" / "simulation.json").exists()
+
+
+def test_deepspeeds_fp32_master_partition_is_counted(tmp_path):
+    """ZeRO-1 under bf16: each rank's fp32 master partition (made outside the tracker) is in the peak."""
+    run_dir = tmp_path / "sim"
+    run_entry("train.py", "hardware=cpu_deepspeed", "trainer.devices=2", "parallel.zero_stage=1",
+              "trainer.precision=bf16-mixed", "simulate=true", f"hydra.run.dir={run_dir}", check=True)
+    result = json.loads((run_dir / "simulation.json").read_text())
+    sizes = param_breakdown(ModelConfig(**_tiny()))
+    master_gib = (-(-sizes.non_expert // 2) + -(-sizes.experts // 2)) * 4 / 2**30  # dp2: both halved
+    assert result["breakdown_gib"]["Other"] >= master_gib
+    assert abs(result["planned_peak_memory_gib"] / result["peak_memory_gib"] - 1) <= 0.3

@@ -39,6 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moe.backends.base import Backend, ExpertGroups, TrainerParts
+from moe.backends.specs import REDUCE_BUCKET_ELEMENTS
 from moe.errors import UserError
 from moe.parallel.expert_grads import expert_params
 
@@ -59,8 +60,8 @@ def deepspeed_config(cfg) -> dict:
             "reduce_scatter": True,  # ZeRO with MoE requires it
             "overlap_comm": on_gpu,  # overlap reduction with backward on CUDA streams
             "allgather_partitions": True,
-            "reduce_bucket_size": 200_000_000,
-            "allgather_bucket_size": 200_000_000,
+            "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
+            "allgather_bucket_size": REDUCE_BUCKET_ELEMENTS,
         },
         "steps_per_print": 10**9,  # metrics.csv is the record; keep DeepSpeed's own step log quiet
         "wall_clock_breakdown": False,

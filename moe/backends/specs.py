@@ -16,10 +16,11 @@ class StateBytes:
     """Bytes per parameter for the weight, its gradient and its AdamW state, and why.
 
     `step`: what the optimizer step adds for a moment per (optimizer-sharded) parameter: torch's
-    foreach AdamW keeps one more fp32 copy while it computes the update; DeepSpeed's ZeRO optimizer
-    also holds the partition's fp32 gradient then, having freed the model's half-precision ones
-    (`grads_in_step` False; deepspeed 0.19.8 runtime/zero/stage_1_and_2.py:3126 sets the fp32 grad
-    partition, :3128 frees the half gradients, :3139 steps, :3141 frees the partition).
+    foreach AdamW keeps one more fp32 copy while it computes the update, its fused kernel (what
+    moe.train.optim builds on CPU and CUDA) none; DeepSpeed's ZeRO optimizer holds the partition's
+    fp32 gradient then, having freed the model's half-precision ones (`grads_in_step` False;
+    deepspeed 0.19.8 runtime/zero/stage_1_and_2.py:3126 sets the fp32 grad partition, :3128 frees
+    the half gradients, :3139 steps, :3141 frees the partition).
     """
 
     param: int
@@ -46,14 +47,24 @@ class BackendSpec:
     # the LM head and cross-entropy run in token chunks (moe/model/fused_ce.py): no [tokens, vocab]
     # logits. NxD's vocabulary-parallel cross-entropy takes the full (sharded) logits.
     fused_cross_entropy: bool = True
+    # torch's fused AdamW (moe.train.optim.FUSED_ADAMW_DEVICES): the update needs no fp32 copy
+    fused_adamw: bool = True
 
     def state_bytes(self, cfg) -> StateBytes:
         precision = str(cfg.trainer.precision or cfg.hardware.precision)
+        step = 0 if self.fused_adamw else 4
         if precision.startswith(("32", "64")):
-            return StateBytes(4, 4, 8, "fp32 weights, grads and AdamW moments")
+            return StateBytes(4, 4, 8, "fp32 weights, grads and AdamW moments", step=step)
         if precision.endswith("-true"):
-            return StateBytes(2, 2, 4, f"{precision}: half-precision weights, grads and moments")
-        return StateBytes(4, 4, 8, f"{precision} autocast: fp32 weights, grads and moments")
+            return StateBytes(2, 2, 4, f"{precision}: half-precision weights, grads and moments", step=step)
+        return StateBytes(4, 4, 8, f"{precision} autocast: fp32 weights, grads and moments", step=step)
+
+    def comm_buffer_bytes(self, cfg) -> float:
+        """Bytes of communication buffers held through the backward, per device."""
+        return 0.0
+
+
+REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (moe/backends/deepspeed.py)
 
 
 @dataclass(frozen=True)
@@ -62,8 +73,17 @@ class DeepSpeedSpec(BackendSpec):
         precision = str(cfg.trainer.precision or cfg.hardware.precision)
         if precision.endswith("-mixed"):  # DeepSpeed keeps half weights and grads, fp32 master + moments
             return StateBytes(2, 2, 12, f"{precision} DeepSpeed: half weights, grads; fp32 master, moments",
-                              step=8, grads_in_step=False)
+                              step=4, grads_in_step=False)
         return super().state_bytes(cfg)
+
+    def comm_buffer_bytes(self, cfg) -> float:
+        """ZeRO's gradient reduction bucket: reduce_bucket_size elements of the model dtype, twice when
+        overlap_comm (on GPU) double-buffers it (deepspeed 0.19.8 stage_1_and_2.py:3256-3278)."""
+        if cfg.parallel.zero_stage < 1:
+            return 0.0
+        precision = str(cfg.trainer.precision or cfg.hardware.precision)
+        dtype_bytes = 4 if precision.startswith(("32", "64")) else 2
+        return REDUCE_BUCKET_ELEMENTS * dtype_bytes * (2 if cfg.hardware.accelerator == "gpu" else 1)
 
 
 @dataclass(frozen=True)
@@ -90,7 +110,7 @@ SPECS: dict[str, BackendSpec] = {
     "neuron": NeuronSpec(  # expert parallelism: moe.config.validate.check_neuron says why not
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
         pipeline_parallel=True, max_expert_parallel=1, hybrid_shard=False, precisions=None,
-        fused_attention=False, fused_cross_entropy=False),
+        fused_attention=False, fused_cross_entropy=False, fused_adamw=False),
 }
 
 

@@ -116,6 +116,7 @@ class Memory:
     activations: float
     step: float  # the optimizer step's transient (fp32 update buffers; DeepSpeed: the fp32 grad partition)
     grads_in_step: bool  # whether the gradients are still live during the step
+    comm: float  # communication buffers live through the backward (DeepSpeed's reduce bucket)
     capacity: float
     precision_note: str
     activation_note: str
@@ -123,10 +124,11 @@ class Memory:
 
     @property
     def total(self) -> float:
-        """Weights and optimizer state, plus the larger of the two phases: backward (gradients and
-        activations) and the optimizer step (its transient, with the gradients where they stay)."""
+        """Weights and optimizer state, plus the larger of the two phases: backward (gradients,
+        activations, communication buffers) and the optimizer step (its transient, with the
+        gradients where they stay)."""
         step = self.step + (self.grads if self.grads_in_step else 0.0)
-        return self.params + self.optimizer + max(self.grads + self.activations, step)
+        return self.params + self.optimizer + max(self.grads + self.activations + self.comm, step)
 
     @property
     def headroom(self) -> float:
@@ -175,6 +177,7 @@ class Plan:
             f"  gradients  {mem.grads:>9.2f}",
             f"  optimizer  {mem.optimizer:>9.2f}  {mem.sharding_note}",
             f"  activations{mem.activations:>9.2f}  {mem.activation_note}",
+            f"  comm       {mem.comm:>9.2f}  communication buffers held through the backward",
             f"  step       {mem.step:>9.2f}  optimizer-step buffers (the peak is the larger of backward "
             "and step)",
             f"  total      {mem.total:>9.2f}  -> {mem.verdict}, headroom {mem.headroom:.2f} GiB "
@@ -220,6 +223,7 @@ def memory_estimate(cfg, layout: Layout) -> Memory:
     return Memory(
         params=params / GIB, grads=grads / GIB, optimizer=optimizer / GIB,
         activations=max(first, last) / GIB, step=step / GIB, grads_in_step=bytes_.grads_in_step,
+        comm=spec_of(cfg).comm_buffer_bytes(cfg) / GIB,
         capacity=float(cfg.hardware.device_memory_gib),
         precision_note=f"{bytes_.note} ({pb}+{gb}+{ob} bytes/param)",
         activation_note=act_note, sharding_note=sharding_note,

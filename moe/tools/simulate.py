@@ -11,8 +11,10 @@ bytes each live tensor would hold on the device, by kind. torchtitan's memory es
 What it assumes: routing is perfectly balanced (no data exists to route; moe.model.sync), and the
 DeepSpeed ZeRO optimizer is its fp32 master partition plus two moments and the partition's fp32
 gradient (deepspeed 0.19.8 runtime/zero/stage_1_and_2.py: fp32 partitions :364, the partition's
-fp32 gradient set at :3126 after the half gradients are freed at :3128, stepped at :3139). Not counted:
-DDP's gradient buckets, communication buffers, the CUDA context and allocator fragmentation.
+fp32 gradient set at :3126 after the half gradients are freed at :3128, stepped at :3139), and its
+reduce bucket, which the engine would allocate, is added as the planner counts it
+(BackendSpec.comm_buffer_bytes). Not counted: DDP's gradient buckets, NCCL's own buffers, the CUDA
+context and allocator fragmentation.
 """
 from __future__ import annotations
 
@@ -142,7 +144,8 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
             optimizer = _optimizer(cfg, layout, model, param_dtype, build_optimizer)
             tokens = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len))
         tracker = MemTracker()
-        tracker.track_external(model, optimizer.optimizer, tokens)
+        masters = [part for part, _ in optimizer.partitions or []]  # DeepSpeed's fp32 master partitions
+        tracker.track_external(model, optimizer.optimizer, tokens, *masters)  # made outside the tracker
         with fake_mode, tracker:
             for step in range(2):  # the first step creates the optimizer state; the second has it all
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
@@ -159,14 +162,16 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
     device_peak = max(peak.values(), key=lambda kinds: kinds["Total"])
     breakdown = {getattr(k, "value", str(k)): v / GIB for k, v in device_peak.items() if v}
     plan = make_plan(cfg, layout)
+    if plan.memory.comm:  # DeepSpeed's buckets: its engine does not run here, so they are added as planned
+        breakdown["Comm buffers (DeepSpeed, added)"] = plan.memory.comm
     result = Simulation(
         world_size=layout.world, rank=rank, params_local=params_local,
-        params_total=plan.params_total, peak_memory_gib=device_peak["Total"] / GIB,
+        params_total=plan.params_total, peak_memory_gib=device_peak["Total"] / GIB + plan.memory.comm,
         planned_peak_memory_gib=plan.memory.total,
         breakdown_gib=breakdown,
         planned_gib={"parameters": plan.memory.params, "gradients": plan.memory.grads,
                      "optimizer": plan.memory.optimizer, "activations": plan.memory.activations,
-                     "step": plan.memory.step},
+                     "step": plan.memory.step, "comm": plan.memory.comm},
         precision=str(cfg.trainer.precision or cfg.hardware.precision),
         micro_batch_size=cfg.trainer.micro_batch_size, seq_len=cfg.data.seq_len,
         seconds=time.perf_counter() - start)
@@ -212,5 +217,6 @@ def _optimizer(cfg, layout, model, param_dtype, build_optimizer) -> _Optimizer:
         if params:
             numel = -(-sum(p.numel() for p in params) // shard)
             partitions.append((torch.nn.Parameter(torch.empty(numel, dtype=torch.float32)), params))
-    adamw = torch.optim.AdamW([part for part, _ in partitions], lr=cfg.optimizer.lr)
+    parts = [part for part, _ in partitions]
+    adamw = torch.optim.AdamW(parts, lr=cfg.optimizer.lr, fused=True)  # as build_optimizer gives DeepSpeed
     return _Optimizer(adamw, model, partitions)

@@ -62,7 +62,8 @@ class _FilesOnly(logging.Filter):
 
 
 def step_line(row: dict, max_steps: int) -> str:
-    """`step 40/300 loss 4.973 lr 3.00e-04 tok/s 4733 drop 0.0%`: what a cluster user scans a log for."""
+    """`step 40/300 loss 4.9731 lr 3.00e-04 tok/s 4733 drop 2.1% grad_norm 0.947`: what a cluster user
+    scans a log for; `-` where a value is missing or not finite."""
     def number(key: str, spec: str) -> str:
         value = row.get(key)
         return format(value, spec) if isinstance(value, (int, float)) and math.isfinite(value) else "-"
