@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import REPO, run_entry
 
+from moe.errors import UserError
 from moe.hf import upcycle
 
 transformers = pytest.importorskip("transformers")
@@ -75,3 +76,60 @@ def test_train_py_fine_tunes_an_upcycled_model_and_exports_it(tmp_path):
     run_entry("infer.py", f"ckpt={run}", f"export_hf={export}", check=True)
     exported = transformers.MixtralForCausalLM.from_pretrained(export, local_files_only=True)
     assert exported.config.num_local_experts == 4 and exported.config.num_experts_per_tok == 2
+
+
+@pytest.mark.parametrize("experts, top_k, g", [(8, 4, 2), (4, 4, 4), (8, 2, 2)])
+def test_fine_grained_upcycling_starts_equal_to_the_dense_model(tmp_path, experts, top_k, g):
+    """Each expert a 1/g slice of the dense MLP; tied router rows pick whole copies; weights x g."""
+    path, dense = dense_dir(tmp_path)
+    model = upcycle(path, num_experts=experts, top_k=top_k, granularity=g).eval()
+    assert model.cfg.intermediate_size == 64 // g and model.moe_opt.topk_scaling_factor == g
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)
+    router = model.layers[0].ffn.router.weight
+    assert torch.equal(router[0], router[g - 1])  # one copy's slices tie
+    assert experts == g or not torch.equal(router[0], router[g])  # copies differ
+    model.train()
+    out = model(ids)
+    out.logits_BSV.square().mean().backward()
+    grad = model.layers[0].ffn.router.weight.grad
+    assert not torch.equal(grad[0], grad[1])  # the tie breaks in training
+
+
+def test_fine_grained_upcycling_refuses_a_granularity_that_cannot_slice(tmp_path):
+    from moe.errors import ConfigError
+
+    path, _ = dense_dir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        upcycle(path, num_experts=8, top_k=2, granularity=4)  # top_k 2 is not a multiple of 4
+    assert err.value.field == "granularity" and "divides num_experts=8, top_k=2" in err.value.fix
+
+
+def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(tmp_path):
+    """The meta-device path (each rank reads its slices) gives the same model as moe.hf.upcycle."""
+    from hydra import compose, initialize_config_dir
+
+    from moe.backends import build_backend
+    from moe.config.validate import validate
+    from moe.train.init_from_hf import apply_init_from_hf
+
+    path, dense = dense_dir(tmp_path)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        overrides = [f"model.upcycle_from_hf={path}", "model.num_experts=8", "model.top_k=4",
+                     "model.upcycle_granularity=2", "moe_opt=dropless", "moe_opt.topk_scaling_factor=2",
+                     f"data.tokenizer={REPO}/data/sample"]
+        cfg = compose("train", overrides=overrides)
+    apply_init_from_hf(cfg)
+    assert cfg.model.intermediate_size == 32
+    backend = build_backend(cfg, validate(cfg))
+    module = backend.build_module()
+    backend.parallelize(module)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
+    module.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(module.model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[o for o in overrides if "topk_scaling" not in o])
+    with pytest.raises(UserError, match="moe_opt.topk_scaling_factor=2"):
+        apply_init_from_hf(cfg)

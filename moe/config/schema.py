@@ -41,6 +41,7 @@ class ModelConfig:
     compile: bool = False  # torch.compile the blocks
     init_from_hf: Optional[str] = None  # Mixtral-format directory to start from
     upcycle_from_hf: Optional[str] = None  # dense Mistral/Llama directory: every expert a copy of its MLP
+    upcycle_granularity: int = 1  # > 1: fine-grained upcycling, each expert a 1/g slice of the dense MLP
 
 
 @dataclass

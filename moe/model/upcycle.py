@@ -8,6 +8,14 @@ from the usual random init (near-uniform probabilities, so tokens spread over th
 learns to specialise the copies. Optional Gaussian noise on the expert copies breaks their
 symmetry (off by default: it also breaks the equality).
 
+Fine-grained upcycling (`granularity` g > 1): the dense MLP's intermediate width F is cut into g
+slices of F/g; expert c*g + j is slice j (of copy c), so num_experts/g copies of every slice exist.
+SwiGLU is elementwise in the intermediate dimension, so the g slices together compute the dense MLP
+exactly. The router rows of one copy's g experts start equal: their scores tie, and a top_k that is a
+multiple of g picks whole copies (all g slices of each of the top_k/g best copies), whose
+renormalised weights, times topk_scaling_factor = g, sum to 1 per slice: the logits again equal the
+dense model's. Training then breaks the ties (each slice's router row gets its own gradient).
+
 The dense keys are Mistral's and Llama's (`mlp.gate_proj/up_proj/down_proj`); `dense_tensor_source`
 reads them through moe.model.hf_tensors.our_value, so a rank building its shard on the meta
 device reads one tensor at a time, as `model.init_from_hf` does.
@@ -65,13 +73,43 @@ def model_config_from_dense(hf_config, num_experts: int, top_k: int) -> ModelCon
     return replace(cfg, num_experts=num_experts, top_k=top_k, moe_layer_frequency=1)
 
 
+def check_granularity(granularity: int, num_experts: int, top_k: int, intermediate_size: int,
+                      field: str = "granularity") -> None:
+    """What fine-grained upcycling needs to start equal to the dense model."""
+    if granularity < 1 or num_experts % granularity or top_k % granularity or intermediate_size % granularity:
+        raise ConfigError(field, granularity,
+                          f"use a g that divides num_experts={num_experts}, top_k={top_k} and the dense "
+                          f"intermediate_size={intermediate_size} (g=1: every expert a whole copy)",
+                          "cannot slice the dense MLP into whole copies")
+
+
+def fine_grained_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, experts: range,
+                         granularity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our (gate_up [n, H, 2F/g], down [n, F/g, H]) for `experts`: expert e is slice e % g of the dense
+    MLP (w1, w3 [F, H], w2 [H, F]); g = 1 gives whole copies."""
+    width = w1.shape[0] // granularity
+    cut = [slice((e % granularity) * width, (e % granularity + 1) * width) for e in experts]
+    gate_up = torch.stack([torch.cat([w1[s].T, w3[s].T], dim=1) for s in cut])
+    down = torch.stack([w2[:, s].T for s in cut])
+    return gate_up, down
+
+
+def tied_router_rows(router_EH: torch.Tensor, granularity: int) -> torch.Tensor:
+    """The router rows of each copy's g slice-experts made equal (the copy's first row), so top-k picks
+    whole copies at the start."""
+    return router_EH[::granularity].repeat_interleave(granularity, dim=0)
+
+
 def upcycle(dense, num_experts: int, top_k: int, moe_opt: MoEOptConfig | None = None,
-            noise_std: float = 0.0, seed: int = 0):
+            noise_std: float = 0.0, seed: int = 0, granularity: int = 1):
     """A MoETransformer from a transformers Mistral/Llama model or save_pretrained directory.
 
-    moe_opt defaults to dropless, renormalised top-k routing, under which the logits equal the
-    dense model's. noise_std > 0 adds N(0, noise_std * std(weight)) to each expert copy.
+    moe_opt defaults to dropless, renormalised top-k routing (times topk_scaling_factor = granularity),
+    under which the logits equal the dense model's. noise_std > 0 adds N(0, noise_std * std(weight))
+    to each expert. granularity g > 1: fine-grained experts, each a 1/g slice of the dense MLP.
     """
+    from dataclasses import replace
+
     from transformers import AutoModelForCausalLM
 
     from moe.model.hf import load_local
@@ -79,14 +117,26 @@ def upcycle(dense, num_experts: int, top_k: int, moe_opt: MoEOptConfig | None = 
 
     dense = load_local(dense, AutoModelForCausalLM, "model.upcycle_from_hf")
     cfg = model_config_from_dense(dense.config, num_experts, top_k)
+    check_granularity(granularity, num_experts, top_k, cfg.intermediate_size)
+    cfg = replace(cfg, intermediate_size=cfg.intermediate_size // granularity)
     moe_opt = moe_opt or MoEOptConfig(name="upcycled_dropless", capacity_factor=None,
-                                      eval_capacity_factor=None, normalize_top_k=True)
+                                      eval_capacity_factor=None, normalize_top_k=True,
+                                      topk_scaling_factor=float(granularity) if granularity > 1 else None)
     ref = next(dense.parameters())
     model = MoETransformer(cfg, moe_opt, init_seed=seed).to(dtype=ref.dtype)
-    routers = {name: p for name, p in model.state_dict().items() if name.endswith("ffn.router.weight")}
+    routers = {name: tied_router_rows(p, granularity)
+               for name, p in model.state_dict().items() if name.endswith("ffn.router.weight")}
     sd = dense.state_dict()
     get = dense_get(sd.__getitem__, lambda key: routers[_our_router_name(key)])
-    values = {name: our_value(name, get, num_experts) for name in model.state_dict()}
+    values = {}
+    for name in model.state_dict():
+        if ".ffn.experts." in name:
+            layer = "model." + name.split(".ffn.")[0] + ".mlp."
+            w1, w3, w2 = (sd[layer + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+            gate_up, down = fine_grained_experts(w1, w3, w2, range(num_experts), granularity)
+            values[name] = gate_up if name.endswith("gate_up") else down
+        else:
+            values[name] = our_value(name, get, num_experts)
     if noise_std > 0:
         gen = torch.Generator().manual_seed(seed)
         for name, value in values.items():
@@ -106,13 +156,18 @@ def dense_tensor_source(path: str | Path, model_cfg, router_values):
     """`source(name, shape, first_expert)` for MoETransformer.materialize (and trn1's param_init_fn) from
     a dense directory's safetensors; routers from `router_values(name, shape)` (the seeded init)."""
     files = SafetensorsDir(path)
+    g = getattr(model_cfg, "upcycle_granularity", 1)
 
     def source(name: str, shape, first_expert: int | None) -> torch.Tensor:
         if name.endswith("ffn.router.weight"):
-            return router_values(name, shape)
-        experts = None if first_expert is None else range(first_expert, first_expert + shape[0])
-        get = dense_get(files.get, lambda key: None)
-        value = our_value(name, get, model_cfg.num_experts, experts)
+            return tied_router_rows(router_values(name, shape), g)
+        if ".ffn.experts." in name:
+            experts = range(first_expert or 0, (first_expert or 0) + shape[0])
+            layer = "model." + name.split(".ffn.")[0] + ".mlp."
+            w1, w3, w2 = (files.get(layer + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj"))
+            value = fine_grained_experts(w1, w3, w2, experts, g)[0 if name.endswith("gate_up") else 1]
+        else:
+            value = our_value(name, dense_get(files.get, lambda key: None), model_cfg.num_experts)
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{path}: {name} is {tuple(value.shape)}, the model expects {tuple(shape)}")
         return value

@@ -19,7 +19,7 @@ from moe.infer.load import read_hf_config
 from moe.paths import local_path
 
 # Architecture fields init_from_hf takes from config.json; name/compile/init_from_hf stay the user's.
-KEEP_FROM_USER = ("name", "compile", "init_from_hf", "upcycle_from_hf")
+KEEP_FROM_USER = ("name", "compile", "init_from_hf", "upcycle_from_hf", "upcycle_granularity")
 
 
 def apply_init_from_hf(cfg: DictConfig) -> str | None:
@@ -31,7 +31,7 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
     wrong tokens).
     """
     from moe.model.hf import model_config_from_hf
-    from moe.model.upcycle import model_config_from_dense, read_dense_config
+    from moe.model.upcycle import check_granularity, model_config_from_dense, read_dense_config
 
     if cfg.model.init_from_hf and cfg.model.get("upcycle_from_hf"):
         raise UserError("model.upcycle_from_hf", cfg.model.upcycle_from_hf, "set only one of "
@@ -45,6 +45,16 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
         if field == "model.upcycle_from_hf":
             arch = asdict(model_config_from_dense(read_dense_config(path), cfg.model.num_experts,
                                                   cfg.model.top_k))
+            g = cfg.model.get("upcycle_granularity", 1)
+            check_granularity(g, arch["num_experts"], arch["top_k"], arch["intermediate_size"],
+                              "model.upcycle_granularity")
+            arch["intermediate_size"] //= g
+            scaling = cfg.moe_opt.get("topk_scaling_factor")
+            if g > 1 and scaling != g:
+                raise ConfigError("moe_opt.topk_scaling_factor", scaling,
+                                  f"set moe_opt.topk_scaling_factor={g}: each of a copy's {g} slices then "
+                                  f"gets weight 1/{g} x {g}, and the start equals the dense model",
+                                  f"does not match model.upcycle_granularity={g}")
         else:
             arch = asdict(model_config_from_hf(read_hf_config(path, field)))
     except ConfigError as err:
