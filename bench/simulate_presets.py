@@ -25,6 +25,9 @@ CASES = {  # label -> train.py overrides
     "mixtral_8x7b, 2x8 GPUs dp2_ep8": ["hardware=gpu", "model=mixtral_8x7b", "parallel=dp2_ep8",
                                        "trainer.devices=8", "trainer.num_nodes=2",
                                        "trainer.micro_batch_size=1", "data.seq_len=4096"],
+    "deepseek_moe_16b + deepseek_v3 routing, 8 GPUs ep8": [
+        "hardware=gpu", "model=deepseek_moe_16b", "moe_opt=deepseek_v3", "parallel.ep=8", "trainer.devices=8",
+        "trainer.micro_batch_size=1", "data.seq_len=4096", "parallel.zero_stage=1"],
 }
 
 

@@ -33,6 +33,7 @@ from moe.errors import ConfigError
 from moe.tools.plan import GIB, make_plan
 
 SIMULATION_FILE = "simulation.json"
+COMM = "Comm"  # the breakdown's entry for communication buffers added from the plan
 
 
 @dataclass
@@ -67,6 +68,9 @@ class Simulation:
         lines += [f"  {kind:<11}{self.breakdown_gib.get(kind, 0.0):>9.2f}" for kind in kinds]
         lines.append(f"  planner    {self.planned_peak_memory_gib:>9.2f}  ({100 * self.planner_error:+.1f}% "
                      "against the simulation)")
+        if COMM in self.breakdown_gib:
+            lines.append(f"  ({COMM}: DeepSpeed's reduce bucket as the planner counts it; its engine does "
+                         "not run here)")
         return "\n".join(lines)
 
 
@@ -163,10 +167,11 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
     breakdown = {getattr(k, "value", str(k)): v / GIB for k, v in device_peak.items() if v}
     plan = make_plan(cfg, layout)
     if plan.memory.comm:  # DeepSpeed's buckets: its engine does not run here, so they are added as planned
-        breakdown["Comm buffers (DeepSpeed, added)"] = plan.memory.comm
+        breakdown[COMM] = plan.memory.comm
+        breakdown["Total"] += plan.memory.comm
     result = Simulation(
         world_size=layout.world, rank=rank, params_local=params_local,
-        params_total=plan.params_total, peak_memory_gib=device_peak["Total"] / GIB + plan.memory.comm,
+        params_total=plan.params_total, peak_memory_gib=breakdown["Total"],
         planned_peak_memory_gib=plan.memory.total,
         breakdown_gib=breakdown,
         planned_gib={"parameters": plan.memory.params, "gradients": plan.memory.grads,
