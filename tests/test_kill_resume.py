@@ -137,31 +137,33 @@ def test_sigkill_before_a_checkpoint_after_one_and_mid_save_then_resume_matches(
                                                                 "step-000012.ckpt"}
 
 
-def test_supervisor_relaunches_a_run_killed_while_writing_last_ckpt(tmp_path, reference):
+def test_supervisor_relaunches_a_run_killed_mid_save(tmp_path, reference):
+    """Killed half-way through step 8's file, under moe.supervise: relaunched, it resumes from step 4
+    (last.ckpt, a link, still points there: it is re-pointed only after a file has landed)."""
     run_dir = tmp_path / "run"
-    env = {**ENV, KILL_DURING_SAVE_ENV: "8:last.ckpt"}  # step-000008.ckpt lands, last.ckpt does not
+    env = {**ENV, KILL_DURING_SAVE_ENV: "8"}
     cmd = [sys.executable, "-m", "moe.supervise", "--max-restarts", "2", "--backoff", "0", "--",
            *train_cmd(run_dir)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=2 * TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     restarts = (run_dir / "restarts.log").read_text().splitlines()
     assert "killed by SIGKILL; restart 1/2" in restarts[0] and "finished after 1 restart(s)" in restarts[-1]
-    newest = run_dir / "checkpoints" / "step-000008.ckpt"  # newer than last.ckpt, which never landed
-    assert f"resuming from {newest}" in proc.stdout
+    assert f"resuming from {run_dir / 'checkpoints' / 'step-000004.ckpt'} at step 4" in proc.stdout
     assert_same_run(run_dir, reference)
 
 
 def test_truncated_checkpoints_at_resume_are_reported_and_the_previous_one_is_used(tmp_path, reference):
     run_dir = tmp_path / "run"
-    shutil.copytree(reference, run_dir)
-    for name in ("last.ckpt", "step-000012.ckpt"):  # a crash of the storage, not of the writer
-        path = run_dir / "checkpoints" / name
-        path.write_bytes(path.read_bytes()[:4096])
+    shutil.copytree(reference, run_dir, symlinks=True)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert os.readlink(last) == "step-000012.ckpt"
+    newest = run_dir / "checkpoints" / "step-000012.ckpt"  # a crash of the storage, not of the writer
+    newest.write_bytes(newest.read_bytes()[:4096])
     proc = run_to_end(run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("last.ckpt", "step-000012.ckpt"):
-        assert f"checkpoint {run_dir / 'checkpoints' / name} is 4096 bytes" in proc.stderr
+    assert f"checkpoint {newest} is 4096 bytes" in proc.stderr
     assert "(truncated); falling back to the previous checkpoint" in proc.stderr
+    assert f"checkpoint {last} " not in proc.stderr  # the link is its target, checked once
     assert f"resuming from {run_dir / 'checkpoints' / 'step-000008.ckpt'}" in proc.stdout
     assert_same_run(run_dir, reference)  # steps 9-12 retrained to the same result
 

@@ -117,7 +117,8 @@ def test_cpu_deepspeed_matches_single_process(tmp_path, tmp_path_factory, parall
     last = run / "checkpoints" / "last.ckpt"
     ckpt = read_checkpoint(last)
     assert ckpt["state_dict"]["model.layers.0.ffn.experts.gate_up"].shape[0] == 8  # read whole: all experts
-    partitions = last / "per_rank" if last.is_dir() else run / "checkpoints" / "last.ckpt.zero"
+    target = last.resolve()  # last.ckpt links to the newest step; its ZeRO partitions sit beside that
+    partitions = last / "per_rank" if last.is_dir() else target.with_name(target.name + ".zero")
     assert sorted(p.name for p in partitions.iterdir()) == ["rank_00000.pt", "rank_00001.pt"]  # ZeRO state
     assert last.is_dir() == ("parallel=ep2" in parallel)  # EP: each rank wrote its experts (sharded)
 

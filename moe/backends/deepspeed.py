@@ -252,6 +252,10 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
 
 
 def zero_shards_dir(filepath: Path) -> Path:
+    """`<file>.zero/` beside the checkpoint file; last.ckpt, a link, shares its target's."""
+    filepath = Path(filepath)
+    if filepath.is_symlink():
+        filepath = filepath.resolve()
     return filepath.with_name(filepath.name + ZERO_SHARDS_SUFFIX)
 
 
