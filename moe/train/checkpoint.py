@@ -281,7 +281,7 @@ def step_hint(path: Path) -> int:
     return int(match.group(1)) if match else sys.maxsize  # unknown step: try it first, verify tells
 
 
-def _is_rank_zero() -> bool:
+def is_rank_zero() -> bool:
     return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
 
 
@@ -300,7 +300,7 @@ def find_resume_checkpoint(ckpt_dir: str | Path, step: int | None = None, quiet:
             return 0 if found is None else found  # a DeepSpeed directory without a step in its name
         except CorruptCheckpoint as err:
             bad.append(f"{path.name} {err}")
-            if not quiet and _is_rank_zero():
+            if not quiet and is_rank_zero():
                 print(f"warning: checkpoint {path} {err}; falling back to the previous checkpoint",
                       file=sys.stderr, flush=True)
             return -1

@@ -134,7 +134,7 @@ def check_config(cfg: DictConfig):
 def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     """What Hydra would trip over or overwrite: a run dir that cannot be created, and a resume that
     train() would refuse (Hydra rewrites the existing run's .hydra/ and train.log before the task)."""
-    from moe.train.checkpoint import check_resume_compatible, find_resume_checkpoint
+    from moe.train.checkpoint import check_resume_compatible, find_resume_checkpoint, is_rank_zero
 
     existing = run_dir
     while not existing.exists() and existing != existing.parent:
@@ -144,7 +144,7 @@ def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
         raise UserError("hydra.run.dir", str(run_dir),
                         "pick a writable place: hydra.run.dir=DIR (or run_name=NAME under runs/)",
                         problem=f"cannot be created: {existing} {what}")
-    if cfg.resume:
+    if cfg.resume and is_rank_zero():  # one reader: every rank hashing a 90 GB file at launch is wasted IO
         resume_from = find_resume_checkpoint(run_dir / "checkpoints", quiet=True)
         if resume_from:
             check_resume_compatible(resume_from, cfg)
