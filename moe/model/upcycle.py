@@ -16,13 +16,13 @@ multiple of g picks whole copies (all g slices of each of the top_k/g best copie
 renormalised weights, times topk_scaling_factor = g, sum to 1 per slice: the logits again equal the
 dense model's. Training then breaks the ties (each slice's router row gets its own gradient).
 
-The dense keys are Mistral's and Llama's (`mlp.gate_proj/up_proj/down_proj`); `dense_tensor_source`
-reads them through moe.model.hf_tensors.our_value, so a rank building its shard on the meta
-device reads one tensor at a time, as `model.init_from_hf` does.
+The dense keys are Mistral's and Llama's (`mlp.gate_proj/up_proj/down_proj`); `dense_value` builds
+each of our tensors from them (the rest through moe.model.hf_tensors.our_value), for `upcycle` from a
+state dict and for `dense_tensor_source` from the safetensors, so a rank building its shard on the
+meta device reads one tensor at a time, as `model.init_from_hf` does.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -32,23 +32,6 @@ from moe.errors import ConfigError
 from moe.model.hf_tensors import SafetensorsDir, our_value
 
 DENSE_TYPES = ("mistral", "llama")
-_EXPERT_KEY = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.experts\.\d+\.(w1|w2|w3)\.weight")
-_DENSE_MLP = {"w1": "mlp.gate_proj.weight", "w3": "mlp.up_proj.weight", "w2": "mlp.down_proj.weight"}
-
-
-def dense_get(get, router):
-    """`get` over Mixtral keys, answered from a dense model's keys: every expert J is the dense MLP;
-    the router (absent from a dense model) from `router(layer key prefix)`."""
-
-    def mixtral_get(key: str) -> torch.Tensor:
-        match = _EXPERT_KEY.fullmatch(key)
-        if match:
-            return get(match.group(1) + _DENSE_MLP[match.group(2)])
-        if key.endswith("block_sparse_moe.gate.weight"):
-            return router(key)
-        return get(key)
-
-    return mixtral_get
 
 
 def model_config_from_dense(hf_config, num_experts: int, top_k: int) -> ModelConfig:
@@ -94,6 +77,20 @@ def fine_grained_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, e
     return gate_up, down
 
 
+def dense_value(name: str, get, num_experts: int, router, granularity: int = 1,
+                experts: range | None = None) -> torch.Tensor:
+    """Our tensor `name` from a dense model's keys (`get`): the experts `experts` (default all) as
+    slices or copies of the layer's MLP, a router from `router(name)`, the rest as Mixtral's."""
+    if name.endswith("ffn.router.weight"):
+        return router(name)
+    if ".ffn.experts." in name:
+        mlp = "model." + name.split(".ffn.")[0] + ".mlp."
+        w1, w3, w2 = (get(mlp + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj"))
+        gate_up, down = fine_grained_experts(w1, w3, w2, experts or range(num_experts), granularity)
+        return gate_up if name.endswith("gate_up") else down
+    return our_value(name, get, num_experts)
+
+
 def tied_router_rows(router_EH: torch.Tensor, granularity: int) -> torch.Tensor:
     """The router rows of each copy's g slice-experts made equal (the copy's first row), so top-k picks
     whole copies at the start."""
@@ -127,16 +124,8 @@ def upcycle(dense, num_experts: int, top_k: int, moe_opt: MoEOptConfig | None = 
     routers = {name: tied_router_rows(p, granularity)
                for name, p in model.state_dict().items() if name.endswith("ffn.router.weight")}
     sd = dense.state_dict()
-    get = dense_get(sd.__getitem__, lambda key: routers[_our_router_name(key)])
-    values = {}
-    for name in model.state_dict():
-        if ".ffn.experts." in name:
-            layer = "model." + name.split(".ffn.")[0] + ".mlp."
-            w1, w3, w2 = (sd[layer + n + ".weight"] for n in ("gate_proj", "up_proj", "down_proj"))
-            gate_up, down = fine_grained_experts(w1, w3, w2, range(num_experts), granularity)
-            values[name] = gate_up if name.endswith("gate_up") else down
-        else:
-            values[name] = our_value(name, get, num_experts)
+    values = {name: dense_value(name, sd.__getitem__, num_experts, routers.__getitem__, granularity)
+              for name in model.state_dict()}
     if noise_std > 0:
         gen = torch.Generator().manual_seed(seed)
         for name, value in values.items():
@@ -147,11 +136,6 @@ def upcycle(dense, num_experts: int, top_k: int, moe_opt: MoEOptConfig | None = 
     return model
 
 
-def _our_router_name(key: str) -> str:
-    return key.replace("model.layers.", "layers.").replace("block_sparse_moe.gate.weight",
-                                                           "ffn.router.weight")
-
-
 def dense_tensor_source(path: str | Path, model_cfg, router_values):
     """`source(name, shape, first_expert)` for MoETransformer.materialize (and trn1's param_init_fn) from
     a dense directory's safetensors; routers from `router_values(name, shape)` (the seeded init)."""
@@ -159,15 +143,9 @@ def dense_tensor_source(path: str | Path, model_cfg, router_values):
     g = getattr(model_cfg, "upcycle_granularity", 1)
 
     def source(name: str, shape, first_expert: int | None) -> torch.Tensor:
-        if name.endswith("ffn.router.weight"):
-            return tied_router_rows(router_values(name, shape), g)
-        if ".ffn.experts." in name:
-            experts = range(first_expert or 0, (first_expert or 0) + shape[0])
-            layer = "model." + name.split(".ffn.")[0] + ".mlp."
-            w1, w3, w2 = (files.get(layer + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj"))
-            value = fine_grained_experts(w1, w3, w2, experts, g)[0 if name.endswith("gate_up") else 1]
-        else:
-            value = our_value(name, dense_get(files.get, lambda key: None), model_cfg.num_experts)
+        experts = None if first_expert is None else range(first_expert, first_expert + shape[0])
+        value = dense_value(name, files.get, model_cfg.num_experts,
+                            lambda router: tied_router_rows(router_values(router, shape), g), g, experts)
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{path}: {name} is {tuple(value.shape)}, the model expects {tuple(shape)}")
         return value
