@@ -15,6 +15,7 @@ from moe.errors import UserError
 from moe.train.checkpoint import (
     KILL_DURING_SAVE_ENV,
     AtomicCheckpointIO,
+    CorruptCheckpoint,
     check_resume_compatible,
     find_resume_checkpoint,
     meta_path,
@@ -34,6 +35,26 @@ def ckpt(step: int, cfg: dict | None = None) -> dict:
 
 def save(path, step):
     AtomicCheckpointIO().save_checkpoint(ckpt(step), path)
+
+
+def test_an_unchanged_file_is_hashed_once_per_process_and_a_changed_one_again(tmp_path, monkeypatch):
+    """train.py verifies the newest checkpoint in its preflight and again in train(): one hash."""
+    from moe.train import checkpoint
+
+    path = tmp_path / "step-000003.ckpt"
+    save(path, 3)
+    hashed = []
+    real = checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda p: (hashed.append(p), real(p))[1])
+    assert verify_checkpoint(path) == 3 and verify_checkpoint(path) == 3
+    assert len(hashed) == 1
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a later write
+    with pytest.raises(CorruptCheckpoint, match="does not match the sha256"):
+        verify_checkpoint(path)
+    assert len(hashed) == 2
 
 
 def test_save_writes_file_and_sidecar_and_leaves_no_temp(tmp_path):

@@ -218,6 +218,31 @@ def verify_checkpoint(path: str | Path, deep: bool = False) -> int | None:
             raise CorruptCheckpoint("was not finished by every rank (no `done` file: the run stopped while "
                                     "saving it)")
         return int(_load(path / USER_CONTENT)["global_step"])
+    try:
+        stat = path.stat()
+    except OSError:
+        return _verify_file(path)  # missing or unreadable: it says so
+    # train.py verifies the newest checkpoint in its preflight and again in train(), one process: a
+    # file unchanged since (same inode, size and mtime) is not hashed twice
+    key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _verify_file(path)
+    return _VERIFIED[key]
+
+
+_VERIFIED: dict[tuple, int | None] = {}  # checkpoint files that verified in this process -> global_step
+
+
+def file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _verify_file(path: Path) -> int | None:
+    """A checkpoint file's step: its sidecar's size and sha256, else the zip CRC-32s and a full load."""
     meta = meta_path(path)
     if meta.exists():
         try:
@@ -228,11 +253,7 @@ def verify_checkpoint(path: str | Path, deep: bool = False) -> int | None:
             size = path.stat().st_size
             if size != record["bytes"]:
                 raise CorruptCheckpoint(f"is {size} bytes but was written as {record['bytes']} (truncated)")
-            sha = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 22), b""):
-                    sha.update(block)
-            if sha.hexdigest() != record["sha256"]:
+            if file_sha256(path) != record["sha256"]:
                 raise CorruptCheckpoint("does not match the sha256 recorded when it was written (corrupt)")
             return record["global_step"]
     check_zip_crc(path)

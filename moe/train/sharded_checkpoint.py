@@ -22,7 +22,6 @@ expert: for infer.py, export, a resume with ep=1 and `python -m moe.tools.consol
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -34,7 +33,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moe.errors import UserError
-from moe.train.checkpoint import CorruptCheckpoint, atomic_torch_save, fsync_dir, unwritable
+from moe.train.checkpoint import CorruptCheckpoint, atomic_torch_save, file_sha256, fsync_dir, unwritable
+from moe.train.metrics import write_json_atomic
 
 TRAINER_STATE = "trainer_state.pt"
 PARTIAL_SUFFIX = ".partial"
@@ -139,26 +139,14 @@ def save_sharded(path: str | Path, module, optimizers: list, mesh, trainer_state
     dist.barrier()
 
 
-def _sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def write_manifest(partial: Path, rank: int, with_metadata: bool) -> None:
     """This rank's files (DCP's `__<rank>_*.distcp`, per_rank/, rank 0 also `.metadata`): size and sha256."""
     files = sorted(partial.glob(f"__{rank}_*.distcp"))
     files += [f for f in (rank_file(partial, rank),) if f.is_file()]
     files += [partial / DCP_METADATA] if with_metadata else []
-    record = {str(f.relative_to(partial)): {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
-    tmp = partial / f".{MANIFEST.format(rank=rank)}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, partial / MANIFEST.format(rank=rank))
+    record = {str(f.relative_to(partial)): {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+              for f in files}
+    write_json_atomic(partial / MANIFEST.format(rank=rank), record)
 
 
 def check_manifests(path: Path, deep: bool = False) -> None:
@@ -181,7 +169,7 @@ def check_manifests(path: Path, deep: bool = False) -> None:
         if size != want["bytes"]:
             found = "is missing" if size is None else f"is {size} bytes but was written as {want['bytes']}"
             raise CorruptCheckpoint(f"is not whole: {name} {found}")
-        if deep and _sha256(file) != want["sha256"]:
+        if deep and file_sha256(file) != want["sha256"]:
             raise CorruptCheckpoint(f"is corrupt: {name} does not match the sha256 recorded when it was "
                                     "written")
 
