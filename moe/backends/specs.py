@@ -81,9 +81,8 @@ class DeepSpeedSpec(BackendSpec):
         overlap_comm (on GPU) double-buffers it (deepspeed 0.19.8 stage_1_and_2.py:3256-3278)."""
         if cfg.parallel.zero_stage < 1:
             return 0.0
-        precision = str(cfg.trainer.precision or cfg.hardware.precision)
-        dtype_bytes = 4 if precision.startswith(("32", "64")) else 2
-        return REDUCE_BUCKET_ELEMENTS * dtype_bytes * (2 if cfg.hardware.accelerator == "gpu" else 1)
+        model_dtype_bytes = self.state_bytes(cfg).param
+        return REDUCE_BUCKET_ELEMENTS * model_dtype_bytes * (2 if cfg.hardware.accelerator == "gpu" else 1)
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,17 @@ def linear_cross_entropy(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, label
     """mean over tokens whose label is not -100 of CE(hidden @ weight.T, label), in fp32."""
     if torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad):
         return _LinearCrossEntropy.apply(hidden_NH, weight_VH, labels_N, chunk_size)
-    valid_N = labels_N != IGNORE_INDEX
-    safe_N, valid_f = labels_N.masked_fill(~valid_N, 0), valid_N.to(torch.float32)
+    safe_N, valid_f, count = _targets(labels_N)
     total = sum(_chunk_losses(hidden_NH[s:s + chunk_size], weight_VH, safe_N[s:s + chunk_size],
                               valid_f[s:s + chunk_size], want_grad=False)[0]
                 for s in range(0, hidden_NH.shape[0], chunk_size))
-    return total / valid_N.sum().clamp(min=1)
+    return total / count
+
+
+def _targets(labels_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(labels with -100 replaced by 0, 1.0 where a token carries loss, how many do (at least 1))."""
+    valid_N = labels_N != IGNORE_INDEX
+    return labels_N.masked_fill(~valid_N, 0), valid_N.to(torch.float32), valid_N.sum().clamp(min=1)
 
 
 def _chunk_losses(h_CH, weight_VH, labels_C, valid_C, want_grad: bool):
@@ -41,7 +46,7 @@ def _chunk_losses(h_CH, weight_VH, labels_C, valid_C, want_grad: bool):
     loss = ((lse_C - target_C) * valid_C).sum()
     if not want_grad:
         return loss, None
-    grad_CV = torch.exp(logits_CV - lse_C.unsqueeze(1))  # softmax, in place of the logits' memory
+    grad_CV = torch.exp(logits_CV - lse_C.unsqueeze(1))  # softmax: d(CE)/d(logits) less the one-hot
     grad_CV.scatter_add_(1, labels_C.unsqueeze(1), -torch.ones_like(target_C).unsqueeze(1))
     grad_CV *= valid_C.unsqueeze(1)
     return loss, grad_CV
@@ -50,10 +55,7 @@ def _chunk_losses(h_CH, weight_VH, labels_C, valid_C, want_grad: bool):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, chunk_size):
-        valid_N = labels_N != IGNORE_INDEX
-        safe_N = labels_N.masked_fill(~valid_N, 0)
-        count = valid_N.sum().clamp(min=1)
-        valid_f = valid_N.to(torch.float32)
+        safe_N, valid_f, count = _targets(labels_N)
         ctx.weight_dtype = weight_VH.dtype
         total = hidden_NH.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None

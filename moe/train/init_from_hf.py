@@ -49,12 +49,6 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
             check_granularity(g, arch["num_experts"], arch["top_k"], arch["intermediate_size"],
                               "model.upcycle_granularity")
             arch["intermediate_size"] //= g
-            scaling = cfg.moe_opt.get("topk_scaling_factor")
-            if g > 1 and scaling != g:
-                raise ConfigError("moe_opt.topk_scaling_factor", scaling,
-                                  f"set moe_opt.topk_scaling_factor={g}: each of a copy's {g} slices then "
-                                  f"gets weight 1/{g} x {g}, and the start equals the dense model",
-                                  f"does not match model.upcycle_granularity={g}")
         else:
             arch = asdict(model_config_from_hf(read_hf_config(path, field)))
     except ConfigError as err:
@@ -62,6 +56,12 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
             raise
         raise UserError(field, str(path), err.fix, problem=f"has {err.field}={err.value!r}, "
                         f"which {err.problem}") from err
+    g = cfg.model.get("upcycle_granularity", 1)
+    if field == "model.upcycle_from_hf" and g > 1 and cfg.moe_opt.get("topk_scaling_factor") != g:
+        raise ConfigError("moe_opt.topk_scaling_factor", cfg.moe_opt.get("topk_scaling_factor"),
+                          f"set moe_opt.topk_scaling_factor={g}: each of a copy's {g} slices then gets "
+                          f"weight 1/{g} x {g}, and the start equals the dense model",
+                          f"does not match model.upcycle_granularity={g}")
     for key, value in arch.items():
         if key not in KEEP_FROM_USER:
             cfg.model[key] = value

@@ -65,7 +65,7 @@ class NxDMoELayer(nn.Module):
         sp = sequence_parallel
         router = RouterTopK(num_experts=E, top_k=k, hidden_size=H, sequence_parallel_enabled=sp,
                             sequence_dimension=SEQUENCE_DIM,
-                            act_fn=moe_opt.score_function,  # routing.py:119-124
+                            act_fn=moe_opt.score_function,  # routing.py:116-126 apply_activation_fn
                             jitter_eps=moe_opt.jitter_eps)
         experts = ExpertMLPs(num_experts=E, top_k=k, hidden_size=H,
                              intermediate_size=model_cfg.intermediate_size, hidden_act="silu", glu_mlp=True,
