@@ -158,6 +158,20 @@ CONFIG_CASES = [
     (["parallel.hybrid_shard_degree=2"], "parallel.hybrid_shard_degree", "2", "hybrid_shard_degree=null"),
     (["parallel=dp2_ep8"], "parallel.dp", "16", "trainer.devices=2 trainer.num_nodes=8"),
     (["hardware=trn1"], "hardware", "'trn1'", "Neuron SDK 2.28 environment"),  # no SDK on this machine
+    # the torch-native backend (hardware.strategy=fsdp2)
+    (["hardware=cpu_fsdp2", "parallel=dp2", "trainer.devices=2"], "parallel.zero_stage", "0",
+     "set parallel.zero_stage=3"),
+    (["hardware=cpu_fsdp2", "parallel=fsdp2_ep2", "trainer.devices=2", "parallel.hybrid_shard_degree=1"],
+     "parallel.hybrid_shard_degree", "1", "use a multiple of parallel.ep=2"),
+    (["hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "trainer.devices=2", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel", "True", "set parallel.sequence_parallel=false"),
+    (["hardware=cpu_fsdp2", "model.tie_word_embeddings=true"], "model.tie_word_embeddings", "True",
+     "set model.tie_word_embeddings=false"),
+    (["hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "trainer.devices=2", "model.position_encoding=alibi"],
+     "model.position_encoding", "'alibi'", "use rope with tensor parallelism"),
+    (["hardware=cpu_fsdp2", "trainer.precision=bf16-true"], "trainer.precision", "'bf16-true'",
+     "use one of 32-true, bf16-mixed"),
+    (["hardware=trn2"], "hardware", "'trn2'", "TorchNeuron installed"),  # no TorchNeuron here
     # data and optimizer
     (["data.kind=weird"], "data.kind", "'weird'", "use one of prepared, online"),
     (["data.format=weird"], "data.format", "'weird'", "use one of text, chat, sentence"),

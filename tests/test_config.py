@@ -24,8 +24,10 @@ pytestmark = needs_data
 
 # trainer overrides that give each parallel preset the world it needs on each hardware
 WORLD = {"single": 1, "dp2": 2, "ep2": 2, "dp2_ep8": 16, "tp8_pp8": 512, "tp8_pp8_ep8": 512, "tp8_sp": 8,
-         "dp2_zero1": 2, "ep2_zero2": 2}
-DEVICES_PER_NODE = {"cpu": 2, "cpu_deepspeed": 2, "gpu": 8, "trn1": 32}
+         "dp2_zero1": 2, "ep2_zero2": 2, "fsdp2": 1, "fsdp2_dp2": 2, "fsdp2_tp2": 2, "fsdp2_ep2": 2,
+         "fsdp2_hsdp": 4}
+DEVICES_PER_NODE = {"cpu": 2, "cpu_deepspeed": 2, "gpu": 8, "trn1": 32, "cpu_fsdp2": 2, "gpu_fsdp2": 8,
+                    "trn2": 64}
 
 
 def presets(group: str) -> list[str]:
@@ -101,9 +103,21 @@ MATRIX_ERRORS = {
     ("gpu", "tp8_pp8"): "parallel.tp",
     ("gpu", "tp8_sp"): "parallel.tp",
 }
+# the fsdp2 presets elsewhere: ZeRO-3 (FSDP2) is theirs alone, so is HSDP; TP only where it exists
+for _hardware in ("cpu", "cpu_deepspeed", "gpu", "trn1"):
+    MATRIX_ERRORS.update({(_hardware, p): "parallel.zero_stage" for p in ("fsdp2", "fsdp2_dp2", "fsdp2_ep2")})
+    MATRIX_ERRORS[(_hardware, "fsdp2_hsdp")] = "parallel.hybrid_shard_degree"
+    MATRIX_ERRORS[(_hardware, "fsdp2_tp2")] = "parallel.zero_stage" if _hardware == "trn1" else "parallel.tp"
+# the other presets on the fsdp2 backend: FSDP2 shards weights (ZeRO 0/1 refused once dp > 1), no PP or SP
+for _hardware in ("cpu_fsdp2", "gpu_fsdp2", "trn2"):
+    MATRIX_ERRORS.update({(_hardware, p): "parallel.zero_stage"
+                          for p in ("dp2", "ep2", "dp2_zero1", "dp2_ep8")})
+    MATRIX_ERRORS.update({(_hardware, p): "parallel.pp" for p in ("tp8_pp8", "tp8_pp8_ep8")})
+    MATRIX_ERRORS[(_hardware, "tp8_sp")] = "parallel.sequence_parallel"
 
 
-@pytest.mark.parametrize("hardware", ["cpu", "cpu_deepspeed", "gpu", "trn1"])
+@pytest.mark.parametrize("hardware", ["cpu", "cpu_deepspeed", "gpu", "trn1",
+                                      "cpu_fsdp2", "gpu_fsdp2", "trn2"])
 def test_hardware_x_parallel(hardware):
     for parallel in presets("parallel"):
         cfg = make_cfg(f"hardware={hardware}", f"parallel={parallel}", "model=mixtral_8x7b",
@@ -119,7 +133,8 @@ def test_hardware_x_parallel(hardware):
             assert err.value.field == expected, (hardware, parallel, str(err.value))
 
 
-@pytest.mark.parametrize("experiment", ["karakuri_8x7b_trn1", "mixtral_8x7b_gpu_dp2_ep8"])
+@pytest.mark.parametrize("experiment", ["karakuri_8x7b_trn1", "mixtral_8x7b_gpu_dp2_ep8",
+                                        "mixtral_8x22b_gpu_fsdp2", "mixtral_8x7b_trn2"])
 def test_experiments_validate_at_their_own_world(experiment):
     cfg = make_cfg(f"experiment={experiment}")
     validate(cfg)  # no dry run: trainer.devices x num_nodes is the experiment's real cluster

@@ -14,6 +14,8 @@ def build_backend(cfg, layout):
         from moe.backends.ddp import DDPBackend as backend_class
     elif name == "deepspeed":
         from moe.backends.deepspeed import DeepSpeedBackend as backend_class
+    elif name == "fsdp2":
+        from moe.backends.fsdp2 import FSDP2Backend as backend_class
     else:
         from moe.backends.neuron import NeuronBackend as backend_class
     return backend_class(cfg, layout)

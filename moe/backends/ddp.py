@@ -73,9 +73,9 @@ class ShardedDDPStrategy(DDPStrategy):
         return True
 
     def mesh(self):
-        from moe.train.sharded_checkpoint import expert_mesh
+        from moe.train.sharded_checkpoint import checkpoint_mesh
 
-        return expert_mesh(self.layout, self.root_device.type)
+        return checkpoint_mesh(self.root_device.type)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         from moe.train.sharded_checkpoint import save_sharded

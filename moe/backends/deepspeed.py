@@ -176,10 +176,10 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
         partition = {"optimizer": self.deepspeed_engine.optimizer.state_dict(),
                      "layout": self._layout(checkpoint.get("global_step"))}
         if self.ep > 1:  # a sharded directory: each rank its experts and its partition
-            from moe.train.sharded_checkpoint import expert_mesh, save_sharded
+            from moe.train.sharded_checkpoint import checkpoint_mesh, save_sharded
 
             rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            save_sharded(filepath, self.lightning_module, [], expert_mesh(self.layout, self.root_device.type),
+            save_sharded(filepath, self.lightning_module, [], checkpoint_mesh(self.root_device.type),
                          {**rest, "optimizer_states": []}, self.is_global_zero, per_rank=partition)
             return
         shards = zero_shards_dir(filepath)
@@ -200,12 +200,17 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
             shutil.rmtree(zero_shards_dir(Path(filepath)), ignore_errors=True)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        from moe.train.sharded_checkpoint import expert_mesh, is_sharded_checkpoint, load_sharded, rank_file
+        from moe.train.sharded_checkpoint import (
+            checkpoint_mesh,
+            is_sharded_checkpoint,
+            load_sharded,
+            rank_file,
+        )
 
         path = Path(checkpoint_path)
         if is_sharded_checkpoint(path) and self.ep > 1:  # weights resharded into the live tensors
             self._loaded_from, self._partition_file = path, rank_file(path, self.global_rank)
-            mesh = expert_mesh(self.layout, self.root_device.type)
+            mesh = checkpoint_mesh(self.root_device.type)
             return load_sharded(path, self.lightning_module, [], mesh)
         if path.is_dir() and not is_sharded_checkpoint(path):  # a DeepSpeed-native checkpoint directory
             return super().load_checkpoint(checkpoint_path, weights_only)

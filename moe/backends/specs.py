@@ -86,6 +86,32 @@ class DeepSpeedSpec(BackendSpec):
 
 
 @dataclass(frozen=True)
+class FSDP2Spec(BackendSpec):
+    """FSDP2 shards weights from zero_stage 2 on (2 keeps them gathered from forward to backward); TP
+    splits attention and dense MLPs only (moe.parallel.tensor_parallel)."""
+
+    def comm_buffer_bytes(self, cfg) -> float:
+        """Weights FSDP2 holds gathered at the backward's peak, in the compute dtype: the root unit
+        (embedding, final norm, LM head: FSDP2 does not reshard the root after the forward) and the largest
+        block's share (its TP part, this EP rank's experts), two blocks with zero_stage 3 (the current one
+        and the prefetched one), every block with 2; plus one block's unsharded fp32 gradient before its
+        reduce-scatter."""
+        from moe.config.layout import Layout
+        from moe.model.size import param_breakdown
+
+        m, bd, layout = cfg.model, param_breakdown(cfg.model), Layout.from_config(cfg)
+        compute = 2 if str(cfg.trainer.precision or cfg.hardware.precision).endswith("-mixed") else 4
+        n_moe, n_dense = bd.num_moe_layers, m.num_layers - bd.num_moe_layers
+        attention = bd.attention / m.num_layers / layout.tp
+        routed = bd.routers + bd.shared_experts + bd.experts / layout.ep
+        moe_block = attention + routed / n_moe if n_moe else 0
+        dense_block = attention + bd.dense_mlp / n_dense / layout.tp if n_dense else 0
+        block = max(moe_block, dense_block)
+        blocks = m.num_layers if layout.zero_stage == 2 else min(2, m.num_layers)
+        return (bd.embedding + bd.lm_head + bd.final_norm + blocks * block) * compute + block * 4
+
+
+@dataclass(frozen=True)
 class NeuronSpec(BackendSpec):
     def state_bytes(self, cfg) -> StateBytes:
         preset = cfg.hardware.neuron_precision
@@ -106,6 +132,10 @@ SPECS: dict[str, BackendSpec] = {
         name="deepspeed", library="DeepSpeed", max_zero_stage=2,  # ZeRO-3 rejects DeepSpeed's native MoE
         tensor_parallel=False, pipeline_parallel=False, max_expert_parallel=None, hybrid_shard=False,
         precisions=("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")),
+    "fsdp2": FSDP2Spec(  # FSDP2 shards weights too (ZeRO-3 class); pipeline parallelism not built
+        name="fsdp2", library="PyTorch FSDP2 + DTensor", max_zero_stage=3, tensor_parallel=True,
+        pipeline_parallel=False, max_expert_parallel=None, hybrid_shard=True,
+        precisions=("32-true", "bf16-mixed")),
     "neuron": NeuronSpec(  # expert parallelism: moe.config.validate.check_neuron says why not
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
         pipeline_parallel=True, max_expert_parallel=1, hybrid_shard=False, precisions=None,

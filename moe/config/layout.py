@@ -75,6 +75,7 @@ class Layout:
     seq_len: int
     num_layers: int
     num_experts: int
+    hybrid_shard_degree: int | None = None  # HSDP: shard within groups of this many data-parallel ranks
 
     @classmethod
     def from_config(cls, cfg) -> Layout:
@@ -86,6 +87,7 @@ class Layout:
             devices_per_node=cfg.hardware.devices_per_node, micro_batch_size=t.micro_batch_size,
             accumulate_grad_batches=t.accumulate_grad_batches, seq_len=cfg.data.seq_len,
             num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts,
+            hybrid_shard_degree=p.hybrid_shard_degree,
         )
 
     # -- degrees and batch arithmetic ---------------------------------------------------------------

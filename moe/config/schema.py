@@ -109,7 +109,7 @@ class HardwareConfig:
     """The machine; picks the Lightning strategy plugin and nothing else."""
 
     name: str = "cpu"
-    accelerator: str = "cpu"  # cpu | gpu | neuron
+    accelerator: str = "cpu"  # cpu | gpu | neuron (XLA, trn1) | torch_neuron (TorchNeuron, trn2)
     strategy: str = "ddp"  # ddp | deepspeed | neuron
     backend: str = "gloo"  # gloo | nccl | xla
     device_name: str = "CPU"

@@ -244,8 +244,9 @@ def check_hybrid_shard(cfg) -> None:
     if p.hybrid_shard_degree is None:
         return
     _need(spec.hybrid_shard, "parallel.hybrid_shard_degree", p.hybrid_shard_degree,
-          f"set parallel.hybrid_shard_degree=null: {spec.library} shards ZeRO state over the whole "
-          "data-parallel group",
+          f"set parallel.hybrid_shard_degree=null ({spec.library} shards ZeRO state over the whole "
+          "data-parallel group), or use the fsdp2 backend, which has HSDP (hardware=gpu_fsdp2, trn2, "
+          "cpu_fsdp2)",
           f"is not implemented by {spec.library} (hardware={cfg.hardware.name})")
     dp = Layout.from_config(cfg).dp
     _need(p.hybrid_shard_degree >= 1 and dp % p.hybrid_shard_degree == 0, "parallel.hybrid_shard_degree",
@@ -461,12 +462,43 @@ def check_neuron(cfg) -> None:
           "with top_k=1 is refused by neuronx-distributed (expert_mlps_v2.py:270-271)")
 
 
+def check_fsdp2(cfg) -> None:
+    """What the torch-native backend (moe/backends/fsdp2.py) does not do, refused with what to use."""
+    if cfg.hardware.strategy != "fsdp2":
+        return
+    p, m = cfg.parallel, cfg.model
+    dp = Layout.from_config(cfg).dp
+    _need(p.zero_stage >= 2 or dp == 1, "parallel.zero_stage", p.zero_stage,
+          "set parallel.zero_stage=3 (each block's gathered weights freed after its forward) or 2 (kept "
+          "until its backward: more memory, one all-gather fewer)",
+          "is not what FSDP2 does: it shards weights, gradients and optimizer states over the data-parallel "
+          "ranks (use hardware=gpu, DeepSpeed, for ZeRO-1)")
+    if p.hybrid_shard_degree:
+        _need(p.hybrid_shard_degree % p.ep == 0, "parallel.hybrid_shard_degree", p.hybrid_shard_degree,
+              f"use a multiple of parallel.ep={p.ep}",
+              "must hold whole expert-parallel groups (each HSDP shard group holds every expert)")
+    _need(not p.sequence_parallel, "parallel.sequence_parallel", True, "set parallel.sequence_parallel=false",
+          "is not built on the fsdp2 backend (its tensor parallelism keeps activations whole between blocks)")
+    _need(not m.tie_word_embeddings, "model.tie_word_embeddings", True, "set model.tie_word_embeddings=false",
+          "is not supported on the fsdp2 backend (FSDP2 would shard the embedding and the LM head apart)")
+    if p.tp > 1:
+        _need(m.num_kv_heads % p.tp == 0, "parallel.tp", p.tp,
+              f"use a tp that divides model.num_kv_heads={m.num_kv_heads}",
+              f"does not divide num_kv_heads={m.num_kv_heads}: each rank holds whole KV heads")
+        width = m.dense_intermediate_size or m.intermediate_size
+        _need(width % p.tp == 0, "parallel.tp", p.tp, f"use a tp that divides the dense MLP width {width}",
+              f"does not divide the dense MLP width {width}")
+        _need(m.position_encoding == "rope", "model.position_encoding", m.position_encoding,
+              "use rope with tensor parallelism on the fsdp2 backend, or parallel.tp=1",
+              "is not split over TP ranks (ALiBi's slopes are per head)")
+
+
 RULES = [  # in order: counts, then the hardware, then divisibility of the layout, then the rest
     check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_model,
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
-    check_neuron,
+    check_neuron, check_fsdp2,
 ]
 
 

@@ -116,7 +116,7 @@ class Memory:
     activations: float
     step: float  # the optimizer step's transient (fp32 update buffers; DeepSpeed: the fp32 grad partition)
     grads_in_step: bool  # whether the gradients are still live during the step
-    comm: float  # communication buffers live through the backward (DeepSpeed's reduce bucket)
+    comm: float  # held through the backward: DeepSpeed's reduce bucket, FSDP2's gathered weights
     capacity: float
     precision_note: str
     activation_note: str
@@ -177,7 +177,8 @@ class Plan:
             f"  gradients  {mem.grads:>9.2f}",
             f"  optimizer  {mem.optimizer:>9.2f}  {mem.sharding_note}",
             f"  activations{mem.activations:>9.2f}  {mem.activation_note}",
-            f"  comm       {mem.comm:>9.2f}  communication buffers held through the backward",
+            f"  comm       {mem.comm:>9.2f}  held through the backward: DeepSpeed's reduce bucket, "
+            "FSDP2's gathered weights",
             f"  step       {mem.step:>9.2f}  optimizer-step buffers (the peak is the larger of backward "
             "and step)",
             f"  total      {mem.total:>9.2f}  -> {mem.verdict}, headroom {mem.headroom:.2f} GiB "
@@ -196,26 +197,38 @@ def memory_estimate(cfg, layout: Layout) -> Memory:
     outer = bd.embedding + bd.lm_head + bd.final_norm
     if pp > 1:  # first stage holds the embedding, last the norm and lm_head (tied: both keep a copy)
         outer = max(bd.embedding, (bd.lm_head or bd.embedding) + bd.final_norm)
-    non_expert = (layer_dense / pp + outer) / tp
+    spec = spec_of(cfg)
+    if spec.name == "fsdp2":  # TP splits attention and dense MLPs; the rest is whole on every TP rank
+        non_expert = (bd.attention + bd.dense_mlp) / tp + bd.routers + bd.shared_experts + outer
+    else:
+        non_expert = (layer_dense / pp + outer) / tp
+    # experts: split by TP (NxD), or whole on every TP rank but sharded over it by FSDP2: the same count
     expert = bd.experts / pp / (ep * tp)
 
-    bytes_ = spec_of(cfg).state_bytes(cfg)
+    bytes_ = spec.state_bytes(cfg)
     pb, gb, ob = bytes_.param, bytes_.grad, bytes_.optimizer
-    expert_dp = layout.expert_dp
     shard = min(dp, p.hybrid_shard_degree or dp)
-    expert_shard = min(expert_dp, p.hybrid_shard_degree or expert_dp)
+    expert_shard = min(layout.expert_dp, p.hybrid_shard_degree or layout.expert_dp)
+    weights_from = 3
+    if spec.name == "fsdp2":  # weights sharded at rest at both stages; HSDP shard groups hold whole EP groups
+        weights_from = 2
+        expert_shard = p.hybrid_shard_degree // ep if p.hybrid_shard_degree else layout.expert_dp
 
     def sharded(n_dense: float, n_expert: float, stage_needed: int) -> float:
         if p.zero_stage >= stage_needed:
             return n_dense / shard + n_expert / expert_shard
         return n_dense + n_expert
 
-    params = sharded(non_expert, expert, 3) * pb
+    params = sharded(non_expert, expert, weights_from) * pb
     grads = sharded(non_expert, expert, 2) * gb
     optimizer = sharded(non_expert, expert, 1) * ob
     step = sharded(non_expert, expert, 1) * bytes_.step
     first, last, act_note = activation_bytes(cfg, cfg.trainer.micro_batch_size)
-    if p.zero_stage >= 1:
+    if spec.name == "fsdp2" and p.zero_stage >= weights_from:
+        replicas = f", {dp // shard} HSDP replicas" if dp > shard else ""
+        sharding_note = (f"FSDP2: dense states over {shard} ranks, expert states over {expert_shard * tp} "
+                         f"(expert replicas x TP){replicas}")
+    elif p.zero_stage >= 1:
         sharding_note = (f"ZeRO-{p.zero_stage}: dense states over {shard} ranks, expert states over "
                          f"{expert_shard} (expert-dp)")
     else:
@@ -223,7 +236,7 @@ def memory_estimate(cfg, layout: Layout) -> Memory:
     return Memory(
         params=params / GIB, grads=grads / GIB, optimizer=optimizer / GIB,
         activations=max(first, last) / GIB, step=step / GIB, grads_in_step=bytes_.grads_in_step,
-        comm=spec_of(cfg).comm_buffer_bytes(cfg) / GIB,
+        comm=spec.comm_buffer_bytes(cfg) / GIB,
         capacity=float(cfg.hardware.device_memory_gib),
         precision_note=f"{bytes_.note} ({pb}+{gb}+{ob} bytes/param)",
         activation_note=act_note, sharding_note=sharding_note,
@@ -239,6 +252,8 @@ def memory_hints(cfg) -> list[str]:
     able = {"ep": more_ep, "tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
     degrees = [key for key, ok in able.items() if ok]
     hints.append("more " + " / ".join(f"parallel.{d}" for d in degrees))
+    if p.hybrid_shard_degree:
+        hints.append("a larger parallel.hybrid_shard_degree (null: shard over every data-parallel rank)")
     if p.activation_checkpointing != "full":
         hints.append("parallel.activation_checkpointing=full")
     if cfg.trainer.micro_batch_size > 1:

@@ -76,10 +76,12 @@ class Simulation:
 
 def check_simulatable(cfg, layout: Layout) -> None:
     """What the simulation cannot run here, refused before anything starts."""
-    if layout.tp > 1 or layout.pp > 1:
-        raise ConfigError("simulate", True, "use dry_run=true for this layout's plan",
+    if (layout.tp > 1 and spec_of(cfg).name != "fsdp2") or layout.pp > 1:
+        raise ConfigError("simulate", True,
+                          "use dry_run=true for this layout's plan, or the torch-native backend for TP "
+                          "(hardware=gpu_fsdp2 or trn2, which simulate)",
                           f"runs the torch model's own code path; tensor/pipeline parallelism "
-                          f"(tp={layout.tp}, pp={layout.pp}) is neuronx-distributed's, which needs XLA")
+                          f"(tp={layout.tp}, pp={layout.pp}) here is neuronx-distributed's, which needs XLA")
     if not 0 <= cfg.simulate_rank < layout.world:
         raise ConfigError("simulate_rank", cfg.simulate_rank, f"use a rank in 0..{layout.world - 1}",
                           f"is not a rank of the {layout.world}-device world")
@@ -108,6 +110,18 @@ def _param_dtype_and_autocast(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     return torch.float32, None
 
 
+def _local_shard_optimizer(optimizer, model) -> _Optimizer:
+    """The run's optimizer (its groups, its fused AdamW) over each DTensor parameter's local shard, which is
+    what its step computes on: torch's MemTracker, fed DTensor sharding propagation's fake tensors during
+    an optimizer step, counts global-size tensors that never exist (measured: 17x the moments of a
+    2-layer FSDP2 model), so the simulation steps the local shards the DTensor step would."""
+    views: dict[int, tuple] = {}
+    for group in optimizer.param_groups:
+        group["params"] = [views.setdefault(id(p), (p, torch.nn.Parameter(p._local_tensor)))[1]
+                           for p in group["params"]]
+    return _Optimizer(optimizer, model, local_views=list(views.values()))
+
+
 def _zero_shards(cfg, layout: Layout) -> tuple[int, int]:
     """(ranks the dense optimizer state is split over, ranks the expert state is split over)."""
     if cfg.parallel.zero_stage < 1:
@@ -118,7 +132,6 @@ def _zero_shards(cfg, layout: Layout) -> tuple[int, int]:
 def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
     """Run the simulated step of rank `cfg.simulate_rank`; write <run_dir>/simulation.json."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moe.model import MoETransformer
@@ -131,25 +144,33 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
     param_dtype, autocast = _param_dtype_and_autocast(cfg)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
     try:
-        groups = build_expert_groups(layout) if layout.ep > 1 else None  # the run's own groups, on fake ranks
-        with FakeTensorMode(), _default_dtype(param_dtype):
-            model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
-        if groups is not None:
-            apply_ep(model, groups.ep)
-        if cfg.moe_opt.aux_loss_group == "dp" and layout.world > 1:
-            apply_load_balance_group(model, dist.group.WORLD)
-        apply_ac(model, cfg.parallel.activation_checkpointing, cfg.parallel.activation_checkpointing_every_n)
+        fsdp2 = spec_of(cfg).name == "fsdp2"
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=fsdp2)  # fsdp2: meta parameters become fake ones
+        if fsdp2:
+            model = _fsdp2_model(cfg, layout, fake_mode)
+        else:
+            groups = build_expert_groups(layout) if layout.ep > 1 else None  # the run's own, on fake ranks
+            with fake_mode, _default_dtype(param_dtype):
+                model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
+            if groups is not None:
+                apply_ep(model, groups.ep)
+            if cfg.moe_opt.aux_loss_group == "dp" and layout.world > 1:
+                apply_load_balance_group(model, dist.group.WORLD)
+            par = cfg.parallel
+            apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)
         for layer in moe_layers(model):  # what a GPU runs in half precision; fake kernels exist for bf16 only
             layer.experts.use_grouped_mm = (autocast or param_dtype) == torch.bfloat16
-        params_local = sum(p.numel() for p in model.parameters())
+        params_local = sum(_local_numel(p) for p in model.parameters())
 
-        fake_mode = model.embed_tokens.weight.fake_mode
         with fake_mode:
             optimizer = _optimizer(cfg, layout, model, param_dtype, build_optimizer)
             tokens = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len))
-        tracker = MemTracker()
-        masters = [part for part, _ in optimizer.partitions or []]  # DeepSpeed's fp32 master partitions
-        tracker.track_external(model, optimizer.optimizer, tokens, *masters)  # made outside the tracker
+        tracker = _device_peak_tracker(model, optimizer.optimizer if fsdp2 else None)
+        if fsdp2:
+            tracker.track_inputs((tokens,))
+        else:
+            masters = [part for part, _ in optimizer.partitions or []]  # DeepSpeed's fp32 master partitions
+            tracker.track_external(model, optimizer.optimizer, tokens, *masters)  # made outside the tracker
         with fake_mode, tracker:
             for step in range(2):  # the first step creates the optimizer state; the second has it all
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
@@ -166,7 +187,9 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
     device_peak = max(peak.values(), key=lambda kinds: kinds["Total"])
     breakdown = {getattr(k, "value", str(k)): v / GIB for k, v in device_peak.items() if v}
     plan = make_plan(cfg, layout)
-    if plan.memory.comm:  # DeepSpeed's buckets: its engine does not run here, so they are added as planned
+    # DeepSpeed's engine does not run here: its buckets are added as planned (FSDP2's gathered weights
+    # are real tensors of the simulated step, counted by the tracker)
+    if plan.memory.comm and spec_of(cfg).name == "deepspeed":
         breakdown[COMM] = plan.memory.comm
         breakdown["Total"] += plan.memory.comm
     result = Simulation(
@@ -187,6 +210,48 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
     return result
 
 
+def _fsdp2_model(cfg, layout: Layout, fake_mode):
+    """The fsdp2 backend's own model: built on the meta device, parallelised on the run's mesh (fake ranks),
+    each shard materialised as fake tensors."""
+    from moe.backends.fsdp2 import FSDP2Backend, parallelize_model
+    from moe.model import MoETransformer
+    from moe.parallel.mesh import build_meshes
+    from moe.parallel.placement import materialize_distributed
+
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
+
+    def materialize(m):
+        with fake_mode:
+            materialize_distributed(m, "cpu", None, cfg.model, layout.tp)
+
+    mp_policy = FSDP2Backend(cfg, layout).mixed_precision()
+    parallelize_model(model, cfg, layout, build_meshes(layout, "cpu"), mp_policy, materialize)
+    return model
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    """Elements this rank stores: a DTensor's local shard."""
+    return getattr(p, "_local_tensor", p).numel()
+
+
+def _device_peak_tracker(fsdp_model=None, optimizer=None):
+    """torch's MemTracker (its FSDPMemTracker for an FSDP2 model: it knows sharded and gathered weights
+    apart), keeping the per-device peak only: the per-module peaks (which nothing here reads) walk every
+    module entered so far at every op, hours for a 56-layer model under FSDP2 + DTensor."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class DevicePeakTracker(FSDPMemTracker if fsdp_model is not None else MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return DevicePeakTracker(fsdp_model, optimizer) if fsdp_model is not None else DevicePeakTracker()
+
+
 class _Optimizer:
     """The optimizer step the backend runs, in its memory shape.
 
@@ -196,10 +261,13 @@ class _Optimizer:
     (half precision) gradients are freed once reduced into the partition.
     """
 
-    def __init__(self, optimizer, model, partitions=None):
+    def __init__(self, optimizer, model, partitions=None, local_views=None):
         self.optimizer, self.model, self.partitions = optimizer, model, partitions
+        self.local_views = local_views or []  # FSDP2: (DTensor parameter, the optimizer's view of its shard)
 
     def step(self) -> None:
+        for param, view in self.local_views:
+            view.grad = None if param.grad is None else param.grad._local_tensor
         if self.partitions is not None:
             for part, params in self.partitions:
                 part.grad = torch.zeros_like(part)  # the reduced fp32 gradient partition
@@ -207,11 +275,15 @@ class _Optimizer:
                     p.grad = None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for param, view in self.local_views:
+            param.grad = view.grad = None
         if self.partitions is None:
             self.model.zero_grad(set_to_none=True)
 
 
 def _optimizer(cfg, layout, model, param_dtype, build_optimizer) -> _Optimizer:
+    if spec_of(cfg).name == "fsdp2":
+        return _local_shard_optimizer(build_optimizer(model, cfg.optimizer), model)
     if spec_of(cfg).name != "deepspeed" or (cfg.parallel.zero_stage < 1 and param_dtype == torch.float32):
         return _Optimizer(build_optimizer(model, cfg.optimizer), model)
     dense_shard, expert_shard = _zero_shards(cfg, layout)

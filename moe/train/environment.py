@@ -46,6 +46,16 @@ def check_environment(cfg: DictConfig) -> None:
 
 
 def check_accelerator(cfg: DictConfig) -> None:
+    if cfg.hardware.accelerator == "torch_neuron":
+        from moe.backends.torch_neuron import MODULE
+
+        if not installed(MODULE):
+            raise ConfigError("hardware", cfg.hardware.name,
+                              "run it on trn2 instances with TorchNeuron installed (Neuron SDK 2.29+, native "
+                              "PyTorch), or use hardware=cpu_fsdp2 here (the same backend on the CPU); "
+                              "dry_run=true or simulate=true plan the trn2 run on this machine",
+                              problem=f"needs TorchNeuron ({MODULE}), which is not installed")
+        return
     if cfg.hardware.accelerator != "gpu":
         return
     import torch

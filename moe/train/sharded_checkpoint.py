@@ -1,12 +1,14 @@
-"""Sharded checkpoints under expert parallelism: each rank writes its own experts, none holds them all.
+"""Sharded checkpoints: each rank writes its own part (experts, FSDP2/TP shards), none holds them all.
 
 A checkpoint is a directory `<name>.ckpt/` written with torch.distributed.checkpoint (DCP):
-`.metadata` and `__<rank>_0.distcp` (the model's weights and the torch optimizer's state, expert
-tensors as DTensors sharded over the EP dimension of a (expert_dp, ep) mesh, so every expert is
-written once, by its expert-DP rank 0 replica), plus `trainer_state.pt` (everything else Lightning
-keeps: loops, callbacks, hyper-parameters, step). Loading reads into the live tensors of the
-current layout; DCP's planner reads only the chunks that overlap each rank's shard, so a run
-saved at ep=2 resumes at ep=1, ep=2 or ep=4.
+`.metadata` and `__<rank>_0.distcp` (the model's weights and the torch optimizer's state), plus
+`trainer_state.pt` (everything else Lightning keeps: loops, callbacks, hyper-parameters, step).
+Every tensor is stored in its canonical shape and order, as one process holds it (all experts,
+[q | k | v] rows): a rank declares the pieces it holds at their canonical offsets
+(moe.parallel.placement), a piece several ranks hold (replicas) is written once. Loading reads
+into the live tensors of the current layout; DCP's planner reads only the chunks that overlap each
+rank's pieces, so a run saved at ep=2 resumes at ep=1, ep=2 or ep=4, and under any backend that
+writes this format (DDP with EP, DeepSpeed's weights, FSDP2 with TP/EP/HSDP).
 
 Atomic: every rank writes into `<name>.ckpt.partial/`, and rank 0 renames it to `<name>.ckpt`
 once all ranks have written (DCP writes its data files in place, so a kill mid-save of an
@@ -52,15 +54,15 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 _MESHES: dict = {}
 
 
-def expert_mesh(layout, device_type: str):
-    """The (expert_dp, ep) DeviceMesh of the layout (tp = pp = 1): EP groups are consecutive ranks.
+def checkpoint_mesh(device_type: str):
+    """A 1-D DeviceMesh of every rank, on which the canonical DTensors of a save or load are declared.
     Collective the first time (every rank builds it, at its first save or load), cached after."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = (layout.expert_dp, layout.ep, device_type)
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, key[:2], mesh_dim_names=("expert_dp", "ep"))
-    return _MESHES[key]
+    if device_type not in _MESHES:
+        _MESHES[device_type] = init_device_mesh(device_type, (dist.get_world_size(),),
+                                                mesh_dim_names=("checkpoint",))
+    return _MESHES[device_type]
 
 
 def rank_file(path: str | Path, rank: int) -> Path:
@@ -68,35 +70,49 @@ def rank_file(path: str | Path, rank: int) -> Path:
     return Path(path) / "per_rank" / f"rank_{rank:05d}.pt"
 
 
+def _canonical(t, where, mesh):
+    """`t` as DCP should see it: itself when it is the whole canonical tensor (written once, by one of
+    the ranks holding it), else a DTensor of the canonical shape whose local part is this rank's pieces
+    (torch's LocalShardsWrapper: any number of chunks at any offsets); None when it holds no piece."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    from moe.parallel.placement import Where, canonical_shape, pieces
+
+    if not torch.is_tensor(t) or t.dim() == 0 or (where is None and not isinstance(t, DTensor)):
+        return t
+    where = where or Where()
+    parts = pieces(t, where)
+    if not parts:
+        return None
+    local = LocalShardsWrapper([part for part, _ in parts], [offsets for _, offsets in parts])
+    shape = torch.Size(canonical_shape(t, where))
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
 def _wrapped(module, optimizers: list, mesh) -> dict:
-    """The live state of module and optimizer, expert tensors wrapped as DTensors of their global shape."""
+    """The live state of module and optimizers by state-dict key, every tensor canonical
+    (moe.parallel.placement), so a checkpoint does not depend on the layout that wrote it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from moe.parallel.placement import where_by_name
 
     # by state-dict key, which is also the optimizer state's key (get_state_dict strips the AC wrapper's
     # child name, moe.parallel.apply.WRAPPED)
-    experts = {name for name, value in module.state_dict(keep_vars=True).items()
-               if getattr(value, "is_expert", False)}
+    cfg = getattr(module, "cfg", None)  # a LitMoE; a bare module holds neither experts nor TP shards
+    wheres = where_by_name(module, cfg.model, module.backend.layout.tp) if cfg is not None else {}
 
-    def wrap(name: str, t):
-        if name in experts and torch.is_tensor(t) and t.dim() > 0:
-            return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
-        return t
+    def canonical(entries, key: str | None = None) -> dict:
+        out = {k: _canonical(v, wheres.get(key or k), mesh) for k, v in entries}
+        return {k: v for k, v in out.items() if v is not None}
 
     if not optimizers:  # the backend keeps the optimizer state itself (DeepSpeed: per_rank files)
-        return {MODEL_KEY: {k: wrap(k, v) for k, v in module.state_dict().items()}}
+        return {MODEL_KEY: canonical(module.state_dict().items())}
     model_sd, optim_sd = get_state_dict(module, optimizers)
-    optim_state = {k: {n: wrap(k, t) for n, t in s.items()} for k, s in optim_sd["state"].items()}
-    return {MODEL_KEY: {k: wrap(k, v) for k, v in model_sd.items()},
+    optim_state = {k: canonical(s.items(), key=k) for k, s in optim_sd["state"].items()}
+    return {MODEL_KEY: canonical(model_sd.items()),
             OPTIMIZER_KEY: {"state": optim_state, "param_groups": optim_sd["param_groups"]}}
-
-
-def _local(tree):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, dict):
-        return {k: _local(v) for k, v in tree.items()}
-    return tree.to_local() if isinstance(tree, DTensor) else tree
 
 
 def save_sharded(path: str | Path, module, optimizers: list, mesh, trainer_state: dict, is_global_zero: bool,
@@ -177,17 +193,26 @@ def check_manifests(path: Path, deep: bool = False) -> None:
 def load_sharded(path: str | Path, module, optimizers: list, mesh) -> dict:
     """Collective: fill the live module and optimizers from `path`, resharded to this layout; returns
     the trainer state (with empty weights, which are already in place)."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    path, count = Path(path), len(optimizers)
+    if optimizers and not _has_optimizer_state(path):  # DeepSpeed's are in its per_rank partitions
+        from lightning.pytorch.utilities import rank_zero_warn
 
-    path = Path(path)
+        rank_zero_warn(f"{path} holds no torch optimizer state (written by DeepSpeed): weights restored, "
+                       "Adam moments start from zero")
+        optimizers = []
     state = _wrapped(module, optimizers, mesh)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path))  # into the live tensors: every piece is a view of one
     if optimizers:
-        set_state_dict(module, optimizers, model_state_dict=_local(state[MODEL_KEY]),
-                       optim_state_dict=_local(state[OPTIMIZER_KEY]))
+        for live, saved in zip(optimizers[0].param_groups, state[OPTIMIZER_KEY]["param_groups"], strict=True):
+            live.update({k: v for k, v in saved.items() if k != "params"})  # lr, betas, weight decay...
     rest = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
     rest.pop(PARAM_GROUPS, None)
-    return {**rest, "state_dict": {}, "optimizer_states": [{}] * len(optimizers)}
+    return {**rest, "state_dict": {}, "optimizer_states": [{}] * count}
+
+
+def _has_optimizer_state(path: Path) -> bool:
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return any(fqn.startswith(OPTIMIZER_KEY + ".") for fqn in metadata.state_dict_metadata)
 
 
 def read_full_checkpoint(path: str | Path) -> dict:

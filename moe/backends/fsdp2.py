@@ -1,0 +1,165 @@
+"""The torch-native backend: one DeviceMesh, FSDP2 + DTensor TP + EP (hardware=gpu_fsdp2, trn2, cpu_fsdp2).
+
+What torchtitan trains MoE with, and what Trainium from trn2 on runs (TorchNeuron: native PyTorch
+with DTensor and FSDP2 on a `neuron` device). Lightning's ModelParallelStrategy drives it (it calls
+`LitMoE.configure_model`, where `parallelize` applies, on the meta device, in torchtitan's order:
+expert parallelism (moe.parallel.apply.apply_ep, the all-to-all dispatcher on the mesh's `ep` dim),
+tensor parallelism (moe.parallel.tensor_parallel), activation checkpointing, compile, FSDP2
+(moe.parallel.fsdp), and only then gives each rank storage for its own shards
+(moe.parallel.placement.materialize_distributed). The mesh is moe.parallel.mesh's.
+
+parallel.zero_stage says how FSDP2 shards: 3 frees each block's gathered weights after its forward
+(gathers them again for the backward), 2 keeps them until the backward (more memory, one all-gather
+fewer); weights, gradients and optimizer states are sharded either way. HSDP: parallel.hybrid_shard_degree.
+Checkpoints are sharded directories in the canonical layout (moe/train/sharded_checkpoint.py): any
+layout of this backend, DDP or DeepSpeed resumes them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from moe.backends.base import Backend, ExpertGroups, TrainerParts
+
+
+class FSDP2Backend(Backend):
+    name = "fsdp2"
+
+    def __init__(self, cfg, layout):
+        super().__init__(cfg, layout)
+        self.meshes = None  # moe.parallel.mesh.Meshes, built with the process group
+
+    def trainer_parts(self) -> TrainerParts:
+        strategy = FSDP2Strategy(self, process_group_backend=self.cfg.hardware.backend)
+        accelerator = self.cfg.hardware.accelerator
+        if accelerator == "torch_neuron":  # Lightning has none for TorchNeuron's device
+            from moe.backends.torch_neuron import TorchNeuronAccelerator
+
+            accelerator = TorchNeuronAccelerator()
+        return TrainerParts(accelerator=accelerator, strategy=strategy,
+                            precision=self.cfg.trainer.precision or self.cfg.hardware.precision, plugins=[],
+                            overrides={})
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        return True
+
+    def mixed_precision(self):
+        """FSDP2's policy: bf16-mixed gathers weights in bf16 for compute and reduces gradients in fp32."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        precision = str(self.cfg.trainer.precision or self.cfg.hardware.precision)
+        if precision == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def parallelize(self, module) -> None:
+        from moe.parallel.placement import materialize_distributed
+
+        if self.layout.ep > 1:
+            self.expert_groups = ExpertGroups(ep=self.meshes.ep.get_group(), expert_dp=None)
+        device, source = self.device_of(module), self.initial_source()
+        parallelize_model(module.model, self.cfg, self.layout, self.meshes, self.mixed_precision(),
+                          lambda model: materialize_distributed(model, device, source, self.cfg.model,
+                                                                self.layout.tp))
+
+    # -- gradients: DTensors on several meshes ------------------------------------------------------
+    def grad_norm(self, module) -> torch.Tensor:
+        """Global L2 norm: each DTensor's local squares summed over the mesh dims it is sharded on (not
+        over its replicas), experts' also over the EP group, which holds the other experts."""
+        from moe.model.moe import Experts
+        from moe.parallel.grad_norm import global_grad_norm
+
+        ep_group = self.expert_groups.ep if self.expert_groups is not None else None
+        experts = [p for m in module.model.modules() if isinstance(m, Experts) for p in m.parameters()]
+        return global_grad_norm(module.model.parameters(), experts, ep_group).cpu()
+
+    def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
+        from moe.parallel.grad_norm import clip_local_grads
+
+        clip_local_grads(module.model.parameters(), self.grad_norm(module), max_norm)
+        return True
+
+    def all_reduce(self, module, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        tensor = tensor.to(module.device).clone()
+        dist.all_reduce(tensor, op=reduce_op)
+        return tensor.detach().cpu()
+
+    # -- checkpoints: the strategy reads and writes them whole ------------------------------------------
+    def on_save_checkpoint(self, module, checkpoint: dict) -> None:
+        pass
+
+    def on_load_checkpoint(self, module, checkpoint: dict) -> None:
+        pass
+
+
+def parallelize_model(model, cfg, layout, meshes, mp_policy, materialize) -> None:
+    """On a model built on the meta device, in torchtitan's order: expert parallelism, tensor parallelism,
+    the load-balance group, activation checkpointing, compile, FSDP2; then `materialize(model)` gives each
+    rank storage and values for its shards (the training run's, or the simulation's fake ones)."""
+    from moe.parallel.apply import apply_ac, apply_compile, apply_ep, apply_load_balance_group
+    from moe.parallel.fsdp import apply_fsdp
+    from moe.parallel.tensor_parallel import apply_tp
+
+    par = cfg.parallel
+    if layout.ep > 1:
+        apply_ep(model, meshes.ep.get_group())
+    if layout.tp > 1:
+        apply_tp(model, meshes.tp)
+    if cfg.moe_opt.aux_loss_group == "dp" and layout.dp > 1:
+        apply_load_balance_group(model, meshes.dp.get_group())
+    apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)
+    if cfg.model.compile:
+        apply_compile(model)
+    apply_fsdp(model, meshes, layout.dp * layout.tp, reshard_after_forward=layout.zero_stage >= 3,
+               mp_policy=mp_policy, sum_only=cfg.hardware.backend == "gloo")
+    materialize(model)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy on our mesh (moe.parallel.mesh) with our sharded checkpoints.
+
+    Lightning builds a 2-D (data_parallel, tensor_parallel) mesh and saves DCP with its own layout;
+    here the mesh has the EP and HSDP dims too, and checkpoints are canonical (moe/train/
+    sharded_checkpoint.py), restored after setup straight into the live shards.
+    """
+
+    def __init__(self, backend: FSDP2Backend, **kwargs):
+        layout = backend.layout
+        super().__init__(data_parallel_size=layout.dp, tensor_parallel_size=layout.tp, **kwargs)
+        self.backend = backend
+
+    def setup_environment(self) -> None:
+        from moe.parallel.mesh import build_meshes
+
+        self._setup_distributed()
+        self.backend.meshes = build_meshes(self.backend.layout, self.root_device.type)
+        self._device_mesh = self.backend.meshes.world
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        dp = self.backend.meshes.dp
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        from moe.train.sharded_checkpoint import checkpoint_mesh, save_sharded
+
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(self.broadcast(str(filepath)), self.lightning_module, list(self.optimizers),
+                     checkpoint_mesh(self.root_device.type), rest, self.is_global_zero)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        from moe.train.sharded_checkpoint import checkpoint_mesh, is_sharded_checkpoint, load_sharded
+
+        path = self.broadcast(str(checkpoint_path))
+        if is_sharded_checkpoint(path):
+            return load_sharded(path, self.lightning_module, list(self.optimizers),
+                                checkpoint_mesh(self.root_device.type))
+        from moe.parallel.placement import load_full_checkpoint
+
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        load_full_checkpoint(self.lightning_module, list(self.optimizers), checkpoint)
+        return {**checkpoint, "state_dict": {}, "optimizer_states": [{}] * len(self.optimizers)}

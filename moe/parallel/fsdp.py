@@ -1,0 +1,50 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) of a model, torchtitan's recipe for MoE
+(torchtitan/models/llama4/infra/parallelize.py, apply_fsdp).
+
+Each block is one FSDP unit on the dense mesh (its weights all-gathered before its forward,
+gradients reduce-scattered after its backward); the root unit holds the embeddings, the final
+norm and the LM head. A MoE block's experts are a unit of their own on the expert mesh (the ranks
+that hold the same experts), sharded on dim 1 (hidden or intermediate size: a rank may hold a
+single expert, fewer rows than the shard group has ranks), and their gradient is divided by
+dp * tp, not by the expert mesh's size: each expert's gradient already sums the tokens of every EP
+rank (torchtitan sets the same divide factor), and the tp ranks of the expert mesh add tp equal
+copies of it (moe.parallel.mesh).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from moe.model.moe import Experts
+from moe.parallel.apply import WRAPPED
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    return module._modules.get(WRAPPED, module)
+
+
+def apply_fsdp(model: nn.Module, meshes, expert_divide_factor: int, reshard_after_forward: bool,
+               mp_policy=None, sum_only: bool = False) -> nn.Module:
+    """fully_shard every block (and its experts), then the root; `meshes` is moe.parallel.mesh.Meshes.
+    sum_only: reduce with SUM and divide apart (gloo has neither AVG nor PREMUL_SUM, which NCCL uses); not on
+    an experts unit with one rank in its shard group, where torch 2.13 would divide the gradient twice
+    (_fsdp_collectives.py foreach_reduce: the one-rank copy divides by the factor, then the post-divide)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    options = {"reshard_after_forward": reshard_after_forward,
+               "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for block in model.layers:
+        inner = _inner(block)
+        if inner.is_moe:
+            experts = inner.ffn.experts
+            fully_shard(experts, mesh=meshes.experts, shard_placement_fn=lambda _: Shard(1), **options)
+            experts.set_gradient_divide_factor(expert_divide_factor)
+        fully_shard(block, mesh=meshes.dense, **options)
+    fully_shard(model, mesh=meshes.dense, **options)
+    if sum_only:
+        experts_alone = meshes.experts.size(-1) == 1  # the shard dim is the last one, HSDP or not
+        for module in model.modules():
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                if not (experts_alone and isinstance(_inner(module), Experts)):
+                    module.set_force_sum_reduction_for_comms(True)
+    return model

@@ -1,0 +1,175 @@
+"""The torch-native backend (hardware.strategy=fsdp2): DeviceMesh, FSDP2, TP, EP, canonical checkpoints.
+
+Fast: the TP-interleaved row maps, the mesh shape, and, on a real 2-process gloo group, a tiny model
+parallelised on the meta device (TP 2, then FSDP2 over 2 ranks) that materialises each rank's shards
+with one process's values and gives one process's logits. Slow: 20 training steps per layout against
+one process holding the same global batch (tests/_parity.py), and resumes across layouts and backends.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import free_port
+from omegaconf import OmegaConf
+
+from moe.config.layout import Layout
+from moe.parallel.mesh import mesh_shape
+from moe.parallel.placement import Where, pieces
+from moe.parallel.tensor_parallel import canonical_runs, interleave_order
+from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, single_process_baseline, train
+
+
+def test_interleaved_rows_map_back_to_the_canonical_layout():
+    # q 4 rows, k 2, v 2 over tp 2: rank 0 holds q0 q1 k0 v0, rank 1 q2 q3 k1 v1
+    assert interleave_order([4, 2, 2], 2).tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    # FSDP's chunk of rank 1's TP rows (interleaved rows 5..7): q3, k1, v1
+    assert canonical_runs(5, 3, [4, 2, 2], 2) == [(0, 1, 3), (1, 1, 5), (2, 1, 7)]
+    assert canonical_runs(0, 8, [4, 4], 1) == [(0, 8, 0)]  # tp 1: the identity, one run
+    w = torch.arange(8.0 * 3).view(8, 3)
+    live = w[interleave_order([4, 2, 2], 2)]
+    parts = pieces(live, Where(segments=(4, 2, 2), tp=2))  # the whole live tensor, in 6 canonical runs
+    assert len(parts) == 6 and sum(part.shape[0] for part, _ in parts) == 8
+    for part, (row, col) in parts:
+        assert torch.equal(part, w[row:row + part.shape[0], col:])
+
+
+def test_an_expert_piece_sits_at_its_global_expert_index():
+    local = torch.zeros(2, 4, 6)  # experts 4 and 5 of 8
+    [(part, offsets)] = pieces(local, Where(first_expert=4, num_experts=8))
+    assert part.shape == (2, 4, 6) and offsets == (4, 0, 0)
+
+
+def _layout(world, tp=1, ep=1, hybrid=None):
+    cfg = OmegaConf.create({
+        "parallel": {"tp": tp, "pp": 1, "ep": ep, "dp": None, "sequence_parallel": False, "zero_stage": 3,
+                     "hybrid_shard_degree": hybrid},
+        "trainer": {"devices": world, "num_nodes": 1, "micro_batch_size": 1, "accumulate_grad_batches": 1},
+        "hardware": {"devices_per_node": world}, "data": {"seq_len": 8},
+        "model": {"num_layers": 2, "num_experts": 8}})
+    return Layout.from_config(cfg)
+
+
+def test_mesh_dims_follow_the_layout_rank_order():
+    # 64 GPUs, tp 2, ep 8, HSDP shard groups of 16 data-parallel ranks: 2 replicas
+    want = {"dp_replicate": 2, "dp_shard_mod_ep": 2, "ep": 8, "tp": 2}
+    assert mesh_shape(_layout(64, tp=2, ep=8, hybrid=16)) == want
+    assert mesh_shape(_layout(4, ep=2)) == {"dp_replicate": 1, "dp_shard_mod_ep": 2, "ep": 2, "tp": 1}
+
+
+def _tiny_cfg():
+    from moe.config.schema import ModelConfig, MoEOptConfig
+
+    model = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "vocab_size": 64, "hidden_size": 16, "intermediate_size": 8, "num_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2, "num_experts": 4, "top_k": 2, "moe_layer_frequency": 2})
+    return model, OmegaConf.merge(OmegaConf.structured(MoEOptConfig), {"capacity_factor": None})
+
+
+def _tp_fsdp_worker(rank: int, port: int, out: dict):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe.model.model import MoETransformer
+    from moe.parallel.fsdp import apply_fsdp
+    from moe.parallel.mesh import Meshes
+    from moe.parallel.placement import materialize_distributed
+    from moe.parallel.tensor_parallel import apply_tp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model_cfg, moe_opt = _tiny_cfg()
+        with torch.device("meta"):
+            model = MoETransformer(model_cfg, moe_opt, init_seed=7)
+        world = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        # TP over both ranks; FSDP2 over a 1-rank data-parallel mesh (the TP layout is what is checked)
+        apply_tp(model, world["tp"])
+        one = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp2"))["dp"]
+        meshes = Meshes(world=world, dense=one, experts=one, ep=None, tp=world["tp"], dp=one)
+        apply_fsdp(model, meshes, expert_divide_factor=1, reshard_after_forward=True)
+        materialize_distributed(model, "cpu", None, model_cfg, tp=2)
+        ids = torch.arange(12).view(2, 6) % 64
+        qkv = model.layers[0].attn.qkv_proj.weight.full_tensor().detach()
+        out[rank] = (model(ids).logits_BSV.detach(), qkv)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_on_the_meta_device_materialises_one_process_values_and_logits():
+    from moe.model.model import MoETransformer
+
+    out = mp.Manager().dict()
+    mp.spawn(_tp_fsdp_worker, args=(free_port(), out), nprocs=2, join=True)
+    model_cfg, moe_opt = _tiny_cfg()
+    reference = MoETransformer(model_cfg, moe_opt, init_seed=7)
+    want = reference(torch.arange(12).view(2, 6) % 64).logits_BSV.detach()
+    interleaved = reference.layers[0].attn.qkv_proj.weight[interleave_order([16, 8, 8], 2)]
+    for rank in (0, 1):
+        logits, qkv = out[rank]
+        assert torch.equal(qkv, interleaved)  # every rank's heads, q k v of each, in the TP-interleaved order
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+# -- slow: 20 training steps per layout, and resumes -------------------------------------------------
+FSDP2 = ("hardware=cpu_fsdp2", "moe_opt.aux_loss_group=dp")
+FOUR = ("trainer.devices=4", "hardware.devices_per_node=4")
+LAYOUTS = {
+    "tp2": ("parallel=fsdp2_tp2", "trainer.devices=2", "trainer.micro_batch_size=4"),
+    "ep2": ("parallel=fsdp2_ep2", *TWO_RANKS),
+    "dp2": ("parallel=fsdp2_dp2", *TWO_RANKS),
+    "dp2_tp2": ("parallel=fsdp2_tp2", *FOUR, "trainer.micro_batch_size=2"),
+    "dp2_ep2": ("parallel=fsdp2_ep2", *FOUR, "trainer.micro_batch_size=1"),
+    "hsdp": ("parallel=fsdp2_hsdp", *FOUR, "trainer.micro_batch_size=1"),
+    "hsdp_ep2": ("parallel=fsdp2_hsdp", "parallel.ep=2", *FOUR, "trainer.micro_batch_size=1"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_fsdp2_layout_matches_one_process(tmp_path, tmp_path_factory, layout):
+    """dp x tp, dp x ep (each expert sharded over its 2 replicas), HSDP (2 shard groups of 2), HSDP x ep:
+    every step's loss equals one process holding the same global batch."""
+    single = single_process_baseline(tmp_path_factory)
+    run = tmp_path / layout
+    train(run, *FSDP2, *LAYOUTS[layout])
+    assert_same_losses(run, single)
+
+
+def _resume_at_10(tmp_path, first: tuple, then: tuple):
+    """Train 20 steps under `first`, resume its step-10 checkpoint under `then`: (uninterrupted, resumed)."""
+    run = tmp_path / "first"
+    train(run, *first)
+    resumed_run = tmp_path / "resumed"
+    step_10 = "checkpoints/step-000010.ckpt"
+    shutil.copytree(run / step_10, resumed_run / step_10)
+    proc = train(resumed_run, *then, resume=True)
+    assert "step-000010" in proc.stdout
+    return losses(run), losses(resumed_run), proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("then", [
+    (*FSDP2, *LAYOUTS["ep2"]),  # another FSDP2 layout: TP 2 -> EP 2
+    ("hardware=cpu", "parallel=ep2", "moe_opt.aux_loss_group=dp", *TWO_RANKS),  # DDP with EP
+], ids=["fsdp2_ep2", "ddp_ep2"])
+def test_an_fsdp2_dp2_tp2_checkpoint_resumes_under_another_layout_and_backend(tmp_path, then):
+    """Weights and Adam moments are canonical in the checkpoint (FSDP2 x TP shards of 4 ranks mapped back to
+    [q | k | v] rows): steps 11-20 under EP 2 equal the uninterrupted run's."""
+    uninterrupted, resumed, _ = _resume_at_10(tmp_path, (*FSDP2, *LAYOUTS["dp2_tp2"]), then)
+    assert len(resumed) == 10
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[10:], strict=True)) <= TOL
+
+
+@pytest.mark.slow
+def test_a_deepspeed_checkpoint_resumes_under_fsdp2_and_back(tmp_path):
+    """DeepSpeed keeps its optimizer partitions in its own files, so across the two backends the weights
+    carry over (the first resumed step's loss is the uninterrupted run's) and Adam restarts, with a
+    warning; the run goes on training."""
+    deepspeed = ("hardware=cpu_deepspeed", "parallel=ep2", "moe_opt.aux_loss_group=dp", *TWO_RANKS)
+    uninterrupted, resumed, proc = _resume_at_10(tmp_path / "ds", deepspeed, (*FSDP2, *LAYOUTS["dp2_tp2"]))
+    assert "Adam moments start from zero" in proc.stdout + proc.stderr
+    assert abs(resumed[0] - uninterrupted[10]) <= TOL and resumed[-1] < resumed[0]
+    uninterrupted, resumed, _ = _resume_at_10(tmp_path / "fsdp2", (*FSDP2, *LAYOUTS["ep2"]), deepspeed)
+    assert abs(resumed[0] - uninterrupted[10]) <= TOL and resumed[-1] < resumed[0]
