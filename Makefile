@@ -35,10 +35,12 @@ test-neuron: ## the trn1 backend on neuronx-distributed's real code (CPU mode, 2
 	@test -x $(NXD_CPU)/venv/bin/python || PREFIX=$(NXD_CPU) bash tests/neuron_real/setup.sh
 	PREFIX=$(NXD_CPU) bash tests/neuron_real/run.sh
 
-smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1 and gpu presets
+smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1, gpu (DeepSpeed), gpu_fsdp2 and trn2 presets
 	$(PY) train.py trainer=smoke run_name=smoke resume=false $(ARGS)
 	$(PY) train.py dry_run=true experiment=karakuri_8x7b_trn1
 	$(PY) train.py dry_run=true hardware=gpu parallel=dp2_ep8 model=mixtral_8x7b
+	$(PY) train.py dry_run=true experiment=mixtral_8x22b_gpu_fsdp2
+	$(PY) train.py dry_run=true experiment=mixtral_8x7b_trn2
 
 data: $(STAMP) ## prepare the bundled sample offline into data/prepared/sample (python data_prep.py data=sample)
 	$(PY) data_prep.py data=sample overwrite=true $(ARGS)

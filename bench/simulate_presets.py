@@ -28,7 +28,13 @@ CASES = {  # label -> train.py overrides
     "deepseek_moe_16b + deepseek_v3 routing, 8 GPUs ep8": [
         "hardware=gpu", "model=deepseek_moe_16b", "moe_opt=deepseek_v3", "parallel.ep=8", "trainer.devices=8",
         "trainer.micro_batch_size=1", "data.seq_len=4096", "parallel.zero_stage=1"],
+    "mixtral_8x22b_gpu_fsdp2 (experiment, fsdp2): 64 GPUs, tp 2 x ep 8, HSDP 16": [
+        "experiment=mixtral_8x22b_gpu_fsdp2"],
+    "mixtral_8x7b_trn2 (experiment, fsdp2): 128 trn2 cores, tp 4 x ep 8, HSDP 16": [
+        "experiment=mixtral_8x7b_trn2"],
 }
+# the kinds MemTracker files them under, and FSDPMemTracker (the fsdp2 backend)
+KINDS = {"param": ("Parameter", "Sharded Param"), "act": ("Activation",), "optim": ("Optstate", "OptState")}
 
 
 def run_case(overrides: list[str]) -> dict:
@@ -55,7 +61,7 @@ def main() -> None:
             continue
         r = run_case(overrides)
         kinds = r["breakdown_gib"]
-        parts = " / ".join(f"{kinds.get(k, 0.0):.1f}" for k in ("Parameter", "Activation", "Optstate"))
+        parts = " / ".join(f"{sum(kinds.get(k, 0.0) for k in names):.1f}" for names in KINDS.values())
         share = f"{r['params_local'] / 1e9:.3f}B of {r['params_total'] / 1e9:.2f}B"
         print(f"| {label} | {r['world_size']} | {share} "
               f"| {r['peak_memory_gib']:.2f} ({parts}) | {r['planned_peak_memory_gib']:.2f} "

@@ -93,7 +93,7 @@ CONFIG_CASES = [
     (["model.top_k=9"], "model.top_k", "9", "1 <= top_k <= model.num_experts=8"),
     (["model.num_kv_heads=3"], "model.num_kv_heads", "3", "divisor of model.num_heads=4"),
     (["moe_opt.capacity_factor=-1"], "moe_opt.capacity_factor", "-1", "null for dropless routing"),
-    (["hardware.strategy=tpu"], "hardware.strategy", "'tpu'", "use one of ddp, deepspeed, neuron"),
+    (["hardware.strategy=tpu"], "hardware.strategy", "'tpu'", "use one of ddp, deepspeed, fsdp2, neuron"),
     (["trainer.spike_action=explode"], "trainer.spike_action", "'explode'", "use one of warn, skip"),
     (["trainer.spike_factor=0.5"], "trainer.spike_factor", "0.5", "0 to turn detection off"),
     # model

@@ -163,6 +163,17 @@ def test_an_fsdp2_dp2_tp2_checkpoint_resumes_under_another_layout_and_backend(tm
 
 
 @pytest.mark.slow
+def test_a_portable_checkpoint_of_one_process_resumes_under_fsdp2_tp2(tmp_path):
+    """One process writes one file holding everything (torch's id-keyed Adam state); FSDP2 x TP fills its
+    shards from it (moe.parallel.placement.load_full_checkpoint): steps 11-20 equal the uninterrupted
+    run's."""
+    one = ("trainer.devices=1", "trainer.micro_batch_size=4", "moe_opt.aux_loss_group=dp")
+    uninterrupted, resumed, _ = _resume_at_10(tmp_path, one, (*FSDP2, *LAYOUTS["tp2"]))
+    assert len(resumed) == 10
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[10:], strict=True)) <= TOL
+
+
+@pytest.mark.slow
 def test_a_deepspeed_checkpoint_resumes_under_fsdp2_and_back(tmp_path):
     """DeepSpeed keeps its optimizer partitions in its own files, so across the two backends the weights
     carry over (the first resumed step's loss is the uninterrupted run's) and Adam restarts, with a

@@ -28,9 +28,22 @@ def test_simulated_ep_rank_holds_its_share_and_the_planner_agrees(tmp_path):
     assert "planner" in proc.stdout and not (run_dir / "checkpoints").exists()
 
 
-def _tiny() -> dict:
-    values = yaml.safe_load((REPO / "conf/model/tiny.yaml").read_text())
+def _tiny(name: str = "tiny") -> dict:
+    values = yaml.safe_load((REPO / f"conf/model/{name}.yaml").read_text())
     return {k: v for k, v in values.items() if k in ModelConfig.__dataclass_fields__}
+
+
+def test_an_fsdp2_rank_stores_its_shards_and_the_planner_agrees(tmp_path):
+    """The torch-native backend on 8 GPUs (EP 2, FSDP2 over the rest): rank 0 stores 1/8 of the dense weights
+    and 1/4 of its EP rank's experts; the planner is within 20% of the simulated peak."""
+    run_dir = tmp_path / "sim"
+    run_entry("train.py", "model=moe_1b", "hardware=gpu_fsdp2", "parallel=fsdp2_ep2", "trainer.devices=8",
+              "simulate=true", f"hydra.run.dir={run_dir}", check=True)
+    result = json.loads((run_dir / "simulation.json").read_text())
+    sizes = param_breakdown(ModelConfig(**_tiny("moe_1b")))
+    assert result["world_size"] == 8 and result["precision"] == "bf16-mixed"
+    assert result["params_local"] == pytest.approx(sizes.non_expert / 8 + sizes.experts / 2 / 4, rel=0.01)
+    assert abs(result["planner_error"]) <= 0.2, result
 
 
 @pytest.mark.parametrize("override,field", [("experiment=karakuri_8x7b_trn1", "simulate"),

@@ -17,7 +17,6 @@ layout of this backend, DDP or DeepSpeed resumes them.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from moe.backends.base import Backend, ExpertGroups, TrainerParts
@@ -80,19 +79,6 @@ class FSDP2Backend(Backend):
 
         clip_local_grads(module.model.parameters(), self.grad_norm(module), max_norm)
         return True
-
-    def all_reduce(self, module, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-        tensor = tensor.to(module.device).clone()
-        dist.all_reduce(tensor, op=reduce_op)
-        return tensor.detach().cpu()
-
-    # -- checkpoints: the strategy reads and writes them whole ------------------------------------------
-    def on_save_checkpoint(self, module, checkpoint: dict) -> None:
-        pass
-
-    def on_load_checkpoint(self, module, checkpoint: dict) -> None:
-        pass
 
 
 def parallelize_model(model, cfg, layout, meshes, mp_policy, materialize) -> None:

@@ -20,6 +20,7 @@ requires, so an expert's replicas are sharded inside a node-sized group and repl
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from moe.config.layout import Layout
@@ -52,8 +53,10 @@ def build_meshes(layout: Layout, device_type: str) -> Meshes:
     if layout.hybrid_shard_degree:
         world["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         world["dp_shard_mod_ep", "tp"]._flatten("expert_shard")
-        dense = world["dp_replicate", "dp_shard"]
-        experts = world["dp_replicate", "expert_shard"]
+        with warnings.catch_warnings():  # torchtitan's 2-D HSDP mesh; torch 2.13 warns it will change
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            dense = world["dp_replicate", "dp_shard"]
+            experts = world["dp_replicate", "expert_shard"]
     else:
         dense = dp
         experts = world["dp_replicate", "dp_shard_mod_ep", "tp"]._flatten("expert_shard")

@@ -29,8 +29,8 @@ class Where:
     tp: int = 1
 
 
-def _chunk(t: torch.Tensor) -> tuple[torch.Tensor, list[int], tuple[int, ...]]:
-    """(local tensor, offsets of its chunk in the live global tensor, that global shape)."""
+def _chunk(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """(local tensor, offsets of its chunk in the live global tensor)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
@@ -39,8 +39,8 @@ def _chunk(t: torch.Tensor) -> tuple[torch.Tensor, list[int], tuple[int, ...]]:
 
         with unset_fake_temporarily():  # it reads the mesh's (real) rank tensor, also under a simulation
             _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return t._local_tensor, list(offsets), tuple(t.shape)
-    return t, [0] * t.dim(), tuple(t.shape)
+        return t._local_tensor, list(offsets)
+    return t, [0] * t.dim()
 
 
 def canonical_shape(t: torch.Tensor, where: Where) -> tuple[int, ...]:
@@ -52,7 +52,7 @@ def pieces(t: torch.Tensor, where: Where) -> list[tuple[torch.Tensor, tuple[int,
     """This rank's non-empty parts of `t` as (view of its local storage, offsets in the canonical tensor)."""
     from moe.parallel.tensor_parallel import canonical_runs
 
-    local, offsets, _ = _chunk(t)
+    local, offsets = _chunk(t)
     if local.numel() == 0:
         return []
     if where.first_expert is not None:
@@ -75,7 +75,7 @@ def to_live_order(value: torch.Tensor, where: Where) -> torch.Tensor:
 @torch.no_grad()
 def fill_local(t: torch.Tensor, value: torch.Tensor, where: Where) -> None:
     """Copy `value` (canonical; for experts this rank's E_local experts) into live tensor `t`'s local part."""
-    local, offsets, _ = _chunk(t)
+    local, offsets = _chunk(t)
     if local.numel() == 0:
         return
     value = to_live_order(value, where)

@@ -165,7 +165,7 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
         with fake_mode:
             optimizer = _optimizer(cfg, layout, model, param_dtype, build_optimizer)
             tokens = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len))
-        tracker = _device_peak_tracker(model, optimizer.optimizer if fsdp2 else None)
+        tracker = _device_peak_tracker(model, optimizer.optimizer) if fsdp2 else _device_peak_tracker()
         if fsdp2:
             tracker.track_inputs((tokens,))
         else:
