@@ -142,8 +142,10 @@ def _resume_at_10(tmp_path, first: tuple, then: tuple):
     run = tmp_path / "first"
     train(run, *first)
     resumed_run = tmp_path / "resumed"
-    step_10 = "checkpoints/step-000010.ckpt"
-    shutil.copytree(run / step_10, resumed_run / step_10)
+    (resumed_run / "checkpoints").mkdir(parents=True)
+    for saved in (run / "checkpoints").glob("step-000010.ckpt*"):  # a directory, or a file and its sidecar
+        copy = shutil.copytree if saved.is_dir() else shutil.copy2
+        copy(saved, resumed_run / "checkpoints" / saved.name)
     proc = train(resumed_run, *then, resume=True)
     assert "step-000010" in proc.stdout
     return losses(run), losses(resumed_run), proc

@@ -6,7 +6,14 @@ import torch
 from omegaconf import OmegaConf
 
 from moe.config import OptimizerConfig
-from moe.train.optim import build_optimizer, build_scheduler, lr_at, param_groups, warmup_note
+from moe.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    fit_scheduler_states,
+    lr_at,
+    param_groups,
+    warmup_note,
+)
 
 
 def opt_cfg(**kw):
@@ -40,6 +47,22 @@ def test_scheduler_applies_lr_at_each_step():
         optimizer.step()
         scheduler.step()
     assert seen == pytest.approx([lr_at(s, cfg, 10) for s in range(10)])
+
+
+def test_a_schedule_saved_with_other_param_groups_resumes_at_its_step():
+    """DeepSpeed splits experts into groups of their own: its 4-group schedule state, restored into a
+    2-group optimizer (another backend), keeps the step and gives every group the schedule's lr there."""
+    cfg = opt_cfg(lr=0.5, min_lr=0.05, warmup_steps=3)
+    saved = {"lr_schedulers": [{"last_epoch": 7, "_step_count": 8, "base_lrs": [0.5] * 4,
+                                "_last_lr": [lr_at(7, cfg, 10)] * 4, "lr_lambdas": [None] * 4}]}
+    optimizer = build_optimizer(torch.nn.Linear(4, 4), cfg)  # weights decayed, biases not: 2 groups
+    scheduler = build_scheduler(optimizer, cfg, max_steps=10)
+    fit_scheduler_states(saved, [scheduler], cfg, max_steps=10)
+    scheduler.load_state_dict(saved["lr_schedulers"][0])
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([lr_at(7, cfg, 10)] * 2)
+    optimizer.step()
+    scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([lr_at(8, cfg, 10)] * 2)
 
 
 def test_norms_and_biases_skip_weight_decay():

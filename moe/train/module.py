@@ -98,6 +98,11 @@ class LitMoE(L.LightningModule):
         self.backend.on_save_checkpoint(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self._trainer is not None:  # schedulers exist when the strategy restores after setup
+            from moe.train.optim import fit_scheduler_states
+
+            schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+            fit_scheduler_states(checkpoint, schedulers, self.cfg.optimizer, self.cfg.trainer.max_steps)
         self.backend.on_load_checkpoint(self, checkpoint)
 
     def on_fit_start(self) -> None:

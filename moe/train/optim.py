@@ -66,6 +66,21 @@ def lr_at(step: int, opt_cfg, max_steps: int) -> float:
     return opt_cfg.min_lr + (opt_cfg.lr - opt_cfg.min_lr) * cosine
 
 
+def fit_scheduler_states(checkpoint: dict, schedulers: list, opt_cfg, max_steps: int) -> None:
+    """Let a checkpoint whose optimizer was grouped otherwise (DeepSpeed gives experts groups of their own;
+    a run resumed under another backend) restore into these schedulers: the step is kept, every group's
+    learning rate is the schedule's at that step (all groups share one schedule)."""
+    for state, scheduler in zip(checkpoint.get("lr_schedulers", []), schedulers, strict=False):
+        groups = scheduler.optimizer.param_groups
+        if len(state.get("base_lrs", groups)) == len(groups):
+            continue
+        lr = lr_at(state["last_epoch"], opt_cfg, max_steps)
+        state.update(base_lrs=[opt_cfg.lr] * len(groups), _last_lr=[lr] * len(groups),
+                     lr_lambdas=[None] * len(groups))
+        for group in groups:
+            group["lr"] = lr
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, opt_cfg, max_steps: int):
     """A per-step LambdaLR whose factor is `lr_at(step) / lr`."""
     return torch.optim.lr_scheduler.LambdaLR(
