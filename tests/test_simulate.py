@@ -44,3 +44,23 @@ def test_an_fsdp2_rank_stores_its_shards_and_the_planner_agrees(tmp_path):
     assert result["world_size"] == 4
     assert result["params_local"] == pytest.approx(sizes.non_expert / 4 + sizes.experts / 2 / 2, rel=0.01)
     assert abs(result["planner_error"]) <= 0.3, result
+
+
+@pytest.mark.parametrize("override,field", [("experiment=karakuri_8x7b_trn1", "simulate"),
+                                            ("simulate_rank=5", "simulate_rank")])
+def test_what_cannot_be_simulated_is_refused_with_exit_2(tmp_path, override, field):
+    proc = run_entry("train.py", override, "simulate=true", f"hydra.run.dir={tmp_path / 'sim'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert field in proc.stderr and not (tmp_path / "sim" / "simulation.json").exists()
+
+
+def test_deepspeeds_fp32_master_partition_is_counted(tmp_path):
+    """ZeRO-1 under bf16: each rank's fp32 master partition (made outside the tracker) is in the peak."""
+    run_dir = tmp_path / "sim"
+    run_entry("train.py", "hardware=cpu_deepspeed", "trainer.devices=2", "parallel.zero_stage=1",
+              "trainer.precision=bf16-mixed", "simulate=true", f"hydra.run.dir={run_dir}", check=True)
+    result = json.loads((run_dir / "simulation.json").read_text())
+    sizes = param_breakdown(ModelConfig(**_tiny()))
+    master_gib = (-(-sizes.non_expert // 2) + -(-sizes.experts // 2)) * 4 / 2**30  # dp2: both halved
+    assert result["breakdown_gib"]["Other"] >= master_gib
+    assert abs(result["planned_peak_memory_gib"] / result["peak_memory_gib"] - 1) <= 0.3
