@@ -158,21 +158,14 @@ class Backend:
         return False
 
     def grad_norm(self, module) -> torch.Tensor:
-        """Global L2 norm of `param.grad` before clipping; expert parts summed over the EP group."""
-        dense, expert = torch.zeros(()), torch.zeros(())
-        for p in module.model.parameters():
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().float().pow(2).sum().cpu()
-            if getattr(p, "is_expert", False):
-                expert += sq
-            else:
-                dense += sq
-        if self.expert_groups is not None:
-            expert = expert.to(module.device)
-            dist.all_reduce(expert, group=self.expert_groups.ep)
-            expert = expert.cpu()
-        return (dense + expert).sqrt()
+        """Global L2 norm of `param.grad` before clipping, on the CPU: expert parts summed over the EP
+        group, DTensor gradients (fsdp2) over the mesh dims they are sharded on (moe.parallel.grad_norm)."""
+        from moe.model.moe import Experts
+        from moe.parallel.grad_norm import global_grad_norm
+
+        ep_group = self.expert_groups.ep if self.expert_groups is not None else None
+        experts = [p for m in module.model.modules() if isinstance(m, Experts) for p in m.parameters()]
+        return global_grad_norm(module.model.parameters(), experts, ep_group, module.device).cpu()
 
     def skip_update(self, module) -> None:
         """Leave parameters and optimizer moments as they are this step (moe.train.guard): with no

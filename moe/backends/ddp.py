@@ -49,9 +49,9 @@ class DDPBackend(Backend):
     def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
         if self.expert_groups is None:
             return False
-        from moe.parallel.expert_grads import clip_to_global_norm
+        from moe.parallel.grad_norm import clip_local_grads
 
-        clip_to_global_norm(module.parameters(), self.grad_norm(module), max_norm)
+        clip_local_grads(module.parameters(), self.grad_norm(module), max_norm)
         return True
 
 

@@ -63,18 +63,8 @@ class FSDP2Backend(Backend):
                           lambda model: materialize_distributed(model, device, source, self.cfg.model,
                                                                 self.layout.tp))
 
-    # -- gradients: DTensors on several meshes ------------------------------------------------------
-    def grad_norm(self, module) -> torch.Tensor:
-        """Global L2 norm: each DTensor's local squares summed over the mesh dims it is sharded on (not
-        over its replicas), experts' also over the EP group, which holds the other experts."""
-        from moe.model.moe import Experts
-        from moe.parallel.grad_norm import global_grad_norm
-
-        ep_group = self.expert_groups.ep if self.expert_groups is not None else None
-        experts = [p for m in module.model.modules() if isinstance(m, Experts) for p in m.parameters()]
-        return global_grad_norm(module.model.parameters(), experts, ep_group).cpu()
-
     def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
+        """Lightning's clipping needs every gradient on one mesh: clip by the global norm (base grad_norm)."""
         from moe.parallel.grad_norm import clip_local_grads
 
         clip_local_grads(module.model.parameters(), self.grad_norm(module), max_norm)

@@ -110,8 +110,8 @@ class HardwareConfig:
 
     name: str = "cpu"
     accelerator: str = "cpu"  # cpu | gpu | neuron (XLA, trn1) | torch_neuron (TorchNeuron, trn2)
-    strategy: str = "ddp"  # ddp | deepspeed | neuron
-    backend: str = "gloo"  # gloo | nccl | xla
+    strategy: str = "ddp"  # ddp | deepspeed | fsdp2 | neuron
+    backend: str = "gloo"  # gloo | nccl | xla | neuron (TorchNeuron)
     device_name: str = "CPU"
     devices_per_node: int = 2
     default_devices: int = 1  # trainer.devices unless given (trn1: every NeuronCore of the node)

@@ -2,7 +2,8 @@
 
 Each expert lives on the ranks of one expert-data-parallel group, so its gradient is summed
 over that group and divided by the data-parallel world size: the same average over ranks that
-DDP gives dense parameters. Clipping uses one global norm on every rank, so replicas stay equal.
+DDP gives dense parameters. Clipping then uses one global norm on every rank (moe.parallel.grad_norm), so
+replicas stay equal.
 """
 from __future__ import annotations
 
@@ -33,10 +34,3 @@ def reduce_expert_grads(params: list[torch.nn.Parameter], expert_dp_group, dp_wo
         p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
         offset += n
 
-
-def clip_to_global_norm(params, total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale grads by max_norm / (total_norm + 1e-6) when above max_norm, as clip_grad_norm_ does."""
-    coef = torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))

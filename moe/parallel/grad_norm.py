@@ -1,6 +1,7 @@
-"""The global gradient norm and clipping when gradients are DTensors on several meshes (FSDP2 + TP + EP).
+"""The global gradient norm and clipping of the torch backends: plain gradients (DDP, expert-parallel
+experts) and DTensors on several meshes (FSDP2 + TP + EP).
 
-torch's clip_grad_norm_ needs every gradient on one mesh; here dense gradients live on the dense
+torch's clip_grad_norm_ needs every gradient on one mesh; under fsdp2 dense gradients live on the dense
 (and TP) mesh, experts' on the expert mesh, and each EP rank holds other experts. Each gradient's
 local squares are summed over the mesh dims it is sharded on (never over its replicas: HSDP's
 replicate dim, or the TP ranks of a weight TP does not split), experts' then over the EP group
@@ -28,26 +29,25 @@ def _sharded_dims(t: torch.Tensor) -> tuple:
     return t.device_mesh, tuple(i for i, p in enumerate(t.placements) if not p.is_replicate())
 
 
-def global_grad_norm(params, expert_params, ep_group=None) -> torch.Tensor:
+def global_grad_norm(params, expert_params, ep_group=None, device=None) -> torch.Tensor:
     """sqrt of the sum of every gradient's squares over the whole model (a collective on every rank: the
     groups are keyed by parameter, not gradient, so every rank joins the same reductions in one order).
-    `expert_params`: those of `params` that are experts (FSDP2 replaces parameters, not their modules)."""
+    `expert_params`: those of `params` that are experts (found by module: FSDP2 replaces parameters);
+    `device`: where the sums travel (the backend's: CUDA for NCCL), also when no gradient is here."""
     experts = {id(p) for p in expert_params}
     groups: dict[tuple, list[torch.Tensor]] = {}
     meshes: dict[tuple, object] = {}
-    device = torch.device("cpu")
+    device = torch.device("cpu") if device is None else torch.device(device)
     for p in params:
         mesh, dims = _sharded_dims(p)
         key = (id(mesh), dims, id(p) in experts)
         meshes[key] = mesh
         squares = groups.setdefault(key, [])
         if p.grad is not None:
-            local = _local(p.grad).detach()
-            device = local.device
-            squares.append(local.float().pow(2).sum())
+            squares.append(_local(p.grad).detach().float().pow(2).sum().to(device))
     dense, expert = torch.zeros((), device=device), torch.zeros((), device=device)
     for key, squares in groups.items():
-        total = torch.stack(squares).sum().to(device) if squares else torch.zeros((), device=device)
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
         for dim in key[1]:
             dist.all_reduce(total, group=meshes[key].get_group(dim))
         if key[2]:
