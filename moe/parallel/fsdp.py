@@ -27,7 +27,8 @@ def apply_fsdp(model: nn.Module, meshes, expert_divide_factor: int, reshard_afte
     """fully_shard every block (and its experts), then the root; `meshes` is moe.parallel.mesh.Meshes.
     sum_only: reduce with SUM and divide apart (gloo has neither AVG nor PREMUL_SUM, which NCCL uses); not on
     an experts unit with one rank in its shard group, where torch 2.13 would divide the gradient twice
-    (_fsdp_collectives.py foreach_reduce: the one-rank copy divides by the factor, then the post-divide)."""
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: the one-rank copy divides by the factor at
+    :629, forced sums set the post-divide to the factor at :867, applied again at :686)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
