@@ -1,9 +1,10 @@
-"""Generate from a checkpoint or a Mixtral directory, or export one: `python infer.py key=value ...`.
+"""Generate from a checkpoint or a Mixtral / DeepSeek-V3 directory, or export one:
+`python infer.py key=value ...`.
 
 Examples:
     python infer.py ckpt=last prompt="Once upon a time"
     python infer.py ckpt=runs/my_run prompts_file=prompts.txt chat=true temperature=0.8 top_p=0.9
-    python infer.py ckpt=last export_hf=exports/tiny        # MixtralForCausalLM.from_pretrained loads it
+    python infer.py ckpt=last export_hf=exports/tiny        # Mixtral/DeepseekV3ForCausalLM loads it
     python infer.py hf_dir=exports/tiny prompt="Hello"
 Keys: moe/config/infer.py (InferConfig); guide: docs/INFERENCE.md.
 """

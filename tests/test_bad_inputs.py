@@ -172,6 +172,14 @@ CONFIG_CASES = [
     (["hardware=cpu_fsdp2", "trainer.precision=bf16-true"], "trainer.precision", "'bf16-true'",
      "use one of 32-true, bf16-mixed"),
     (["hardware=trn2"], "hardware", "'trn2'", "TorchNeuron installed"),  # no TorchNeuron here
+    # multi-head latent attention and leading dense layers (model=tiny_deepseek_v3)
+    (["model=tiny_deepseek_v3", "model.kv_lora_rank=null"], "model.kv_lora_rank", "None",
+     "set model.kv_lora_rank to a positive integer (DeepSeek-V3: 512"),
+    (["model=tiny_deepseek_v3", "model.qk_rope_head_dim=15"], "model.qk_rope_head_dim", "15",
+     "use an even qk_rope_head_dim"),
+    (["model.attention=mha"], "model.attention", "'mha'", "use one of gqa, mla"),
+    (["model.first_k_dense_replace=9"], "model.first_k_dense_replace", "9",
+     "use 0 (no leading dense layers)"),
     # data and optimizer
     (["data.kind=weird"], "data.kind", "'weird'", "use one of prepared, online"),
     (["data.format=weird"], "data.format", "'weird'", "use one of text, chat, sentence"),

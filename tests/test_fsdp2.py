@@ -112,6 +112,58 @@ def test_tp2_on_the_meta_device_materialises_one_process_values_and_logits():
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
 
 
+def _mla_cfg():
+    from moe.config.schema import ModelConfig, MoEOptConfig
+
+    model = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=8, num_layers=2, num_heads=4,
+                        num_experts=4, top_k=2, first_k_dense_replace=1, attention="mla", q_lora_rank=8,
+                        kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+    return model, MoEOptConfig(capacity_factor=None)
+
+
+def _mla_grads(model) -> dict[str, torch.Tensor]:
+    """Gradients of one forward/backward of a fixed batch, full tensors (TP shards gathered)."""
+    ids = torch.arange(24).view(2, 12) % 64
+    (model(ids).logits_BSV.float().pow(2).mean()).backward()
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for name, p in model.named_parameters() if ".attn." in name}
+
+
+def _mla_tp_worker(rank: int, port: int, out: dict):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe.model.model import MoETransformer
+    from moe.parallel.placement import materialize_distributed
+    from moe.parallel.tensor_parallel import apply_tp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model_cfg, moe_opt = _mla_cfg()
+        with torch.device("meta"):
+            model = MoETransformer(model_cfg, moe_opt, init_seed=7)
+        apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        materialize_distributed(model, "cpu", None, model_cfg, tp=2)  # dense [gate | up] rows interleaved
+        out[rank] = _mla_grads(model)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mla_under_tp2_gives_one_process_gradients():
+    """Latent attention split by heads over 2 TP ranks: every attention weight's gradient, the replicated
+    down-projections included (the shared RoPE key's gradient summed over the ranks), equals one process's."""
+    from moe.model.model import MoETransformer
+
+    out = mp.Manager().dict()
+    mp.spawn(_mla_tp_worker, args=(free_port(), out), nprocs=2, join=True)
+    want = _mla_grads(MoETransformer(*_mla_cfg(), init_seed=7))
+    assert "layers.0.attn.kv_a_proj.weight" in want and "layers.1.attn.q_b_proj.weight" in want
+    for rank in (0, 1):
+        assert set(out[rank]) == set(want)
+        for name, grad in want.items():
+            # without the sum over TP ranks, kv_a_proj's RoPE rows are off by 7e-7
+            torch.testing.assert_close(out[rank][name], grad, atol=1e-8, rtol=1e-6, msg=name)
+
+
 # -- slow: 20 training steps per layout, and resumes -------------------------------------------------
 FSDP2 = ("hardware=cpu_fsdp2", "moe_opt.aux_loss_group=dp")
 FOUR = ("trainer.devices=4", "hardware.devices_per_node=4")
@@ -124,6 +176,21 @@ LAYOUTS = {
     "hsdp": ("parallel=fsdp2_hsdp", *FOUR, "trainer.micro_batch_size=1"),
     "hsdp_ep2": ("parallel=fsdp2_hsdp", "parallel.ep=2", *FOUR, "trainer.micro_batch_size=1"),
 }
+
+
+MLA = ("model=tiny_deepseek_v3", "moe_opt.score_function=sigmoid", "moe_opt.num_groups=4",
+       "moe_opt.group_top_k=2", "moe_opt.topk_scaling_factor=2.5", "moe_opt.enable_expert_bias=true")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "dp2_tp2"])
+def test_mla_with_first_k_dense_layers_matches_one_process_under_fsdp2(tmp_path, layout):
+    """model=tiny_deepseek_v3 (latent attention, a dense first layer, sigmoid group-limited routing with the
+    expert bias): FSDP2 with TP 2 gives every step's loss of one process holding the same global batch."""
+    single = tmp_path / "single"
+    train(single, *MLA, "trainer.devices=1", "trainer.micro_batch_size=4")
+    train(tmp_path / layout, *MLA, *FSDP2, *LAYOUTS[layout])
+    assert_same_losses(tmp_path / layout, single)
 
 
 @pytest.mark.slow

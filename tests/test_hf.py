@@ -131,6 +131,7 @@ def test_load_balance_loss_is_hf_over_k():
 @pytest.mark.parametrize("kw,opt,field", [
     (dict(position_encoding="alibi"), {}, "model.position_encoding"),
     (dict(moe_layer_frequency=2), {}, "model.moe_layer_frequency"),
+    (dict(first_k_dense_replace=1), {}, "model.first_k_dense_replace"),
     (dict(shared_expert_intermediate_size=16), {}, "model.shared_expert_intermediate_size"),
     (dict(top_k=1), {}, "moe_opt.normalize_top_k"),  # null -> raw prob at top-1
     (dict(top_k=2), dict(normalize_top_k=False), "moe_opt.normalize_top_k"),

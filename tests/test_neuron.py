@@ -205,6 +205,7 @@ def test_3_expert_parallelism_is_refused_with_the_recipe_that_works():
         ("moe_opt.enable_expert_bias=true", "moe_opt.enable_expert_bias"),
         ("moe_opt.num_groups=2 moe_opt.group_top_k=1", "moe_opt.num_groups"),
         ("moe_opt.topk_scaling_factor=2.5", "moe_opt.topk_scaling_factor"),
+        ("model=tiny_deepseek_v3 model.shared_expert_intermediate_size=0", "model.attention"),
     ],
 )
 def test_what_nxd_cannot_train_is_refused_naming_nxds_behaviour(override, field):

@@ -81,14 +81,15 @@ def test_a_deepseek_v3_shaped_layer_trains_and_its_router_gets_gradient():
     assert int(stats.tokens_per_expert_E.sum()) == 16 * K
 
 
-def test_the_fine_grained_presets_compose_validate_and_train(tmp_path):
+@pytest.mark.parametrize("model", ["tiny_fine_grained", "tiny_deepseek_v3"])
+def test_the_fine_grained_presets_compose_validate_and_train(tmp_path, model):
     from conftest import REPO
     from hydra import compose, initialize_config_dir
 
     from moe.config.validate import validate
     from moe.train.run import train
 
-    overrides = ["model=tiny_fine_grained", "moe_opt=deepseek_v3", "trainer.max_steps=3",
+    overrides = [f"model={model}", "moe_opt=deepseek_v3", "trainer.max_steps=3",
                  "trainer.progress_bar=false",
                  "trainer.val_check_interval=100", "trainer.limit_val_batches=1", "optimizer.warmup_steps=1"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -98,9 +99,12 @@ def test_the_fine_grained_presets_compose_validate_and_train(tmp_path):
     train(cfg, tmp_path)
     resumed = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["hyper_parameters"]["cfg"]["moe_opt"]["topk_scaling_factor"] == 2.5  # round-trips
-    model = MoETransformer(ModelConfig(**resumed["hyper_parameters"]["cfg"]["model"]),
-                           MoEOptConfig(**resumed["hyper_parameters"]["cfg"]["moe_opt"]))
-    model.load_state_dict({k.removeprefix("model."): v for k, v in resumed["state_dict"].items()})
+    saved = resumed["hyper_parameters"]["cfg"]["model"]
+    if model == "tiny_deepseek_v3":  # the MLA and dense-layer keys round-trip too
+        assert (saved["attention"], saved["kv_lora_rank"], saved["first_k_dense_replace"]) == ("mla", 32, 1)
+    routing = MoEOptConfig(**resumed["hyper_parameters"]["cfg"]["moe_opt"])
+    rebuilt = MoETransformer(ModelConfig(**saved), routing)
+    rebuilt.load_state_dict({k.removeprefix("model."): v for k, v in resumed["state_dict"].items()})
 
 
 @pytest.mark.parametrize("kw, field, needle", [

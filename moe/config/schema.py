@@ -37,7 +37,17 @@ class ModelConfig:
     num_experts: int = 8
     top_k: int = 2
     moe_layer_frequency: int = 1  # an MoE block every N layers, dense SwiGLU otherwise
+    first_k_dense_replace: int = 0  # the first k layers dense whatever the frequency (DeepSeek-V3: 3)
     shared_expert_intermediate_size: int = 0  # 0 = no always-on shared expert
+    # gqa: grouped-query attention (Mixtral) | mla: multi-head latent attention (DeepSeek-V2/V3,
+    # moe/model/mla.py), which reads the five keys below (null = unset; each required by mla but
+    # q_lora_rank, whose null means one q_proj instead of a query latent) and ignores num_kv_heads/head_dim
+    attention: str = "gqa"
+    q_lora_rank: Optional[int] = None  # DeepSeek-V3: 1536
+    kv_lora_rank: Optional[int] = None  # the key/value latent per token; DeepSeek-V3: 512
+    qk_nope_head_dim: Optional[int] = None  # key/query dims without position; DeepSeek-V3: 128
+    qk_rope_head_dim: Optional[int] = None  # the decoupled RoPE dims, one key head shared; DeepSeek-V3: 64
+    v_head_dim: Optional[int] = None  # DeepSeek-V3: 128
     compile: bool = False  # torch.compile the blocks
     init_from_hf: Optional[str] = None  # Mixtral-format directory to start from
     upcycle_from_hf: Optional[str] = None  # dense Mistral/Llama directory: every expert a copy of its MLP

@@ -24,6 +24,8 @@ AC_POLICIES = ("none", "selective", "full", "every_n", "moe_only")
 DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # name -> torch attribute
 POSITION_ENCODINGS = ("rope", "alibi")
+ATTENTIONS = ("gqa", "mla")
+MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # required by mla
 AUX_LOSS_GROUPS = ("ep", "dp")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -59,21 +61,17 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
         value = getattr(m, key)
         _need(value >= 1, f"{prefix}.{key}", value, f"set {prefix}.{key} to a positive integer",
               "must be at least 1")
-    if m.head_dim is None:
-        _need(m.hidden_size % m.num_heads == 0, f"{prefix}.hidden_size", m.hidden_size,
-              f"use a multiple of {prefix}.num_heads={m.num_heads}, or set {prefix}.head_dim",
-              f"is not divisible by num_heads={m.num_heads}")
+    _one_of(f"{prefix}.attention", m.attention, ATTENTIONS, "attention")
+    _one_of(f"{prefix}.position_encoding", m.position_encoding, POSITION_ENCODINGS, "position encoding")
+    if m.attention == "mla":
+        validate_mla(m, prefix)
     else:
-        _need(m.head_dim >= 1, f"{prefix}.head_dim", m.head_dim, "set a positive head_dim or null")
-    _need(m.num_heads % m.num_kv_heads == 0, f"{prefix}.num_kv_heads", m.num_kv_heads,
-          f"use a divisor of {prefix}.num_heads={m.num_heads} (GQA shares a kv head by a group of q heads)",
-          f"does not divide num_heads={m.num_heads}")
+        validate_gqa(m, prefix)
     _need(m.top_k <= m.num_experts, f"{prefix}.top_k", m.top_k,
           f"use 1 <= top_k <= {prefix}.num_experts={m.num_experts}", f"exceeds num_experts={m.num_experts}")
-    _one_of(f"{prefix}.position_encoding", m.position_encoding, POSITION_ENCODINGS, "position encoding")
-    head_dim = m.head_dim or m.hidden_size // m.num_heads
-    _need(m.position_encoding != "rope" or head_dim % 2 == 0, f"{prefix}.head_dim", head_dim,
-          "RoPE rotates pairs of dims: use an even head_dim", "is odd")
+    _need(0 <= m.first_k_dense_replace <= m.num_layers, f"{prefix}.first_k_dense_replace",
+          m.first_k_dense_replace, f"use 0 (no leading dense layers) to {prefix}.num_layers={m.num_layers}",
+          "is outside [0, num_layers]")
     _need(m.sliding_window is None or m.sliding_window >= 1, f"{prefix}.sliding_window", m.sliding_window,
           "use a positive window or null for full attention")
     for key, fix in (("rope_theta", "use a positive base such as 1e6"),
@@ -90,6 +88,39 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
     if r is not None:
         validate_routing(r)
         validate_groups(m, r, prefix)
+
+
+def validate_gqa(m, prefix: str) -> None:
+    """Grouped-query attention: heads of head_dim, kv heads shared by groups of q heads."""
+    if m.head_dim is None:
+        _need(m.hidden_size % m.num_heads == 0, f"{prefix}.hidden_size", m.hidden_size,
+              f"use a multiple of {prefix}.num_heads={m.num_heads}, or set {prefix}.head_dim",
+              f"is not divisible by num_heads={m.num_heads}")
+    else:
+        _need(m.head_dim >= 1, f"{prefix}.head_dim", m.head_dim, "set a positive head_dim or null")
+    _need(m.num_heads % m.num_kv_heads == 0, f"{prefix}.num_kv_heads", m.num_kv_heads,
+          f"use a divisor of {prefix}.num_heads={m.num_heads} (GQA shares a kv head by a group of q heads)",
+          f"does not divide num_heads={m.num_heads}")
+    head_dim = m.head_dim or m.hidden_size // m.num_heads
+    _need(m.position_encoding != "rope" or head_dim % 2 == 0, f"{prefix}.head_dim", head_dim,
+          "RoPE rotates pairs of dims: use an even head_dim", "is odd")
+
+
+def validate_mla(m, prefix: str) -> None:
+    """Multi-head latent attention: its latent and head dims set, RoPE on an even number of dims."""
+    deepseek_v3 = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    for key in MLA_DIMS:
+        value = getattr(m, key)
+        _need(value is not None and value >= 1, f"{prefix}.{key}", value,
+              f"set {prefix}.{key} to a positive integer (DeepSeek-V3: {deepseek_v3[key]}; "
+              f"model=tiny_deepseek_v3 sets every MLA key), or use {prefix}.attention=gqa",
+              "is required by attention=mla")
+    _need(m.q_lora_rank is None or m.q_lora_rank >= 1, f"{prefix}.q_lora_rank", m.q_lora_rank,
+          "use a positive rank (DeepSeek-V3: 1536), or null for one q_proj without a latent")
+    _need(m.qk_rope_head_dim % 2 == 0, f"{prefix}.qk_rope_head_dim", m.qk_rope_head_dim,
+          "RoPE rotates pairs of dims: use an even qk_rope_head_dim (DeepSeek-V3: 64)", "is odd")
+    _need(m.position_encoding == "rope", f"{prefix}.position_encoding", m.position_encoding,
+          f"use rope with {prefix}.attention=mla", "is not built into MLA (its position is a RoPE key)")
 
 
 def validate_groups(m, r, model_prefix: str = "model") -> None:
@@ -408,6 +439,10 @@ def check_neuron(cfg) -> None:
           "use 2 or more NeuronCores per node (a trn1.2xlarge has 2, a trn1.32xlarge 32)",
           "is too few: neuronx-distributed's XLA strategy fails with a single device (Lightning "
           "XLAStrategy.setup_distributed)")
+    _need(m.attention == "gqa", "model.attention", m.attention,
+          "use model.attention=gqa on trn1, or train MLA with hardware=gpu, gpu_fsdp2 or trn2",
+          "is not built on trn1: the backend swaps the fused qkv_proj for neuronx-distributed's "
+          "ColumnParallelLinear (moe/backends/neuron/layers.py), and NxD 2.28 has no latent attention")
     _need(m.num_kv_heads % p.tp == 0, "parallel.tp", p.tp,
           f"use a tp that divides model.num_kv_heads={m.num_kv_heads}",
           f"does not divide num_kv_heads={m.num_kv_heads}: each rank holds whole KV heads (no KV "
@@ -481,10 +516,11 @@ def check_fsdp2(cfg) -> None:
           "is not built on the fsdp2 backend (its tensor parallelism keeps activations whole between blocks)")
     _need(not m.tie_word_embeddings, "model.tie_word_embeddings", True, "set model.tie_word_embeddings=false",
           "is not supported on the fsdp2 backend (FSDP2 would shard the embedding and the LM head apart)")
-    if p.tp > 1:
+    if p.tp > 1 and m.attention == "gqa":
         _need(m.num_kv_heads % p.tp == 0, "parallel.tp", p.tp,
               f"use a tp that divides model.num_kv_heads={m.num_kv_heads}",
               f"does not divide num_kv_heads={m.num_kv_heads}: each rank holds whole KV heads")
+    if p.tp > 1:
         width = m.dense_intermediate_size or m.intermediate_size
         _need(width % p.tp == 0, "parallel.tp", p.tp, f"use a tp that divides the dense MLP width {width}",
               f"does not divide the dense MLP width {width}")

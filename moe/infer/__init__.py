@@ -1,1 +1,1 @@
-"""Inference: load a checkpoint or a Mixtral directory, generate, export."""
+"""Inference: load a checkpoint or a Mixtral / DeepSeek-V3 directory, generate, export."""

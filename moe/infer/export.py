@@ -1,4 +1,4 @@
-"""Export a model as a Mixtral directory that transformers loads offline.
+"""Export a model as a Mixtral (GQA) or DeepSeek-V3 (MLA) directory that transformers loads offline.
 
 `moe.model.hf` converts models in memory; this writes config.json + model.safetensors +
 generation_config.json + tokenizer files atomically (a temp dir renamed into place, so a
@@ -17,10 +17,11 @@ from moe.model import MoETransformer
 
 def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_template: str | None = None,
               overwrite: bool = False) -> Path:
-    """Write a directory `MixtralForCausalLM/AutoTokenizer.from_pretrained` load offline.
+    """Write a directory `AutoModelForCausalLM/AutoTokenizer.from_pretrained` load offline (Mixtral, or
+    DeepSeek-V3 for an MLA model).
 
     `tokenizer`: a transformers tokenizer or a directory holding one. Refuses (ConfigError)
-    a model Mixtral cannot express before anything touches disk.
+    a model its transformers class cannot express before anything touches disk.
     """
     from moe.model.hf import to_hf
 

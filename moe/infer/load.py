@@ -1,4 +1,5 @@
-"""Models to generate from: a training checkpoint (rebuilt from the config it holds) or a Mixtral directory.
+"""Models to generate from: a training checkpoint (rebuilt from the config it holds) or a Mixtral or
+DeepSeek-V3 directory.
 
 `train.py` writes Lightning checkpoints (`runs/<run>/checkpoints/last.ckpt`) whose
 `state_dict` keys are `model.<our key>` and whose `hyper_parameters["cfg"]` is the full
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import UserError
 from moe.model import MoETransformer
+from moe.model.hf import IMPORTABLE
 
 LAST = "last.ckpt"
 PREFIX = "model."  # LitMoE.model
@@ -154,7 +156,7 @@ def _load_state(model: MoETransformer, state: dict, path) -> None:
     model.load_state_dict(state, strict=True)
 
 
-# -- Mixtral directories (config.json + safetensors) ---------------------------------------------
+# -- Mixtral and DeepSeek-V3 directories (config.json + safetensors) -----------------------------
 
 
 def read_hf_config(path: str | Path, field: str):
@@ -171,15 +173,16 @@ def read_hf_config(path: str | Path, field: str):
         first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise UserError(field, str(path), "fix or regenerate config.json",
                         problem=f"has a config.json transformers cannot read ({first})") from err
-    if config.model_type != "mixtral":
-        raise UserError(field, str(path), "convert a Mixtral checkpoint (model_type mixtral, "
-                        "MixtralForCausalLM)",
-                        problem=f"holds model_type={config.model_type!r}, not mixtral")
+    if config.model_type not in IMPORTABLE:
+        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM) or DeepSeek-V3 "
+                        "(DeepseekV3ForCausalLM) checkpoint",
+                        problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
     return config
 
 
 def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None) -> MoETransformer:
-    """MoETransformer (eval) from a Mixtral directory; dropless routing as Mixtral computes it."""
+    """MoETransformer (eval) from a Mixtral or DeepSeek-V3 directory; dropless routing as the checkpoint
+    computes it."""
     from moe.model.hf import from_hf
 
     read_hf_config(path, field)

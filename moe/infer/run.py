@@ -147,8 +147,9 @@ def run(cfg) -> list[dict] | Path:
     if cfg.export_hf:
         out = export_hf(loaded.model, cfg.export_hf, loaded.tokenizer, chat_template=loaded.chat_template,
                         overwrite=cfg.overwrite)
+        hf_class = "DeepseekV3ForCausalLM" if loaded.model.cfg.attention == "mla" else "MixtralForCausalLM"
         print(f"exported {loaded.source} -> {out} (config.json, model.safetensors, tokenizer); load it with "
-              f"transformers.MixtralForCausalLM.from_pretrained({str(out)!r})")
+              f"transformers.{hf_class}.from_pretrained({str(out)!r})")
         return out
     prompts = read_prompts(cfg)
     if cfg.chat and loaded.tokenizer_template:  # e.g. a Mixtral-Instruct dir: its own [INST] template

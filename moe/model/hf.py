@@ -1,4 +1,8 @@
-"""Hugging Face Mixtral interop: `to_hf(model)` and `from_hf(model_or_dir)`, weights and config.
+"""Hugging Face interop: `to_hf(model)` and `from_hf(model_or_dir)`, weights and config.
+
+A GQA model is a MixtralForCausalLM (this file); an MLA model (model.attention=mla) is a
+DeepseekV3ForCausalLM (moe/model/hf_deepseek.py). The functions below dispatch on the model's
+attention (export) or the checkpoint's model_type (import).
 
 Layouts (transformers 5.x, read from `models/mixtral/modeling_mixtral.py`):
   ours `layers.N.attn.qkv_proj.weight`  = rows [q | k | v]  <->  `self_attn.{q,k,v}_proj.weight`
@@ -28,13 +32,24 @@ import torch
 
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
+from moe.model import hf_deepseek
 from moe.model.hf_tensors import our_value
 from moe.model.model import MoETransformer
 from moe.model.size import head_dim_of
 
+IMPORTABLE = ("mixtral", "deepseek_v3")  # model_type of the checkpoints from_hf reads
+
 
 def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-    """Raise ConfigError for any option a MixtralForCausalLM cannot reproduce."""
+    """Raise ConfigError for any option the model's transformers class (Mixtral or DeepSeek-V3) cannot
+    reproduce."""
+    if cfg.attention == "mla":
+        hf_deepseek.check_exportable(cfg, moe_opt)
+    else:
+        _check_mixtral(cfg, moe_opt)
+
+
+def _check_mixtral(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
     if cfg.position_encoding != "rope":
         raise ConfigError("model.position_encoding", cfg.position_encoding,
                           "train with position_encoding=rope to export to Mixtral",
@@ -42,6 +57,10 @@ def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
     if cfg.moe_layer_frequency != 1:
         raise ConfigError("model.moe_layer_frequency", cfg.moe_layer_frequency,
                           "use moe_layer_frequency=1 (every layer MoE) to export to Mixtral",
+                          "makes dense layers, which Mixtral cannot express")
+    if cfg.first_k_dense_replace:
+        raise ConfigError("model.first_k_dense_replace", cfg.first_k_dense_replace,
+                          "use 0 (every layer MoE) to export to Mixtral (DeepSeek-V3 has it: attention=mla)",
                           "makes dense layers, which Mixtral cannot express")
     if cfg.shared_expert_intermediate_size:
         raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
@@ -65,10 +84,12 @@ def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
 
 
 def hf_config_from_model_config(cfg: ModelConfig, moe_opt: MoEOptConfig):
-    """MixtralConfig with the same architecture (check_exportable first)."""
+    """MixtralConfig (GQA) or DeepseekV3Config (MLA) with the same architecture (check_exportable first)."""
     from transformers import MixtralConfig
 
-    check_exportable(cfg, moe_opt)
+    if cfg.attention == "mla":
+        return hf_deepseek.hf_config_from_model_config(cfg, moe_opt)
+    _check_mixtral(cfg, moe_opt)
     config = MixtralConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -88,7 +109,10 @@ def hf_config_from_model_config(cfg: ModelConfig, moe_opt: MoEOptConfig):
 
 
 def model_config_from_hf(hf_config) -> ModelConfig:
-    """ModelConfig for a MixtralConfig; refuses what our decoder does not implement."""
+    """ModelConfig for a MixtralConfig (or a dense Mistral/Llama one, for upcycling) or a DeepseekV3Config;
+    refuses what our decoder does not implement."""
+    if getattr(hf_config, "model_type", None) == "deepseek_v3":
+        return hf_deepseek.model_config_from_hf(hf_config)
     # 5.x: rope_parameters {rope_type, rope_theta}; 4.x: rope_theta and rope_scaling, None for plain RoPE,
     # else {"rope_type" or the older "type", ...} (4.52.4 modeling_mixtral.py:395)
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
@@ -123,7 +147,10 @@ def model_config_from_hf(hf_config) -> ModelConfig:
 
 
 def moe_opt_from_hf(hf_config) -> MoEOptConfig:
-    """Dropless, renormalised routing as Mixtral computes it; aux coeff and jitter carried over."""
+    """Dropless routing as the checkpoint computes it: Mixtral's renormalised softmax top-k (aux coeff and
+    jitter carried over), or DeepSeek-V3's (hf_deepseek.moe_opt_from_hf)."""
+    if getattr(hf_config, "model_type", None) == "deepseek_v3":
+        return hf_deepseek.moe_opt_from_hf(hf_config)
     return MoEOptConfig(
         name="mixtral_dropless", capacity_factor=None, eval_capacity_factor=None, normalize_top_k=True,
         aux_loss_coeff=hf_config.router_aux_loss_coef, jitter_eps=hf_config.router_jitter_noise,
@@ -132,6 +159,8 @@ def moe_opt_from_hf(hf_config) -> MoEOptConfig:
 
 def _unsharded(model: MoETransformer) -> None:
     for i, block in enumerate(model.layers):
+        if not block.is_moe:
+            continue
         local = block.ffn.experts.gate_up.shape[0]
         if local != model.cfg.num_experts:
             raise ConfigError(f"layers.{i}.ffn.experts", f"{local} of {model.cfg.num_experts} experts",
@@ -140,16 +169,23 @@ def _unsharded(model: MoETransformer) -> None:
 
 
 def to_hf(model: MoETransformer):
-    """A transformers.MixtralForCausalLM with the same config and weights (same dtype)."""
-    from transformers import MixtralForCausalLM
+    """A transformers MixtralForCausalLM (GQA) or DeepseekV3ForCausalLM (MLA) with the same config and weights
+    (same dtype)."""
+    from transformers import DeepseekV3ForCausalLM, MixtralForCausalLM
 
     cfg, moe_opt = model.cfg, model.moe_opt
     hf_config = hf_config_from_model_config(cfg, moe_opt)
     _unsharded(model)
     ref = next(model.parameters())
-    hf = MixtralForCausalLM(hf_config).to(dtype=ref.dtype)
-    sd = _to_hf_state_dict(model)
-    hf.load_state_dict(sd if _is_stacked(hf.state_dict()) else _per_expert(sd, cfg.num_layers), strict=True)
+    if cfg.attention == "mla":
+        hf = DeepseekV3ForCausalLM(hf_config).to(dtype=ref.dtype)
+        sd = hf_deepseek.hf_state_dict(model)
+        sd = hf_deepseek.stacked(sd, cfg.num_layers) if _is_stacked(hf.state_dict()) else sd
+    else:
+        hf = MixtralForCausalLM(hf_config).to(dtype=ref.dtype)
+        sd = _to_hf_state_dict(model)
+        sd = sd if _is_stacked(hf.state_dict()) else _per_expert(sd, cfg.num_layers)
+    hf.load_state_dict(sd, strict=True)
     return hf.eval()
 
 
@@ -185,23 +221,32 @@ def load_local(model_or_dir, model_cls, field: str):
 
 
 def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = None) -> MoETransformer:
-    """MoETransformer from a MixtralForCausalLM or a local directory (no hub access).
+    """MoETransformer from a MixtralForCausalLM or DeepseekV3ForCausalLM, or a local directory of one
+    (no hub access).
 
     moe_opt defaults to `moe_opt_from_hf(config)`: dropless, so logits match transformers.
     """
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    hf = load_local(model_or_dir, MixtralForCausalLM, "init_from_hf")
-    if getattr(hf.config, "model_type", None) != "mixtral":
-        raise ConfigError("model_type", getattr(hf.config, "model_type", None),
-                          "convert a Mixtral checkpoint (MixtralForCausalLM)", "is not mixtral")
+    hf = load_local(model_or_dir, AutoModelForCausalLM, "init_from_hf")
+    model_type = getattr(hf.config, "model_type", None)
+    if model_type not in IMPORTABLE:
+        raise ConfigError("model_type", model_type, "convert a Mixtral (MixtralForCausalLM) or DeepSeek-V3 "
+                          "(DeepseekV3ForCausalLM) checkpoint; upcycle a dense one with moe.hf.upcycle",
+                          "is not mixtral or deepseek_v3")
     cfg = model_config_from_hf(hf.config)
     moe_opt = moe_opt if moe_opt is not None else moe_opt_from_hf(hf.config)
     ref = next(hf.parameters())
     model = MoETransformer(cfg, moe_opt).to(dtype=ref.dtype)
     hf_sd = hf.state_dict()
-    hf_sd = _per_expert(hf_sd, cfg.num_layers) if _is_stacked(hf_sd) else hf_sd
-    ours = {name: our_value(name, hf_sd.__getitem__, cfg.num_experts) for name in model.state_dict()}
+    if model_type == "deepseek_v3":
+        hf_sd = hf_deepseek.per_expert(hf_sd, cfg.num_layers)
+        interleaved = bool(getattr(hf.config, "rope_interleave", True))
+        ours = {name: hf_deepseek.deepseek_value(name, hf_sd.__getitem__, cfg, interleaved)
+                for name in model.state_dict()}
+    else:
+        hf_sd = _per_expert(hf_sd, cfg.num_layers) if _is_stacked(hf_sd) else hf_sd
+        ours = {name: our_value(name, hf_sd.__getitem__, cfg.num_experts) for name in model.state_dict()}
     model.load_state_dict({k: v.detach().clone().contiguous() for k, v in ours.items()}, strict=True)
     return model
 
@@ -214,7 +259,7 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
 
 
 def _is_stacked(hf_sd: dict[str, torch.Tensor]) -> bool:
-    """Whether a MixtralForCausalLM's state_dict uses 5.x's stacked experts (else 4.x's per-expert)."""
+    """Whether a Mixtral/DeepSeek-V3 state_dict uses 5.x's stacked experts (else 4.x's per-expert)."""
     return any(key.endswith(".mlp.experts.gate_up_proj") for key in hf_sd)
 
 

@@ -90,12 +90,22 @@ class SafetensorsDir:
 
 def hf_tensor_source(path: str | Path, model_cfg):
     """`source(name, shape, first_expert)` -> our tensor from DIR's files, as moe.backends.neuron.layers
-    .init_from reads values: full tensors, or experts [first_expert, first_expert + shape[0])."""
+    .init_from reads values: full tensors, or experts [first_expert, first_expert + shape[0]).
+    A Mixtral directory's keys as above, a DeepSeek-V3 one's through moe.model.hf_deepseek (config.json
+    says which)."""
     files = SafetensorsDir(path)
+    hf_config = json.loads((Path(path) / "config.json").read_text())
+
+    def value_of(name: str, experts: range | None) -> torch.Tensor:
+        if hf_config.get("model_type") == "deepseek_v3":
+            from moe.model.hf_deepseek import deepseek_value
+
+            return deepseek_value(name, files.get, model_cfg, hf_config.get("rope_interleave", True), experts)
+        return our_value(name, files.get, model_cfg.num_experts, experts)
 
     def source(name: str, shape, first_expert: int | None) -> torch.Tensor:
         experts = None if first_expert is None else range(first_expert, first_expert + shape[0])
-        value = our_value(name, files.get, model_cfg.num_experts, experts)
+        value = value_of(name, experts)
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{path}: {name} is {tuple(value.shape)}, the model expects {tuple(shape)}")
         return value

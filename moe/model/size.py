@@ -8,13 +8,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def is_moe_layer(layer_idx: int, moe_layer_frequency: int) -> bool:
-    """Layer i (0-based) is MoE when (i + 1) % frequency == 0: frequency 2 makes layers 1, 3, 5... MoE."""
-    return (layer_idx + 1) % moe_layer_frequency == 0
+def is_moe_layer(layer_idx: int, m) -> bool:
+    """Layer i (0-based) of ModelConfig m is MoE when i >= first_k_dense_replace and (i + 1) %
+    moe_layer_frequency == 0: frequency 2 makes layers 1, 3, 5... MoE; first_k_dense_replace=3 makes
+    layers 0-2 dense (DeepSeek-V3)."""
+    return layer_idx >= m.first_k_dense_replace and (layer_idx + 1) % m.moe_layer_frequency == 0
 
 
 def head_dim_of(m) -> int:
+    """GQA's head dim (model.head_dim, or hidden_size / num_heads)."""
     return m.head_dim or m.hidden_size // m.num_heads
+
+
+def attention_dims(m) -> tuple[int, int]:
+    """(query/key dims, value dims) of one attention head: head_dim twice for GQA; for MLA
+    qk_nope_head_dim + qk_rope_head_dim and v_head_dim."""
+    if m.attention == "mla":
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return head_dim_of(m), head_dim_of(m)
+
+
+def attention_params(m) -> int:
+    """One layer's attention weights, its two block norms included."""
+    H = m.hidden_size
+    if m.attention == "mla":
+        qk_dim, v_dim = attention_dims(m)
+        q = H * m.num_heads * qk_dim if m.q_lora_rank is None else \
+            H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * m.num_heads * qk_dim
+        kv = H * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
+            + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + v_dim)
+        return q + kv + m.num_heads * v_dim * H + 2 * H
+    head_dim = head_dim_of(m)
+    qkv = H * (m.num_heads * head_dim + 2 * m.num_kv_heads * head_dim)
+    return qkv + m.num_heads * head_dim * H + 2 * H
 
 
 @dataclass
@@ -24,7 +50,7 @@ class ParamBreakdown:
     embedding: int
     lm_head: int  # 0 when tied to the embedding
     final_norm: int
-    attention: int  # qkv + o + the two RMSNorms, all layers
+    attention: int  # q/k/v (MLA: its latents and their norms) + o + the two block RMSNorms, all layers
     routers: int
     shared_experts: int
     dense_mlp: int  # SwiGLU of the non-MoE layers
@@ -50,17 +76,14 @@ class ParamBreakdown:
 def param_breakdown(m) -> ParamBreakdown:
     """Exact parameter counts of the MoETransformer a ModelConfig builds (unsharded)."""
     H, F, E = m.hidden_size, m.intermediate_size, m.num_experts
-    head_dim = head_dim_of(m)
-    n_moe = sum(is_moe_layer(i, m.moe_layer_frequency) for i in range(m.num_layers))
+    n_moe = sum(is_moe_layer(i, m) for i in range(m.num_layers))
     n_dense = m.num_layers - n_moe
-    qkv = H * (m.num_heads * head_dim + 2 * m.num_kv_heads * head_dim)
-    o_proj = m.num_heads * head_dim * H
     per_expert = H * 2 * F + F * H  # gate_up [H, 2F] + down [F, H]
     return ParamBreakdown(
         embedding=m.vocab_size * H,
         lm_head=0 if m.tie_word_embeddings else m.vocab_size * H,
         final_norm=H,
-        attention=m.num_layers * (qkv + o_proj + 2 * H),
+        attention=m.num_layers * attention_params(m),
         routers=n_moe * E * H,
         shared_experts=n_moe * 3 * H * m.shared_expert_intermediate_size,
         dense_mlp=n_dense * 3 * H * (m.dense_intermediate_size or F),
@@ -73,11 +96,13 @@ def param_breakdown(m) -> ParamBreakdown:
 def flops_per_token(m, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM appendix B style.
 
-    6 * N_active + 12 * L * num_heads * head_dim * S_ctx, where N_active excludes the input
+    6 * N_active + 6 * L * num_heads * (qk_dim + v_dim) * S_ctx (= 12 * L * num_heads * head_dim * S_ctx
+    for GQA), where N_active excludes the input
     embedding table (a lookup, no matmul; the lm_head counts, tied or not) and
     S_ctx = min(seq_len, sliding_window). Like PaLM, the attention term is not halved for causality.
     """
     active = param_breakdown(m).active
     n = active - (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
     ctx = seq_len if m.sliding_window is None else min(seq_len, m.sliding_window)
-    return 6.0 * n + 12.0 * m.num_layers * m.num_heads * head_dim_of(m) * ctx
+    qk_dim, v_dim = attention_dims(m)  # q k^T and the weighted sum of v, forward and backward: 6 * each
+    return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (qk_dim + v_dim) * ctx

@@ -110,7 +110,7 @@ def materialize_distributed(model: torch.nn.Module, device, source, model_cfg, t
     or `source(name, shape, first_expert)`) of the parts it holds. A parameter's full value exists for a
     moment (an expert tensor: this EP rank's experts only), never the whole model."""
     from moe.model.init import initial_values
-    from moe.model.model import Attention
+    from moe.model.model import Attention, load_expert_bias
     from moe.model.moe import Experts, Router
 
     model.to_empty(device=device)
@@ -129,6 +129,8 @@ def materialize_distributed(model: torch.nn.Module, device, source, model_cfg, t
         value = (source(name, shape, first) if source is not None else
                  initial_values(name, shape, seed, std, out_std, first_expert=first, device=device))
         fill_local(p, value, where)
+    if source is not None:
+        load_expert_bias(model, lambda name, shape, first: source(_without_wrappers(name), shape, first))
 
 
 def _without_wrappers(name: str) -> str:

@@ -11,12 +11,21 @@ chunks: TP rank t needs rows q_t, k_t, v_t. Their DTensor holds the rows *TP-int
 ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...]), so `Shard(0)` gives every rank its own heads, and
 `moe.parallel.placement` maps interleaved rows back to the canonical layout for initial values and
 checkpoints, which therefore do not depend on tp.
+
+Multi-head latent attention (moe/model/mla.py) as torchtitan splits it
+(torchtitan/models/deepseek_v3/sharding.py:109-133 at b5bcd76): the per-head up-projections
+(`q_proj` or `q_b_proj`, `kv_b_proj`) column-parallel, `o_proj` row-parallel, the latent
+down-projections and their norms whole on every rank. Their rows are whole heads in order, so
+plain contiguous chunks: no interleave. The decoupled RoPE key is shared by every head, so each
+rank's heads give it only part of its gradient: `MLAttention.tp_group` sums that over the TP
+group in the backward (Megatron's copy-to-tensor-parallel-region).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from moe.model.mla import MLAttention
 from moe.model.model import Attention, SwiGLU
 
 
@@ -52,7 +61,7 @@ def canonical_runs(first: int, count: int, segments: list[int], tp: int) -> list
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
-    """Column/row-parallel attention and dense MLPs over `tp_mesh` (a model on the meta device or not)."""
+    """Column/row-parallel attention (GQA or MLA) and dense MLPs over `tp_mesh` (meta device or not)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
@@ -60,6 +69,11 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
         if isinstance(module, Attention):
             parallelize_module(module, tp_mesh, {"qkv_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
             module.split_sizes = [size // tp for size in module.split_sizes]  # this rank's heads
+        elif isinstance(module, MLAttention):
+            queries = "q_proj" if hasattr(module, "q_proj") else "q_b_proj"
+            parallelize_module(module, tp_mesh, {queries: ColwiseParallel(), "kv_b_proj": ColwiseParallel(),
+                                                 "o_proj": RowwiseParallel()})
+            module.tp_group = tp_mesh.get_group()
         elif isinstance(module, SwiGLU):
             parallelize_module(module, tp_mesh, {"gate_up_proj": ColwiseParallel(),
                                                  "down_proj": RowwiseParallel()})

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from moe.backends.specs import spec_of
 from moe.config.layout import Layout, launch_overrides
 from moe.model.fused_ce import CE_CHUNK_TOKENS
-from moe.model.size import head_dim_of, is_moe_layer, param_breakdown
+from moe.model.size import attention_dims, is_moe_layer, param_breakdown
 
 GIB = 2**30
 
@@ -37,7 +37,9 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     GQA and SwiGLU):
       norms 2h, attention input h, q/k/v h + 2*kv*hd, o_proj input h, scores 2.5*a*s
       (their 5as^2b bytes: attention not fused, as under XLA on trn1; the torch backends'
-      scaled_dot_product_attention keeps none of it, BackendSpec.fused_attention),
+      scaled_dot_product_attention keeps none of it, BackendSpec.fused_attention);
+      MLA instead of q/k/v and o_proj input: q and the expanded k and v a*(2*qk + 2*v) with
+      o_proj's input, and the latents in and out of their norms 2*(kv_lora_rank + q_lora_rank),
       dense SwiGLU input h + gate/up/product 3F,
       MoE input h + fp32 router logits/probs + per assignment (k of them, padded by the
       capacity factor): dispatched input h, gate/up/product 3F, expert output h.
@@ -54,7 +56,7 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     m, p = cfg.model, cfg.parallel
     e = activation_dtype_bytes(cfg)
     s, b, h, t = cfg.data.seq_len, micro_batch, m.hidden_size, p.tp
-    head_dim = head_dim_of(m)
+    qk_dim, v_dim = attention_dims(m)
     F, Fd = m.intermediate_size, m.dense_intermediate_size or m.intermediate_size
     sp = p.sequence_parallel and t > 1
     cf = cfg.moe_opt.capacity_factor or 1.0  # dropless: one slot per assignment on average
@@ -63,7 +65,11 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
         return (replicated + sharded) / t if sp else replicated + sharded / t
 
     scores = 0.0 if spec_of(cfg).fused_attention else split(0, 2.5 * m.num_heads * s)
-    attn = split(3 * h, (h + 2 * m.num_kv_heads * head_dim) + h) + scores
+    if m.attention == "mla":  # per head: q, the expanded k and v, o's input; the latents stay whole under TP
+        latents = 2 * (m.kv_lora_rank + (m.q_lora_rank or 0))
+        attn = split(3 * h + latents, m.num_heads * (2 * qk_dim + 2 * v_dim)) + scores
+    else:
+        attn = split(3 * h, (h + 2 * m.num_kv_heads * qk_dim) + h) + scores
     dense = split(h, 3 * Fd)
     routed = m.top_k * cf * (2 * h + 3 * F)
     router = 8 * m.num_experts / e  # fp32 logits and probabilities
@@ -72,19 +78,19 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     layer_input = split(h, 0)
 
     def layer(i: int) -> float:
-        ffn = moe if is_moe_layer(i, m.moe_layer_frequency) else dense
+        ffn = moe if is_moe_layer(i, m) else dense
         policy = p.activation_checkpointing
         if policy == "full" or (policy == "every_n" and (i + 1) % p.activation_checkpointing_every_n == 0) \
-                or (policy == "moe_only" and is_moe_layer(i, m.moe_layer_frequency)):
+                or (policy == "moe_only" and is_moe_layer(i, m)):
             return layer_input
         if policy == "selective":
-            return attn - scores + (moe_selective if is_moe_layer(i, m.moe_layer_frequency) else dense)
+            return attn - scores + (moe_selective if is_moe_layer(i, m) else dense)
         return attn + ffn
 
     layers_per_stage = math.ceil(m.num_layers / p.pp)
     stage = range(layers_per_stage)  # the first stage; stages are alike up to the MoE pattern
     kept = sum(layer(i) for i in stage)
-    recompute = max((attn + (moe if is_moe_layer(i, m.moe_layer_frequency) else dense)) - layer(i)
+    recompute = max((attn + (moe if is_moe_layer(i, m) else dense)) - layer(i)
                     for i in stage)  # one checkpointed layer is live again during backward
     tokens = s * b
     microbatches = p.pipeline_microbatches or cfg.trainer.accumulate_grad_batches

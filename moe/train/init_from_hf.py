@@ -1,5 +1,5 @@
-"""`model.init_from_hf=DIR` (a Mixtral directory) and `model.upcycle_from_hf=DIR` (a dense Mistral or
-Llama directory, every expert a copy of its MLP: moe/model/upcycle.py): start training from it.
+"""`model.init_from_hf=DIR` (a Mixtral or DeepSeek-V3 directory) and `model.upcycle_from_hf=DIR` (a dense
+Mistral or Llama directory, every expert a copy of its MLP: moe/model/upcycle.py): start training from it.
 
 The architecture comes from DIR's config.json (applied to the config before validation; with
 upcycling, model.num_experts and model.top_k stay the user's), the weights from its safetensors
@@ -31,11 +31,13 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
     wrong tokens).
     """
     from moe.model.hf import model_config_from_hf
+    from moe.model.hf_deepseek import check_routing_matches
     from moe.model.upcycle import check_granularity, model_config_from_dense, read_dense_config
 
     if cfg.model.init_from_hf and cfg.model.get("upcycle_from_hf"):
         raise UserError("model.upcycle_from_hf", cfg.model.upcycle_from_hf, "set only one of "
-                        "model.init_from_hf (a Mixtral directory) and model.upcycle_from_hf (a dense one)",
+                        "model.init_from_hf (a Mixtral or DeepSeek-V3 directory) and model.upcycle_from_hf "
+                        "(a dense one)",
                         problem="is set together with model.init_from_hf")
     field = "model.upcycle_from_hf" if cfg.model.get("upcycle_from_hf") else "model.init_from_hf"
     path = cfg.model.get("upcycle_from_hf") or cfg.model.init_from_hf
@@ -50,12 +52,15 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
                               "model.upcycle_granularity")
             arch["intermediate_size"] //= g
         else:
-            arch = asdict(model_config_from_hf(read_hf_config(path, field)))
+            hf_config = read_hf_config(path, field)
+            arch = asdict(model_config_from_hf(hf_config))
     except ConfigError as err:
         if err.field == field:  # about the directory itself (no config.json): already says so
             raise
         raise UserError(field, str(path), err.fix, problem=f"has {err.field}={err.value!r}, "
                         f"which {err.problem}") from err
+    if field == "model.init_from_hf" and hf_config.model_type == "deepseek_v3":
+        check_routing_matches(hf_config, cfg.moe_opt)
     g = cfg.model.get("upcycle_granularity", 1)
     if field == "model.upcycle_from_hf" and g > 1 and cfg.moe_opt.get("topk_scaling_factor") != g:
         raise ConfigError("moe_opt.topk_scaling_factor", cfg.moe_opt.get("topk_scaling_factor"),

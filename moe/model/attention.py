@@ -1,0 +1,210 @@
+"""Self-attention pieces shared by every attention kind: RoPE and ALiBi positions, the causal /
+sliding-window / padding masks, the KV cache, the SDPA core, and GQA attention (`Attention`).
+
+Multi-head latent attention (DeepSeek-V2/V3) builds on the same pieces in moe/model/mla.py.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.config.schema import ModelConfig
+
+# ----------------------------------------------------------------------------- positions
+
+
+def rope_cos_sin(start: int, length: int, head_dim: int, theta: float, device, dtype):
+    """cos/sin [S, D] for positions start..start+S-1; inv_freq = 1/theta^(arange(0,D,2)/D), as HF."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    pos = torch.arange(start, start + length, dtype=torch.float, device=device)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BhSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    return x_BhSD * cos_SD + rotate_half(x_BhSD) * sin_SD
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """Press et al. slopes: 2^(-8i/n) for a power-of-two n, interleaved extras otherwise."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        slopes = power_of_two(num_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(num_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float)
+
+
+def attention_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: int | None, device):
+    """Boolean [Sq, Sk], True = may attend: causal, and within `window` positions incl. itself.
+
+    Same rule as transformers' `sliding_window_causal_mask_function`:
+    kv <= q and kv > q - window.
+    """
+    q_pos = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+    k_pos = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
+    return allowed
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class KVCache:
+    """One layer's keys/values for generation: kv heads only (GQA), trimmed to the sliding window.
+
+    `k`, `v` are [B, kv_heads, S, D]; `start` is the absolute position of `k[:, :, 0]`.
+    """
+
+    def __init__(self, window: int | None = None):
+        self.window = window
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.start = 0
+
+    @property
+    def end(self) -> int:
+        """Absolute position one past the last cached token (= tokens seen so far)."""
+        return self.start + (0 if self.k is None else self.k.shape[2])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, position: int):
+        """Add new k/v at absolute `position`; return (all k, all v, their start) for this step."""
+        if position != self.end:
+            raise ValueError(
+                f"position_offset={position} but the KV cache holds positions up to {self.end}: "
+                f"pass position_offset={self.end} (the number of tokens already fed)"
+            )
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        start, total = self.start, k.shape[2]
+        # The next query at position `end` needs only the window - 1 keys before it.
+        keep = total if self.window is None else min(total, self.window - 1)
+        self.k, self.v = k[:, :, total - keep:], v[:, :, total - keep:]
+        self.start = start + total - keep
+        return k, v, start
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T + mask) v: the part that keeps [S, S] activations, a module of its own so that
+    selective activation checkpointing can recompute it alone (Megatron's and NxD's "selective")."""
+
+    def forward(self, q, k, v, mask, is_causal: bool, enable_gqa: bool) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              enable_gqa=enable_gqa)
+
+
+class CausalSelfAttention(nn.Module):
+    """What every attention kind shares once it has q, k, v [B, heads, S, D]: the KV cache, the
+    causal / sliding-window / padding / ALiBi mask, and the SDPA core. Subclasses set
+    `position_encoding`, `sliding_window` and (GQA) `num_heads != num_kv_heads`."""
+
+    position_encoding = "rope"
+    sliding_window: int | None = None
+
+    def attend(self, q, k, v, kv_cache: KVCache | None, position_offset: int,
+               attention_mask_BS: torch.Tensor | None, enable_gqa: bool = False) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D) + mask) v over this call's and the cached keys -> [B, heads, S, Dv]."""
+        S = q.shape[2]
+        k_start = position_offset
+        if kv_cache is not None:
+            k, v, k_start = kv_cache.append(k, v, position_offset)
+        mask, is_causal = self._mask(position_offset, S, k_start, k.shape[2], q.dtype, q.device)
+        if attention_mask_BS is not None:
+            mask = self._hide_padding(mask, attention_mask_BS, position_offset, S, k_start, k.shape[2])
+            is_causal = False
+        return self.core(q, k, v, mask, is_causal, enable_gqa)
+
+    def _mask(self, q_start, q_len, k_start, k_len, dtype, device):
+        """(attn_mask, is_causal) for SDPA; the plain causal case uses SDPA's own fast path."""
+        fresh = k_start == q_start and k_len == q_len  # no cached history
+        window_matters = self.sliding_window is not None and self.sliding_window < q_start + q_len - k_start
+        if self.position_encoding == "rope" and not window_matters:
+            if fresh:
+                return None, q_len > 1
+            if q_len == 1:
+                return None, False  # one new token sees every cached key
+        allowed = attention_mask(q_start, q_len, k_start, k_len, self.sliding_window, device)
+        if self.position_encoding == "rope":
+            return allowed, False
+        # ALiBi: bias = -slope * distance, -inf where not allowed.
+        q_pos = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+        k_pos = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+        bias = self.alibi_slopes[:, None, None] * (k_pos - q_pos).float()[None]
+        return bias.masked_fill(~allowed, float("-inf")).to(dtype), False
+
+    def _hide_padding(self, mask, attention_mask_BS, q_start, q_len, k_start, k_len):
+        """Add left padding to `mask`: pad keys hidden; a pad query still sees itself (else NaN rows)."""
+        device = attention_mask_BS.device
+        if mask is None:
+            mask = attention_mask(q_start, q_len, k_start, k_len, self.sliding_window, device)
+        real_B11K = attention_mask_BS[:, k_start:k_start + k_len].bool()[:, None, None, :]
+        q_pos = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+        k_pos = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+        keep_B1QK = real_B11K | (k_pos == q_pos)
+        if mask.dtype == torch.bool:
+            return mask & keep_B1QK
+        return mask.masked_fill(~keep_B1QK, float("-inf"))  # ALiBi bias [h, Q, K] -> [B, h, Q, K]
+
+
+class Attention(CausalSelfAttention):
+    """Causal GQA self-attention: one fused qkv_proj, SDPA, RoPE or ALiBi, optional sliding window.
+
+    Activations are [B, S, H], or [S, B, H] with `sequence_first` (set by the trn1 backend under
+    sequence parallelism: NxD's sequence-parallel layers gather and scatter dim 0 only).
+    """
+
+    sequence_first = False
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
+        self.position_encoding, self.rope_theta = cfg.position_encoding, cfg.rope_theta
+        self.sliding_window = cfg.sliding_window
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.core = CoreAttention()
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Computed buffers (ALiBi slopes), again after the model leaves the meta device."""
+        if self.position_encoding == "alibi":
+            device = self.qkv_proj.weight.device
+            self.register_buffer("alibi_slopes", alibi_slopes(self.num_heads).to(device), persistent=False)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, position_offset: int = 0,
+                attention_mask_BS: torch.Tensor | None = None):
+        qkv = self.qkv_proj(x)  # sequence-parallel layers gather the full sequence here
+        parts = qkv.split(self.split_sizes, dim=-1)
+        if self.sequence_first:
+            S, B, _ = qkv.shape
+            q, k, v = (t.view(S, B, -1, self.head_dim).permute(1, 2, 0, 3) for t in parts)
+        else:
+            B, S, _ = qkv.shape
+            q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2) for t in parts)
+        if self.position_encoding == "rope":
+            cos, sin = rope_cos_sin(position_offset, S, self.head_dim, self.rope_theta, x.device, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = self.attend(q, k, v, kv_cache, position_offset, attention_mask_BS,
+                        self.num_heads != self.num_kv_heads)  # [B, heads, S, hd]
+        if self.sequence_first:
+            return self.o_proj(y.permute(2, 0, 1, 3).reshape(S, B, -1))
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))

@@ -1,0 +1,229 @@
+"""DeepSeek-V3 interop (issue E, item 4): multi-head latent attention and first-k-dense layers, logits
+parity with transformers' DeepseekV3ForCausalLM both ways, save/load directories, lazy per-tensor reads,
+refusals, parameter counts, generation with the KV cache.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from moe.config import ModelConfig, MoEOptConfig
+from moe.errors import ConfigError
+from moe.hf import from_hf, model_config_from_hf, moe_opt_from_hf, to_hf
+from moe.model import MoETransformer
+from moe.model.hf_deepseek import check_routing_matches, deinterleave_order
+from moe.model.hf_tensors import hf_tensor_source
+from moe.model.size import flops_per_token, param_breakdown
+
+V = 61
+# (q_lora_rank, rope_interleave, first_k_dense, n_group/topk_group, tied, n_shared, scaling, norm_topk)
+CASES = [
+    (16, True, 1, (2, 1), False, 1, 2.5, True),
+    (None, False, 0, (1, 1), True, 0, 1.0, False),
+    (8, True, 2, (4, 2), False, 2, 1.5, True),
+]
+
+
+def hf_model(q_rank, interleave, dense, groups, tied, shared, scaling, norm, seed=0) -> DeepseekV3ForCausalLM:
+    """A DeepseekV3ForCausalLM with every weight, norm and expert bias random (nothing left at its init)."""
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(
+        vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=shared, n_routed_experts=8,
+        num_experts_per_tok=2 * groups[1], routed_scaling_factor=scaling, kv_lora_rank=12, q_lora_rank=q_rank,
+        qk_rope_head_dim=8, qk_nope_head_dim=6, v_head_dim=10, n_group=groups[0], topk_group=groups[1],
+        first_k_dense_replace=dense, norm_topk_prob=norm, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=tied, rope_interleave=interleave,
+        rope_parameters={"rope_type": "default", "rope_theta": 1.0e4},
+    )
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "layernorm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.1, 0.1)
+    return model
+
+
+def ours(seed=0, **kw) -> MoETransformer:
+    """A tiny_deepseek_v3-shaped model with DeepSeek-V3 routing and a non-zero expert bias."""
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=12, dense_intermediate_size=40,
+                      num_layers=3, num_heads=4, num_experts=8, top_k=4, first_k_dense_replace=1,
+                      shared_expert_intermediate_size=12, rope_theta=1.0e4, rms_norm_eps=1e-6,
+                      attention="mla", q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=6,
+                      qk_rope_head_dim=8, v_head_dim=10)
+    opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None, score_function="sigmoid",
+                       num_groups=4, group_top_k=2, topk_scaling_factor=2.5, enable_expert_bias=True)
+    torch.manual_seed(seed)
+    model = MoETransformer(replace(cfg, **kw), opt).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        for layer in model.layers:
+            if layer.is_moe:
+                layer.ffn.router.expert_bias.uniform_(-0.1, 0.1)
+    return model
+
+
+IDS = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_from_hf_matches_transformers_logits(case):
+    hf = hf_model(*case)
+    model = from_hf(hf).eval()
+    assert model.cfg.attention == "mla" and model.cfg.first_k_dense_replace == case[2]
+    assert [layer.is_moe for layer in model.layers] == [i >= case[2] for i in range(3)]
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits_BSV, hf(IDS).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [{}, {"q_lora_rank": None, "tie_word_embeddings": True},
+                                {"first_k_dense_replace": 0, "shared_expert_intermediate_size": 0}])
+def test_to_hf_matches_our_logits(kw):
+    model = ours(**kw)
+    hf = to_hf(model)
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM" and hf.config.rope_interleave is True
+    assert (hf.config.n_group, hf.config.topk_group, hf.config.routed_scaling_factor) == (4, 2, 2.5)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(IDS).logits, model(IDS).logits_BSV, rtol=0, atol=1e-5)
+        bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+        torch.testing.assert_close(bias, model.layers[1].ffn.router.expert_bias, rtol=0, atol=0)
+
+
+def test_the_rope_rows_are_deepseeks_interleaved_pairs():
+    """DeepSeek's pairs (x0, x1), (x2, x3) are our halves [x0 x2 ... | x1 x3 ...]: the export's query rows
+    at rope positions 0 and 1 are ours at 0 and rope_dim/2."""
+    model = ours()
+    hf = to_hf(model)
+    assert deinterleave_order(8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    nope, rope = 6, 8
+    theirs = hf.model.layers[0].self_attn.q_b_proj.weight.view(4, nope + rope, -1)
+    mine = model.layers[0].attn.q_b_proj.weight.view(4, nope + rope, -1)
+    torch.testing.assert_close(theirs[:, nope + 1], mine[:, nope + rope // 2], rtol=0, atol=0)
+    torch.testing.assert_close(theirs[:, :nope], mine[:, :nope], rtol=0, atol=0)
+
+
+def test_round_trip_through_save_pretrained_and_lazy_reads(tmp_path):
+    model = ours()
+    to_hf(model).save_pretrained(tmp_path / "ds")
+    files = load_file(tmp_path / "ds" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in files  # per expert on disk, as DeepSeek's
+    assert "model.layers.0.mlp.gate_proj.weight" in files  # the dense first layer
+    back = from_hf(tmp_path / "ds").eval()
+    assert back.cfg == replace(model.cfg, name=str(tmp_path / "ds"), num_kv_heads=4)  # (unused by MLA)
+    assert back.moe_opt.num_groups == 4 and back.moe_opt.topk_scaling_factor == 2.5
+    with torch.no_grad():
+        torch.testing.assert_close(back(IDS).logits_BSV, model(IDS).logits_BSV, rtol=0, atol=1e-6)
+    # as model.init_from_hf fills a model built on the meta device: tensor by tensor, expert bias included
+    with torch.device("meta"):
+        lazy = MoETransformer(back.cfg, back.moe_opt)
+    lazy.materialize("cpu", hf_tensor_source(tmp_path / "ds", back.cfg))
+    for name, value in back.state_dict().items():
+        torch.testing.assert_close(lazy.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    source = hf_tensor_source(tmp_path / "ds", back.cfg)
+    torch.testing.assert_close(source("layers.2.ffn.experts.down", (3, 12, 32), 5),
+                               back.layers[2].ffn.experts.down[5:8], rtol=0, atol=0)
+
+
+def test_model_config_from_hf_maps_every_field():
+    hf = hf_model(*CASES[0])
+    cfg = model_config_from_hf(hf.config)
+    got = (cfg.attention, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+           cfg.v_head_dim, cfg.intermediate_size, cfg.dense_intermediate_size, cfg.first_k_dense_replace,
+           cfg.shared_expert_intermediate_size, cfg.num_experts, cfg.top_k, cfg.rope_theta)
+    assert got == ("mla", 16, 12, 6, 8, 10, 12, 40, 1, 12, 8, 2, 1.0e4)
+    opt = moe_opt_from_hf(hf.config)
+    assert (opt.score_function, opt.num_groups, opt.group_top_k, opt.topk_scaling_factor, opt.capacity_factor,
+            opt.enable_expert_bias) == ("sigmoid", 2, 1, 2.5, None, True)
+
+
+@pytest.mark.parametrize("kw, opt, field", [
+    ({}, {"score_function": "softmax"}, "moe_opt.score_function"),
+    ({"moe_layer_frequency": 2, "first_k_dense_replace": 0}, {}, "model.moe_layer_frequency"),
+    ({"sliding_window": 4}, {}, "model.sliding_window"),
+    ({"shared_expert_intermediate_size": 20}, {}, "model.shared_expert_intermediate_size"),
+    ({}, {"group_top_k": 1}, "moe_opt.group_top_k"),  # groups scored by their best 4, DeepSeek's by 2
+])
+def test_export_refuses_what_deepseek_v3_cannot_express(kw, opt, field):
+    model = ours(**kw)
+    model.moe_opt = replace(model.moe_opt, **opt)
+    with pytest.raises(ConfigError) as err:
+        to_hf(model)
+    assert err.value.field == field and "Fix:" in str(err.value)
+
+
+@pytest.mark.parametrize("attr, value, field", [
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0},
+     "rope_parameters.rope_type"),
+    ("attention_bias", True, "attention_bias"),
+    ("hidden_act", "gelu", "hidden_act"),
+])
+def test_import_refuses_what_we_do_not_implement(attr, value, field):
+    config = hf_model(*CASES[1]).config
+    setattr(config, attr, value)
+    with pytest.raises(ConfigError) as err:
+        model_config_from_hf(config)
+    assert err.value.field == field
+
+
+def test_init_from_hf_needs_the_checkpoints_routing():
+    config = hf_model(*CASES[0]).config
+    check_routing_matches(config, moe_opt_from_hf(config))  # its own routing passes
+    with pytest.raises(ConfigError) as err:
+        check_routing_matches(config, MoEOptConfig())
+    assert err.value.field == "moe_opt.score_function"
+    assert "moe_opt.num_groups=2, moe_opt.group_top_k=1, moe_opt.topk_scaling_factor=2.5" in err.value.fix
+
+
+@pytest.mark.parametrize("kw", [{}, {"q_lora_rank": None}, {"first_k_dense_replace": 3}])
+def test_parameter_counts_are_the_built_models(kw):
+    model = ours(**kw)
+    assert param_breakdown(model.cfg).total == sum(p.numel() for p in model.parameters())
+
+
+def test_the_full_size_preset_is_deepseek_v3s_671b_with_37b_active():
+    from conftest import REPO
+    from omegaconf import OmegaConf
+
+    cfg = ModelConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf/model/deepseek_v3.yaml")))
+    counts = param_breakdown(cfg)
+    assert round(counts.total / 1e9, 1) == 671.0 and round(counts.active / 1e9, 1) == 37.6
+    assert counts.num_moe_layers == 58  # 61 layers, the first 3 dense
+    # attention FLOPs read MLA's head dims: 6 * L * heads * (192 + 128) * S per token
+    attention = flops_per_token(cfg, 4096) - 6 * (counts.active - cfg.vocab_size * cfg.hidden_size)
+    assert attention == 6 * 61 * 128 * (192 + 128) * 4096
+
+
+def test_generation_with_the_kv_cache_equals_the_full_forward():
+    model = ours()
+    with torch.no_grad():
+        full = model(IDS, generating=True).logits_BSV
+        cache = model.new_kv_cache()
+        first = model(IDS[:, :7], kv_cache=cache, generating=True).logits_BSV
+        steps = [model(IDS[:, i:i + 1], kv_cache=cache, position_offset=i, generating=True).logits_BSV
+                 for i in range(7, IDS.shape[1])]
+    torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"kv_lora_rank": None}, "model.kv_lora_rank"),
+    ({"qk_rope_head_dim": 7}, "model.qk_rope_head_dim"),
+    ({"q_lora_rank": 0}, "model.q_lora_rank"),
+    ({"position_encoding": "alibi"}, "model.position_encoding"),
+    ({"attention": "mqa"}, "model.attention"),
+    ({"first_k_dense_replace": 4}, "model.first_k_dense_replace"),
+])
+def test_mla_and_dense_layer_keys_are_checked(kw, field):
+    from moe.config.validate import validate_model
+
+    with pytest.raises(ConfigError) as err:
+        validate_model(replace(ours().cfg, **kw))
+    assert err.value.field == field and "Fix:" in str(err.value)
