@@ -179,6 +179,9 @@ def to_hf(model: MoETransformer):
     ref = next(model.parameters())
     if cfg.attention == "mla":
         hf = DeepseekV3ForCausalLM(hf_config).to(dtype=ref.dtype)
+        for module in hf.modules():  # fp32 whatever the model's dtype, as transformers loads it
+            if hasattr(module, "e_score_correction_bias"):  # (_keep_in_fp32_modules_strict)
+                module.e_score_correction_bias = module.e_score_correction_bias.float()
         sd = hf_deepseek.hf_state_dict(model)
         sd = hf_deepseek.stacked(sd, cfg.num_layers) if _is_stacked(hf.state_dict()) else sd
     else:
