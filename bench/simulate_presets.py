@@ -28,10 +28,7 @@ CASES = {  # label -> train.py overrides
     "deepseek_moe_16b + deepseek_v3 routing, 8 GPUs ep8": [
         "hardware=gpu", "model=deepseek_moe_16b", "moe_opt=deepseek_v3", "parallel.ep=8", "trainer.devices=8",
         "trainer.micro_batch_size=1", "data.seq_len=4096", "parallel.zero_stage=1"],
-    "deepseek_v3 (MLA, first 3 layers dense) on fsdp2: 512 GPUs, ep 64": [
-        "hardware=gpu_fsdp2", "model=deepseek_v3", "moe_opt=deepseek_v3", "moe_opt.num_groups=8",
-        "moe_opt.group_top_k=4", "parallel.ep=64", "trainer.devices=8", "trainer.num_nodes=64",
-        "trainer.micro_batch_size=1", "data.seq_len=4096", "parallel.activation_checkpointing=full"],
+    "deepseek_v3_gpu_fsdp2 (experiment, fsdp2): 512 GPUs, ep 64": ["experiment=deepseek_v3_gpu_fsdp2"],
     "mixtral_8x22b_gpu_fsdp2 (experiment, fsdp2): 64 GPUs, tp 2 x ep 8, HSDP 16": [
         "experiment=mixtral_8x22b_gpu_fsdp2"],
     "mixtral_8x7b_trn2 (experiment, fsdp2): 128 trn2 cores, tp 4 x ep 8, HSDP 16": [
