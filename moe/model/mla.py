@@ -64,7 +64,7 @@ class MLAttention(CausalSelfAttention):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         H, heads = cfg.hidden_size, cfg.num_heads
-        self.num_heads, self.rope_theta, self.sliding_window = heads, cfg.rope_theta, cfg.sliding_window
+        self.rope_theta, self.sliding_window = cfg.rope_theta, cfg.sliding_window
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
@@ -79,9 +79,6 @@ class MLAttention(CausalSelfAttention):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, H, bias=False)
         self.core = CoreAttention()
-
-    def init_buffers(self) -> None:
-        """No computed buffers (RoPE's cos/sin are made per call)."""
 
     def queries(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):

@@ -138,7 +138,7 @@ class MoETransformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Experts):
                 module.mark_expert(module.first_expert)
-            elif isinstance(module, Attention | MLAttention | Router):
+            elif isinstance(module, Attention | Router):
                 module.init_buffers()
         if source is None:
             initialize(self, self.init_seed, *self.init_std)
