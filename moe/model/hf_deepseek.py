@@ -33,7 +33,7 @@ from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.model.hf_tensors import LAYER, Get, our_value
 
-# MoE routing fields our DeepSeek-V3 import fixes (moe_opt_from_deepseek); the rest are training choices.
+# MoE routing fields a DeepSeek-V3 checkpoint fixes (moe_opt_from_hf); the rest are training choices.
 ROUTING_KEYS = ("score_function", "num_groups", "group_top_k", "topk_scaling_factor", "normalize_top_k",
                 "enable_expert_bias")
 HF_GROUP_SCORE_TOP = 2  # DeepseekV3TopkRouter: `.topk(2, dim=-1)[0].sum(dim=-1)` per group
