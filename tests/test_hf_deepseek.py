@@ -227,3 +227,27 @@ def test_mla_and_dense_layer_keys_are_checked(kw, field):
     with pytest.raises(ConfigError) as err:
         validate_model(replace(ours().cfg, **kw))
     assert err.value.field == field and "Fix:" in str(err.value)
+
+
+def test_init_from_hf_takes_a_deepseek_v3_directory(tmp_path):
+    """train.py model.init_from_hf=DIR: the architecture from config.json (MLA keys, dense layers), and a
+    moe_opt that routes otherwise than the checkpoint is refused naming every key to set."""
+    from omegaconf import OmegaConf
+
+    from moe.config.schema import TrainConfig
+    from moe.train.init_from_hf import apply_init_from_hf
+
+    model = ours()
+    to_hf(model).save_pretrained(tmp_path / "ds")
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.data.tokenizer, cfg.model.init_from_hf = None, str(tmp_path / "ds")
+    with pytest.raises(ConfigError) as err:
+        apply_init_from_hf(cfg)  # the default moe_opt: softmax, no groups
+    assert err.value.field == "moe_opt.score_function" and "moe_opt.num_groups=4" in err.value.fix
+    for key, value in vars(model.moe_opt).items():
+        if key != "name":
+            cfg.moe_opt[key] = value
+    apply_init_from_hf(cfg)
+    m = cfg.model
+    assert (m.attention, m.q_lora_rank, m.kv_lora_rank, m.first_k_dense_replace, m.dense_intermediate_size) \
+        == ("mla", 16, 12, 1, 40)

@@ -96,10 +96,10 @@ def param_breakdown(m) -> ParamBreakdown:
 def flops_per_token(m, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM appendix B style.
 
-    6 * N_active + 6 * L * num_heads * (qk_dim + v_dim) * S_ctx (= 12 * L * num_heads * head_dim * S_ctx
-    for GQA), where N_active excludes the input
-    embedding table (a lookup, no matmul; the lm_head counts, tied or not) and
-    S_ctx = min(seq_len, sliding_window). Like PaLM, the attention term is not halved for causality.
+    6 * N_active + 6 * L * num_heads * (qk_dim + v_dim) * S_ctx (GQA: 12 * L * num_heads * head_dim *
+    S_ctx), where N_active excludes the input embedding table (a lookup, no matmul; the lm_head
+    counts, tied or not) and S_ctx = min(seq_len, sliding_window). Like PaLM, the attention term is
+    not halved for causality.
     """
     active = param_breakdown(m).active
     n = active - (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
