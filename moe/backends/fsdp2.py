@@ -48,8 +48,9 @@ class FSDP2Backend(Backend):
         """FSDP2's policy: bf16-mixed gathers weights in bf16 for compute and reduces gradients in fp32."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        precision = str(self.cfg.trainer.precision or self.cfg.hardware.precision)
-        if precision == "bf16-mixed":
+        from moe.backends.specs import SPECS
+
+        if SPECS["fsdp2"].gathers_bf16(self.cfg):
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 

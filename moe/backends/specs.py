@@ -49,6 +49,12 @@ class BackendSpec:
     fused_cross_entropy: bool = True
     # torch's fused AdamW (moe.train.optim.FUSED_ADAMW_DEVICES): the update needs no fp32 copy
     fused_adamw: bool = True
+    # the ZeRO stage from which weights are sharded at rest (ZeRO-3; FSDP2 from 2, which only keeps them
+    # gathered between a block's forward and backward)
+    weights_sharded_from: int = 3
+    # tensor parallelism splits every non-expert weight (NxD: embeddings, LM head too); False: only
+    # attention and dense MLPs, the rest whole on every TP rank (moe.parallel.tensor_parallel)
+    tp_splits_all_weights: bool = True
 
     def state_bytes(self, cfg) -> StateBytes:
         precision = str(cfg.trainer.precision or cfg.hardware.precision)
@@ -90,6 +96,11 @@ class FSDP2Spec(BackendSpec):
     """FSDP2 shards weights from zero_stage 2 on (2 keeps them gathered from forward to backward); TP
     splits attention and dense MLPs only (moe.parallel.tensor_parallel)."""
 
+    @staticmethod
+    def gathers_bf16(cfg) -> bool:
+        """bf16-mixed: FSDP2 gathers weights in bf16 for compute (reducing gradients in fp32); else fp32."""
+        return str(cfg.trainer.precision or cfg.hardware.precision) == "bf16-mixed"
+
     def comm_buffer_bytes(self, cfg) -> float:
         """Weights FSDP2 holds gathered at the backward's peak, in the compute dtype: the root unit
         (embedding, final norm, LM head: FSDP2 does not reshard the root after the forward) and the largest
@@ -100,7 +111,7 @@ class FSDP2Spec(BackendSpec):
         from moe.model.size import param_breakdown
 
         m, bd, layout = cfg.model, param_breakdown(cfg.model), Layout.from_config(cfg)
-        compute = 2 if str(cfg.trainer.precision or cfg.hardware.precision).endswith("-mixed") else 4
+        compute = 2 if self.gathers_bf16(cfg) else 4
         n_moe, n_dense = bd.num_moe_layers, m.num_layers - bd.num_moe_layers
         attention = bd.attention / m.num_layers / layout.tp
         routed = bd.routers + bd.shared_experts + bd.experts / layout.ep
@@ -135,7 +146,7 @@ SPECS: dict[str, BackendSpec] = {
     "fsdp2": FSDP2Spec(  # FSDP2 shards weights too (ZeRO-3 class); pipeline parallelism not built
         name="fsdp2", library="PyTorch FSDP2 + DTensor", max_zero_stage=3, tensor_parallel=True,
         pipeline_parallel=False, max_expert_parallel=None, hybrid_shard=True,
-        precisions=("32-true", "bf16-mixed")),
+        precisions=("32-true", "bf16-mixed"), weights_sharded_from=2, tp_splits_all_weights=False),
     "neuron": NeuronSpec(  # expert parallelism: moe.config.validate.check_neuron says why not
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
         pipeline_parallel=True, max_expert_parallel=1, hybrid_shard=False, precisions=None,

@@ -204,10 +204,10 @@ def memory_estimate(cfg, layout: Layout) -> Memory:
     if pp > 1:  # first stage holds the embedding, last the norm and lm_head (tied: both keep a copy)
         outer = max(bd.embedding, (bd.lm_head or bd.embedding) + bd.final_norm)
     spec = spec_of(cfg)
-    if spec.name == "fsdp2":  # TP splits attention and dense MLPs; the rest is whole on every TP rank
-        non_expert = (bd.attention + bd.dense_mlp) / tp + bd.routers + bd.shared_experts + outer
-    else:
+    if spec.tp_splits_all_weights:
         non_expert = (layer_dense / pp + outer) / tp
+    else:  # TP splits attention and dense MLPs; the rest is whole on every TP rank
+        non_expert = (bd.attention + bd.dense_mlp) / tp + bd.routers + bd.shared_experts + outer
     # experts: split by TP (NxD), or whole on every TP rank but sharded over it by FSDP2: the same count
     expert = bd.experts / pp / (ep * tp)
 
@@ -215,10 +215,9 @@ def memory_estimate(cfg, layout: Layout) -> Memory:
     pb, gb, ob = bytes_.param, bytes_.grad, bytes_.optimizer
     shard = min(dp, p.hybrid_shard_degree or dp)
     expert_shard = min(layout.expert_dp, p.hybrid_shard_degree or layout.expert_dp)
-    weights_from = 3
-    if spec.name == "fsdp2":  # weights sharded at rest at both stages; HSDP shard groups hold whole EP groups
-        weights_from = 2
-        expert_shard = p.hybrid_shard_degree // ep if p.hybrid_shard_degree else layout.expert_dp
+    if spec.hybrid_shard and p.hybrid_shard_degree:  # its shard groups hold whole EP groups (FSDP2's HSDP)
+        expert_shard = p.hybrid_shard_degree // ep
+    weights_from = spec.weights_sharded_from
 
     def sharded(n_dense: float, n_expert: float, stage_needed: int) -> float:
         if p.zero_stage >= stage_needed:
@@ -230,10 +229,10 @@ def memory_estimate(cfg, layout: Layout) -> Memory:
     optimizer = sharded(non_expert, expert, 1) * ob
     step = sharded(non_expert, expert, 1) * bytes_.step
     first, last, act_note = activation_bytes(cfg, cfg.trainer.micro_batch_size)
-    if spec.name == "fsdp2" and p.zero_stage >= weights_from:
+    if p.zero_stage >= weights_from:
         replicas = f", {dp // shard} HSDP replicas" if dp > shard else ""
-        sharding_note = (f"FSDP2: dense states over {shard} ranks, expert states over {expert_shard * tp} "
-                         f"(expert replicas x TP){replicas}")
+        sharding_note = (f"{spec.library}: dense states over {shard} ranks, expert states over "
+                         f"{expert_shard * tp} (expert replicas x TP){replicas}")
     elif p.zero_stage >= 1:
         sharding_note = (f"ZeRO-{p.zero_stage}: dense states over {shard} ranks, expert states over "
                          f"{expert_shard} (expert-dp)")
