@@ -183,7 +183,7 @@ def to_hf(model: MoETransformer):
             if hasattr(module, "e_score_correction_bias"):  # (_keep_in_fp32_modules_strict)
                 module.e_score_correction_bias = module.e_score_correction_bias.float()
         sd = hf_deepseek.hf_state_dict(model)
-        sd = hf_deepseek.stacked(sd, cfg.num_layers) if _is_stacked(hf.state_dict()) else sd
+        sd = sd if _is_stacked(hf.state_dict()) else hf_deepseek.per_expert(sd, cfg.num_layers)
     else:
         hf = MixtralForCausalLM(hf_config).to(dtype=ref.dtype)
         sd = _to_hf_state_dict(model)

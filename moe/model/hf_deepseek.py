@@ -31,13 +31,12 @@ import torch
 
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
-from moe.model.hf_tensors import LAYER, Get, our_value
+from moe.model.hf_tensors import LAYER, STACKED_EXPERTS, Get, our_value, stacked_experts
 
 # MoE routing fields a DeepSeek-V3 checkpoint fixes (moe_opt_from_hf); the rest are training choices.
 ROUTING_KEYS = ("score_function", "num_groups", "group_top_k", "topk_scaling_factor", "normalize_top_k",
                 "enable_expert_bias")
 HF_GROUP_SCORE_TOP = 2  # DeepseekV3TopkRouter: `.topk(2, dim=-1)[0].sum(dim=-1)` per group
-EXPERT_KEYS = ("gate_proj", "up_proj", "down_proj")
 
 
 # ----------------------------------------------------------------------------- configs
@@ -226,17 +225,16 @@ def deepseek_value(name: str, get: Get, cfg: ModelConfig, interleaved: bool,
         return get(p + FFN[rest])
     if rest in FUSED:
         return torch.cat([get(p + FUSED[rest] + "gate_proj.weight"), get(p + FUSED[rest] + "up_proj.weight")])
-    expert = [f"{p}mlp.experts.{j}." for j in (experts or range(cfg.num_experts))]
-    if rest == "ffn.experts.gate_up":
-        return torch.stack([torch.cat([get(e + "gate_proj.weight").T, get(e + "up_proj.weight").T], dim=1)
-                            for e in expert])
-    if rest == "ffn.experts.down":
-        return torch.stack([get(e + "down_proj.weight").T for e in expert])
+    if rest in STACKED_EXPERTS:
+        expert = [f"{p}mlp.experts.{j}." for j in (experts or range(cfg.num_experts))]
+        return stacked_experts(rest, get, expert, ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
     return our_value(name, get, cfg.num_experts)  # the block norms
 
 
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """Our model's weights under DeepSeek-V3's per-expert keys, rope rows interleaved (an export)."""
+    """Our model's weights under transformers 5.x's DeepseekV3ForCausalLM keys (experts stacked:
+    mlp.experts.gate_up_proj [E, 2F, H], down_proj [E, H, F]; `per_expert` gives 4.x's and the files'),
+    rope rows interleaved (an export)."""
     cfg = model.cfg
     ours = model.state_dict()
     interleave = torch.argsort(deinterleave_order(cfg.qk_rope_head_dim))
@@ -267,27 +265,9 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
                 sd |= {p + "mlp.shared_experts.gate_proj.weight": torch.zeros(0, H),
                        p + "mlp.shared_experts.up_proj.weight": torch.zeros(0, H),
                        p + "mlp.shared_experts.down_proj.weight": torch.zeros(H, 0)}
-            gate, up = ours[q + "ffn.experts.gate_up"].chunk(2, dim=2)
-            for j in range(cfg.num_experts):
-                e = f"{p}mlp.experts.{j}."
-                sd |= {e + "gate_proj.weight": gate[j].T, e + "up_proj.weight": up[j].T,
-                       e + "down_proj.weight": ours[q + "ffn.experts.down"][j].T}
+            sd |= {p + "mlp.experts.gate_up_proj": ours[q + "ffn.experts.gate_up"].transpose(1, 2),
+                   p + "mlp.experts.down_proj": ours[q + "ffn.experts.down"].transpose(1, 2)}
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}
-
-
-def stacked(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Per-expert keys -> transformers 5.x's stacked mlp.experts.gate_up_proj [E, 2F, H] and down_proj
-    [E, H, F]."""
-    sd = dict(sd)
-    for i in range(num_layers):
-        e = f"model.layers.{i}.mlp.experts."
-        if f"{e}0.gate_proj.weight" not in sd:
-            continue
-        count = sum(1 for k in sd if k.startswith(e) and k.endswith(".down_proj.weight"))
-        per = [{n: sd.pop(f"{e}{j}.{n}.weight") for n in EXPERT_KEYS} for j in range(count)]
-        sd[e + "gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in per])
-        sd[e + "down_proj"] = torch.stack([x["down_proj"] for x in per])
-    return sd
 
 
 def per_expert(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

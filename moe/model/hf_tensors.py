@@ -27,6 +27,7 @@ IN_LAYER = {"attn.o_proj.weight": "self_attn.o_proj.weight", "attn_norm.weight":
             "ffn_norm.weight": "post_attention_layernorm.weight",
             "ffn.router.weight": "block_sparse_moe.gate.weight"}
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+STACKED_EXPERTS = ("ffn.experts.gate_up", "ffn.experts.down")  # ours, built by stacked_experts
 
 Get = Callable[[str], torch.Tensor]
 
@@ -45,13 +46,20 @@ def our_value(name: str, get: Get, num_experts: int, experts: range | None = Non
         return get(p + IN_LAYER[rest])
     if rest == "attn.qkv_proj.weight":
         return torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-    expert = [f"{p}block_sparse_moe.experts.{j}." for j in (experts or range(num_experts))]
-    if rest == "ffn.experts.gate_up":
-        return torch.stack([torch.cat([get(e + "w1.weight").T, get(e + "w3.weight").T], dim=1)
-                            for e in expert])
-    if rest == "ffn.experts.down":
-        return torch.stack([get(e + "w2.weight").T for e in expert])
+    if rest in STACKED_EXPERTS:
+        expert = [f"{p}block_sparse_moe.experts.{j}." for j in (experts or range(num_experts))]
+        return stacked_experts(rest, get, expert, ("w1.weight", "w3.weight", "w2.weight"))
     raise KeyError(f"{name}: not a Mixtral parameter")
+
+
+def stacked_experts(rest: str, get: Get, expert_prefixes: list[str],
+                    names: tuple[str, str, str]) -> torch.Tensor:
+    """Our `ffn.experts.gate_up` [E, H, 2F] ([gate.T | up.T]) or `ffn.experts.down` [E, F, H] (down.T)
+    from per-expert gate and up [F, H] and down [H, F] weights, `names` under each expert's prefix."""
+    gate, up, down = names
+    if rest == "ffn.experts.gate_up":
+        return torch.stack([torch.cat([get(e + gate).T, get(e + up).T], dim=1) for e in expert_prefixes])
+    return torch.stack([get(e + down).T for e in expert_prefixes])
 
 
 def _has(get: Get, key: str) -> bool:
