@@ -33,7 +33,7 @@ import torch
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.model import hf_deepseek
-from moe.model.hf_tensors import our_value
+from moe.model.hf_tensors import value_reader
 from moe.model.model import MoETransformer
 from moe.model.size import head_dim_of
 
@@ -242,14 +242,11 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
     ref = next(hf.parameters())
     model = MoETransformer(cfg, moe_opt).to(dtype=ref.dtype)
     hf_sd = hf.state_dict()
-    if model_type == "deepseek_v3":
-        hf_sd = hf_deepseek.per_expert(hf_sd, cfg.num_layers)
-        interleaved = bool(getattr(hf.config, "rope_interleave", True))
-        ours = {name: hf_deepseek.deepseek_value(name, hf_sd.__getitem__, cfg, interleaved)
-                for name in model.state_dict()}
-    else:
-        hf_sd = _per_expert(hf_sd, cfg.num_layers) if _is_stacked(hf_sd) else hf_sd
-        ours = {name: our_value(name, hf_sd.__getitem__, cfg.num_experts) for name in model.state_dict()}
+    if _is_stacked(hf_sd):  # 5.x in memory -> the per-expert keys of the files and of 4.x
+        to_per_expert = hf_deepseek.per_expert if model_type == "deepseek_v3" else _per_expert
+        hf_sd = to_per_expert(hf_sd, cfg.num_layers)
+    read = value_reader(model_type, bool(getattr(hf.config, "rope_interleave", True)), cfg)
+    ours = {name: read(name, hf_sd.__getitem__) for name in model.state_dict()}
     model.load_state_dict({k: v.detach().clone().contiguous() for k, v in ours.items()}, strict=True)
     return model
 

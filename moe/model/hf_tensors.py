@@ -96,6 +96,16 @@ class SafetensorsDir:
         return self._open[name].get_tensor(key)
 
 
+def value_reader(model_type: str | None, rope_interleave: bool, model_cfg):
+    """`read(name, get, experts=None)` -> our tensor from a checkpoint's per-expert keys: `our_value` for
+    Mixtral's, moe.model.hf_deepseek.deepseek_value for DeepSeek-V3's (`rope_interleave`: its layout)."""
+    if model_type == "deepseek_v3":
+        from moe.model.hf_deepseek import deepseek_value
+
+        return lambda name, get, experts=None: deepseek_value(name, get, model_cfg, rope_interleave, experts)
+    return lambda name, get, experts=None: our_value(name, get, model_cfg.num_experts, experts)
+
+
 def hf_tensor_source(path: str | Path, model_cfg):
     """`source(name, shape, first_expert)` -> our tensor from DIR's files, as moe.backends.neuron.layers
     .init_from reads values: full tensors, or experts [first_expert, first_expert + shape[0]).
@@ -103,17 +113,11 @@ def hf_tensor_source(path: str | Path, model_cfg):
     says which)."""
     files = SafetensorsDir(path)
     hf_config = json.loads((Path(path) / "config.json").read_text())
-
-    def value_of(name: str, experts: range | None) -> torch.Tensor:
-        if hf_config.get("model_type") == "deepseek_v3":
-            from moe.model.hf_deepseek import deepseek_value
-
-            return deepseek_value(name, files.get, model_cfg, hf_config.get("rope_interleave", True), experts)
-        return our_value(name, files.get, model_cfg.num_experts, experts)
+    read = value_reader(hf_config.get("model_type"), hf_config.get("rope_interleave", True), model_cfg)
 
     def source(name: str, shape, first_expert: int | None) -> torch.Tensor:
         experts = None if first_expert is None else range(first_expert, first_expert + shape[0])
-        value = value_of(name, experts)
+        value = read(name, files.get, experts)
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{path}: {name} is {tuple(value.shape)}, the model expects {tuple(shape)}")
         return value
