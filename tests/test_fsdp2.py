@@ -69,39 +69,58 @@ def _tiny_cfg():
     return model, OmegaConf.merge(OmegaConf.structured(MoEOptConfig), {"capacity_factor": None})
 
 
-def _tp_fsdp_worker(rank: int, port: int, out: dict):
+def _on_two_ranks(body) -> dict:
+    """`body()` (a module-level function) on each of 2 gloo ranks -> {rank: what it returned}."""
+    out = mp.Manager().dict()
+    mp.spawn(_rank_main, args=(free_port(), out, body), nprocs=2, join=True)
+    return dict(out)
+
+
+def _rank_main(rank: int, port: int, out: dict, body):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        out[rank] = body()
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp2_on_meta(model_cfg, moe_opt):
+    """(the model built on the meta device and split by TP over both ranks, the 2-rank TP mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from moe.model.model import MoETransformer
+    from moe.parallel.tensor_parallel import apply_tp
+
+    with torch.device("meta"):
+        model = MoETransformer(model_cfg, moe_opt, init_seed=7)
+    world = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    apply_tp(model, world["tp"])
+    return model, world
+
+
+def _tp_fsdp_logits():
+    from torch.distributed.device_mesh import init_device_mesh
+
     from moe.parallel.fsdp import apply_fsdp
     from moe.parallel.mesh import Meshes
     from moe.parallel.placement import materialize_distributed
-    from moe.parallel.tensor_parallel import apply_tp
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        model_cfg, moe_opt = _tiny_cfg()
-        with torch.device("meta"):
-            model = MoETransformer(model_cfg, moe_opt, init_seed=7)
-        world = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        # TP over both ranks; FSDP2 over a 1-rank data-parallel mesh (the TP layout is what is checked)
-        apply_tp(model, world["tp"])
-        one = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp2"))["dp"]
-        meshes = Meshes(world=world, dense=one, experts=one, ep=None, tp=world["tp"], dp=one)
-        apply_fsdp(model, meshes, expert_divide_factor=1, reshard_after_forward=True)
-        materialize_distributed(model, "cpu", None, model_cfg, tp=2)
-        ids = torch.arange(12).view(2, 6) % 64
-        qkv = model.layers[0].attn.qkv_proj.weight.full_tensor().detach()
-        out[rank] = (model(ids).logits_BSV.detach(), qkv)
-    finally:
-        dist.destroy_process_group()
+    model_cfg, moe_opt = _tiny_cfg()
+    model, world = _tp2_on_meta(model_cfg, moe_opt)
+    # FSDP2 over a 1-rank data-parallel mesh (the TP layout is what is checked)
+    one = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp2"))["dp"]
+    meshes = Meshes(world=world, dense=one, experts=one, ep=None, tp=world["tp"], dp=one)
+    apply_fsdp(model, meshes, expert_divide_factor=1, reshard_after_forward=True)
+    materialize_distributed(model, "cpu", None, model_cfg, tp=2)
+    ids = torch.arange(12).view(2, 6) % 64
+    qkv = model.layers[0].attn.qkv_proj.weight.full_tensor().detach()
+    return model(ids).logits_BSV.detach(), qkv
 
 
 def test_tp2_on_the_meta_device_materialises_one_process_values_and_logits():
     from moe.model.model import MoETransformer
 
-    out = mp.Manager().dict()
-    mp.spawn(_tp_fsdp_worker, args=(free_port(), out), nprocs=2, join=True)
+    out = _on_two_ranks(_tp_fsdp_logits)
     model_cfg, moe_opt = _tiny_cfg()
     reference = MoETransformer(model_cfg, moe_opt, init_seed=7)
     want = reference(torch.arange(12).view(2, 6) % 64).logits_BSV.detach()
@@ -129,23 +148,13 @@ def _mla_grads(model) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters() if ".attn." in name}
 
 
-def _mla_tp_worker(rank: int, port: int, out: dict):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from moe.model.model import MoETransformer
+def _mla_tp_grads():
     from moe.parallel.placement import materialize_distributed
-    from moe.parallel.tensor_parallel import apply_tp
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        model_cfg, moe_opt = _mla_cfg()
-        with torch.device("meta"):
-            model = MoETransformer(model_cfg, moe_opt, init_seed=7)
-        apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
-        materialize_distributed(model, "cpu", None, model_cfg, tp=2)  # dense [gate | up] rows interleaved
-        out[rank] = _mla_grads(model)
-    finally:
-        dist.destroy_process_group()
+    model_cfg, moe_opt = _mla_cfg()
+    model, _ = _tp2_on_meta(model_cfg, moe_opt)
+    materialize_distributed(model, "cpu", None, model_cfg, tp=2)  # dense [gate | up] rows interleaved
+    return _mla_grads(model)
 
 
 def test_mla_under_tp2_gives_one_process_gradients():
@@ -153,8 +162,7 @@ def test_mla_under_tp2_gives_one_process_gradients():
     down-projections included (the shared RoPE key's gradient summed over the ranks), equals one process's."""
     from moe.model.model import MoETransformer
 
-    out = mp.Manager().dict()
-    mp.spawn(_mla_tp_worker, args=(free_port(), out), nprocs=2, join=True)
+    out = _on_two_ranks(_mla_tp_grads)
     want = _mla_grads(MoETransformer(*_mla_cfg(), init_seed=7))
     assert "layers.0.attn.kv_a_proj.weight" in want and "layers.1.attn.q_b_proj.weight" in want
     for rank in (0, 1):
