@@ -132,14 +132,7 @@ class MoETransformer(nn.Module):
         what one process building the whole model would give these parameters. Call it before
         wrapping (activation checkpointing, compile): the values are keyed by parameter name.
         """
-        self.to_empty(device=device)  # new Parameters: ties and expert marks are set again below
-        if self.cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        for module in self.modules():
-            if isinstance(module, Experts):
-                module.mark_expert(module.first_expert)
-            elif isinstance(module, Attention | Router):
-                module.init_buffers()
+        self.to_storage(device)
         if source is None:
             initialize(self, self.init_seed, *self.init_std)
             return
@@ -147,6 +140,18 @@ class MoETransformer(nn.Module):
             first = p.first_expert if getattr(p, "is_expert", False) else None
             p.copy_(source(name, tuple(p.shape), first))
         load_expert_bias(self, source)
+
+    def to_storage(self, device) -> None:
+        """`to_empty(device)` (storage for what this process holds, values unset), then what it loses:
+        new Parameters get the LM head tie and the expert marks again, computed buffers are recomputed."""
+        self.to_empty(device=device)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.mark_expert(module.first_expert)
+            elif isinstance(module, Attention | Router):
+                module.init_buffers()
 
     def new_kv_cache(self) -> list[KVCache]:
         """An empty per-layer cache to pass as `kv_cache` for generation."""

@@ -110,15 +110,9 @@ def materialize_distributed(model: torch.nn.Module, device, source, model_cfg, t
     or `source(name, shape, first_expert)`) of the parts it holds. A parameter's full value exists for a
     moment (an expert tensor: this EP rank's experts only), never the whole model."""
     from moe.model.init import initial_values
-    from moe.model.model import Attention, load_expert_bias
-    from moe.model.moe import Experts, Router
+    from moe.model.model import load_expert_bias
 
-    model.to_empty(device=device)
-    for module in model.modules():
-        if isinstance(module, Experts):
-            module.mark_expert(module.first_expert)
-        elif isinstance(module, Attention | Router):
-            module.init_buffers()
+    model.to_storage(device)
     wheres = where_by_name(model, model_cfg, tp)
     seed, (std, out_std) = model.init_seed, model.init_std
     for name, p in model.named_parameters():
