@@ -442,7 +442,8 @@ def check_neuron(cfg) -> None:
     _need(m.attention == "gqa", "model.attention", m.attention,
           "use model.attention=gqa on trn1, or train MLA with hardware=gpu, gpu_fsdp2 or trn2",
           "is not built on trn1: the backend swaps the fused qkv_proj for neuronx-distributed's "
-          "ColumnParallelLinear (moe/backends/neuron/layers.py), and NxD 2.28 has no latent attention")
+          "ColumnParallelLinear (moe/backends/neuron/layers.py), and NxD v2.28.0 has no latent attention "
+          "(its attention projection is GQAQKVColumnParallelLinear, modules/qkv_linear.py:371)")
     _need(m.num_kv_heads % p.tp == 0, "parallel.tp", p.tp,
           f"use a tp that divides model.num_kv_heads={m.num_kv_heads}",
           f"does not divide num_kv_heads={m.num_kv_heads}: each rank holds whole KV heads (no KV "
