@@ -31,9 +31,9 @@ test-slow: $(STAMP) ## slow tests: multi-process runs, kill-and-resume
 	$(PY) -m pytest -q -m slow $(ARGS)
 
 NXD_CPU ?= $(HOME)/.cache/moe-nxd-cpu
-test-neuron: ## the trn1 backend on neuronx-distributed's real code (CPU mode, 2-4 processes); first run sets up ~7 GB in NXD_CPU
-	@test -x $(NXD_CPU)/venv/bin/python || PREFIX=$(NXD_CPU) bash tests/neuron_real/setup.sh
-	PREFIX=$(NXD_CPU) bash tests/neuron_real/run.sh
+test-neuron: ## the trn1 backend on neuronx-distributed v2.28.0's real code in CPU mode (NXD_SRC=copy; first run sets up 7.7 GB in NXD_CPU)
+	@PREFIX=$(NXD_CPU) bash tests/neuron_real/setup.sh
+	PREFIX=$(NXD_CPU) bash tests/neuron_real/run.sh $(CHECKS)
 
 smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1, gpu (DeepSpeed), gpu_fsdp2 and trn2 presets
 	$(PY) train.py trainer=smoke run_name=smoke resume=false $(ARGS)
@@ -66,9 +66,11 @@ bench: $(STAMP) ## benchmarks side by side with their peers (figures go in docs/
 NEURON_DEVICES ?= 32
 NEURON_ARGS ?= experiment=karakuri_8x7b_trn1
 TORCHRUN ?= torchrun --nproc_per_node=$(NEURON_DEVICES)
+NEURON_COMPILE ?= neuron_parallel_compile
+TRAIN_PY ?= train.py
 compile-neuron: ## trn1: compile the train and eval graphs ahead (neuron_parallel_compile, 10 steps, nothing saved); NEURON_ARGS, TORCHRUN
-	neuron_parallel_compile $(TORCHRUN) train.py $(NEURON_ARGS) trainer.devices=$(NEURON_DEVICES) \
-	  trainer.max_steps=10 trainer.val_check_interval=5 trainer.limit_val_batches=2 optimizer.warmup_steps=1 \
+	$(NEURON_COMPILE) $(TORCHRUN) $(TRAIN_PY) $(NEURON_ARGS) trainer.devices=$(NEURON_DEVICES) \
+	  trainer.max_steps=10 trainer.val_check_interval=5 trainer.limit_val_batches=1 optimizer.warmup_steps=1 \
 	  run_name=neuron_compile resume=false
 	rm -rf runs/neuron_compile
 

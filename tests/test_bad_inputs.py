@@ -142,7 +142,7 @@ CONFIG_CASES = [
     (["trainer.max_nonfinite_steps=-1"], "trainer.max_nonfinite_steps", "-1", "0 (never stop)"),
     # hardware and layout
     (["hardware.neuron_precision=fp4"], "hardware.neuron_precision", "'fp4'",
-     "use one of bf16_sr, mixed, fp32"),
+     "use one of auto, bf16_sr, mixed, fp32"),
     (["parallel.tp=0"], "parallel.tp", "0", "1 or more"),
     (["parallel.pp=0"], "parallel.pp", "0", "1 or more"),
     (["parallel.ep=0"], "parallel.ep", "0", "1 or more"),
@@ -158,6 +158,19 @@ CONFIG_CASES = [
     (["parallel.hybrid_shard_degree=2"], "parallel.hybrid_shard_degree", "2", "hybrid_shard_degree=null"),
     (["parallel=dp2_ep8"], "parallel.dp", "16", "trainer.devices=2 trainer.num_nodes=8"),
     (["hardware=trn1"], "hardware", "'trn1'", "Neuron SDK 2.28 environment"),  # no SDK on this machine
+    # what neuronx-distributed cannot train on trn1 (dry runs: validated on this machine, nothing written)
+    (["hardware=trn1", "hardware.neuron_precision=bf16_sr", "dry_run=true"], "hardware.neuron_precision",
+     "'bf16_sr'", "use hardware.neuron_precision=mixed"),  # bf16 slot arithmetic in NxD's MoE
+    (["hardware=trn1", "parallel=tp8_pp8_ep8", "moe_opt=dropless", "dry_run=true"], "moe_opt.capacity_factor",
+     "None", "set moe_opt.capacity_factor (e.g. 2.0"),  # NxD's dropless path has no all-to-all
+    (["hardware=trn1", "parallel=tp8_pp8_ep8", "moe_opt.capacity_factor=4.0",
+      "moe_opt.eval_capacity_factor=4.0", "dry_run=true"], "moe_opt.capacity_factor", "4.0",
+     "below num_experts / top_k = 4"),
+    # NxD saves expert-parallel rank 0's optimizer only without ZeRO-1
+    (["hardware=trn1", "parallel=tp8_pp8_ep8", "parallel.zero_stage=0", "dry_run=true"],
+     "parallel.zero_stage", "0", "set parallel.zero_stage=1 with parallel.ep > 1"),
+    (["hardware=trn1", "parallel=tp8_pp8_ep8", "parallel.tp=4", "dry_run=true"], "parallel.tp", "4",
+     "use tp 2 or 8 with parallel.ep > 1"),
     # the torch-native backend (hardware.strategy=fsdp2)
     (["hardware=cpu_fsdp2", "parallel=dp2", "trainer.devices=2"], "parallel.zero_stage", "0",
      "set parallel.zero_stage=3"),

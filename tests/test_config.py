@@ -91,9 +91,7 @@ MATRIX_ERRORS = {
     ("cpu", "dp2_zero1"): "parallel.zero_stage",
     ("cpu", "ep2_zero2"): "parallel.zero_stage",
     ("trn1", "ep2_zero2"): "parallel.zero_stage",  # NxD shards optimizer states only (ZeRO-1)
-    ("trn1", "ep2"): "parallel.ep",  # NxD does not train expert parallelism on trn1
-    ("trn1", "dp2_ep8"): "parallel.ep",
-    ("trn1", "tp8_pp8_ep8"): "parallel.ep",
+    ("trn1", "ep2"): "parallel.zero_stage",  # NxD's expert parallelism resumes with its ZeRO-1 only
     ("trn1", "single"): "trainer.devices",  # NxD's XLA strategy needs 2 or more devices
     # DeepSpeed here gives data and expert parallelism only: a tp/pp it would ignore is refused
     ("cpu_deepspeed", "tp8_pp8_ep8"): "parallel.tp",
@@ -145,8 +143,9 @@ def test_experiments_validate_at_their_own_world(experiment):
 def test_karakuri_experiment_values():
     cfg = make_cfg("experiment=karakuri_8x7b_trn1")
     assert (cfg.model.name, cfg.model.position_encoding, cfg.hardware.name, cfg.parallel.name) == (
-        "mixtral_8x7b", "alibi", "trn1", "tp8_pp8")
-    assert (cfg.parallel.ep, cfg.moe_opt.name, cfg.moe_opt.capacity_factor) == (1, "nxd", 2.0)
+        "mixtral_8x7b", "alibi", "trn1", "tp8_pp8_ep8")
+    assert (cfg.parallel.ep, cfg.moe_opt.name, cfg.moe_opt.capacity_factor) == (8, "nxd", 2.0)
+    assert (cfg.hardware.neuron_precision, cfg.parallel.zero_stage) == ("auto", 1)  # auto: mixed for MoE
     assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.data.seq_len) == (6e-5, 6e-6, 4096)
     assert cfg.trainer.devices * cfg.trainer.num_nodes == 512
     assert cfg.trainer.global_batch_size == 1024

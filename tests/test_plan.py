@@ -20,7 +20,7 @@ HARDWARE = {
                 devices_per_node=8, device_memory_gib=80.0, peak_tflops=989.0, precision="bf16-mixed"),
     "trn1": dict(name="trn1", accelerator="neuron", strategy="neuron", backend="xla",
                  device_name="trn1 NeuronCore-v2", devices_per_node=32, device_memory_gib=16.0,
-                 peak_tflops=95.0, precision="bf16", neuron_precision="bf16_sr"),
+                 peak_tflops=95.0, precision="bf16", neuron_precision="auto"),
 }
 TP8_PP8_EP8 = dict(name="tp8_pp8_ep8", tp=8, pp=8, ep=8, sequence_parallel=True, zero_stage=1,
                    activation_checkpointing="moe_only")
@@ -159,3 +159,50 @@ def test_pipeline_keeps_microbatches_in_flight_on_the_first_stage():
     OmegaConf.update(many, "trainer.accumulate_grad_batches", 16)
     first_one, first_many = make_plan(one).memory.activations, make_plan(many).memory.activations
     assert first_many > 4 * first_one  # min(pp=8, 16) micro-batches held vs 1 (plus the logits)
+
+
+def karakuri(parallel: dict):
+    """KARAKURI's recipe (conf/experiment/karakuri_8x7b_trn1.yaml) with another parallel group."""
+    cfg = cfg_of(MODELS["mixtral_8x7b"], HARDWARE["trn1"], parallel, dry_run=True)
+    recipe = {"data.seq_len": 4096, "trainer.micro_batch_size": 1, "trainer.accumulate_grad_batches": 128,
+              "trainer.devices": 32, "trainer.num_nodes": 16, "model.position_encoding": "alibi",
+              "moe_opt.capacity_factor": 2.0}
+    for key, value in recipe.items():
+        OmegaConf.update(cfg, key, value)
+    return make_plan(cfg)
+
+
+def test_nxd_checkpoints_the_moe_layer_alone_so_moe_only_keeps_the_attention():
+    """NxD's moe_only wraps NxDMoELayer (moe/backends/neuron/nxd_config.py), not the block: each MoE block's
+    attention activations stay, its [S, S] scores included (XLA does not fuse attention), for all 8
+    micro-batches 1F1B holds on the first stage. Counted as the whole block, the plan showed 3.8 GiB."""
+    ep8 = karakuri(TP8_PP8_EP8)
+    assert ep8.memory.activations == pytest.approx(11.01, abs=0.01)
+    assert ep8.memory.total == pytest.approx(12.75, abs=0.01) and ep8.memory.verdict == "fits"
+    selective = karakuri({**TP8_PP8_EP8, "activation_checkpointing": "selective"}).memory.activations
+    full = karakuri({**TP8_PP8_EP8, "activation_checkpointing": "full"}).memory.activations
+    assert full < selective < ep8.memory.activations  # selective also recomputes the scores (CoreAttention)
+
+
+def test_trn1_plan_warns_above_90_percent_with_the_fix():
+    """KARAKURI's tensor 8 x pipeline 8 without EP holds all 8 experts (split over TP) per NeuronCore: with
+    mixed precision's fp32 master weights it needs more than a NeuronCore has; EP 8 is the fix."""
+    tp8_pp8 = karakuri({**TP8_PP8_EP8, "name": "tp8_pp8", "ep": 1})
+    assert tp8_pp8.memory.total == pytest.approx(16.19, abs=0.01) and tp8_pp8.memory.verdict == "does not fit"
+    warning = next(n for n in tp8_pp8.notes if n.startswith("warning: "))
+    assert "above 90% of the 16 GiB of a trn1 NeuronCore-v2" in warning and "more parallel.ep" in warning
+    assert "warning: " in tp8_pp8.render() and "note: warning" not in tp8_pp8.render()
+
+
+def test_nxd_zero1_steps_on_its_own_copy_of_the_weights():
+    """torch-xla's ZeroRedundancyOptimizer keeps each rank's shard of the weights in the optimizer dtype
+    (fp32, or the master weights of mixed precision): measured in NxD's CPU mode, tests/neuron_real."""
+    def bytes_of(precision, zero_stage):
+        cfg = cfg_of(MODELS["mixtral_8x7b"], {**HARDWARE["trn1"], "neuron_precision": precision},
+                     {**TP8_PP8_EP8, "zero_stage": zero_stage}, dry_run=True)
+        b = planner.spec_of(cfg).state_bytes(cfg)
+        return b.param, b.grad, b.optimizer
+
+    assert bytes_of("fp32", 1) == (4, 4, 12) and bytes_of("fp32", 0) == (4, 4, 8)
+    assert bytes_of("auto", 1) == bytes_of("mixed", 1) == (2, 4, 12)  # auto: mixed for an MoE model
+    assert bytes_of("bf16_sr", 1) == (2, 2, 6) and bytes_of("mixed", 0) == (2, 2, 4)

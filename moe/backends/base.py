@@ -117,6 +117,10 @@ class Backend:
         under expert parallelism; without it every rank holds every expert and one file is written."""
         return self.layout.ep > 1
 
+    def val_micro_batches(self) -> int:
+        """Micro-batches in one validation batch: 1, the module evaluates one micro-batch at a time."""
+        return 1
+
     def checkpoint_options(self) -> dict:
         """How ModelCheckpoint keeps checkpoints: the newest keep_last_checkpoints steps, and last.ckpt,
         a link to the newest of them (a file or a sharded directory), not a second save."""

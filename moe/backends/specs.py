@@ -38,7 +38,6 @@ class BackendSpec:
     max_zero_stage: int  # highest ZeRO stage it shards, for a model with MoE experts
     tensor_parallel: bool
     pipeline_parallel: bool
-    max_expert_parallel: int | None  # None: any divisor of the experts and of dp
     hybrid_shard: bool
     precisions: tuple[str, ...] | None  # trainer.precision values it runs; None: it ignores trainer.precision
     # attention keeps no [heads, S, S] scores for backward: torch's scaled_dot_product_attention
@@ -55,6 +54,10 @@ class BackendSpec:
     # tensor parallelism splits every non-expert weight (NxD: embeddings, LM head too); False: only
     # attention and dense MLPs, the rest whole on every TP rank (moe.parallel.tensor_parallel)
     tp_splits_all_weights: bool = True
+    # activation checkpointing wraps the MoE layer itself, not its block: moe_only keeps each MoE block's
+    # attention activations, selective recomputes the whole MoE layer with the core attention (NxD's
+    # classes, moe/backends/neuron/nxd_config.py CHECKPOINT_CLASSES); False: moe.parallel.apply.apply_ac
+    ac_wraps_moe_layer: bool = False
 
     def state_bytes(self, cfg) -> StateBytes:
         precision = str(cfg.trainer.precision or cfg.hardware.precision)
@@ -68,6 +71,11 @@ class BackendSpec:
     def comm_buffer_bytes(self, cfg) -> float:
         """Bytes of communication buffers held through the backward, per device."""
         return 0.0
+
+    def activation_bytes(self, cfg) -> int:
+        """Bytes per activation element: 4 for an fp32 (or fp64) run, else the half type's 2."""
+        precision = str(cfg.trainer.precision or cfg.hardware.precision)
+        return 4 if precision.startswith(("32", "64")) else 2
 
 
 REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (moe/backends/deepspeed.py)
@@ -122,15 +130,40 @@ class FSDP2Spec(BackendSpec):
         return (bd.embedding + bd.lm_head + bd.final_norm + blocks * block) * compute + block * 4
 
 
+def neuron_precision(cfg) -> str:
+    """hardware.neuron_precision with `auto` resolved: `mixed` for a model with MoE layers, `bf16_sr`
+    for a dense one. neuronx-distributed computes MoE slot indices in float64 (v2.28.0
+    modules/moe/expert_mlps_v2.py:285-294, :518, :531-545, a cumulative count of tokens per expert);
+    XLA_USE_BF16=1 (bf16_sr) turns float64 into bf16, exact for integers up to 256 only, while
+    XLA_DOWNCAST_BF16=1 (mixed) turns it into float32, exact up to 2**24 (docs/TRAINIUM.md)."""
+    from moe.model.size import param_breakdown  # here: moe.model imports the validator, which imports this
+
+    preset = cfg.hardware.neuron_precision
+    if preset != "auto":
+        return preset
+    return "mixed" if param_breakdown(cfg.model).num_moe_layers else "bf16_sr"
+
+
 @dataclass(frozen=True)
 class NeuronSpec(BackendSpec):
     def state_bytes(self, cfg) -> StateBytes:
-        preset = cfg.hardware.neuron_precision
+        """ZeRO-1 (torch-xla's ZeroRedundancyOptimizer under NxD's) steps on its own copies of the weights'
+        shards, in its optimizer dtype (torch_xla/distributed/zero_redundancy_optimizer.py:255-263 at
+        v2.9.0): fp32, bf16 under XLA_USE_BF16; `mixed` makes them float64 for XLA_DOWNCAST_BF16 to hold
+        in fp32 (NxD trainer/trainer.py:281-283), its master weights, with fp32 gradient accumulation."""
+        preset, zero1 = neuron_precision(cfg), cfg.parallel.zero_stage >= 1
         if preset == "bf16_sr":
-            return StateBytes(2, 2, 4, "bf16 + stochastic rounding: bf16 weights, grads and AdamW moments")
-        if preset == "mixed":
+            return StateBytes(2, 2, 4 + 2 * zero1, "bf16 + stochastic rounding: bf16 weights, grads and "
+                              "AdamW moments" + (", ZeRO-1's bf16 copy" if zero1 else ""))
+        if preset == "mixed" and zero1:
             return StateBytes(2, 4, 12, "mixed: bf16 weights, fp32 grad accumulation, fp32 master + moments")
-        return StateBytes(4, 4, 8, "fp32 weights, grads and moments")
+        if preset == "mixed":  # NxD keeps master weights with ZeRO-1 only (nxd_config.py)
+            return StateBytes(2, 2, 4, "mixed without ZeRO-1: bf16 weights, grads and AdamW moments")
+        return StateBytes(4, 4, 8 + 4 * zero1,
+                          "fp32 weights, grads and moments" + (", ZeRO-1's copy" if zero1 else ""))
+
+    def activation_bytes(self, cfg) -> int:
+        return 4 if neuron_precision(cfg) == "fp32" else 2
 
 
 LIGHTNING_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
@@ -138,19 +171,19 @@ LIGHTNING_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mix
 SPECS: dict[str, BackendSpec] = {
     "ddp": BackendSpec(
         name="ddp", library="PyTorch DDP", max_zero_stage=0, tensor_parallel=False, pipeline_parallel=False,
-        max_expert_parallel=None, hybrid_shard=False, precisions=LIGHTNING_PRECISIONS),
+        hybrid_shard=False, precisions=LIGHTNING_PRECISIONS),
     "deepspeed": DeepSpeedSpec(
         name="deepspeed", library="DeepSpeed", max_zero_stage=2,  # ZeRO-3 rejects DeepSpeed's native MoE
-        tensor_parallel=False, pipeline_parallel=False, max_expert_parallel=None, hybrid_shard=False,
+        tensor_parallel=False, pipeline_parallel=False, hybrid_shard=False,
         precisions=("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")),
     "fsdp2": FSDP2Spec(  # FSDP2 shards weights too (ZeRO-3 class); pipeline parallelism not built
         name="fsdp2", library="PyTorch FSDP2 + DTensor", max_zero_stage=3, tensor_parallel=True,
-        pipeline_parallel=False, max_expert_parallel=None, hybrid_shard=True,
+        pipeline_parallel=False, hybrid_shard=True,
         precisions=("32-true", "bf16-mixed"), weights_sharded_from=2, tp_splits_all_weights=False),
-    "neuron": NeuronSpec(  # expert parallelism: moe.config.validate.check_neuron says why not
+    "neuron": NeuronSpec(  # what its expert parallelism needs: moe.config.validate.check_neuron
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
-        pipeline_parallel=True, max_expert_parallel=1, hybrid_shard=False, precisions=None,
-        fused_attention=False, fused_cross_entropy=False, fused_adamw=False),
+        pipeline_parallel=True, hybrid_shard=False, precisions=None,
+        fused_attention=False, fused_cross_entropy=False, fused_adamw=False, ac_wraps_moe_layer=True),
 }
 
 

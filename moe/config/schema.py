@@ -129,7 +129,7 @@ class HardwareConfig:
     peak_tflops: float = 0.5  # dense bf16 (fp32 on cpu) peak per device, for MFU
     precision: str = "32-true"  # Lightning precision string
     allow_tf32: bool = False
-    neuron_precision: str = "bf16_sr"  # bf16_sr | mixed | fp32 (trn1 only)
+    neuron_precision: str = "auto"  # auto | bf16_sr | mixed | fp32 (trn1 only; auto: mixed with MoE layers)
     neuron_cc_flags: str = ""
     env: dict[str, str] = field(default_factory=dict)  # set before the accelerator starts
 

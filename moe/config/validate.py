@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from moe.backends.specs import SPECS, spec_of
+from moe.backends.specs import SPECS, neuron_precision, spec_of
 from moe.config.layout import Layout, launch_overrides, planning, world_of
 from moe.config.schema import normalizes
 from moe.errors import ConfigError
@@ -29,7 +29,7 @@ MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"
 AUX_LOSS_GROUPS = ("ep", "dp")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-NEURON_PRECISIONS = ("bf16_sr", "mixed", "fp32")
+NEURON_PRECISIONS = ("auto", "bf16_sr", "mixed", "fp32")  # auto: moe.backends.specs.neuron_precision
 SPIKE_ACTIONS = ("warn", "skip", "rollback")
 DATA_KINDS = ("prepared", "online")
 DATA_FORMATS = ("text", "chat", "sentence")
@@ -429,12 +429,6 @@ def check_neuron(cfg) -> None:
     if cfg.hardware.strategy != "neuron":
         return
     p, m, r, t = cfg.parallel, cfg.model, cfg.moe_opt, cfg.trainer
-    _need(p.ep == 1, "parallel.ep", p.ep,
-          "use parallel.ep=1: on trn1 each expert is split over the tensor-parallel group instead, as "
-          "AWS's Mixtral recipes run (e.g. parallel=tp8_pp8 for Mixtral 8x7B on 16 trn1.32xlarge)",
-          "is not trained by neuronx-distributed on trn1: its expert-parallel MoE needs enable_spmd_rank "
-          "with ranks filled by hand and reduces over the world group (modules/moe/expert_mlps_v2.py:"
-          "122-139, model.py:227-240), is tested on trn2 only, and no AWS trn1 recipe uses it")
     _need(t.devices >= 2 or planning(cfg), "trainer.devices", t.devices,
           "use 2 or more NeuronCores per node (a trn1.2xlarge has 2, a trn1.32xlarge 32)",
           "is too few: neuronx-distributed's XLA strategy fails with a single device (Lightning "
@@ -468,6 +462,9 @@ def check_neuron(cfg) -> None:
     _need(r.topk_scaling_factor is None, "moe_opt.topk_scaling_factor", r.topk_scaling_factor,
           "set moe_opt.topk_scaling_factor=null on trn1",
           "is not available on trn1: neuronx-distributed's ExpertMLPs takes the affinities as they are")
+    check_neuron_precision(cfg)
+    if p.ep > 1:
+        check_neuron_expert_parallel(cfg)
     nxd_routing = "or use moe_opt=nxd (neuronx-distributed's routing)"
     if r.capacity_factor is not None:
         _need(r.drop_policy == "position", "moe_opt.drop_policy", r.drop_policy,
@@ -496,6 +493,55 @@ def check_neuron(cfg) -> None:
     _need(not (m.top_k == 1 and r.normalize_top_k), "moe_opt.normalize_top_k", True,
           "leave moe_opt.normalize_top_k null or false with top_k=1",
           "with top_k=1 is refused by neuronx-distributed (expert_mlps_v2.py:270-271)")
+
+
+def check_neuron_precision(cfg) -> None:
+    """NxD's MoE computes its slot indices in float64 (expert_mlps_v2.py:285-294, :518, :531-545):
+    XLA_USE_BF16=1 (bf16_sr) runs them in bf16, exact for integers up to 256 only, which misplaces
+    most tokens' slots; XLA_DOWNCAST_BF16=1 (mixed) runs them in float32, exact up to 2**24 slots."""
+    from moe.model.size import param_breakdown  # here: moe.model imports this module
+
+    m, t = cfg.model, cfg.trainer
+    precision = neuron_precision(cfg)
+    moe_layers = param_breakdown(m).num_moe_layers > 0
+    fix = ("use hardware.neuron_precision=mixed (bf16 compute, fp32 master weights; float64 runs as float32) "
+           "or fp32, or auto, which picks mixed for MoE models")
+    _need(not (moe_layers and precision == "bf16_sr"), "hardware.neuron_precision", "bf16_sr", fix,
+          "would corrupt neuronx-distributed's MoE routing: XLA_USE_BF16=1 turns its float64 slot arithmetic "
+          "(modules/moe/expert_mlps_v2.py:285-294, 518, 531-545) into bf16, exact for counts up to 256 only")
+    slots = m.num_experts * t.micro_batch_size * cfg.data.seq_len  # the largest slot index, at capacity T
+    _need(not (moe_layers and precision == "mixed" and slots > 2**24), "trainer.micro_batch_size",
+          t.micro_batch_size, "use hardware.neuron_precision=fp32, or fewer tokens per micro-batch",
+          f"gives {slots:,} MoE slots (num_experts x micro_batch_size x seq_len), past 2**24, where "
+          "float32 (mixed precision's float64) stops counting exactly")
+
+
+def check_neuron_expert_parallel(cfg) -> None:
+    """What neuronx-distributed's training-time expert parallelism (EP carved out of data parallelism,
+    the capacity path's all-to-all, moe/backends/neuron/moe_layer.py) needs; lines are v2.28.0's."""
+    p, m, r = cfg.parallel, cfg.model, cfg.moe_opt
+    _need(r.capacity_factor is not None, "moe_opt.capacity_factor", None,
+          "set moe_opt.capacity_factor (e.g. 2.0, moe_opt=nxd) with parallel.ep > 1 on trn1, or "
+          "parallel.ep=1 for dropless",
+          "(dropless) is not expert-parallel in neuronx-distributed's training: its blockwise path runs "
+          "this rank's experts on this rank's tokens only, with no all-to-all (modules/moe/"
+          "expert_mlps_v2.py:713-716, 776-781), which is right for inference, where every rank holds the "
+          "same tokens")
+    full = m.num_experts / m.top_k
+    _need(r.capacity_factor < full, "moe_opt.capacity_factor", r.capacity_factor,
+          f"use a capacity factor below num_experts / top_k = {full:g} with parallel.ep > 1 (e.g. 2.0)",
+          f"is at least num_experts / top_k = {full:g}, which neuronx-distributed turns into full capacity "
+          "(expert_mlps_v2.py:268-269): every token through every local expert, with no all-to-all under "
+          "expert parallelism (modules/moe/experts.py:172-174, 182-189)")
+    _need(p.zero_stage == 1, "parallel.zero_stage", p.zero_stage,
+          "set parallel.zero_stage=1 with parallel.ep > 1 on trn1 (NxD's expert-parallel ZeRO-1, "
+          "NeuronEPZero1Optimizer; every trn1 preset uses it)",
+          "cannot be resumed with expert parallelism: without ZeRO-1 neuronx-distributed saves the optimizer "
+          "state of expert-parallel rank 0 only (the first rank of each data-parallel group, "
+          "trainer/checkpoint.py:765-770, :580) and loads every rank's own _ep_rank_ file (:923-924)")
+    _need(p.tp != 4, "parallel.tp", p.tp, "use tp 2 or 8 with parallel.ep > 1 on trn1",
+          "with expert parallelism is refused by neuronx-distributed on trn1 (its TP 4 groups are not "
+          "contiguous; parallel_layers/parallel_state.py:605-606)")
 
 
 def check_fsdp2(cfg) -> None:

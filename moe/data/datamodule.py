@@ -114,14 +114,17 @@ def online_cache_dir(prep: PrepConfig) -> Path:
 
 class MoEDataModule(L.LightningDataModule):
     """`layout` (moe.config.layout.Layout) says which data-parallel rank this process is: ranks of one
-    tensor/pipeline-parallel group read the same data. Without one, every process is its own rank."""
+    tensor/pipeline-parallel group read the same data. Without one, every process is its own rank.
+    `val_micro_batches`: micro-batches per validation batch (a backend's pipeline evaluates a whole
+    step's at once); such batches are complete, a shorter last one is left out."""
 
     def __init__(self, data_cfg, micro_batch_size: int, accumulate_grad_batches: int, max_steps: int,
                  seed: int, limit_val_batches: int, layout=None, dp_rank: int | None = None,
-                 dp_size: int | None = None):
+                 dp_size: int | None = None, val_micro_batches: int = 1):
         super().__init__()
         self.cfg, self.layout = data_cfg, layout
         self.micro_batch_size, self.accumulate = micro_batch_size, accumulate_grad_batches
+        self.val_micro_batches = val_micro_batches
         self.max_steps, self.seed, self.limit_val_batches = max_steps, seed, limit_val_batches
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.resume_micro_batches = 0
@@ -247,8 +250,10 @@ class MoEDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         blocks = self.prepared.splits.get("validation")
         n = len(blocks) if blocks is not None else 0
-        batches = validation_batches(n, self.micro_batch_size, self.limit_val_batches, self.dp_rank,
-                                     self.dp_size)
+        size = self.micro_batch_size * self.val_micro_batches
+        batches = validation_batches(n, size, self.limit_val_batches, self.dp_rank, self.dp_size)
+        if self.val_micro_batches > 1:
+            batches = [b for b in batches if len(b) == size]
         return self._loader(blocks, batches) if batches else []
 
     # ---- resume ----

@@ -21,11 +21,6 @@ from moe.model.size import attention_dims, is_moe_layer, param_breakdown
 GIB = 2**30
 
 
-def activation_dtype_bytes(cfg) -> int:
-    precision = str(cfg.trainer.precision or cfg.hardware.precision)
-    return 4 if precision.startswith("32") or precision.startswith("64") else 2
-
-
 # --------------------------------------------------------------------------- activations
 
 
@@ -48,13 +43,15 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     plus one layer's activations while it recomputes; every_n does that for every n-th
     layer; moe_only for MoE layers; selective recomputes the core attention (its scores) of
     every layer and the experts' MLPs (the MoE layer keeps its input, the router's output and the
-    dispatched rows in and out, 2h per assignment). With pp > 1, 1F1B keeps
+    dispatched rows in and out, 2h per assignment). Where the backend checkpoints the MoE layer
+    itself (NxD, BackendSpec.ac_wraps_moe_layer), moe_only keeps each MoE block's attention and the
+    MoE layer's input, selective the same less the attention scores. With pp > 1, 1F1B keeps
     min(pp, micro-batches) micro-batches on the first stage; the last stage also holds fp32 logits
     (s*V/tp per sequence), or with BackendSpec.fused_cross_entropy one chunk's (CE_CHUNK_TOKENS)
     and the LM head's fp32 gradient, which the chunked head computes in the forward.
     """
     m, p = cfg.model, cfg.parallel
-    e = activation_dtype_bytes(cfg)
+    e = spec_of(cfg).activation_bytes(cfg)
     s, b, h, t = cfg.data.seq_len, micro_batch, m.hidden_size, p.tp
     qk_dim, v_dim = attention_dims(m)
     F, Fd = m.intermediate_size, m.dense_intermediate_size or m.intermediate_size
@@ -76,15 +73,18 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     moe = split(h, routed + 3 * m.shared_expert_intermediate_size) + router
     moe_selective = split(h, m.top_k * cf * 2 * h) + router  # expert MLP internals recomputed
     layer_input = split(h, 0)
+    policy, moe_layer_alone = p.activation_checkpointing, spec_of(cfg).ac_wraps_moe_layer
 
     def layer(i: int) -> float:
-        ffn = moe if is_moe_layer(i, m) else dense
-        policy = p.activation_checkpointing
+        is_moe = is_moe_layer(i, m)
+        ffn = moe if is_moe else dense
+        if moe_layer_alone and policy in ("moe_only", "selective"):  # NxD: the MoE layer keeps its input
+            return attn - (scores if policy == "selective" else 0) + (layer_input if is_moe else dense)
         if policy == "full" or (policy == "every_n" and (i + 1) % p.activation_checkpointing_every_n == 0) \
-                or (policy == "moe_only" and is_moe_layer(i, m)):
+                or (policy == "moe_only" and is_moe):
             return layer_input
         if policy == "selective":
-            return attn - scores + (moe_selective if is_moe_layer(i, m) else dense)
+            return attn - scores + (moe_selective if is_moe else dense)
         return attn + ffn
 
     layers_per_stage = math.ceil(m.num_layers / p.pp)
@@ -178,7 +178,8 @@ class Plan:
         for g in lay.rank_groups():
             lines.append(f"  {g.name:<10} {g.size:>5}  {g.count:>5}  {_ranks(g.ranks[0])}")
         lines += [
-            f"memory per device (GiB, estimate; worst pipeline stage) vs {mem.capacity:.1f} GiB",
+            f"memory per device (GiB, estimate; worst pipeline stage) vs {mem.capacity:.1f} GiB per "
+            f"{self.device_name}",
             f"  parameters {mem.params:>9.2f}  {mem.precision_note}",
             f"  gradients  {mem.grads:>9.2f}",
             f"  optimizer  {mem.optimizer:>9.2f}  {mem.sharding_note}",
@@ -190,7 +191,7 @@ class Plan:
             f"  total      {mem.total:>9.2f}  -> {mem.verdict}, headroom {mem.headroom:.2f} GiB "
             f"({100 * mem.headroom / mem.capacity:.0f}%)",
         ]
-        lines += [f"note: {n}" for n in self.notes]
+        lines += [n if n.startswith("warning: ") else f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -253,8 +254,7 @@ def memory_hints(cfg) -> list[str]:
     p, spec = cfg.parallel, spec_of(cfg)
     hints = [f"parallel.zero_stage={spec.max_zero_stage} (states shard over dp)"] \
         if p.zero_stage < spec.max_zero_stage else []
-    more_ep = spec.max_expert_parallel is None or p.ep < spec.max_expert_parallel
-    able = {"ep": more_ep, "tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
+    able = {"ep": True, "tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
     degrees = [key for key, ok in able.items() if ok]
     hints.append("more " + " / ".join(f"parallel.{d}" for d in degrees))
     if p.hybrid_shard_degree:
@@ -280,7 +280,8 @@ def make_plan(cfg, layout: Layout) -> Plan:
             f"{launch_overrides(layout.world, hw.devices_per_node)}"
         )
     if memory.verdict != "fits":
-        notes.append("to save memory: " + ", ".join(memory_hints(cfg)))
+        notes.append(f"warning: {memory.total:.2f} GiB is above 90% of the {memory.capacity:g} GiB of a "
+                     f"{hw.device_name}; to save memory: " + ", ".join(memory_hints(cfg)))
     return Plan(model=cfg.model.name, hardware=hw.name, parallel=p.name, device_name=hw.device_name,
                 layout=layout, trainer_world=trainer_world, params_total=sizes.total,
                 params_active=sizes.active, memory=memory, notes=notes)

@@ -46,6 +46,14 @@ def check_environment(cfg: DictConfig) -> None:
 
 
 def check_accelerator(cfg: DictConfig) -> None:
+    if cfg.hardware.accelerator == "neuron":
+        from moe.backends.neuron import INSTALL_HINT, NOT_INSTALLED
+
+        missing = [p for p in ("neuronx_distributed", "torch_xla") if not installed(p)]
+        if missing:
+            raise ConfigError("hardware", cfg.hardware.name, INSTALL_HINT,
+                              problem=f"{NOT_INSTALLED} (no module {', '.join(missing)})")
+        return
     if cfg.hardware.accelerator == "torch_neuron":
         from moe.backends.torch_neuron import MODULE
 

@@ -15,19 +15,18 @@ from moe.config.validate import validate
 
 
 def validated_layout(cfg: DictConfig) -> tuple[Layout, str | None]:
-    """What a run settles before anything else (train, and train.py's preflight): the architecture of
-    model.init_from_hf / upcycle_from_hf, a prepared dataset's seq_len, every rule of validate, then
-    what the machine must offer.
+    """What a run settles before anything else (train, and train.py's preflight): what the machine must
+    offer, the architecture of model.init_from_hf / upcycle_from_hf, a prepared dataset's seq_len, then
+    every rule of validate.
     Returns the layout and a note for the user, if any."""
     from moe.data.arrow_io import apply_prepared_meta
     from moe.train.environment import check_environment
     from moe.train.init_from_hf import apply_init_from_hf
 
+    check_environment(cfg)  # CUDA for hardware=gpu, Neuron for trn1, logger packages, a W&B key
     note = apply_init_from_hf(cfg)  # model.init_from_hf=DIR: architecture from DIR/config.json
     apply_prepared_meta(cfg)  # data=prepared: seq_len from DIR/meta.json
-    layout = validate(cfg)
-    check_environment(cfg)  # CUDA for hardware=gpu, logger packages, a W&B key
-    return layout, note
+    return validate(cfg), note
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
@@ -90,6 +89,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
             cfg.data, micro_batch_size=cfg.trainer.micro_batch_size,
             accumulate_grad_batches=cfg.trainer.accumulate_grad_batches, max_steps=cfg.trainer.max_steps,
             seed=cfg.seed, limit_val_batches=cfg.trainer.limit_val_batches, layout=layout,
+            val_micro_batches=backend.val_micro_batches(),
         )
         datamodule.check_model(cfg.model)
         module = backend.build_module(resuming=bool(resume_from))

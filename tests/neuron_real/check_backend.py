@@ -1,19 +1,25 @@
 """One trn1 layout on neuronx-distributed's real code (CPU mode), against one process of plain torch.
 
-    torchrun --nproc_per_node 2 tests/neuron_real/check_backend.py parallel.tp=2 moe_opt=nxd ...
+    torchrun --nproc_per_node 4 tests/neuron_real/check_backend.py parallel.tp=2 parallel.ep=2 ...
 
 Builds NeuronLitMoE through our NeuronBackend exactly as train.py does (NxD's config, meta-device
-init, param_init_fn, NxD's parallel layers and MoE, its pipeline when pp > 1), runs one training
-step on a fixed batch, and compares with moe.train.module.LitMoE on one process, same seed:
+init, param_init_fn, NxD's parallel layers and MoE, its pipeline when pp > 1, its expert parallelism
+when ep > 1), trains two optimizer steps on fixed batches and compares them with
+moe.train.module.LitMoE on one process holding every data-parallel rank's batches, same seed:
 
-- the loss (the last pipeline stage's, with pp > 1), on every rank;
-- every local gradient: a tensor-parallel shard against moe.backends.neuron.shards.local_shard of
-  the reference gradient, a sequence-parallel parameter summed over the group, others equal;
-- after NxD's optimizer step (data-parallel average, sequence-parallel reduce, clipping, AdamW),
-  every local parameter, and the gradient norm NxD reports.
+- each step's loss (the last pipeline stage's, with pp > 1), on every rank;
+- each step's local gradients: a tensor-parallel shard against moe.backends.neuron.shards.local_shard
+  of the reference gradient (this expert-parallel rank's experts), a sequence-parallel parameter
+  summed over the group, data-parallel ranks averaged (expert gradients over the expert-data-
+  parallel group, as NxD reduces them);
+- the gradient norm NxD's optimizer reports and every local parameter after each of its steps
+  (data-parallel and EP-aware reduction, clipping, AdamW, ZeRO-1 when parallel.zero_stage=1);
+- then the validation loss of a batch of every data-parallel rank (run_eval with a pipeline).
 
-Exits 0 when all agree within 2e-5 of each tensor's scale (parameters after the step: or a tenth of
-the learning rate, AdamW's first step being about lr whatever the gradient).
+Under expert parallelism the routing statistics of a micro-batch are summed over its EP group
+(moe/backends/neuron/moe_layer.py), so the reference sums them over the same micro-batches
+(`GroupStats`). Exits 0 when every tensor agrees within TOLERANCE of its largest value; a failure
+names the tensor, the step and the difference.
 """
 
 from __future__ import annotations
@@ -31,7 +37,14 @@ import moe.config  # noqa: F401
 from moe.config.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOLERANCE = 2e-5
+TOLERANCE = 1e-5  # relative to each tensor's largest value
+STEPS = 2
+# AdamW as KARAKURI's recipe sets it (optimizer=adamw_karakuri_8x7b: eps 1e-5, lr of order 1e-4), no
+# warm-up: a step moves each weight by up to lr = 3e-3 of the weights' scale (0.03), 300 times the
+# tolerance, so a wrong gradient shows. AdamW divides each gradient element by about its own size
+# plus eps: with eps 1e-8 float32 rounding in a near-zero element's last bits moves its weight by a
+# different fraction of lr (3e-5 of the scale after one step, seen here), an amplifier eps 1e-5 damps.
+OPTIMIZER = ["optimizer=adamw_karakuri_8x7b", "optimizer.lr=1e-4", "optimizer.warmup_steps=0"]
 failures: list[str] = []
 
 
@@ -40,116 +53,181 @@ def compose_cfg(*overrides: str):
         return compose("train", overrides=list(overrides))
 
 
-def close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float = 0.0) -> None:
-    """Equal within TOLERANCE of the tensor's largest value, or within atol."""
-    scale = max(want.abs().max().item(), 1e-3)
-    diff = (got.float() - want.float()).abs().max().item()
-    if got.shape != want.shape or diff > max(TOLERANCE * scale, atol):
-        failures.append(
-            f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}, diff {diff:.2e} (scale {scale:.2e})"
-        )
+def close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal within TOLERANCE of the reference tensor's largest value."""
+    scale = max(want.abs().max().item(), 1e-6)
+    diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else float("inf")
+    if diff > TOLERANCE * scale:
+        failures.append(f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}, max diff {diff:.3e} "
+                        f"= {diff / scale:.2e} of its scale {scale:.3e}")
 
 
 def batch(cfg, seed: int) -> dict:
+    """One data-parallel rank's batch of a step: accumulate_grad_batches micro-batches."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(
-        0, cfg.model.vocab_size, (2 * cfg.trainer.accumulate_grad_batches, cfg.data.seq_len), generator=g
-    )
+    rows = cfg.trainer.micro_batch_size * cfg.trainer.accumulate_grad_batches
+    ids = torch.randint(0, cfg.model.vocab_size, (rows, cfg.data.seq_len), generator=g)
     labels = ids.roll(-1, dims=1)
     labels[:, -1] = -100
     return {"input_ids": ids, "labels": labels}
+
+
+def micro_batches(data: dict, count: int) -> list[dict]:
+    chunks = zip(*(v.chunk(count) for v in data.values()), strict=True)
+    return [dict(zip(data, values, strict=True)) for values in chunks]
+
+
+class GroupStats:
+    """The reference's routing statistics summed over an EP group's micro-batches, as each rank's
+    NxDMoELayer sums them over its EP group: a first pass records every micro-batch's local sums per
+    MoE layer (routing_stats' `group_sum` hook), the second adds the group's other micro-batches' to
+    each, so the values (and the local gradients) are the ones the ranks compute."""
+
+    def __init__(self, model, ep: int):
+        from moe.parallel.apply import moe_layers
+
+        self.ep, self.recorded, self.recording, self.current = ep, {}, True, (0, 0)
+        for i, layer in enumerate(moe_layers(model)):
+            layer.stats_sum = lambda sums, i=i: self.sum(i, sums)
+
+    def sum(self, layer: int, sums: torch.Tensor) -> torch.Tensor:
+        dp_rank, micro = self.current
+        if self.recording:
+            self.recorded[dp_rank, micro, layer] = sums.clone()
+            return sums
+        first = dp_rank - dp_rank % self.ep  # the EP group: ep consecutive data-parallel ranks
+        others = [self.recorded[r, micro, layer] for r in range(first, first + self.ep) if r != dp_rank]
+        return sums + sum(others, torch.zeros_like(sums))
+
+
+def reference_step(ref, stats: GroupStats, data: list[dict], micro: int) -> list[list[torch.Tensor]]:
+    """Forward and backward of every data-parallel rank's micro-batches on one process (the gradient of
+    the mean loss over ranks and micro-batches); returns each rank's micro-batch losses."""
+    dp = len(data)
+    with torch.no_grad():
+        stats.recording = True
+        for r, rank_data in enumerate(data):
+            for m, mb in enumerate(micro_batches(rank_data, micro)):
+                stats.current = (r, m)
+                ref.losses(mb)
+    stats.recording = False
+    losses = []
+    for r, rank_data in enumerate(data):
+        losses.append([])
+        for m, mb in enumerate(micro_batches(rank_data, micro)):
+            stats.current = (r, m)
+            loss = ref.losses(mb)[0]
+            (loss / (micro * dp)).backward()
+            losses[-1].append(loss.detach())
+    return losses
 
 
 def main(overrides: list[str]) -> int:
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
     from moe.backends.neuron import NeuronBackend
-    from moe.backends.neuron.shards import layout_of, local_shard, our_name
+    from moe.backends.neuron.shards import EXPERT_TENSORS, layout_of, local_shard, our_name
     from moe.train.module import LitMoE
 
     dist.init_process_group("gloo")  # Lightning's strategy does this in a run
-    cfg = compose_cfg(
-        "hardware=trn1", "trainer.devices=2", "parallel.zero_stage=0", "data.seq_len=32", *overrides
-    )
+    base = ["data.seq_len=32", "trainer.micro_batch_size=1", "trainer.accumulate_grad_batches=2", *OPTIMIZER]
+    cfg = compose_cfg("hardware=trn1", f"trainer.devices={dist.get_world_size()}", "parallel.zero_stage=0",
+                      *base, *overrides)
     backend = NeuronBackend(cfg, validate(cfg))
     module = backend.build_module()
     parts = backend.trainer_parts()  # NxD's setup reads its trainer's strategy (lightning/module.py:112)
-    trainer = L.Trainer(
-        accelerator=parts.accelerator,
-        strategy=parts.strategy,
-        plugins=parts.plugins,
-        devices=cfg.trainer.devices,
-        logger=False,
-        enable_checkpointing=False,
-    )
+    trainer = L.Trainer(accelerator=parts.accelerator, strategy=parts.strategy, plugins=parts.plugins,
+                        devices=cfg.trainer.devices, logger=False, enable_checkpointing=False)
     trainer.strategy.connect(module)
     module.trainer = trainer
     module.setup("fit")
-    optimizer = module.configure_optimizers()[0][0]
+    [optimizer], [schedule] = module.configure_optimizers()
     tp, tp_rank = ps.get_tensor_model_parallel_size(), ps.get_tensor_model_parallel_rank()
     dp, dp_rank = ps.get_data_parallel_size(), ps.get_data_parallel_rank()
-    last_stage = ps.get_pipeline_model_parallel_rank() == ps.get_pipeline_model_parallel_size() - 1
-    mine = batch(cfg, seed=dp_rank)
-
-    if backend.layout.pp > 1:
-        loss = module.model.run_train(input_ids=mine["input_ids"], labels=mine["labels"])
-    else:
-        loss = module.model(mine["input_ids"], mine["labels"])[0]
-        loss.backward()
-    local = {our_name(n): p for n, p in module.model.named_parameters()}
-
-    # the reference: one process, every data-parallel rank's batch, micro-batches as NxD cuts them
-    ref = LitMoE(compose_cfg("data.seq_len=32", *[o for o in overrides if not o.startswith("parallel.")]))
-    ref_optimizer = ref.configure_optimizers()["optimizer"]
+    ep, ep_rank = ps.get_expert_model_parallel_size(), ps.get_expert_model_parallel_rank()
+    pp = ps.get_pipeline_model_parallel_size()
+    last_stage = ps.get_pipeline_model_parallel_rank() == pp - 1
     micro = cfg.trainer.accumulate_grad_batches
-    my_losses = []
-    for r in range(dp):
-        data = batch(cfg, seed=r)
-        for ids, labels in zip(data["input_ids"].chunk(micro), data["labels"].chunk(micro), strict=True):
-            ref_loss = ref.losses({"input_ids": ids, "labels": labels})[0]
-            (ref_loss / (micro * dp)).backward()
-            if r == dp_rank:
-                my_losses.append(ref_loss.detach())
-    if last_stage:
-        close("loss", loss.detach(), torch.stack(my_losses).mean())
-    elif loss is not None:
-        failures.append("a stage that is not the last returned a loss")
+    local = {our_name(n): p for n, p in module.model.named_parameters() if p.requires_grad}
 
+    ref_overrides = [o for o in overrides if not o.startswith(("parallel.", "hardware."))]
+    ref = LitMoE(compose_cfg(*base, *ref_overrides))
+    ref_opt = ref.configure_optimizers()
+    ref_optimizer, ref_schedule = ref_opt["optimizer"], ref_opt["lr_scheduler"]["scheduler"]
+    stats = GroupStats(ref.model, ep)
     reference = dict(ref.model.named_parameters())
-    for name, param in local.items():
-        grad = param.grad.detach().clone()
-        if getattr(param, "sequence_parallel_enabled", False) and tp > 1:  # NxD's optimizer sums these
-            dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
-        if dp > 1:  # and averages over data parallel
-            dist.all_reduce(grad, group=ps.get_data_parallel_group())
-            grad /= dp
-        close(
-            f"grad {name}", grad, local_shard(reference[name].grad, layout_of(name, cfg.model), tp_rank, tp)
-        )
 
-    optimizer.step()
-    clip = torch.nn.utils.clip_grad_norm_(list(ref.model.parameters()), cfg.optimizer.grad_clip)
-    ref_optimizer.step()
-    close("grad norm", torch.as_tensor(float(optimizer.grad_norm)), clip)
-    # AdamW's first step moves every weight by about lr whatever its gradient's size, so a gradient
-    # within rounding of zero may move either way: a tenth of a step is the tolerance
-    step_size = ref_optimizer.param_groups[0]["lr"]
-    for name, param in local.items():
-        close(
-            f"param {name}",
-            param.detach(),
-            local_shard(reference[name].detach(), layout_of(name, cfg.model), tp_rank, tp),
-            atol=0.1 * step_size,
-        )
-    print(
-        f"[rank {dist.get_rank()}] tp {tp} pp {ps.get_pipeline_model_parallel_size()} dp {dp}: "
-        f"{len(local)} parameters, loss {'-' if loss is None else f'{float(loss):.6f}'}, "
-        f"{'OK' if not failures else 'FAILED'}",
-        flush=True,
-    )
+    def mine(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full reference tensor: its experts, its tensor-parallel shard."""
+        if name.endswith(EXPERT_TENSORS):
+            tensor = tensor.chunk(ep)[ep_rank]
+        return local_shard(tensor, layout_of(name, cfg.model), tp_rank, tp)
+
+    for step in range(STEPS):
+        data = [batch(cfg, seed=100 * step + r) for r in range(dp)]
+        if pp > 1:
+            loss = module.model.run_train(**data[dp_rank])
+        else:
+            losses = []
+            for mb in micro_batches(data[dp_rank], micro):  # as NeuronLitMoE.training_step accumulates
+                mb_loss = module.model(mb["input_ids"], mb["labels"])[0]
+                (mb_loss / micro).backward()
+                losses.append(mb_loss.detach())
+            loss = torch.stack(losses).mean()
+        ref_losses = reference_step(ref, stats, data, micro)
+        if last_stage:
+            close(f"step {step} loss", loss.detach(), torch.stack(ref_losses[dp_rank]).mean())
+        elif loss is not None:
+            failures.append("a stage that is not the last returned a loss")
+
+        for name, param in local.items():
+            grad = (param.main_grad if param.grad is None else param.grad).detach().clone()
+            if getattr(param, "sequence_parallel_enabled", False) and tp > 1:  # NxD's optimizer sums these
+                dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
+            if dp > 1:  # and averages over data parallelism, experts over their expert-data-parallel group
+                expert = getattr(param, "expert_model_parallel", False)  # (parallel_layers/grads.py:285-300)
+                dist.all_reduce(grad, group=ps.get_expert_data_parallel_group() if expert else
+                                ps.get_data_parallel_group())
+                grad /= dp
+            close(f"step {step} grad {name}", grad, mine(name, reference[name].grad))
+
+        optimizer.step()
+        clip = torch.nn.utils.clip_grad_norm_(list(ref.model.parameters()), cfg.optimizer.grad_clip)
+        ref_optimizer.step()
+        close(f"step {step} grad norm", torch.as_tensor(float(optimizer.grad_norm)), clip)
+        for name, param in local.items():
+            close(f"step {step} param {name}", param.detach(), mine(name, reference[name].detach()))
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        schedule["scheduler"].step()
+        ref_schedule.step()
+
+    check_validation(module, ref, cfg, dp, dp_rank, pp, last_stage)
+    print(f"[rank {dist.get_rank()}] tp {tp} pp {pp} dp {dp} ep {ep}: {len(local)} parameters, "
+          f"{STEPS} steps, {type(optimizer.optimizer).__name__}, {'FAILED' if failures else 'OK'}",
+          flush=True)
     for failure in failures[:20]:
         print(f"[rank {dist.get_rank()}]   {failure}", flush=True)
     return 1 if failures else 0
+
+
+def check_validation(module, ref, cfg, dp: int, dp_rank: int, pp: int, last_stage: bool) -> None:
+    """The validation loss of one batch per data-parallel rank (a step's micro-batches), as train.py's
+    validation computes it (NeuronLitMoE.validation_step: run_eval with a pipeline)."""
+    micro = cfg.trainer.accumulate_grad_batches
+    data = batch(cfg, seed=999 + dp_rank)
+    module.model.eval()
+    ref.model.eval()
+    with torch.no_grad():
+        if pp > 1:
+            got = module.model.run_eval(**data)
+        else:
+            got = torch.stack([module.model(mb["input_ids"], mb["labels"])[1]
+                               for mb in micro_batches(data, micro)]).mean()
+        want = torch.stack([ref.losses(mb)[1] for mb in micro_batches(data, micro)]).mean()
+    if last_stage:
+        close("validation loss", got, want)
+    module.model.train()
 
 
 if __name__ == "__main__":

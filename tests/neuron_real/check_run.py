@@ -4,9 +4,13 @@ STRAIGHT trained to the end; RESUMED started from STRAIGHT's first checkpoint (N
 load_checkpoint: weights, optimizer, Lightning's state). Checks, on one process:
 
 - RESUMED's steps after the checkpoint log the same loss and gradient norm as STRAIGHT's;
-- STRAIGHT's newest checkpoint, its tensor-parallel shards joined by moe/tools/consolidate.py into
-  one portable file, evaluates the validation batches to the validation loss the run logged
-  (the model NxD trained, read back without NxD).
+- STRAIGHT's newest checkpoint, its tensor- (and expert-) parallel shards joined by
+  moe/tools/convert_nxd.py into one portable file, evaluates every data-parallel rank's validation
+  batches to the validation loss the run logged (the model NxD trained, read back without NxD);
+- that file exported as a transformers Mixtral directory (safetensors; infer.py export_hf), loaded by
+  transformers' MixtralForCausalLM, gives the validation loss of the same model without drops
+  (Mixtral's routing is dropless): the experts of every expert-parallel rank are where Mixtral
+  expects them.
 """
 
 from __future__ import annotations
@@ -20,14 +24,32 @@ from omegaconf import OmegaConf
 
 from moe.config.layout import Layout
 from moe.data import MoEDataModule
+from moe.infer.export import export_hf
 from moe.infer.load import model_from_checkpoint
 from moe.model.loss import lm_loss
 from moe.tools.convert_nxd import convert
+
+TOLERANCE = 1e-4  # relative: the run logged its validation loss from fp32 sums over ranks
 
 
 def rows(run_dir: Path) -> list[dict]:
     with open(run_dir / "metrics.csv") as f:
         return list(csv.DictReader(f))
+
+
+def validation_batches(cfg) -> list[dict]:
+    """Every data-parallel rank's validation micro-batches, as the run's ranks read them."""
+    layout = Layout.from_config(OmegaConf.create(cfg))
+    batches = []
+    for dp_rank in range(layout.dp):
+        data = MoEDataModule(cfg.data, micro_batch_size=cfg.trainer.micro_batch_size,
+                             accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
+                             max_steps=cfg.trainer.max_steps, seed=cfg.seed,
+                             limit_val_batches=cfg.trainer.limit_val_batches, layout=layout,
+                             dp_rank=dp_rank, dp_size=layout.dp)
+        data.setup("validate")
+        batches += list(data.val_dataloader())
+    return batches
 
 
 def main(straight: Path, resumed: Path) -> int:
@@ -41,30 +63,33 @@ def main(straight: Path, resumed: Path) -> int:
 
     portable = convert(str(straight), str(straight / "converted.ckpt"))
     model, cfg = model_from_checkpoint(portable)
-    data = MoEDataModule(
-        cfg.data,
-        micro_batch_size=cfg.trainer.micro_batch_size,
-        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
-        max_steps=cfg.trainer.max_steps,
-        seed=cfg.seed,
-        limit_val_batches=cfg.trainer.limit_val_batches,
-        layout=Layout.from_config(OmegaConf.create(cfg)),
-        dp_rank=0,
-        dp_size=1,
-    )
-    data.setup("validate")
-    with torch.no_grad():
-        losses = [lm_loss(model(b["input_ids"]).logits_BSV, b["labels"]) for b in data.val_dataloader()]
-    ours = torch.stack(losses).mean().item()
+    batches = validation_batches(cfg)
     logged = float([r["val_loss"] for r in rows(straight) if r["val_loss"]][-1])
-    if abs(ours - logged) > 1e-4 * abs(logged):
-        problems.append(f"validation loss of the converted checkpoint {ours:.6f} vs logged {logged:.6f}")
-    print(
-        f"resumed steps {sorted(again, key=int)} match; converted checkpoint validation loss {ours:.6f}, "
-        f"logged {logged:.6f}"
-        if not problems
-        else "\n".join(problems)
-    )
+    with torch.no_grad():
+        ours = torch.stack([lm_loss(model(b["input_ids"]).logits_BSV, b["labels"]) for b in batches]).mean()
+    if abs(ours.item() - logged) > TOLERANCE * abs(logged):
+        problems.append(f"validation loss of the converted checkpoint {ours.item():.6f} vs logged "
+                        f"{logged:.6f}")
+    summary = f"validation loss logged {logged:.6f}, converted checkpoint {ours.item():.6f}"
+    if cfg.model.position_encoding == "rope":  # what Mixtral's architecture holds
+        from transformers import AutoModelForCausalLM
+
+        from moe.parallel.apply import moe_layers
+
+        hf_dir = export_hf(model, straight / "hf", straight / "tokenizer", overwrite=True)
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+        for layer in moe_layers(model):
+            layer.eval_capacity_factor = None
+        with torch.no_grad():
+            dropless = torch.stack([lm_loss(model(b["input_ids"]).logits_BSV, b["labels"]) for b in batches])
+            hf_loss = torch.stack([lm_loss(hf(b["input_ids"]).logits, b["labels"]) for b in batches])
+        dropless, hf_loss, name = dropless.mean().item(), hf_loss.mean().item(), type(hf).__name__
+        if abs(hf_loss - dropless) > 1e-5 * abs(dropless):
+            problems.append(f"{name} from {hf_dir}: validation loss {hf_loss:.6f} vs ours without drops "
+                            f"{dropless:.6f}")
+        summary += f"; without drops {dropless:.6f}, transformers {name} {hf_loss:.6f}"
+    print(f"summary: resumed steps {sorted(again, key=int)} match; {summary}" if not problems else
+          "\n".join(f"problem: {p}" for p in problems))
     return 1 if problems else 0
 
 

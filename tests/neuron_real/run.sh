@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # `make test-neuron`: our trn1 backend on neuronx-distributed's real code (v2.28.0) in its CPU
-# mode, two processes per check (README.md says what runs and what is patched).
+# mode, 2 to 8 processes per check (README.md says what runs and what is patched).
 #
-#   PREFIX=~/.cache/moe-nxd-cpu bash tests/neuron_real/run.sh [--import-only]
+#   PREFIX=~/.cache/moe-nxd-cpu bash tests/neuron_real/run.sh [--import-only] [CHECK ...]
+#
+# CHECK names run only those checks (e.g. `tp2_ep2_zero1 train_py`); every check has a time limit
+# (CHECK_TIMEOUT seconds, default 600) and a failure prints the tensors that differed and by how much.
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 PREFIX="${PREFIX:-$HOME/.cache/moe-nxd-cpu}"
+CHECK_TIMEOUT="${CHECK_TIMEOUT:-600}"
 export PATH="$PREFIX/venv/bin:$PATH"
 export PYTHONPATH="$PREFIX/nxd-src/src:$HERE/stubs:$HERE:$REPO"
 export NXD_CPU_MODE=1                # NxD's own CPU mode: gloo process groups, CPU tensors
@@ -20,37 +24,82 @@ if [ "${1:-}" = --import-only ]; then
   exec python -c "import torch_xla, neuronx_distributed, neuronx_distributed.lightning; print('neuronx_distributed', neuronx_distributed.__file__)"
 fi
 
-LOGS="$PREFIX/logs"; mkdir -p "$LOGS"; RUNS="$PREFIX/runs"; rm -rf "$RUNS"
-pass=0; fail=0; port=29600
-check() {  # name, processes, then the command run under torchrun
-  local name=$1 procs=$2; shift 2; port=$((port + 1)); local t0=$(date +%s)
-  if timeout 900 torchrun --nproc_per_node "$procs" --master_port $port "$@" > "$LOGS/$name.log" 2>&1; then
-    pass=$((pass + 1)); echo "PASS $name ($(($(date +%s) - t0))s)"
+ONLY=" $* "
+LOGS="$PREFIX/logs"; mkdir -p "$LOGS"; RUNS="$PREFIX/runs"; rm -rf "$RUNS"; mkdir -p "$RUNS"
+pass=0; fail=0; port=29600; T0=$(date +%s)
+wanted() { [ "$ONLY" = "  " ] || [[ "$ONLY" == *" $1 "* ]]; }
+report() {  # name, seconds, exit status, log: a line (and the check's `summary:` lines), on failure what differed
+  local name=$1 secs=$2 rc=$3 log=$4
+  if [ "$rc" -eq 0 ]; then
+    pass=$((pass + 1)); echo "PASS $name (${secs}s)"; { grep "^summary: " "$log" || true; } | sed 's/^summary: /  /' 
   else
-    fail=$((fail + 1)); echo "FAIL $name ($(($(date +%s) - t0))s): $LOGS/$name.log"; tail -20 "$LOGS/$name.log"
+    fail=$((fail + 1))
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then echo "FAIL $name: TIMEOUT after ${CHECK_TIMEOUT}s ($log)"
+    else echo "FAIL $name (${secs}s): $log"; fi
+    { grep -E "^\[rank [0-9]+\]   |^(summary|problem): " "$log" || true; } | sort -u | head -25
+    grep -E "Error|error:" "$log" | grep -v "^\[rank" | sort -u | head -5
   fi
 }
-CHECK="$HERE/check_backend.py"
-DROPLESS="moe_opt.capacity_factor=null moe_opt.eval_capacity_factor=null"
-check tp2             2 "$CHECK" parallel.tp=2 moe_opt=nxd
-check tp2_heavy_drops 2 "$CHECK" parallel.tp=2 moe_opt=nxd moe_opt.capacity_factor=0.5 moe_opt.eval_capacity_factor=0.5
-check tp2_sp_dropless 2 "$CHECK" parallel.tp=2 parallel.sequence_parallel=true $DROPLESS
-check pp2             2 "$CHECK" parallel.pp=2 trainer.accumulate_grad_batches=2 moe_opt=nxd
-check dp2             2 "$CHECK" moe_opt=nxd
-check tp2_pp2_sp      4 "$CHECK" parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true trainer.devices=4 \
-                                 trainer.accumulate_grad_batches=2 moe_opt=nxd
+run() {  # name, then the command; under the time limit, logged to $LOGS/name.log
+  local name=$1; shift
+  wanted "$name" || return 0
+  local t0=$(date +%s) log="$LOGS/$name.log"
+  timeout --kill-after=20 "$CHECK_TIMEOUT" "$@" > "$log" 2>&1
+  local rc=$?
+  report "$name" $(($(date +%s) - t0)) $rc "$log"
+}
+check() {  # name, processes, then check_backend.py's overrides
+  local name=$1 procs=$2; shift 2; port=$((port + 1))
+  run "$name" torchrun --nproc_per_node "$procs" --master_port $port "$HERE/check_backend.py" "$@"
+}
+train() {  # name, processes, then train.py's overrides (train.py itself, under torchrun)
+  local name=$1 procs=$2; shift 2; port=$((port + 1))
+  run "$name" torchrun --nproc_per_node "$procs" --master_port $port "$HERE/train_cpu.py" "$@"
+}
 
-# train.py end to end on NxD's Lightning strategy: 4 steps, then again from the step-2 checkpoint
-TRAIN="hardware=trn1 trainer.devices=2 parallel.tp=2 parallel.zero_stage=0 trainer=smoke trainer.max_steps=4
+DROPLESS="moe_opt.capacity_factor=null moe_opt.eval_capacity_factor=null"
+DROPS="moe_opt.capacity_factor=0.5 moe_opt.eval_capacity_factor=0.5"
+EP="parallel.ep=2 parallel.zero_stage=1"   # NxD's expert parallelism with its ZeRO-1 (validate.py says why)
+# one layout each, two optimizer steps and a validation batch against one process (check_backend.py)
+check tp2               2 parallel.tp=2 moe_opt=nxd
+check tp2_heavy_drops   2 parallel.tp=2 moe_opt=nxd $DROPS
+check tp2_sp_dropless   2 parallel.tp=2 parallel.sequence_parallel=true $DROPLESS
+check tp2_alibi         2 parallel.tp=2 moe_opt=nxd model.position_encoding=alibi
+check pp2               2 parallel.pp=2 moe_opt=nxd
+check dp2_zero1         2 parallel.zero_stage=1 moe_opt=nxd
+check tp2_pp2_sp        4 parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true moe_opt=nxd
+check tp2_ep2_zero1     4 parallel.tp=2 $EP moe_opt=nxd
+check tp2_ep2_sp_drops  4 parallel.tp=2 $EP parallel.sequence_parallel=true moe_opt=nxd $DROPS
+check pp2_ep2           4 parallel.pp=2 $EP moe_opt=nxd
+check tp2_ep2_dp2       8 parallel.tp=2 $EP moe_opt=nxd
+run slots python "$HERE/check_slots.py"   # NxD's slot arithmetic under each trn1 precision preset
+
+# train.py end to end on NxD's Lightning strategy with expert parallelism and its ZeRO-1: 4 steps, then
+# again from the step-2 checkpoint; the checkpoints joined into one file and exported to transformers
+TRAIN="hardware=trn1 trainer.devices=4 parallel.tp=2 $EP trainer=smoke trainer.max_steps=4
        optimizer.warmup_steps=1 trainer.val_check_interval=2 trainer.checkpoint_every_n_steps=2"
-check train_py        2 "$HERE/train_cpu.py" $TRAIN "hydra.run.dir=$RUNS/straight"
-mkdir -p "$RUNS/resumed/checkpoints" && cp -r "$RUNS/straight/checkpoints/step-000002.ckpt" "$RUNS/resumed/checkpoints/"
-check train_py_resume 2 "$HERE/train_cpu.py" $TRAIN "hydra.run.dir=$RUNS/resumed"
-t0=$(date +%s)
-if python "$HERE/check_run.py" "$RUNS/straight" "$RUNS/resumed" > "$LOGS/check_run.log" 2>&1; then
-  pass=$((pass + 1)); echo "PASS resume_and_convert ($(($(date +%s) - t0))s): $(tail -1 "$LOGS/check_run.log")"
-else
-  fail=$((fail + 1)); echo "FAIL resume_and_convert: $LOGS/check_run.log"; tail -20 "$LOGS/check_run.log"
+train train_py        4 $TRAIN "hydra.run.dir=$RUNS/straight"
+if wanted train_py_resume; then
+  mkdir -p "$RUNS/resumed/checkpoints" && cp -r "$RUNS/straight/checkpoints/step-000002.ckpt" "$RUNS/resumed/checkpoints/"
 fi
-echo "$pass passed, $fail failed"
+train train_py_resume 4 $TRAIN "hydra.run.dir=$RUNS/resumed"
+run resume_and_convert python "$HERE/check_run.py" "$RUNS/straight" "$RUNS/resumed"
+
+# KARAKURI's recipe (experiment=karakuri_8x7b_trn1) at reduced width with its structure in 8 processes:
+# tp 2 x pp 2 x ep 2 (dp 2), 4 layers per pipeline stage, ALiBi, sequence parallel, ZeRO-1, MoE layers
+# checkpointed, mixed precision; `make compile-neuron` itself (10 steps, validation at step 5, nothing
+# saved), with what neuron_parallel_compile sets in place of the compiler
+KARAKURI="experiment=karakuri_8x7b_trn1 trainer.num_nodes=1 parallel.tp=2 parallel.pp=2 parallel.ep=2
+          model.num_layers=8 model.hidden_size=256 model.intermediate_size=512 model.num_heads=8
+          model.num_kv_heads=2 model.vocab_size=512 data=sample data.path=data/sample/train.txt data.seq_len=256
+          trainer.accumulate_grad_batches=4 trainer.global_batch_size=null"
+port=$((port + 1))
+run karakuri_compile make -s compile-neuron NEURON_DEVICES=8 NEURON_COMPILE="env NEURON_EXTRACT_GRAPHS_ONLY=1" \
+  TORCHRUN="torchrun --nproc_per_node=8 --master_port=$port" TRAIN_PY="$HERE/train_cpu.py" \
+  NEURON_ARGS="$(echo $KARAKURI) hydra.run.dir=$RUNS/karakuri_compile"
+port=$((port + 1))
+run karakuri_memory torchrun --nproc_per_node 8 --master_port $port "$HERE/measure_memory.py" $KARAKURI \
+  hardware.neuron_precision=fp32
+
+echo "$pass passed, $fail failed in $(($(date +%s) - T0))s"
 [ "$fail" -eq 0 ]

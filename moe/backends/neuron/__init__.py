@@ -4,9 +4,11 @@ AWS ended NxD training support after SDK 2.28 (PyTorch 2.9, transformers 4.x), s
 written and checked against neuronx-distributed v2.28.0 (docs/TRAINIUM.md has the pins and why).
 It trains the same moe.model.MoETransformer as every backend, with NxD's parallel layers swapped
 in (layers.py), the same objective and optimizer groups (module.py), and NxD's strategy,
-precision plugin and checkpoints (strategy.py). What NxD cannot do is refused at validation
-(moe.config.validate.check_neuron): expert parallelism above 1, drop policies other than NxD's,
-every_n checkpointing, KV replication. Nothing here is imported unless hardware=trn1 runs.
+precision plugin and checkpoints (strategy.py), its expert parallelism carved out of data
+parallelism (moe_layer.py). What NxD cannot do is refused at validation
+(moe.config.validate.check_neuron): dropless or full-capacity expert parallelism, drop policies other
+than NxD's, bf16 routing arithmetic, every_n checkpointing, KV replication. Nothing here is imported
+unless hardware=trn1 runs.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from moe.backends.base import Backend, TrainerParts
 from moe.errors import UserError
 
+NOT_INSTALLED = "needs neuronx-distributed and torch-neuronx (SDK 2.28), which are not installed"
 INSTALL_HINT = ("run on a trn1 instance in the Neuron SDK 2.28 environment (the Deep Learning AMI Neuron "
                 "PyTorch 2.9, venv /opt/aws_neuronx_venv_pytorch_2_9), with this repository installed as "
                 "`pip install -e . -c constraints-trn1.txt` (docs/TRAINIUM.md); here, use hardware=cpu, "
@@ -89,6 +92,14 @@ class NeuronBackend(Backend):
         self._resuming = resuming
         return NeuronLitMoE(self.cfg, self.nxd_config(), backend=self)
 
+    def val_micro_batches(self) -> int:
+        """Under pipeline parallelism NxD evaluates a step's num_microbatches micro-batches in one run_eval,
+        which splits the batch it gets (pipeline/model.py:1074-1077) with the schedule built for them
+        (:691-693): a validation batch is that many micro-batches."""
+        if self.layout.pp == 1:
+            return 1
+        return self.cfg.parallel.pipeline_microbatches or self.layout.accumulate_grad_batches
+
     def checkpoint_options(self) -> dict:
         """No last.ckpt copy: NxD keeps the newest keep_last_checkpoints tags, resume takes the newest."""
         return {"save_last": False, "save_top_k": -1}
@@ -135,6 +146,5 @@ def _import_nxd(cfg) -> None:
                        "imports "
                        f"transformers.utils.fx.HFTracer, which transformers 5 removed ({err})")
         else:
-            problem = (f"needs neuronx-distributed and torch-neuronx (SDK 2.28), which are not installed "
-                       f"({err})")
+            problem = f"{NOT_INSTALLED} ({err})"
         raise UserError("hardware", cfg.hardware.name, INSTALL_HINT, problem=problem) from err

@@ -32,11 +32,12 @@ from neuronx_distributed.parallel_layers import (
     RowParallelLinear,
     parallel_state,
 )
+from neuronx_distributed.parallel_layers.layers import SPMDRank
 from torch import nn
 
 from moe.backends.neuron.causal_lm import SEQUENCE_DIM, NxDCausalLM, StageBlock
 from moe.backends.neuron.moe_layer import NxDMoELayer
-from moe.backends.neuron.shards import layout_of, local_shard, our_name
+from moe.backends.neuron.shards import EXPERT_TENSORS, layout_of, local_shard, our_name
 from moe.model.init import init_stds, initial_values
 from moe.model.model import MoETransformer, alibi_slopes
 
@@ -95,14 +96,17 @@ def init_from(source, model_cfg):
     """NxD's param_init_fn: fill a module's (empty, local-shard) parameters from `source`.
 
     `source(name, shape, first_expert)` gives the full value of our parameter `name` (for a stacked
-    expert tensor, the experts [first_expert, first_expert + shape[0])). Expert parallelism is 1 on
-    trn1, so this rank holds every expert, each split over tensor-parallel ranks.
+    expert tensor, the experts [first_expert, first_expert + shape[0])). A rank holds the experts of
+    its expert-parallel rank (all of them at ep 1), each split over tensor-parallel ranks.
     """
     return functools.partial(_init_module, source=source, model_cfg=model_cfg)
 
 
 @torch.no_grad()
 def _init_module(module: nn.Module, device, *, source, model_cfg) -> None:
+    if isinstance(module, SPMDRank):
+        _fill_spmd_rank(module)
+        return
     names = getattr(module, NAMES, {})
     tp = parallel_state.get_tensor_model_parallel_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -116,14 +120,25 @@ def _init_module(module: nn.Module, device, *, source, model_cfg) -> None:
             full_shape[layout.dim] *= tp
         if name.endswith(EXPERT_TENSORS):
             full_shape[0] = 1  # one expert at a time
-            values = torch.cat([local_shard(source(name, tuple(full_shape), e), layout, rank, tp)
+            first = parallel_state.get_expert_model_parallel_rank() * param.shape[0]
+            values = torch.cat([local_shard(source(name, tuple(full_shape), first + e), layout, rank, tp)
                                 for e in range(param.shape[0])])
         else:
             values = local_shard(source(name, tuple(full_shape), None), layout, rank, tp)
         param.copy_(values.to(param.dtype))
 
 
-EXPERT_TENSORS = ("experts.gate_up", "experts.down")
+def _fill_spmd_rank(module) -> None:
+    """What NxD's inference checkpoints carry for SPMDRank (create_spmd_ranks, modules/moe/
+    expert_mlps_v2.py:1499-1527): this rank's global rank and, under expert parallelism, its experts
+    (parallel_state.get_experts_for_expert_parallel_rank, parallel_layers/parallel_state.py:999)."""
+    module.rank.fill_(torch.distributed.get_rank())
+    if hasattr(module, "local_expert_indices"):
+        ep = parallel_state.get_expert_model_parallel_size()
+        experts = parallel_state.get_experts_for_expert_parallel_rank(
+            parallel_state.get_expert_model_parallel_rank(), module.local_expert_indices.shape[1] * ep, ep)
+        module.local_expert_indices.copy_(torch.tensor([experts], dtype=torch.int32))
+
 
 
 def random_init(cfg):

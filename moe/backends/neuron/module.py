@@ -60,6 +60,17 @@ class NeuronLitMoE(NeuronLTModule):
         scheduler = build_scheduler(optimizer, opt, self.cfg.trainer.max_steps)
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
+    def on_train_start(self) -> None:
+        """The learning rate of the schedule's step: a resumed run's optimizer may not hold it. NxD's
+        expert-parallel ZeRO-1 loads its two inner optimizers' state, not its own param groups
+        (optimizer/zero_redundancy_optimizer.py:332-380), and copies their learning rate inward at every
+        step (:276-280): resumed, it would take a step at the rate it was built with (tests/neuron_real
+        saw the step after a resume off by 2e-3 in the loss). Elsewhere this changes nothing."""
+        for config in self.trainer.lr_scheduler_configs:
+            for group, lr in zip(config.scheduler.optimizer.param_groups, config.scheduler.get_last_lr(),
+                                 strict=True):
+                group["lr"] = lr
+
     def training_step(self, batch: dict, batch_idx: int):
         xm.mark_step()
         if self.pp > 1:
@@ -92,7 +103,9 @@ class NeuronLitMoE(NeuronLTModule):
         xm.mark_step()
 
     def validation_step(self, batch: dict, batch_idx: int):
-        """LM loss (router terms are not computed in eval); metrics sum it over ranks."""
+        """LM loss (router terms are not computed in eval); metrics sum it over ranks. With pipeline
+        parallelism a validation batch holds a whole step's micro-batches (NeuronBackend.
+        val_micro_batches), which run_eval cuts into num_microbatches (pipeline/model.py:1074-1077)."""
         if self.pp > 1:
             lm = self.model.run_eval(input_ids=batch["input_ids"], labels=batch["labels"])
         else:

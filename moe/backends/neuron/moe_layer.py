@@ -21,10 +21,30 @@ neuronx-distributed v2.28.0 (SDK 2.28, the last release that trains on trn1), sr
 - Under sequence parallelism the input is [S / tp, B, H] (causal_lm.SEQUENCE_DIM): tokens are in
   sequence-major order, which decides which ones a capacity drops when a micro-batch holds more
   than one sequence (NxD's own models run the same way).
+
+Expert parallelism (parallel.ep > 1) is NxD's Megatron-style path, EP carved out of data
+parallelism ([PP, DP_exp, EP, TP], parallel_layers/parallel_state.py:621-628): each data-parallel
+rank routes its own tokens into [E, C, H] capacity slots, and `Experts` sends every expert's slots
+to the rank that holds it with a static all-to-all over the EP group and back
+(modules/moe/experts.py:182-213, parallel_layers/mappings.py:603-677). NxD's defaults assume
+inference, where every rank holds the same tokens; for training:
+- `ExpertMLPs(enable_spmd_rank=True)`: its constructor reads the SPMD rank's expert indices under EP
+  (expert_mlps_v2.py:122-139); layers.py fills SPMDRank with the rank and its experts.
+- The router's process group: under EP NxD gives it the world group (routing.py:66-67); with
+  sequence parallelism it gathers its logits over it, so here it is the tensor-parallel group.
+- `MoE.ep_enabled` off: with it NxD reduces the MoE output over the world group (model.py:227-240)
+  and skips the affinities' tensor-parallel gradient reduction (model.py:206-208). The experts' output
+  is a tensor-parallel partial sum for this rank's own tokens, so both stay the tensor-parallel ones.
+- `Experts` dispatches in training mode only (experts.py:182, :206): in eval an EP layer runs its
+  forward in training mode, as a dropless one does.
+Routing statistics (the load-balance and z-losses, the drop and load numbers) are summed over the EP
+group, as on every backend (moe.parallel.apply.apply_ep): the losses of one process routing the
+group's tokens.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -40,6 +60,7 @@ from moe.model.routing import (
     routing_stats,
     top_k_routing,
 )
+from moe.parallel.comm import group_sum
 
 
 def nxd_capacity_factor(capacity_factor: float | None) -> float:
@@ -57,11 +78,14 @@ class NxDMoELayer(nn.Module):
         super().__init__()
         from neuronx_distributed.modules.moe import MoE, RouterTopK
         from neuronx_distributed.modules.moe.expert_mlps import ExpertMLPs
+        from neuronx_distributed.parallel_layers import parallel_state
 
         E, k, H = model_cfg.num_experts, model_cfg.top_k, model_cfg.hidden_size
         self.num_experts, self.top_k, self.normalize_top_k = E, k, moe_opt.normalize_top_k
         self.score_function = moe_opt.score_function
         self.capacity_factor = nxd_capacity_factor(moe_opt.capacity_factor)
+        expert_parallel = parallel_state.get_expert_model_parallel_size() > 1
+        self.expert_parallel = expert_parallel
         sp = sequence_parallel
         router = RouterTopK(num_experts=E, top_k=k, hidden_size=H, sequence_parallel_enabled=sp,
                             sequence_dimension=SEQUENCE_DIM,
@@ -71,14 +95,25 @@ class NxDMoELayer(nn.Module):
                              intermediate_size=model_cfg.intermediate_size, hidden_act="silu", glu_mlp=True,
                              capacity_factor=self.capacity_factor, sequence_parallel_enabled=sp,
                              normalize_top_k_affinities=normalizes(moe_opt.normalize_top_k, k),
-                             init_method=init_method, output_layer_init_method=init_method)
+                             init_method=init_method, output_layer_init_method=init_method,
+                             enable_spmd_rank=expert_parallel)
+        # the sequence dimension of [S / tp, B, H], or of [B, S, H] without sequence parallelism: NxD's eval
+        # reads its length, and a length of 1 is token generation (model.py:196, expert_mlps_v2.py:1469)
         self.moe = MoE(router=router, expert_mlps=experts, return_router_logits=True,
-                       sequence_parallel_enabled=sp, sequence_dimension=SEQUENCE_DIM)
+                       sequence_parallel_enabled=sp, sequence_dimension=SEQUENCE_DIM if sp else 1)
+        self.stats_sum = None
+        if expert_parallel:  # training's groups, not inference's (module docstring)
+            router.tensor_parallel_group = parallel_state.get_tensor_model_parallel_group()
+            self.moe.ep_enabled = False
+            # a plain torch.distributed all-reduce over NxD's EP group, as NxD sums its expert-parallel
+            # gradient norm (parallel_layers/grads.py:88-93)
+            ep_group = parallel_state.get_expert_model_parallel_group()
+            self.stats_sum = functools.partial(group_sum, group=ep_group)
 
     def forward(self, x: torch.Tensor, generating: bool = False) -> tuple[torch.Tensor, RoutingStats | None]:
         """x: [B, S, H], or [S / tp, B, H] under sequence parallelism; returns y shaped as x."""
         dropless = self.capacity_factor <= 0
-        eval_in_train_mode = not self.training and dropless
+        eval_in_train_mode = not self.training and (dropless or self.expert_parallel)
         with _training(self.moe) if eval_in_train_mode else contextlib.nullcontext():
             y, logits_TE = self.moe(x)[:2]
         if not self.training or generating:
@@ -89,7 +124,7 @@ class NxDMoELayer(nn.Module):
         capacity = None if dropless else nxd_capacity(logits_TE.shape[0], self.num_experts, self.top_k,
                                                       self.capacity_factor)
         keep_TK = apply_capacity(idx_TK, weights_TK, self.num_experts, capacity, "position")
-        return y, routing_stats(logits_TE, probs_TE, idx_TK, keep_TK)
+        return y, routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, self.stats_sum)
 
 
 @contextlib.contextmanager

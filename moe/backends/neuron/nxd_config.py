@@ -9,6 +9,7 @@ sequence_parallel, model_init_config and mixed_precision_config.
 from __future__ import annotations
 
 from moe.backends.neuron.env import NEURON_PRECISION
+from moe.backends.specs import neuron_precision
 
 # parallel.activation_checkpointing -> the classes NxD wraps: full = every block, moe_only = the
 # MoE layers, selective = core attention + MoE (NxD's Mixtral "selective" is (CoreAttention, MoE),
@@ -34,7 +35,7 @@ def nxd_config_kwargs(cfg, layout, param_init_fn) -> dict:
 
     p, opt = cfg.parallel, cfg.optimizer
     zero1 = p.zero_stage == 1
-    master = NEURON_PRECISION[cfg.hardware.neuron_precision]["master_weights"] and zero1
+    master = NEURON_PRECISION[neuron_precision(cfg)]["master_weights"] and zero1
     pipeline_config = None
     if layout.pp > 1:  # NxDPPModel's arguments (src/neuronx_distributed/pipeline/model.py:75-114)
         pipeline_config = {
@@ -65,5 +66,5 @@ def nxd_config_kwargs(cfg, layout, param_init_fn) -> dict:
         "model_init_config": {"meta_device_init": True, "param_init_fn": param_init_fn,
                               "sequential_move_factor": 11},
         "mixed_precision_config": {"use_master_weights": master, "use_fp32_grad_acc": master,
-                                   "use_master_weights_in_ckpt": False},
+                                   "use_master_weights_in_ckpt": master},
     }

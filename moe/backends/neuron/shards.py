@@ -31,6 +31,8 @@ MOE_NAMES = {
     "ffn.experts.down": "ffn.moe.expert_mlps.mlp_op.down_proj.weight",
 }
 PREFIX = "model."  # NxDCausalLM.model
+# stacked [E / ep, ...] expert tensors (our names): expert-parallel ranks hold consecutive experts
+EXPERT_TENSORS = ("experts.gate_up", "experts.down")
 
 
 @dataclass(frozen=True)

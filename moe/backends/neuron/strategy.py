@@ -10,6 +10,12 @@ Read against neuronx-distributed v2.28.0 (src/neuronx_distributed/lightning/) an
   written its `done` file; saves are asynchronous and NxD keeps the newest
   trainer.keep_last_checkpoints of them. Nothing is saved while neuron_parallel_compile extracts
   graphs.
+- fp32 master weights under expert parallelism: NxD's expert-parallel ZeRO-1 builds its state_dict from
+  its two inner ZeRO-1 optimizers' without their master weights (optimizer/zero_redundancy_optimizer.py:
+  294-330; the inner ones save them with use_master_weights_in_ckpt, torch_xla/distributed/
+  zero_redundancy_optimizer.py:501-508 at v2.9.0), so a resumed run would
+  restart them from the bf16 weights. They are saved under MASTER_WEIGHTS in each rank's optimizer
+  file and copied back into the shards after NxD's load: the run continues as it would have.
 - The precision plugin: NxD's optimizer_step calls optimizer.step() and never the closure, so
   Lightning never fires `on_before_optimizer_step` (lightning/precision_plugin.py:18-26 against
   Lightning's Precision._after_closure): our spike guard and metrics would never run. Ours fires
@@ -20,10 +26,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import neuronx_distributed as nxd
+import torch
 from lightning.pytorch.trainer import call
 from neuronx_distributed.lightning import NeuronXLAPrecisionPlugin, NeuronXLAStrategy
 
 from moe.backends.neuron.env import extracting_graphs
+from moe.backends.neuron.files import optimizer_shard
+
+MASTER_WEIGHTS = "moe_master_weights"  # our key in an expert-parallel ZeRO-1 optimizer file
 
 
 class MoENeuronStrategy(NeuronXLAStrategy):
@@ -38,8 +48,12 @@ class MoENeuronStrategy(NeuronXLAStrategy):
         path = Path(filepath)
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         zero1 = self.nxd_config["optimizer_config"]["zero_one_enabled"]
+        optimizer_state = checkpoint["optimizer_states"][0]
+        if parts := self._master_weight_parts(self.optimizers[0]):
+            master = [[shard.data for shard in shards(part)] for part in parts]
+            optimizer_state = {**optimizer_state, MASTER_WEIGHTS: master}
         nxd.save_checkpoint(str(path.parent), tag=path.name, model=checkpoint["state_dict"],
-                            optimizer=checkpoint["optimizer_states"][0], user_content=rest,
+                            optimizer=optimizer_state, user_content=rest,
                             use_xser=self.use_xser, num_kept_ckpts=self.keep_checkpoints, async_save=True,
                             zero1_optimizer=zero1)
 
@@ -59,12 +73,44 @@ class MoENeuronStrategy(NeuronXLAStrategy):
                             strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: dict) -> None:
+        from neuronx_distributed.parallel_layers import parallel_state as ps
+
         for optimizer in self.optimizers:
             nxd.load_checkpoint(str(self._loading.parent), tag=self._loading.name, optimizer=optimizer)
+            if parts := self._master_weight_parts(optimizer):
+                ranks = (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                         ps.get_pipeline_model_parallel_rank())
+                path = optimizer_shard(self._loading, *ranks)
+                saved = torch.load(path, map_location="cpu", weights_only=True)[MASTER_WEIGHTS]
+                for part, tensors in zip(parts, saved, strict=True):
+                    for shard, tensor in zip(shards(part), tensors, strict=True):
+                        shard.data.copy_(tensor)
+
+    def _master_weight_parts(self, optimizer) -> list:
+        """The inner ZeRO-1 optimizers of an expert-parallel ZeRO-1 holding fp32 master weights, else []."""
+        if not self.nxd_config["mixed_precision_config"]["use_master_weights"]:
+            return []
+        parts = zero1_parts(optimizer)
+        return parts if len(parts) == 2 else []
 
     def teardown(self) -> None:
         nxd.finalize_checkpoint()  # an asynchronous save still running gets its `done` file
         super().teardown()
+
+
+def zero1_parts(optimizer) -> list:
+    """The ZeRO-1 optimizers inside NxD's optimizer wrapper (trainer/optimizer.py:10-13) that hold weight
+    shards: the two inner ones (dense, experts) of NeuronEPZero1Optimizer (optimizer/
+    zero_redundancy_optimizer.py:163-183), the ZeRO-1 optimizer itself without EP, none without ZeRO-1."""
+    inner = optimizer.optimizer
+    if hasattr(inner, "ep_zero_optimizer"):
+        return [inner.non_ep_zero_optimizer, inner.ep_zero_optimizer]
+    return [inner] if hasattr(inner, "base_optimizer") else []
+
+
+def shards(zero1) -> list:
+    """A ZeRO-1 optimizer's master-weight shards, in its param groups' order."""
+    return [shard for group in zero1.base_optimizer.param_groups for shard in group["params"]]
 
 
 class NeuronPrecision(NeuronXLAPrecisionPlugin):

@@ -86,3 +86,23 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, input_: torch.Tensor):
         return F.embedding(input_, self.weight)
+
+
+class SPMDRank(nn.Module):
+    """The rank, and under expert parallelism the rank's experts, as parameters (layers.py:1549-1608);
+    ExpertMLPs builds one with enable_spmd_rank, which these fakes (expert parallelism 1) never do."""
+
+    def __init__(self, world_size: int, tensor_model_parallel_size: int | None = None):
+        super().__init__()
+        self.world_size = world_size
+        self.rank = Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
+
+    def get_rank(self) -> torch.Tensor:
+        return self.rank
+
+    def initialize_expert_indices(self, num_local_experts) -> torch.Tensor:
+        self.local_expert_indices = Parameter(torch.zeros((1, num_local_experts), dtype=torch.int32),
+                                              requires_grad=False)
+
+    def get_local_expert_indices(self) -> torch.Tensor:
+        return self.local_expert_indices

@@ -78,5 +78,19 @@ def get_expert_model_parallel_size():
     return _STATE.get("ep", 1)
 
 
+def get_expert_model_parallel_rank():
+    return 0
+
+
+def get_expert_model_parallel_group(as_list: bool = False):
+    return dist.new_group([_STATE["rank"]]) if not as_list else [[r] for r in range(dist.get_world_size())]
+
+
+def get_experts_for_expert_parallel_rank(expert_parallel_rank, total_number_of_experts, expert_model_parallel_size,
+                                         expert_distribution=None):
+    per_rank = total_number_of_experts // expert_model_parallel_size  # parallel_state.py:999-1030
+    return list(range(expert_parallel_rank * per_rank, (expert_parallel_rank + 1) * per_rank))
+
+
 def is_global_rank_zero():
     return _STATE.get("rank", 0) == 0

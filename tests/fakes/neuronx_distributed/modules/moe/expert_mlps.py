@@ -4,7 +4,8 @@ Signature of v2.28.0 (expert_mlps.py:53-102); the forward follows ExpertMLPsV2.f
 (expert_mlps_v2.py:1405-1497): capacity_factor None (or >= E/top_k, :267-269) runs every token
 through every expert; <= 0 in training is the blockwise dropless path, which on a CPU falls back to
 the same dense computation (:906-907); > 0 drops by position with capacity min(ceil(T*k*cf/E), T)
-(:485-528); in eval a capacity factor <= 0 fails as the real one does (:1496-1497, :580), and an
+(:485-528); in eval a sequence of length 1 is token generation, every token through its experts with
+no capacity (:1469-1484); a capacity factor <= 0 fails as the real one does (:1496-1497, :580), and an
 ExpertMLPs whose sequence_parallel_enabled differs from the router's gathers the wrong sizes
 (:503-511). Weights: mlp_op.gate_up_proj.weight [E, H, 2I] ([gate | up]), mlp_op.down_proj.weight
 [E, I, H] (experts.py:93-145).
@@ -89,6 +90,8 @@ class ExpertMLPs(nn.Module):
         cf = self.capacity_factor
         if not self.training and cf is not None and cf <= 0:
             raise RuntimeError("cannot reshape tensor of 0 elements into shape [0, -1] (capacity 0 in eval)")
+        if not self.training and seq_len == 1:
+            cf = None  # token generation: no capacity
         if cf is not None and cf > 0:
             capacity = min(math.ceil(T * self.top_k * cf / E), T)
             mask_TE = mask_TE.masked_fill(torch.cumsum(mask_TE, dim=0) > capacity, 0)

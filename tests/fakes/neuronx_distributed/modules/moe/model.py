@@ -16,6 +16,7 @@ class MoE(nn.Module):
             assert sequence_parallel_enabled, "a router in SP needs the MoE in SP"
             assert router.sequence_dimension == (0 if sequence_dimension is None else sequence_dimension)
         self.router, self.expert_mlps = router, expert_mlps
+        self.sequence_dimension = 0 if sequence_dimension is None else sequence_dimension
         self.return_router_logits, self.return_expert_index = return_router_logits, return_expert_index
 
     def forward(self, hidden_states, padding_mask=None, is_speculative_decoding=False, residual=None):
@@ -24,7 +25,8 @@ class MoE(nn.Module):
                                "sizes (expert_mlps_v2.py:503-511)")
         router_logits, expert_affinities, expert_index = self.router(hidden_states)
         shape = hidden_states.shape
-        output = self.expert_mlps(hidden_states.reshape(-1, shape[-1]), expert_affinities, expert_index, shape[1])
+        seq_len = shape[self.sequence_dimension]  # model.py:196
+        output = self.expert_mlps(hidden_states.reshape(-1, shape[-1]), expert_affinities, expert_index, seq_len)
         result = (output.view(shape),)
         if self.return_router_logits:
             result += (router_logits,)
