@@ -22,8 +22,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import moe.config  # noqa: F401  (registers the typed schema)
+from moe.checkpoint.lightning_io import AtomicCheckpointIO
 from moe.errors import exit_on_user_error
-from moe.train.checkpoint import AtomicCheckpointIO
 from moe.train.run import train
 
 OUTPUTS = ("metrics.csv", "summary.json", "checkpoints")

@@ -10,18 +10,12 @@ import torch
 from conftest import REPO
 from omegaconf import OmegaConf
 
+from moe.checkpoint.faults import KILL_DURING_SAVE_ENV
+from moe.checkpoint.io import CorruptCheckpoint, meta_path
+from moe.checkpoint.lightning_io import AtomicCheckpointIO, with_atomic_io
+from moe.checkpoint.picker import check_resume_compatible, find_resume_checkpoint, verify_checkpoint
 from moe.config import TrainConfig
 from moe.errors import UserError
-from moe.train.checkpoint import (
-    KILL_DURING_SAVE_ENV,
-    AtomicCheckpointIO,
-    CorruptCheckpoint,
-    check_resume_compatible,
-    find_resume_checkpoint,
-    meta_path,
-    verify_checkpoint,
-    with_atomic_io,
-)
 from moe.train.seed import step_seed
 
 
@@ -39,7 +33,7 @@ def save(path, step):
 
 def test_an_unchanged_file_is_hashed_once_per_process_and_a_changed_one_again(tmp_path, monkeypatch):
     """train.py verifies the newest checkpoint in its preflight and again in train(): one hash."""
-    from moe.train import checkpoint
+    from moe.checkpoint import formats as checkpoint
 
     path = tmp_path / "step-000003.ckpt"
     save(path, 3)
@@ -71,7 +65,7 @@ def test_save_writes_file_and_sidecar_and_leaves_no_temp(tmp_path):
 
 KILL_SAVE = """
 import sys, torch
-from moe.train.checkpoint import AtomicCheckpointIO
+from moe.checkpoint.lightning_io import AtomicCheckpointIO
 step = int(sys.argv[2])
 state = {"global_step": step, "state_dict": {"w": torch.randn(256, 256)}}
 AtomicCheckpointIO().save_checkpoint(state, sys.argv[1])
@@ -199,9 +193,9 @@ def test_infer_and_export_refuse_a_checkpoint_whose_bytes_changed(tmp_path):
     import pytest
     import torch
 
+    from moe.checkpoint.io import atomic_torch_save
+    from moe.checkpoint.picker import read_checkpoint
     from moe.errors import UserError
-    from moe.infer.load import read_checkpoint
-    from moe.train.checkpoint import atomic_torch_save
 
     path = tmp_path / "step-000004.ckpt"
     atomic_torch_save({"global_step": 4, "state_dict": {"w": torch.arange(1000.0)}}, path)

@@ -3,7 +3,7 @@
 Fast tests check the expert-gradient reduction and the portable-file gather/slice (DeepSpeed's
 format) on a real 2-process gloo group; the slow ones train 20 steps with 2 processes, compare
 every step's loss with one process holding the same global batch (tests/_parity.py), and resume
-the sharded checkpoints (moe/train/sharded_checkpoint.py) at another expert-parallel degree.
+the sharded checkpoints (moe/checkpoint/sharded.py) at another expert-parallel degree.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_ep2_ddp_matches_single_process_and_its_sharded_checkpoint_reads_whole(t
     assert all(abs(a - b) <= 1e-3 * b for a, b in norms)  # expert grads summed over the EP group
 
     # each rank wrote its own 4 experts; read back whole, the checkpoint holds all 8 and their moments
-    from moe.infer.load import read_checkpoint
+    from moe.checkpoint.picker import read_checkpoint
     from moe.train.module import LitMoE
 
     last = run / "checkpoints" / "last.ckpt"

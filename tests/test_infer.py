@@ -9,11 +9,12 @@ import torch
 from conftest import FAST_RUN, run_entry
 from omegaconf import OmegaConf
 
+from moe.checkpoint.picker import resolve_checkpoint
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
 from moe.config.infer import InferConfig
 from moe.errors import UserError
 from moe.infer.generate import generate
-from moe.infer.load import model_from_checkpoint, resolve_checkpoint
+from moe.infer.load import model_from_checkpoint
 from moe.infer.run import load, run
 from moe.model import MoETransformer
 
@@ -103,7 +104,7 @@ def test_ckpt_last_picks_the_newest_run(tmp_path):
 def test_bad_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load(icfg(ckpt=str(tmp_path / "missing.ckpt")))
-    with pytest.raises(UserError, match="without checkpoints/last.ckpt"):
+    with pytest.raises(UserError, match="without a complete checkpoint"):
         load(icfg(ckpt=str(tmp_path)))
     torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
     with pytest.raises(UserError, match="not a moe training checkpoint"):

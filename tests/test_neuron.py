@@ -398,7 +398,7 @@ def test_8_mixtral_8x7b_is_built_on_the_meta_device(nxd):
 
 def test_8_each_parameter_gets_the_values_every_backend_starts_from(nxd):
     """param_init_fn fills NxD's model with moe.model.init's values: the same numbers as LitMoE's."""
-    from moe.backends.neuron.shards import our_name
+    from moe.checkpoint.nxd import our_name
     from moe.train.module import LitMoE
 
     module = neuron_module()
@@ -413,7 +413,7 @@ def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_p
     """model.init_from_hf on trn1: each rank's param_init_fn reads its shard from DIR's safetensors
     (moe.model.hf_tensors), so the model NxD trains holds DIR's weights; a resumed run does not."""
     from moe.backends.neuron import NeuronBackend
-    from moe.backends.neuron.shards import our_name
+    from moe.checkpoint.nxd import our_name
     from moe.model.hf import from_hf, to_hf
     from moe.model.model import MoETransformer
     from moe.train.init_from_hf import apply_init_from_hf
@@ -641,7 +641,7 @@ def test_two_process_run_writes_nxd_checkpoints_and_resumes_to_the_same_numbers(
     run ends: weights, optimizer state, schedule and data position all come back."""
     import shutil
 
-    from moe.backends.neuron.files import is_complete, model_shard
+    from moe.checkpoint.nxd import is_complete, model_shard
 
     tags = sorted(p.name for p in (trn1_run / "checkpoints").iterdir())
     assert tags == ["step-000003.ckpt", "step-000006.ckpt"]
@@ -669,8 +669,9 @@ def test_two_process_run_writes_nxd_checkpoints_and_resumes_to_the_same_numbers(
 def test_trn1_checkpoints_generate_convert_and_export(trn1_run, tmp_path):
     """infer.py reads the run's newest NxD checkpoint; convert_nxd writes the same weights as one
     portable .ckpt; export_hf from it gives a Mixtral directory holding those weights."""
-    from moe.backends.neuron.files import read_checkpoint
-    from moe.infer.load import model_from_checkpoint, resolve_checkpoint
+    from moe.checkpoint.nxd import read_checkpoint
+    from moe.checkpoint.picker import resolve_checkpoint
+    from moe.infer.load import model_from_checkpoint
     from moe.model.hf import from_hf
 
     newest = trn1_run / "checkpoints" / "step-000006.ckpt"
@@ -719,22 +720,22 @@ def create_local_weight(
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_shards_are_nxds_local_weights_and_join_back(tp):
-    from moe.backends.neuron.shards import full_tensor, layout_of, local_shard
+    from moe.checkpoint.nxd import full_tensor, local_shard, split_of
     from moe.model.model import MoETransformer
 
     cfg = compose_cfg("model=tiny_dense_every2", "model.num_heads=8", "model.num_kv_heads=8")
     state = MoETransformer(cfg.model, cfg.moe_opt, init_seed=0).state_dict()
     checked_with_nxd = set()
     for name, full in state.items():
-        layout = layout_of(name, cfg.model)
-        shards = [local_shard(full, layout, rank, tp) for rank in range(tp)]
-        assert torch.equal(full_tensor(shards, layout), full), name
-        if layout.dim is not None and len(set(layout.groups)) <= 1:  # equal groups: NxD's stride
-            stride = len(layout.groups) or 1
-            per_partition = full.shape[layout.dim] // tp
+        split = split_of(name, cfg.model)
+        shards = [local_shard(full, split, rank, tp) for rank in range(tp)]
+        assert torch.equal(full_tensor(shards, split), full), name
+        if split.dim is not None and len(set(split.groups)) <= 1:  # equal groups: NxD's stride
+            stride = len(split.groups) or 1
+            per_partition = full.shape[split.dim] // tp
             for rank, shard in enumerate(shards):
                 assert torch.equal(
-                    shard, create_local_weight(full, layout.dim, per_partition, stride, rank, tp)
+                    shard, create_local_weight(full, split.dim, per_partition, stride, rank, tp)
                 ), name
             checked_with_nxd.add(name)
     for suffix in (
@@ -752,10 +753,10 @@ def test_shards_are_nxds_local_weights_and_join_back(tp):
 
 def test_gqa_qkv_shard_holds_each_ranks_own_heads():
     """q and kv differ in size under GQA: rank r holds [its q heads | its k heads | its v heads]."""
-    from moe.backends.neuron.shards import layout_of, local_shard
+    from moe.checkpoint.nxd import local_shard, split_of
 
     cfg = compose_cfg()  # tiny: 4 query heads, 2 KV heads of 32
     q, kv = 4 * 32, 2 * 32
     rows = torch.arange(q + 2 * kv).unsqueeze(1).float()
-    shard = local_shard(rows, layout_of("layers.0.attn.qkv_proj.weight", cfg.model), rank=1, tp=2).flatten()
+    shard = local_shard(rows, split_of("layers.0.attn.qkv_proj.weight", cfg.model), rank=1, tp=2).flatten()
     assert shard.tolist() == [*range(64, 128), *range(q + 32, q + 64), *range(q + kv + 32, q + 2 * kv)]

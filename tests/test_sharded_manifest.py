@@ -14,16 +14,16 @@ import torch
 import torch.multiprocessing as mp
 from conftest import free_port
 
+from moe.checkpoint.io import CorruptCheckpoint
+from moe.checkpoint.picker import read_checkpoint, verify_checkpoint
 from moe.errors import UserError
-from moe.infer.load import read_checkpoint
-from moe.train.checkpoint import CorruptCheckpoint, verify_checkpoint
 
 
 def _save(rank, port, path):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moe.train.sharded_checkpoint import save_sharded
+    from moe.checkpoint.sharded import save_sharded
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=1)

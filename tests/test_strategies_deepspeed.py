@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
 from moe.backends.deepspeed import DeepSpeedBackend, MoEDeepSpeedStrategy, deepspeed_config
+from moe.checkpoint.picker import read_checkpoint
 from moe.config.validate import validate
 from moe.errors import ConfigError, UserError
-from moe.infer.load import read_checkpoint
 from moe.model import MoETransformer
 from moe.train.optim import build_optimizer
 from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train

@@ -113,7 +113,7 @@ class Backend:
 
     @property
     def sharded_checkpoints(self) -> bool:
-        """Each rank writes its own experts into a checkpoint directory (moe/train/sharded_checkpoint.py)
+        """Each rank writes its own experts into a checkpoint directory (moe/checkpoint/sharded.py)
         under expert parallelism; without it every rank holds every expert and one file is written."""
         return self.layout.ep > 1
 

@@ -1,6 +1,6 @@
 """Plain PyTorch: a process per device, DDP over the hardware's backend (gloo on CPU); one device: no DDP.
 
-Checkpoints under expert parallelism are sharded (moe/train/sharded_checkpoint.py): each rank
+Checkpoints under expert parallelism are sharded (moe/checkpoint/sharded.py): each rank
 writes its own experts with torch.distributed.checkpoint; no rank gathers them all.
 
 Expert parallelism under DDP: DDP is told to ignore expert parameters
@@ -59,7 +59,7 @@ class ShardedDDPStrategy(DDPStrategy):
     """DDPStrategy whose checkpoints are sharded directories (collective save and load on every rank).
 
     Lightning's own DCP path (ModelParallelStrategy) needs DTensor modules; ours keeps plain tensors
-    and wraps only the expert entries at save time (moe.train.sharded_checkpoint). The checkpoint is
+    and wraps only the expert entries at save time (moe.checkpoint.sharded). The checkpoint is
     restored after setup, once the optimizer exists, straight into the live tensors.
     """
 
@@ -73,19 +73,19 @@ class ShardedDDPStrategy(DDPStrategy):
         return True
 
     def mesh(self):
-        from moe.train.sharded_checkpoint import checkpoint_mesh
+        from moe.checkpoint.sharded import checkpoint_mesh
 
         return checkpoint_mesh(self.root_device.type)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        from moe.train.sharded_checkpoint import save_sharded
+        from moe.checkpoint.sharded import save_sharded
 
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         save_sharded(self.broadcast(str(filepath)), self.lightning_module, list(self.optimizers), self.mesh(),
                      rest, self.is_global_zero)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        from moe.train.sharded_checkpoint import is_sharded_checkpoint, load_sharded
+        from moe.checkpoint.sharded import is_sharded_checkpoint, load_sharded
 
         if not is_sharded_checkpoint(checkpoint_path):  # a portable file (every expert): sliced on load
             self._from_file = True

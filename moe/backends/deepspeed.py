@@ -13,7 +13,7 @@ plus what our MoE layer needs from DeepSpeed:
   switches on the expert-DP gradient reduction, ZeRO's expert partitions and expert-aware
   grad norms. Its fp32 clipping (ZeRO off) uses the true global norm.
 - Checkpoints: without expert parallelism one file (written by rank 0) plus each rank's ZeRO
-  optimizer partition in `<file>.zero/`; with it a sharded directory (moe/train/sharded_checkpoint.py:
+  optimizer partition in `<file>.zero/`; with it a sharded directory (moe/checkpoint/sharded.py:
   each rank writes its own experts, no rank gathers them) with each rank's partition in
   `per_rank/`. Resuming with the same world size, ep and ZeRO stage restores the partitions
   exactly; otherwise only the weights are restored, resharded (with a warning), and the fp32
@@ -176,7 +176,7 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
         partition = {"optimizer": self.deepspeed_engine.optimizer.state_dict(),
                      "layout": self._layout(checkpoint.get("global_step"))}
         if self.ep > 1:  # a sharded directory: each rank its experts and its partition
-            from moe.train.sharded_checkpoint import checkpoint_mesh, save_sharded
+            from moe.checkpoint.sharded import checkpoint_mesh, save_sharded
 
             rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             save_sharded(filepath, self.lightning_module, [], checkpoint_mesh(self.root_device.type),
@@ -200,7 +200,7 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
             shutil.rmtree(zero_shards_dir(Path(filepath)), ignore_errors=True)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        from moe.train.sharded_checkpoint import (
+        from moe.checkpoint.sharded import (
             checkpoint_mesh,
             is_sharded_checkpoint,
             load_sharded,

@@ -11,7 +11,7 @@ tensor parallelism (moe.parallel.tensor_parallel), activation checkpointing, com
 parallel.zero_stage says how FSDP2 shards: 3 frees each block's gathered weights after its forward
 (gathers them again for the backward), 2 keeps them until the backward (more memory, one all-gather
 fewer); weights, gradients and optimizer states are sharded either way. HSDP: parallel.hybrid_shard_degree.
-Checkpoints are sharded directories in the canonical layout (moe/train/sharded_checkpoint.py): any
+Checkpoints are sharded directories in the canonical layout (moe/checkpoint/sharded.py): any
 layout of this backend, DDP or DeepSpeed resumes them.
 """
 from __future__ import annotations
@@ -122,14 +122,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        from moe.train.sharded_checkpoint import checkpoint_mesh, save_sharded
+        from moe.checkpoint.sharded import checkpoint_mesh, save_sharded
 
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         save_sharded(self.broadcast(str(filepath)), self.lightning_module, list(self.optimizers),
                      checkpoint_mesh(self.root_device.type), rest, self.is_global_zero)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        from moe.train.sharded_checkpoint import checkpoint_mesh, is_sharded_checkpoint, load_sharded
+        from moe.checkpoint.sharded import checkpoint_mesh, is_sharded_checkpoint, load_sharded
 
         path = self.broadcast(str(checkpoint_path))
         if is_sharded_checkpoint(path):

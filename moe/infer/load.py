@@ -1,112 +1,25 @@
 """Models to generate from: a training checkpoint (rebuilt from the config it holds) or a Mixtral or
 DeepSeek-V3 directory.
 
-`train.py` writes Lightning checkpoints (`runs/<run>/checkpoints/last.ckpt`) whose
-`state_dict` keys are `model.<our key>` and whose `hyper_parameters["cfg"]` is the full
-resolved config, so the architecture comes from the file itself. They are read with
-`torch.load(weights_only=True)` (tensors and plain containers only, no code runs); only
-a checkpoint holding other objects falls back to a full unpickle, with a warning. A trn1 run's
-checkpoints are neuronx-distributed directories of shards (no last.ckpt): the newest complete one
-is put back together by moe.backends.neuron.files.read_checkpoint.
+`train.py` writes checkpoints (`runs/<run>/checkpoints/`) whose `state_dict` keys are
+`model.<our key>` and whose `hyper_parameters["cfg"]` is the full resolved config, so the
+architecture comes from the file itself. Which checkpoint, and reading it in any format, is
+moe.checkpoint.picker's (`resolve_checkpoint`, `read_checkpoint`).
 """
 from __future__ import annotations
 
 import json
-import pickle
-import sys
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
+from moe.checkpoint.picker import read_checkpoint
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import UserError
 from moe.model import MoETransformer
 from moe.model.hf import IMPORTABLE
 
-LAST = "last.ckpt"
 PREFIX = "model."  # LitMoE.model
-
-
-def resolve_checkpoint(ckpt: str, runs_dir: str | Path = "runs") -> Path:
-    """`last` -> the newest run's; a run dir -> its last.ckpt (trn1: newest complete NxD checkpoint);
-    a file or an NxD checkpoint directory -> itself."""
-    from moe.backends.neuron.files import is_complete, newest_complete
-    from moe.train.checkpoint import resolved_name
-    from moe.train.sharded_checkpoint import is_sharded_checkpoint
-
-    if ckpt == "last":
-        found = [*Path(runs_dir).glob(f"*/checkpoints/{LAST}"),
-                 *filter(None, (newest_complete(d) for d in Path(runs_dir).glob("*/checkpoints")))]
-        found = sorted((p for p in found if p.exists()), key=lambda p: p.stat().st_mtime)  # no dangling link
-        if not found:
-            raise UserError("ckpt", ckpt, "train first (python train.py) or pass ckpt=PATH; ckpt=last looks "
-                            f"in runs_dir={runs_dir!r}", problem=f"found no {runs_dir}/*/checkpoints/{LAST}")
-        picked = found[-1]
-        print(f"ckpt=last: {picked}{resolved_name(picked)} (the newest of {len(found)} run(s) in "
-              f"{runs_dir}/; "
-              "pass ckpt=PATH for another)", file=sys.stderr)
-        return picked
-    path = Path(ckpt).expanduser()
-    if path.is_dir() and (is_complete(path) or is_sharded_checkpoint(path)):
-        return path  # a trn1 checkpoint, or a sharded one
-    if path.is_dir():
-        newest_nxd = newest_complete(path / "checkpoints") if (path / "checkpoints").is_dir() else None
-        if newest_nxd and not (path / "checkpoints" / LAST).is_file():
-            return newest_nxd
-        if (path / "checkpoint").is_dir() or any(path.glob("*model_states.pt")):
-            raise UserError("ckpt", ckpt, "consolidate it first: python -m "
-                            f"lightning.pytorch.utilities.deepspeed {ckpt} consolidated.ckpt, then pass "
-                            "ckpt=consolidated.ckpt",
-                            problem="is a DeepSpeed sharded checkpoint directory")
-        for candidate in (path / "checkpoints" / LAST, path / LAST):
-            if candidate.is_file() or is_sharded_checkpoint(candidate):
-                return candidate
-        raise UserError("ckpt", ckpt, "pass a .ckpt file, a run dir holding checkpoints/last.ckpt, or "
-                        "ckpt=last",
-                        problem="is a directory without checkpoints/last.ckpt")
-    if not path.is_file():
-        raise UserError("ckpt", ckpt, "pass an existing .ckpt file, a run dir (runs/<run_name>) or ckpt=last",
-                        problem="does not exist")
-    return path
-
-
-def read_checkpoint(path: str | Path) -> dict:
-    """torch.load on CPU, weights_only when the file allows it (it does for train.py's checkpoints);
-    a sharded or trn1 checkpoint directory, joined into the same dict. Verified first where train.py
-    left a record (the sha256 sidecar, a directory's completion marks), else by the CRC-32s inside the
-    file: a corrupt file is refused."""
-    from moe.train.checkpoint import CorruptCheckpoint, check_zip_crc, meta_path, verify_checkpoint
-    from moe.train.sharded_checkpoint import is_sharded_checkpoint, read_full_checkpoint
-
-    try:
-        if Path(path).is_dir() or meta_path(path).exists():
-            verify_checkpoint(path, deep=True)  # every byte is read next anyway
-        else:  # no sidecar (a copied file, an exported one): the CRC-32 of every record inside it
-            check_zip_crc(Path(path))
-    except CorruptCheckpoint as err:
-        raise UserError("ckpt", str(path), "use another checkpoint of the run (checkpoints/step-*.ckpt) "
-                        "or the run dir, whose newest good checkpoint train.py resumes from",
-                        problem=str(err)) from err
-
-    if is_sharded_checkpoint(path):
-        return read_full_checkpoint(path)
-    if Path(path).is_dir():
-        from moe.backends.neuron.files import read_checkpoint as read_nxd_checkpoint
-
-        return read_nxd_checkpoint(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"warning: {path} holds objects beyond tensors and plain containers ({first_line[:200]}); "
-              "loading it with weights_only=False, which runs its pickled code: only load checkpoints you "
-              "trust",
-              file=sys.stderr)
-    except (RuntimeError, OSError, EOFError) as err:
-        raise UserError("ckpt", str(path), "pass a checkpoint written by train.py (torch.save format)",
-                        problem=f"could not be read ({str(err).splitlines()[0][:200]})") from err
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def checkpoint_config(ckpt: dict, path: str | Path) -> DictConfig:

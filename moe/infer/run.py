@@ -13,13 +13,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from moe.checkpoint.picker import resolve_checkpoint
 from moe.config.validate import INFER_DTYPES, validate_infer
 from moe.data.formats import DEFAULT_CHAT_TEMPLATE, FormatSpec
 from moe.data.tokenizer import check_vocab, load_hf_tokenizer, template_markers
 from moe.errors import UserError
 from moe.infer.export import export_hf
 from moe.infer.generate import Generation, generate, left_pad
-from moe.infer.load import generation_eos_ids, model_from_checkpoint, model_from_hf_dir, resolve_checkpoint
+from moe.infer.load import generation_eos_ids, model_from_checkpoint, model_from_hf_dir
 from moe.model import MoETransformer
 from moe.paths import local_path
 

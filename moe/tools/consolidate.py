@@ -1,9 +1,9 @@
 """A checkpoint directory as one portable file: `python -m moe.tools.consolidate SRC OUT.ckpt`.
 
-SRC is a sharded checkpoint directory (expert parallelism, moe/train/sharded_checkpoint.py), a
-neuronx-distributed one (trn1), or a run dir (its newest complete NxD checkpoint, else its
-last.ckpt). OUT is the single-file Lightning checkpoint: full tensors under `state_dict`
-(`model.<name>`), the run's config under `hyper_parameters`, its step, so `infer.py ckpt=OUT`
+SRC is a checkpoint directory (sharded, moe/checkpoint/sharded.py; neuronx-distributed's, trn1;
+DeepSpeed's) or a run dir (its newest complete checkpoint, moe.checkpoint.picker). OUT is the
+single-file Lightning checkpoint: full tensors under `state_dict` (`model.<name>`), the run's
+config under `hyper_parameters`, its step, so `infer.py ckpt=OUT`
 generates and `export_hf=DIR` exports from it on any machine. infer.py also reads SRC directly;
 this file is for copying a model off the cluster without its shard files. The optimizer state
 stays behind: OUT is not for resuming. `python -m moe.tools.convert_nxd` is the same command.
@@ -16,30 +16,21 @@ from pathlib import Path
 
 import torch
 
-from moe.backends.neuron.files import is_complete, newest_complete
+from moe.checkpoint.formats import PORTABLE, format_of
+from moe.checkpoint.picker import read_checkpoint, resolve_checkpoint
 from moe.errors import UserError, exit_on_user_error
-from moe.infer.load import LAST, read_checkpoint
-from moe.train.sharded_checkpoint import is_sharded_checkpoint
 
 KEPT = ("state_dict", "hyper_parameters", "hparams_name", "global_step", "epoch", "pytorch-lightning_version")
 
 
 def checkpoint_dir(src: str) -> Path:
-    """SRC as a complete checkpoint directory, or a UserError saying what SRC is instead."""
-    path = Path(src).expanduser()
-    if path.is_dir() and not (is_complete(path) or is_sharded_checkpoint(path)):
-        checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        newest = newest_complete(checkpoints)
-        if newest is None and is_sharded_checkpoint(checkpoints / LAST):
-            newest = (checkpoints / LAST).resolve()
-        if newest is None:
-            raise UserError("SRC", src, "pass a run dir (runs/<run>) or one of its checkpoints/<name>.ckpt/ "
-                            "directories (a sharded one with .metadata, or an NxD one with a `done` file)",
-                            problem="holds no complete checkpoint directory")
-        path = newest
-    if not path.is_dir():
-        raise UserError("SRC", src, "pass a trn1 run dir or a checkpoint directory; a .ckpt file is already "
-                        "portable", problem="is not a directory")
+    """SRC as a checkpoint directory, or a UserError saying what SRC is instead."""
+    path = resolve_checkpoint(src)
+    if format_of(path) is PORTABLE:
+        problem = ("holds no complete checkpoint directory (its newest checkpoint, "
+                   f"{path.name}, is one file, already portable)" if Path(src).is_dir()
+                   else "is a single checkpoint file, already portable")
+        raise UserError("SRC", src, "pass a run dir or a checkpoint directory", problem=problem)
     return path
 
 

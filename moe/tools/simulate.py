@@ -78,12 +78,12 @@ def check_simulatable(cfg, layout: Layout) -> None:
     """What the simulation cannot run here, refused before anything starts."""
     if (layout.tp > 1 and spec_of(cfg).name != "fsdp2") or layout.pp > 1:
         raise ConfigError("simulate", True,
-                          "use dry_run=true for this layout's plan (make test-neuron measures trn1's at reduced "
-                          "width, docs/TRAINIUM.md), or the torch-native backend for TP (hardware=gpu_fsdp2 or "
-                          "trn2, which simulate)",
+                          "use dry_run=true for this layout's plan (make test-neuron measures trn1's at "
+                          "reduced width, docs/TRAINIUM.md), or the torch-native backend for TP "
+                          "(hardware=gpu_fsdp2 or trn2, which simulate)",
                           f"runs the torch model's own code path; tensor/pipeline parallelism "
-                          f"(tp={layout.tp}, pp={layout.pp}) here is neuronx-distributed's, whose process groups "
-                          "need the Neuron runtime, or a process per rank in its CPU mode "
+                          f"(tp={layout.tp}, pp={layout.pp}) here is neuronx-distributed's, whose process "
+                          "groups need the Neuron runtime, or a process per rank in its CPU mode "
                           "(parallel_layers/parallel_state.py:797-818)")
     if not 0 <= cfg.simulate_rank < layout.world:
         raise ConfigError("simulate_rank", cfg.simulate_rank, f"use a rank in 0..{layout.world - 1}",

@@ -22,12 +22,12 @@ from moe.model.size import flops_per_token, param_breakdown
 
 
 def build_callbacks(cfg, run_dir: Path, layout: Layout, backend, fresh: bool = False) -> list:
-    from moe.train.checkpoint import StepCheckpoint
     from moe.train.console import StepProgressBar, bar_shown
     from moe.train.guard import SpikeGuard
     from moe.train.metrics import RunMetrics
     from moe.train.preemption import PreemptionCheckpoint
     from moe.train.seed import StepSeed
+    from moe.train.step_checkpoint import StepCheckpoint
 
     guard = SpikeGuard.from_config(cfg, run_dir, fresh=fresh)
     callbacks = [

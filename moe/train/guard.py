@@ -22,8 +22,9 @@ from pathlib import Path
 
 import lightning as L
 
+from moe.checkpoint.io import write_json_atomic
 from moe.errors import UserError
-from moe.train.metrics import step_means, write_json_atomic
+from moe.train.metrics import step_means
 
 LEDGER = "rollbacks.json"
 COUNT_KEYS = ("skipped_steps", "spikes", "nonfinite_steps", "rollbacks")

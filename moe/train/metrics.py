@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import lightning as L
 import torch
 
+from moe.checkpoint.io import write_json_atomic
 from moe.model.loss import router_loss
 from moe.model.size import param_breakdown
 from moe.train.console import STEP_LOGGER, log_step
@@ -43,16 +44,6 @@ def read_metrics(path: Path) -> list[dict]:
         return []
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write to a temporary name, flush, rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class RunMetrics(L.Callback):

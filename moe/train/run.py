@@ -56,16 +56,12 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     import torch
 
     from moe.backends import build_backend
+    from moe.checkpoint.formats import step_hint
+    from moe.checkpoint.lightning_io import with_atomic_io
+    from moe.checkpoint.picker import check_resume_compatible, find_resume_checkpoint, resolved_name
     from moe.data import MoEDataModule
     from moe.data.tokenizer import copy_tokenizer_files
     from moe.train.callbacks import build_callbacks, build_loggers
-    from moe.train.checkpoint import (
-        check_resume_compatible,
-        find_resume_checkpoint,
-        resolved_name,
-        step_hint,
-        with_atomic_io,
-    )
     from moe.train.console import bar_shown, configure_output
     from moe.train.guard import RollbackRequested
     from moe.train.preemption import Preempted

@@ -8,7 +8,7 @@ when ep > 1), trains two optimizer steps on fixed batches and compares them with
 moe.train.module.LitMoE on one process holding every data-parallel rank's batches, same seed:
 
 - each step's loss (the last pipeline stage's, with pp > 1), on every rank;
-- each step's local gradients: a tensor-parallel shard against moe.backends.neuron.shards.local_shard
+- each step's local gradients: a tensor-parallel shard against moe.checkpoint.nxd.local_shard
   of the reference gradient (this expert-parallel rank's experts), a sequence-parallel parameter
   summed over the group, data-parallel ranks averaged (expert gradients over the expert-data-
   parallel group, as NxD reduces them);
@@ -126,7 +126,7 @@ def main(overrides: list[str]) -> int:
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
     from moe.backends.neuron import NeuronBackend
-    from moe.backends.neuron.shards import EXPERT_TENSORS, layout_of, local_shard, our_name
+    from moe.checkpoint.nxd import EXPERT_TENSORS, local_shard, our_name, split_of
     from moe.train.module import LitMoE
 
     dist.init_process_group("gloo")  # Lightning's strategy does this in a run
@@ -161,7 +161,7 @@ def main(overrides: list[str]) -> int:
         """This rank's piece of a full reference tensor: its experts, its tensor-parallel shard."""
         if name.endswith(EXPERT_TENSORS):
             tensor = tensor.chunk(ep)[ep_rank]
-        return local_shard(tensor, layout_of(name, cfg.model), tp_rank, tp)
+        return local_shard(tensor, split_of(name, cfg.model), tp_rank, tp)
 
     for step in range(STEPS):
         data = [batch(cfg, seed=100 * step + r) for r in range(dp)]

@@ -8,7 +8,7 @@ holds more than its own shard. NxD then gives every module of the local pipeline
 parameters of the local shard's shape and calls `param_init_fn(module, device)`
 (utils/model_utils.py:220-229, :335-356), which fills them with this rank's piece of the full value
 (moe.model.init for a fresh run, a Mixtral directory for model.init_from_hf; moe/backends/neuron/
-shards.py says which piece). The full value of a stacked expert tensor is drawn one expert at a
+checkpoint/nxd.py says which piece). The full value of a stacked expert tensor is drawn one expert at a
 time, so the transient host memory is one expert, not the layer.
 
 Layers (neuronx-distributed v2.28.0, src/neuronx_distributed/parallel_layers/layers.py:205, :588,
@@ -37,7 +37,7 @@ from torch import nn
 
 from moe.backends.neuron.causal_lm import SEQUENCE_DIM, NxDCausalLM, StageBlock
 from moe.backends.neuron.moe_layer import NxDMoELayer
-from moe.backends.neuron.shards import EXPERT_TENSORS, layout_of, local_shard, our_name
+from moe.checkpoint.nxd import EXPERT_TENSORS, local_shard, our_name, split_of
 from moe.model.init import init_stds, initial_values
 from moe.model.model import MoETransformer, alibi_slopes
 
@@ -114,17 +114,17 @@ def _init_module(module: nn.Module, device, *, source, model_cfg) -> None:
         if param is None:
             continue
         name = names[key]
-        layout = layout_of(name, model_cfg)
+        split = split_of(name, model_cfg)
         full_shape = list(param.shape)
-        if layout.dim is not None:
-            full_shape[layout.dim] *= tp
+        if split.dim is not None:
+            full_shape[split.dim] *= tp
         if name.endswith(EXPERT_TENSORS):
             full_shape[0] = 1  # one expert at a time
             first = parallel_state.get_expert_model_parallel_rank() * param.shape[0]
-            values = torch.cat([local_shard(source(name, tuple(full_shape), first + e), layout, rank, tp)
+            values = torch.cat([local_shard(source(name, tuple(full_shape), first + e), split, rank, tp)
                                 for e in range(param.shape[0])])
         else:
-            values = local_shard(source(name, tuple(full_shape), None), layout, rank, tp)
+            values = local_shard(source(name, tuple(full_shape), None), split, rank, tp)
         param.copy_(values.to(param.dtype))
 
 

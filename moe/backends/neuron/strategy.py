@@ -31,7 +31,7 @@ from lightning.pytorch.trainer import call
 from neuronx_distributed.lightning import NeuronXLAPrecisionPlugin, NeuronXLAStrategy
 
 from moe.backends.neuron.env import extracting_graphs
-from moe.backends.neuron.files import optimizer_shard
+from moe.checkpoint.nxd import optimizer_shard
 
 MASTER_WEIGHTS = "moe_master_weights"  # our key in an expert-parallel ZeRO-1 optimizer file
 

@@ -20,7 +20,8 @@ Checksums: each rank records the size and sha256 of the files it wrote in `__<ra
 missing shard); infer.py, export and consolidation, which read every byte anyway, check the sha256.
 
 `read_full_checkpoint` streams a directory into one Lightning-style dict on one process (every
-expert: for infer.py, export, a resume with ep=1 and `python -m moe.tools.consolidate`).
+expert: for infer.py, export, a resume with ep=1 and `python -m moe.tools.consolidate`);
+moe.checkpoint.formats.Sharded detects and verifies the format.
 """
 from __future__ import annotations
 
@@ -34,9 +35,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moe.checkpoint.io import (
+    CorruptCheckpoint,
+    atomic_torch_save,
+    file_sha256,
+    fsync_dir,
+    unwritable,
+    write_json_atomic,
+)
 from moe.errors import UserError
-from moe.train.checkpoint import CorruptCheckpoint, atomic_torch_save, file_sha256, fsync_dir, unwritable
-from moe.train.metrics import write_json_atomic
 
 TRAINER_STATE = "trainer_state.pt"
 PARTIAL_SUFFIX = ".partial"

@@ -1,0 +1,41 @@
+"""Fault injection for tests: kill a process half-way through writing a checkpoint.
+
+Not for real runs. A test sets `MOE_TEST_KILL_DURING_SAVE` in the environment of a training process
+it launches ("<step>", or "<step>:<file name>"): the save of that step's checkpoint then writes half
+of its temporary file, fsyncs it and SIGKILLs its own process, once per run dir (a marker file next
+to the checkpoints remembers it fired). tests/test_kill_resume.py and tests/test_supervise.py use it
+to show that a kill mid-save leaves the previous checkpoint to resume from. Unset, nothing happens.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KILL_DURING_SAVE_ENV = "MOE_TEST_KILL_DURING_SAVE"
+
+
+def maybe_kill_during_save(obj: Any, path: Path, tmp: Path, step: int | None) -> None:
+    spec = os.environ.get(KILL_DURING_SAVE_ENV)
+    if not spec or step is None:
+        return
+    want_step, _, want_name = spec.partition(":")
+    marker = path.with_name(f".{KILL_DURING_SAVE_ENV}-{step}")
+    if int(want_step) != step or (want_name and want_name != path.name) or marker.exists():
+        return
+    marker.touch()
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    with open(tmp, "wb") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+    print(f"{KILL_DURING_SAVE_ENV}: killing this process half-way through writing {tmp}", file=sys.stderr,
+          flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,240 @@
+"""The on-disk checkpoint formats, one class each, with the same four verbs.
+
+    detect(path)        is `path` a checkpoint of this format
+    verify(path, deep)  its global_step (None where it records none) if it can be trusted, else
+                        CorruptCheckpoint saying why; `deep` reads every byte (a sha256) where the
+                        format records one
+    read(path)          the whole checkpoint as one Lightning-style dict (`state_dict` of full tensors,
+                        `hyper_parameters`, `global_step`) on one process: for infer.py, export,
+                        consolidation and a resume that holds every expert
+    newest(dir)         the newest complete checkpoint of this format in a run's checkpoints/ folder
+                        (by the step its sidecar or name gives; cheap: no checksum is computed, what
+                        reads it verifies it)
+
+    Portable   a torch.save file `step-N.ckpt` with a `.meta.json` sidecar (moe.checkpoint.io): one
+               process, DDP without EP, DeepSpeed without EP (its ZeRO partitions in `<file>.zero/`)
+    Sharded    a torch.distributed.checkpoint directory, every tensor canonical (moe.checkpoint.sharded):
+               DDP and DeepSpeed with EP, fsdp2
+    NxD        neuronx-distributed's directory of per-rank shards (moe.checkpoint.nxd): trn1
+    DeepSpeed  DeepSpeed's own directory (`latest`, `<tag>/mp_rank_00_model_states.pt`, ZeRO
+               partitions), as Lightning's DeepSpeedStrategy writes it (not this repository's)
+
+`FORMATS` lists them in the order `format_of` asks (directories first); moe.checkpoint.picker uses
+them for every choice of a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from moe.checkpoint import nxd, sharded
+from moe.checkpoint.io import CorruptCheckpoint, check_zip_crc, file_sha256, meta_path
+
+_STEP_IN_NAME = re.compile(r"step[-=_]?(\d+)")
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+
+def step_hint(path: Path) -> int:
+    """Order without loading: sidecar step, else the step in the name (unknown: tried first)."""
+    try:
+        step = json.loads(meta_path(path).read_text())["global_step"]
+        if step is not None:
+            return int(step)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    match = _STEP_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else sys.maxsize
+
+
+def candidates(checkpoints_dir: Path) -> list[Path]:
+    """Checkpoints in `checkpoints_dir`; a link (last.ckpt) is left out when its target is among them."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = sorted(p for p in checkpoints_dir.iterdir() if p.name.endswith(".ckpt"))
+    targets = {p.resolve() for p in found if not p.is_symlink()}
+    return [p for p in found if not (p.is_symlink() and p.resolve() in targets)]
+
+
+class Format:
+    """What every format shares: `newest` ranks this format's complete candidates by step."""
+
+    name = ""
+
+    def detect(self, path: Path) -> bool:
+        raise NotImplementedError
+
+    def complete(self, path: Path) -> bool:
+        """Finished writing, by its own marks (cheap; `verify` checks the content)."""
+        return self.detect(path)
+
+    def verify(self, path: Path, deep: bool = False) -> int | None:
+        raise NotImplementedError
+
+    def read(self, path: Path) -> dict:
+        raise NotImplementedError
+
+    def newest(self, checkpoints_dir: Path) -> Path | None:
+        mine = [p for p in candidates(Path(checkpoints_dir)) if self.detect(p) and self.complete(p)]
+        return max(mine, key=lambda p: (step_hint(p), p.name.startswith("last")), default=None)
+
+
+class Portable(Format):
+    """One file, as Lightning's checkpoint dict; `last.ckpt` is a link to the newest one."""
+
+    name = "portable file"
+
+    def detect(self, path: Path) -> bool:
+        return Path(path).is_file()
+
+    def verify(self, path: Path, deep: bool = False) -> int | None:
+        path = Path(path)
+        try:
+            stat = path.stat()
+        except OSError:
+            return self._verify(path)  # missing or unreadable: it says so
+        # train.py verifies the newest checkpoint in its preflight and again in train(), one process: a
+        # file unchanged since (same inode, size and mtime) is not hashed twice
+        key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if key not in _VERIFIED:
+            _VERIFIED[key] = self._verify(path)
+        return _VERIFIED[key]
+
+    @staticmethod
+    def _verify(path: Path) -> int | None:
+        """The sidecar's size and sha256, else the zip CRC-32s and a full load."""
+        meta = meta_path(path)
+        if meta.exists():
+            try:
+                record = json.loads(meta.read_text())
+            except (OSError, ValueError):
+                record = None
+            if record is not None:
+                size = path.stat().st_size
+                if size != record["bytes"]:
+                    raise CorruptCheckpoint(f"is {size} bytes but was written as {record['bytes']} "
+                                            "(truncated)")
+                if file_sha256(path) != record["sha256"]:
+                    raise CorruptCheckpoint("does not match the sha256 recorded when it was written "
+                                            "(corrupt)")
+                return record["global_step"]
+        check_zip_crc(path)
+        try:
+            ckpt = load(path)
+        except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError... for bad files
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CorruptCheckpoint(f"cannot be read ({first[:160]})") from err
+        lightning = isinstance(ckpt, dict) and "global_step" in ckpt and {"state_dict", "loops"} & set(ckpt)
+        if not lightning:
+            raise CorruptCheckpoint("is not a Lightning checkpoint (no state_dict/global_step)")
+        return int(ckpt["global_step"])
+
+    def read(self, path: Path) -> dict:
+        """weights_only (tensors and plain containers, no code runs): train.py's files allow it."""
+        import pickle
+
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            print(f"warning: {path} holds objects beyond tensors and plain containers ({first_line[:200]}); "
+                  "loading it with weights_only=False, which runs its pickled code: only load checkpoints "
+                  "you trust", file=sys.stderr)
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+_VERIFIED: dict[tuple, int | None] = {}  # checkpoint files that verified in this process -> global_step
+
+
+class Sharded(Format):
+    """A torch.distributed.checkpoint directory (moe.checkpoint.sharded): each rank wrote its pieces,
+    renamed into place when every rank had; per-rank manifests hold each file's size and sha256."""
+
+    name = "sharded directory"
+
+    def detect(self, path: Path) -> bool:
+        path = Path(path)
+        return path.is_dir() and (path / sharded.TRAINER_STATE).exists()
+
+    def complete(self, path: Path) -> bool:
+        return (Path(path) / sharded.DCP_METADATA).is_file()
+
+    def verify(self, path: Path, deep: bool = False) -> int | None:
+        path = Path(path)
+        if not self.complete(path):
+            raise CorruptCheckpoint(f"has no {sharded.DCP_METADATA} (not written by "
+                                    "torch.distributed.checkpoint)")
+        sharded.check_manifests(path.resolve(), deep)
+        return PORTABLE.verify(path / sharded.TRAINER_STATE)
+
+    def read(self, path: Path) -> dict:
+        return sharded.read_full_checkpoint(path)
+
+
+class NxD(Format):
+    """neuronx-distributed's directory (moe.checkpoint.nxd), complete once every rank wrote `done`."""
+
+    name = "neuronx-distributed directory"
+
+    def detect(self, path: Path) -> bool:
+        path = Path(path)
+        return path.is_dir() and ((path / nxd.USER_CONTENT).exists() or (path / "model").is_dir())
+
+    def complete(self, path: Path) -> bool:
+        return nxd.is_complete(path)
+
+    def verify(self, path: Path, deep: bool = False) -> int | None:
+        if not self.complete(path):
+            raise CorruptCheckpoint("was not finished by every rank (no `done` file: the run stopped while "
+                                    "saving it)")
+        return int(load(Path(path) / nxd.USER_CONTENT)["global_step"])
+
+    def read(self, path: Path) -> dict:
+        return nxd.read_checkpoint(path)
+
+
+class DeepSpeed(Format):
+    """DeepSpeed's own directory, as Lightning's DeepSpeedStrategy saves it (`latest` names the tag
+    directory holding `mp_rank_00_model_states.pt` and the ZeRO partitions); read through Lightning's
+    consolidation (lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)."""
+
+    name = "DeepSpeed directory"
+    MODEL_STATES = "mp_rank_00_model_states.pt"
+
+    def detect(self, path: Path) -> bool:
+        path = Path(path)
+        return path.is_dir() and ((path / "latest").is_file() or (path / "checkpoint").is_dir()
+                                  or any(path.glob(f"*/{self.MODEL_STATES}")))
+
+    def complete(self, path: Path) -> bool:
+        return any(Path(path).glob(f"**/{self.MODEL_STATES}"))
+
+    def verify(self, path: Path, deep: bool = False) -> int | None:
+        if not self.complete(path):
+            raise CorruptCheckpoint(f"has no {self.MODEL_STATES} (DeepSpeed had not finished saving it)")
+        return None  # DeepSpeed records the step inside its client state only
+
+    def read(self, path: Path) -> dict:
+        import tempfile
+
+        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "consolidated.ckpt"
+            convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out))
+            return torch.load(out, map_location="cpu", weights_only=False)
+
+
+PORTABLE = Portable()
+FORMATS: list[Format] = [Sharded(), NxD(), DeepSpeed(), PORTABLE]
+
+
+def format_of(path: Path) -> Format | None:
+    """The format of `path`, or None when it is none of them."""
+    return next((f for f in FORMATS if f.detect(Path(path))), None)

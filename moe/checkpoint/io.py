@@ -1,0 +1,146 @@
+"""Files that survive a kill at any moment: temporary name, fsync, rename, and a checksum sidecar.
+
+`atomic_torch_save` streams `torch.save` into `<name>.tmp` in the same directory, flushes and
+fsyncs it, then `os.replace`s it over `<name>`; the sidecar `<name>.meta.json` (sha256, size,
+global_step) is removed before the replace and written after it. A kill leaves the old file, or the
+new one with or without its sidecar, never half a file under a checkpoint's name. A save the
+filesystem refuses (disk full, a directory that cannot be written) removes its temporary file and
+stops the run with one paragraph (`unwritable`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe.checkpoint.faults import maybe_kill_during_save
+from moe.errors import UserError
+
+TMP_SUFFIX = ".tmp"
+META_SUFFIX = ".meta.json"
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint that cannot be trusted: truncated, altered, unfinished, or not a checkpoint."""
+
+
+class _HashingWriter:
+    """File wrapper that hashes what torch.save streams through it."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (where the filesystem supports fsync on a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def meta_path(path: str | Path) -> Path:
+    """The sidecar of a checkpoint file; `last.ckpt`, a link, shares its target's."""
+    path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    return path.with_name(path.name + META_SUFFIX)
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> dict:
+    """torch.save `obj` to `path` atomically; returns the sidecar record written next to it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    step = obj.get("global_step") if isinstance(obj, dict) else None
+    maybe_kill_during_save(obj, path, tmp, step)
+    meta = meta_path(path)
+    meta_tmp = meta.with_name(meta.name + TMP_SUFFIX)
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        record = {"sha256": writer.sha.hexdigest(), "bytes": writer.size, "global_step": step}
+        remove(meta)  # a stale sidecar must never vouch for the new file
+        os.replace(tmp, path)
+        with open(meta_tmp, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(meta_tmp, meta)
+    except OSError as err:  # ENOSPC, EDQUOT, EACCES, EROFS...: leave nothing that fills the disk further
+        remove(tmp)
+        remove(meta_tmp)
+        raise unwritable(path, err) from err
+    fsync_dir(path.parent)
+    return record
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write to a temporary name, flush, rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def unwritable(path: Path, err: OSError) -> UserError:
+    """A save the filesystem refused, as one paragraph: the previous checkpoints are intact."""
+    return UserError("checkpoint", str(path),
+                     f"free space or fix permissions under {path.parent} (df -h; ls -ld), or move the run "
+                     "with hydra.run.dir=..., then relaunch the same command: it resumes from the newest "
+                     "good checkpoint",
+                     problem=f"could not be written ({getattr(err, 'strerror', None) or err}); its "
+                             "temporary file was removed")
+
+
+def file_sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def check_zip_crc(path: Path) -> None:
+    """The checksum inside the file: torch.save writes a zip whose every record carries a CRC-32, which
+    torch.load does not check (a flipped byte in a tensor loads silently); zipfile does."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except zipfile.BadZipFile:
+        return  # not a zip (a legacy torch.save, or garbage): a full load decides
+    except (OSError, EOFError, ValueError) as err:
+        raise CorruptCheckpoint(f"cannot be read ({err})") from err
+    if bad is not None:
+        raise CorruptCheckpoint(f"fails the CRC-32 of its record {bad} (corrupt)")

@@ -1,0 +1,184 @@
+"""neuronx-distributed's (trn1) checkpoint format, readable without NxD: its files, and how each tensor
+of our model is split over its tensor- and expert-parallel ranks.
+
+`nxd.save_checkpoint(dir, tag, ...)` (neuronx-distributed v2.28.0,
+src/neuronx_distributed/trainer/checkpoint.py:654-835) writes `<dir>/<tag>/`:
+model/dp_rank_00_tp_rank_TT_pp_rank_PP.pt (one per tensor- and pipeline-parallel rank;
+`_get_path`, :54-63), with expert parallelism model/dp_rank_00_ep_rank_EE_tp_rank_TT_pp_rank_PP.pt
+(one per expert-, tensor- and pipeline-parallel rank, written by the first rank of each
+expert-data-parallel group, :793-808: every file holds the dense tensors and that EP rank's
+experts), optim/..., user_content.pt (rank 0) and, once every rank has finished, `done`
+(:175-238). Our tags are the checkpoint names (`step-000100.ckpt`), so a checkpoint is a directory.
+Files are plain torch.save (moe.backends.neuron.strategy saves with use_xser=False).
+
+A parameter's `Split` is (dim, groups): the full tensor is cut along `dim` into consecutive groups
+(e.g. [q | k | v] rows of the fused qkv weight, [gate | up] columns of an expert), each group is
+split into tp contiguous pieces, and rank r holds its piece of every group, concatenated. With
+equal groups this is NxD's `create_local_weight(full, partition_dim, per_partition_size, stride)`
+with stride = the number of groups (neuronx_distributed/parallel_layers/layers.py:88-107, v2.28.0):
+chunks rank::tp of the full weight cut into stride * tp pieces. Unequal groups (GQA's q and kv)
+have no NxD stride equivalent; the fused qkv layer's forward splits its local output by the
+local sizes (moe.model.model.Attention), so only our own code reads that layout. Pure tensor
+arithmetic, shared by the parameter initialisation on trn1 (each rank builds only its shard of the
+full value, moe/backends/neuron/layers.py) and `read_checkpoint` (shards -> full tensors).
+
+Names: our state-dict names (moe.model.model.MoETransformer) and, under NxD, the names of the same
+tensors in `NxDCausalLM` (moe/backends/neuron/causal_lm.py), where the model sits under `model.`
+and the MoE layer's tensors are NxD's own (neuronx_distributed/modules/moe: router.linear_router,
+expert_mlps.mlp_op.gate_up_proj / down_proj).
+
+`read_checkpoint` puts a checkpoint back together as the Lightning checkpoint the other backends write
+(state_dict `model.<our name>` of full tensors, hyper_parameters, global_step), so inference,
+export and consolidation read trn1 runs like any other. It holds the whole model in host memory
+once (Mixtral 8x7B: 93 GB in bf16; a trn1.32xlarge has 512 GiB).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+# our name suffix -> the NxD MoE module's name for the same tensor
+MOE_NAMES = {
+    "ffn.router.weight": "ffn.moe.router.linear_router.weight",
+    "ffn.experts.gate_up": "ffn.moe.expert_mlps.mlp_op.gate_up_proj.weight",
+    "ffn.experts.down": "ffn.moe.expert_mlps.mlp_op.down_proj.weight",
+}
+PREFIX = "model."  # NxDCausalLM.model
+# stacked [E / ep, ...] expert tensors (our names): expert-parallel ranks hold consecutive experts
+EXPERT_TENSORS = ("experts.gate_up", "experts.down")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a tensor is split over tensor-parallel ranks; dim None: replicated on every one."""
+
+    dim: int | None
+    groups: tuple[int, ...] = ()  # sizes along dim; empty: one group, the whole dim
+
+
+REPLICATED = Split(None)
+
+
+def split_of(name: str, model_cfg) -> Split:
+    """How the tensor called `name` (our name) is split over tensor-parallel ranks."""
+    m = model_cfg
+    head_dim = m.head_dim or m.hidden_size // m.num_heads
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return Split(0)  # vocabulary rows: ParallelEmbedding, ColumnParallelLinear
+    if name.endswith("attn.qkv_proj.weight"):
+        q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
+        return Split(0, (q, kv, kv))
+    if name.endswith(("attn.o_proj.weight", "ffn.down_proj.weight")):
+        return Split(1)  # RowParallelLinear: input columns
+    if name.endswith("ffn.gate_up_proj.weight"):
+        f = m.dense_intermediate_size or m.intermediate_size
+        return Split(0, (f, f))  # [gate | up] rows
+    if name.endswith("ffn.experts.gate_up"):
+        return Split(2, (m.intermediate_size, m.intermediate_size))  # [E, H, gate | up]
+    if name.endswith("ffn.experts.down"):
+        return Split(1)  # [E, F, H]
+    return REPLICATED  # norms, the router
+
+
+def local_shard(full: torch.Tensor, split: Split, rank: int, tp: int) -> torch.Tensor:
+    """Rank `rank`'s piece of `full`."""
+    if split.dim is None:
+        return full
+    groups = split.groups or (full.shape[split.dim],)
+    pieces = [g.chunk(tp, dim=split.dim)[rank] for g in full.split(list(groups), dim=split.dim)]
+    return torch.cat(pieces, dim=split.dim)
+
+
+def full_tensor(shards: list[torch.Tensor], split: Split) -> torch.Tensor:
+    """The full tensor from every rank's piece (rank order); the inverse of `local_shard`."""
+    if split.dim is None:
+        return shards[0]
+    dim, tp = split.dim, len(shards)
+    n_groups = len(split.groups) or 1
+    local_groups = (tuple(g // tp for g in split.groups) if split.groups
+                    else (shards[0].shape[dim],))
+    per_rank = [s.split(list(local_groups), dim=dim) for s in shards]
+    groups = [torch.cat([per_rank[r][g] for r in range(tp)], dim=dim) for g in range(n_groups)]
+    return torch.cat(groups, dim=dim)
+
+
+def nxd_name(name: str) -> str:
+    """Our name -> the name of the same tensor in NxDCausalLM's state dict."""
+    for ours, theirs in MOE_NAMES.items():
+        if name.endswith(ours):
+            return PREFIX + name[: -len(ours)] + theirs
+    return PREFIX + name
+
+
+def our_name(name: str) -> str:
+    """NxDCausalLM's name -> ours (the inverse of `nxd_name`)."""
+    name = name.removeprefix(PREFIX)
+    for ours, theirs in MOE_NAMES.items():
+        if name.endswith(theirs):
+            return name[: -len(theirs)] + ours
+    return name
+
+
+# -- the files --------------------------------------------------------------------------------------
+DONE = "done"
+USER_CONTENT = "user_content.pt"
+MODEL_SHARD = re.compile(r"dp_rank_00(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt")
+SPMD_RANK = "spmd_rank."  # NxD's SPMDRank under EP (moe/backends/neuron/layers.py): ranks, not weights
+
+
+def model_shard(checkpoint_dir: Path, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> Path:
+    """The model file of one (EP,) TP and PP rank; ep_rank None: a checkpoint without expert parallelism."""
+    ep = "" if ep_rank is None else f"_ep_rank_{ep_rank:02d}"
+    return Path(checkpoint_dir) / "model" / f"dp_rank_00{ep}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+
+
+def optimizer_shard(checkpoint_dir: Path, dp_rank: int, tp_rank: int, pp_rank: int) -> Path:
+    """A ZeRO-1 optimizer file: one per data-, tensor- and pipeline-parallel rank (`_get_path("optim",
+    dp=True)`, trainer/checkpoint.py:54-63, :763-769)."""
+    name = f"dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+    return Path(checkpoint_dir) / "optim" / name
+
+
+def is_complete(checkpoint_dir: Path) -> bool:
+    """An NxD checkpoint directory every rank finished writing."""
+    return (Path(checkpoint_dir) / DONE).is_file() and (Path(checkpoint_dir) / USER_CONTENT).is_file()
+
+
+def newest_complete(checkpoints_dir: Path) -> Path | None:
+    """The complete NxD checkpoint of the highest step in a run's checkpoints/ folder, if any."""
+    found = [p for p in Path(checkpoints_dir).glob("*.ckpt") if p.is_dir() and is_complete(p)]
+    return max(found, key=lambda p: int(torch.load(p / USER_CONTENT, weights_only=False)["global_step"]),
+               default=None)
+
+
+def read_checkpoint(checkpoint_dir: Path) -> dict:
+    """The checkpoint as one Lightning checkpoint dict with full (unsharded) tensors."""
+    checkpoint_dir = Path(checkpoint_dir)
+    ckpt = torch.load(checkpoint_dir / USER_CONTENT, map_location="cpu", weights_only=False)
+    model_cfg = OmegaConf.create(ckpt["hyper_parameters"]["cfg"]["model"])
+    shards: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # our name -> (ep rank, tp rank) -> shard
+    for path in sorted((checkpoint_dir / "model").glob("*.pt")):
+        match = MODEL_SHARD.fullmatch(path.name)
+        if match is None:
+            raise ValueError(f"{path}: not a model shard of a neuronx-distributed checkpoint")
+        ep_rank, tp_rank = int(match.group(1) or 0), int(match.group(2))
+        for name, tensor in torch.load(path, map_location="cpu", weights_only=True, mmap=True).items():
+            if SPMD_RANK not in name:
+                shards.setdefault(our_name(name), {})[ep_rank, tp_rank] = tensor
+    ckpt["state_dict"] = {f"model.{name}": _join(by_rank, split_of(name, model_cfg),
+                                                 name.endswith(EXPERT_TENSORS))
+                          for name, by_rank in shards.items()}
+    return ckpt
+
+
+def _join(by_rank: dict[tuple[int, int], torch.Tensor], split: Split, experts: bool) -> torch.Tensor:
+    """The full tensor from its shards: TP pieces joined by `full_tensor`, then for expert tensors the
+    EP ranks' experts in rank order (dense tensors are the same in every EP rank's file)."""
+    ep_ranks = sorted({ep for ep, _ in by_rank}) if experts else [0]
+    tp_ranks = sorted({tp for _, tp in by_rank})
+    per_ep = [full_tensor([by_rank[ep, tp] for tp in tp_ranks], split) for ep in ep_ranks]
+    return torch.cat(per_ep) if experts else per_ep[0]
