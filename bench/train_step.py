@@ -28,8 +28,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.config import MoEOptConfig  # noqa: E402
+from moe.config.size import param_breakdown  # noqa: E402
 from moe.hf import from_hf  # noqa: E402
-from moe.model.size import param_breakdown  # noqa: E402
 from moe.parallel.apply import apply_compile  # noqa: E402
 from moe.train.optim import FUSED_ADAMW_DEVICES  # noqa: E402
 

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 import moe.config  # noqa: F401  (registers train_schema)
 from moe.config.validate import validate
 from moe.errors import ConfigError
+from moe.parallel.dims import validated_dims
 from moe.tools.plan import make_plan
 
 CONF = REPO / "conf"
@@ -122,9 +123,9 @@ def test_hardware_x_parallel(hardware):
                        *launch(hardware, parallel))
         expected = MATRIX_ERRORS.get((hardware, parallel))
         if expected is None:
-            layout = validate(cfg)
-            assert make_plan(cfg, layout).layout is layout
-            assert layout.world == WORLD[parallel] == layout.tp * layout.pp * layout.dp
+            dims = validated_dims(cfg)
+            assert make_plan(cfg, dims).dims is dims
+            assert dims.world == WORLD[parallel] == dims.tp * dims.pp * dims.dp
         else:
             with pytest.raises(ConfigError) as err:
                 validate(cfg)

@@ -159,14 +159,14 @@ def test_dp_ranks_default_to_the_trainer():
 @pytest.mark.parametrize("rank, want", [(5, (0, 2)), (13, (1, 2))])
 def test_dp_ranks_come_from_the_layout_under_tensor_parallelism(rank, want):
     """With TP 8 over 16 ranks, global rank 5 is data-parallel rank 0 of 2 (its TP group shares the
-    batch) and rank 13 is rank 1, as NxD's [PP, DP, TP] order (moe.config.layout) puts them."""
-    from moe.config.layout import Layout
+    batch) and rank 13 is rank 1, as NxD's [PP, DP, TP] order (moe.parallel.dims) puts them."""
+    from moe.parallel.dims import ParallelDims
 
     cfg = OmegaConf.structured(DataConfig(path="data/sample/train.txt", tokenizer="data/sample"))
-    layout = Layout(world=16, tp=8, pp=1, ep=1, dp=2, sequence_parallel=True, zero_stage=1,
-                    devices_per_node=32, micro_batch_size=4, accumulate_grad_batches=1, seq_len=128,
-                    num_layers=4, num_experts=8)
-    dm = MoEDataModule(cfg, 4, 1, 2, 1234, 2, layout=layout)
+    dims = ParallelDims(world=16, tp=8, pp=1, ep=1, dp=2, sequence_parallel=True, zero_stage=1,
+                        devices_per_node=32, micro_batch_size=4, accumulate_grad_batches=1, seq_len=128,
+                        num_layers=4, num_experts=8)
+    dm = MoEDataModule(cfg, 4, 1, 2, 1234, 2, dims=dims)
     dm.trainer = SimpleNamespace(global_rank=rank, world_size=16, global_step=0, strategy=SimpleNamespace())
     dm.setup("fit")
     assert (dm.dp_rank, dm.dp_size) == want

@@ -16,8 +16,7 @@ import torch.multiprocessing as mp
 from conftest import free_port
 from omegaconf import OmegaConf
 
-from moe.config.layout import Layout
-from moe.parallel.mesh import mesh_shape
+from moe.parallel.dims import Meshes, ParallelDims
 from moe.parallel.placement import Where, pieces
 from moe.parallel.tensor_parallel import canonical_runs, interleave_order
 from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, single_process_baseline, train
@@ -43,21 +42,21 @@ def test_an_expert_piece_sits_at_its_global_expert_index():
     assert part.shape == (2, 4, 6) and offsets == (4, 0, 0)
 
 
-def _layout(world, tp=1, ep=1, hybrid=None):
+def _dims(world, tp=1, ep=1, hybrid=None):
     cfg = OmegaConf.create({
         "parallel": {"tp": tp, "pp": 1, "ep": ep, "dp": None, "sequence_parallel": False, "zero_stage": 3,
                      "hybrid_shard_degree": hybrid},
         "trainer": {"devices": world, "num_nodes": 1, "micro_batch_size": 1, "accumulate_grad_batches": 1},
         "hardware": {"devices_per_node": world}, "data": {"seq_len": 8},
         "model": {"num_layers": 2, "num_experts": 8}})
-    return Layout.from_config(cfg)
+    return ParallelDims.from_config(cfg)
 
 
 def test_mesh_dims_follow_the_layout_rank_order():
     # 64 GPUs, tp 2, ep 8, HSDP shard groups of 16 data-parallel ranks: 2 replicas
     want = {"dp_replicate": 2, "dp_shard_mod_ep": 2, "ep": 8, "tp": 2}
-    assert mesh_shape(_layout(64, tp=2, ep=8, hybrid=16)) == want
-    assert mesh_shape(_layout(4, ep=2)) == {"dp_replicate": 1, "dp_shard_mod_ep": 2, "ep": 2, "tp": 1}
+    assert _dims(64, tp=2, ep=8, hybrid=16).mesh_shape() == want
+    assert _dims(4, ep=2).mesh_shape() == {"dp_replicate": 1, "dp_shard_mod_ep": 2, "ep": 2, "tp": 1}
 
 
 def _tiny_cfg():
@@ -102,7 +101,6 @@ def _tp_fsdp_logits():
     from torch.distributed.device_mesh import init_device_mesh
 
     from moe.parallel.fsdp import apply_fsdp
-    from moe.parallel.mesh import Meshes
     from moe.parallel.placement import materialize_distributed
 
     model_cfg, moe_opt = _tiny_cfg()

@@ -6,20 +6,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
-from moe.config.layout import Layout
-from moe.parallel.groups import build_expert_groups
+from moe.parallel.dims import ParallelDims
 
 
-def data_parallel_layout(world: int, ep: int, tp: int = 1, pp: int = 1) -> Layout:
-    """A Layout of `world` devices (tp = pp = 1 unless given), ep experts-parallel, 8 experts a rank."""
-    return Layout(world=world, tp=tp, pp=pp, ep=ep, dp=world // (tp * pp), sequence_parallel=False,
-                  zero_stage=0, devices_per_node=8, micro_batch_size=1, accumulate_grad_batches=1, seq_len=8,
-                  num_layers=pp, num_experts=8 * ep)
+def data_parallel_dims(world: int, ep: int, tp: int = 1, pp: int = 1) -> ParallelDims:
+    """ParallelDims of `world` devices (tp = pp = 1 unless given), ep experts-parallel, 8 experts a rank."""
+    return ParallelDims(world=world, tp=tp, pp=pp, ep=ep, dp=world // (tp * pp), sequence_parallel=False,
+                        zero_stage=0, devices_per_node=8, micro_batch_size=1, accumulate_grad_batches=1,
+                        seq_len=8, num_layers=pp, num_experts=8 * ep)
 
 
 def expert_group_ranks(world: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
-    layout = data_parallel_layout(world, ep)
-    return layout.group("EP").ranks, layout.group("expert-DP").ranks
+    dims = data_parallel_dims(world, ep)
+    return dims.group("EP").ranks, dims.group("expert-DP").ranks
 
 
 def test_16_ranks_ep8_gives_two_ep_groups_and_expert_dp_2():
@@ -39,15 +38,15 @@ def test_small_layouts(world, ep, want_ep, want_dp):
 
 def test_rank_groups_follow_nxd_order():
     """[PP, DP, TP] for dense, [PP, DP_exp, EP, TP] for experts: 2 x 4 x 2 world of 16."""
-    layout = data_parallel_layout(16, ep=2, tp=2, pp=2)
-    groups = {g.name: g for g in layout.rank_groups()}
+    dims = data_parallel_dims(16, ep=2, tp=2, pp=2)
+    groups = {g.name: g for g in dims.rank_groups()}
     assert groups["DP"].ranks[0] == [0, 2, 4, 6] and groups["DP"].count == 4
     assert groups["EP"].ranks[0] == [0, 2] and groups["EP"].count == 8
     assert groups["expert-DP"].ranks[0] == [0, 4] and groups["expert-DP"].size == 2
     assert groups["PP"].ranks[0] == [0, 8]
     rank = 13  # pp 1, dp 2, tp 1: its DP group is the second PP stage's, its EP group the second of that
-    assert (layout.pp_rank(rank), layout.dp_rank(rank), layout.tp_rank(rank)) == (1, 2, 1)
-    assert (layout.ep_rank(rank), layout.expert_dp_rank(rank)) == (0, 1)
+    assert (dims.pp_rank(rank), dims.dp_rank(rank), dims.tp_rank(rank)) == (1, 2, 1)
+    assert (dims.ep_rank(rank), dims.expert_dp_rank(rank)) == (0, 1)
     assert rank in next(g for g in groups["EP"].ranks if 13 in g) and [9, 11] in groups["EP"].ranks
 
 
@@ -95,20 +94,20 @@ def test_same_layout_and_creation_order_as_deepspeed(monkeypatch, world, ep):
         assert list(groups._EXPERT_PARALLEL_GROUP[name]) == next(g for g in ep_groups if rank in g)
         mine = next(g for g in expert_dp_groups if rank in g)
         assert list(groups._EXPERT_DATA_PARALLEL_GROUP[name]) == mine
-        assert comm.calls == expert_dp_groups + ep_groups  # build_expert_groups creates them in this order
+        assert comm.calls == expert_dp_groups + ep_groups  # ParallelDims.expert_groups's order too
 
 
 def _worker(rank: int, port: int, out: dict):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     try:
-        groups = build_expert_groups(data_parallel_layout(4, 2))
+        groups = data_parallel_dims(4, 2).expert_groups()
         out[rank] = (dist.get_process_group_ranks(groups.ep), dist.get_process_group_ranks(groups.expert_dp))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_build_expert_groups_on_four_processes():
+def test_expert_groups_on_four_processes():
     port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(port, out), nprocs=4, join=True)

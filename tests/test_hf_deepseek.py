@@ -10,12 +10,12 @@ from safetensors.torch import load_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from moe.config import ModelConfig, MoEOptConfig
+from moe.config.size import flops_per_token, param_breakdown
 from moe.errors import ConfigError
 from moe.hf import from_hf, model_config_from_hf, moe_opt_from_hf, to_hf
 from moe.model import MoETransformer
 from moe.model.hf_deepseek import check_routing_matches, deinterleave_order
 from moe.model.hf_tensors import hf_tensor_source
-from moe.model.size import flops_per_token, param_breakdown
 
 V = 61
 # (q_lora_rank, rope_interleave, first_k_dense, n_group/topk_group, tied, n_shared, scaling, norm_topk)

@@ -12,6 +12,7 @@ import moe.model.routing as routing_module
 import moe.parallel.comm as comm_module
 from moe.config import ModelConfig, MoEOptConfig
 from moe.model import MoETransformer
+from moe.parallel.dims import ParallelDims
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
             num_experts=4, top_k=2)
@@ -95,13 +96,12 @@ def test_allow_tf32_sets_the_fp32_matmul_precision(allow):
 
     from moe.backends.ddp import DDPBackend
     from moe.config import TrainConfig
-    from moe.config.layout import Layout
 
     cfg = OmegaConf.structured(TrainConfig)
     cfg.hardware.allow_tf32 = allow
     before = torch.get_float32_matmul_precision()
     try:
-        DDPBackend(cfg, Layout.from_config(cfg)).apply_torch_settings()
+        DDPBackend(cfg, ParallelDims.from_config(cfg)).apply_torch_settings()
         assert torch.get_float32_matmul_precision() == ("high" if allow else "highest")
     finally:
         torch.set_float32_matmul_precision(before)

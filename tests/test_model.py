@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from moe.config import ModelConfig, MoEOptConfig
+from moe.config.size import flops_per_token, param_breakdown
 from moe.errors import ConfigError
 from moe.model import Attention, MoETransformer, SwiGLU, alibi_slopes, attention_mask
-from moe.model.size import flops_per_token, param_breakdown
 
 DROPLESS = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None, jitter_eps=0.0)
 

@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
 from moe.config.validate import validate
 from moe.errors import ConfigError, UserError
+from moe.parallel.dims import validated_dims
 from tests.conftest import REPO, free_port, run_entry
 
 FAKES = REPO / "tests" / "fakes"
@@ -69,7 +70,7 @@ def backend_for(*overrides: str):
     from moe.backends.neuron import NeuronBackend
 
     cfg = compose_cfg(*TRN1, *overrides)
-    backend = NeuronBackend(cfg, validate(cfg))
+    backend = NeuronBackend(cfg, validated_dims(cfg))
     backend.nxd_config()  # initialises NxD's parallel state when torch.distributed is up
     return backend
 
@@ -215,15 +216,15 @@ def test_3_what_nxd_expert_parallelism_cannot_train_is_refused_with_its_line(ove
 
 
 def test_3_expert_parallelism_validates_with_nxd_routing_and_zero1():
-    layout = validate(compose_cfg("hardware=trn1", "trainer.devices=4", "parallel.tp=2", "parallel.ep=2",
-                                  "parallel.zero_stage=1"))
-    assert (layout.ep, layout.dp, layout.expert_dp) == (2, 2, 1)
+    dims = validated_dims(compose_cfg("hardware=trn1", "trainer.devices=4", "parallel.tp=2", "parallel.ep=2",
+                                      "parallel.zero_stage=1"))
+    assert (dims.ep, dims.dp, dims.expert_dp) == (2, 2, 1)
 
 
 def test_3_bf16_sr_is_refused_for_moe_models_and_auto_picks_mixed():
     """bf16_sr runs NxD's float64 slot arithmetic in bf16 (tests/neuron_real/check_slots.py measures
     7879 of 16384 slots misplaced); auto is mixed with MoE layers, bf16_sr for a dense model."""
-    from moe.backends.specs import neuron_precision
+    from moe.config.derived import neuron_precision
 
     with pytest.raises(ConfigError) as err:
         validate(compose_cfg(*TRN1, "hardware.neuron_precision=bf16_sr"))
@@ -283,7 +284,7 @@ def test_4_pipeline_keeps_the_sequence_scatter_and_the_loss_as_single_calls(nxd)
 
     backend_for()  # NxD's parallel state at tp=1 for the model; the pipeline's arguments at pp=2
     cfg = compose_cfg(*TRN1, "parallel.pp=2", "trainer.accumulate_grad_batches=2")
-    pipeline = nxd_config_kwargs(cfg, validate(cfg), None)["pipeline_config"]
+    pipeline = nxd_config_kwargs(cfg, validated_dims(cfg), None)["pipeline_config"]
     assert pipeline["autowrap_modules"] == [mappings] and pipeline["autowrap_functions"] == [nxd_lm_loss]
 
     def called(pp_kwargs) -> set:
@@ -384,7 +385,7 @@ def test_8_mixtral_8x7b_is_built_on_the_meta_device(nxd):
 
     backend_for()  # NxD's parallel state (tp=1: the whole model, the worst case for one rank)
     cfg = compose_cfg(*MIXTRAL_TRN1)
-    init = nxd_config_kwargs(cfg, validate(cfg), param_init_fn=print)["model_init_config"]
+    init = nxd_config_kwargs(cfg, validated_dims(cfg), param_init_fn=print)["model_init_config"]
     assert init["meta_device_init"] is True and init["param_init_fn"] is print
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with init_on_device(device=torch.device("meta"), force_custom_init_on_device=True):
@@ -426,7 +427,7 @@ def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_p
     apply_init_from_hf(cfg)
     expected = from_hf(tmp_path).state_dict()
     for resuming, same in ((False, True), (True, False)):
-        backend = NeuronBackend(cfg, validate(cfg))
+        backend = NeuronBackend(cfg, validated_dims(cfg))
         module = attached(backend, backend.build_module(resuming=resuming))
         got = {our_name(k): v for k, v in module.model.state_dict().items()}
         assert all(torch.equal(got[k], v) for k, v in expected.items()) is same
@@ -594,7 +595,7 @@ def test_precision_presets_set_xla_env_and_master_weights(nxd_fakes, preset, xla
     cfg = compose_cfg(*TRN1, f"hardware.neuron_precision={preset}", "parallel.zero_stage=1", *dense)
     env = neuron_env(cfg)
     assert (env["XLA_USE_BF16"], env["XLA_DOWNCAST_BF16"], env["NEURON_RT_STOCHASTIC_ROUNDING_EN"]) == xla_env
-    mixed = nxd_config_kwargs(cfg, validate(cfg), None)["mixed_precision_config"]
+    mixed = nxd_config_kwargs(cfg, validated_dims(cfg), None)["mixed_precision_config"]
     assert mixed["use_master_weights"] is master and mixed["use_fp32_grad_acc"] is master
     assert mixed["use_master_weights_in_ckpt"] is master  # a resumed run keeps its fp32 master weights
 

@@ -5,8 +5,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from moe.config import TrainConfig
-from moe.config.layout import Layout
-from moe.model.size import param_breakdown
+from moe.config.size import param_breakdown
+from moe.parallel.dims import ParallelDims
 from moe.tools import plan as planner
 
 MODELS = {  # the presets' architecture values (conf/model/*.yaml), so these tests need no Hydra
@@ -38,7 +38,7 @@ def cfg_of(model=None, hardware=None, parallel=None, **top):
 
 
 def make_plan(cfg):
-    return planner.make_plan(cfg, Layout.from_config(cfg))
+    return planner.make_plan(cfg, ParallelDims.from_config(cfg))
 
 
 def count_params(model_cfg) -> tuple[int, int]:
@@ -83,7 +83,7 @@ def test_moe_layer_frequency_makes_every_second_layer_moe():
 
 def test_tp8_pp8_ep8_on_trn1_needs_16_nodes():
     plan = make_plan(cfg_of(MODELS["mixtral_8x7b"], HARDWARE["trn1"], TP8_PP8_EP8, dry_run=True))
-    lay = plan.layout
+    lay = plan.dims
     assert (lay.world, lay.nodes, lay.dp, lay.expert_dp) == (512, 16, 8, 1)
     groups = {g.name: g for g in lay.rank_groups()}
     assert groups["TP"].ranks[0] == list(range(8)) and groups["TP"].count == 64
@@ -98,8 +98,8 @@ def test_tp8_pp8_ep8_on_trn1_needs_16_nodes():
 def test_dp2_ep8_on_gpu_is_two_nodes():
     parallel = dict(name="dp2_ep8", ep=8, dp=16, zero_stage=1, activation_checkpointing="full")
     plan = make_plan(cfg_of(MODELS["mixtral_8x7b"], HARDWARE["gpu"], parallel, dry_run=True))
-    assert (plan.layout.world, plan.layout.nodes, plan.layout.expert_dp) == (16, 2, 2)
-    assert plan.layout.group("expert-DP").ranks[0] == [0, 8]
+    assert (plan.dims.world, plan.dims.nodes, plan.dims.expert_dp) == (16, 2, 2)
+    assert plan.dims.group("expert-DP").ranks[0] == [0, 8]
 
 
 def test_mixtral_on_one_gpu_does_not_fit():

@@ -8,7 +8,7 @@ import yaml
 from conftest import REPO, run_entry
 
 from moe.config import ModelConfig
-from moe.model.size import param_breakdown
+from moe.config.size import param_breakdown
 
 
 def test_simulated_ep_rank_holds_its_share_and_the_planner_agrees(tmp_path):

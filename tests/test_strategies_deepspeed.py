@@ -20,6 +20,7 @@ from moe.checkpoint.picker import read_checkpoint
 from moe.config.validate import validate
 from moe.errors import ConfigError, UserError
 from moe.model import MoETransformer
+from moe.parallel.dims import validated_dims
 from moe.train.optim import build_optimizer
 from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train
 
@@ -62,7 +63,7 @@ def test_zero3_with_moe_and_hybrid_shard_are_refused():
 
 def backend_of(*overrides: str) -> DeepSpeedBackend:
     cfg = compose_cfg(*overrides)
-    return DeepSpeedBackend(cfg, validate(cfg))
+    return DeepSpeedBackend(cfg, validated_dims(cfg))
 
 
 def test_lightning_fills_accumulation_into_the_config():

@@ -46,7 +46,7 @@ def test_meta_build_upcycles_each_rank_from_the_files(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from moe.backends import build_backend
-    from moe.config.validate import validate
+    from moe.parallel.dims import validated_dims
     from moe.train.init_from_hf import apply_init_from_hf
 
     path, dense = dense_dir(tmp_path)
@@ -55,7 +55,7 @@ def test_meta_build_upcycles_each_rank_from_the_files(tmp_path):
                      "moe_opt=dropless", f"data.tokenizer={REPO}/data/sample"]
         cfg = compose("train", overrides=overrides)
     apply_init_from_hf(cfg)
-    backend = build_backend(cfg, validate(cfg))
+    backend = build_backend(cfg, validated_dims(cfg))
     module = backend.build_module()
     backend.parallelize(module)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
@@ -111,7 +111,7 @@ def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(
     from hydra import compose, initialize_config_dir
 
     from moe.backends import build_backend
-    from moe.config.validate import validate
+    from moe.parallel.dims import validated_dims
     from moe.train.init_from_hf import apply_init_from_hf
 
     path, dense = dense_dir(tmp_path)
@@ -122,7 +122,7 @@ def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(
         cfg = compose("train", overrides=overrides)
     apply_init_from_hf(cfg)
     assert cfg.model.intermediate_size == 32
-    backend = build_backend(cfg, validate(cfg))
+    backend = build_backend(cfg, validated_dims(cfg))
     module = backend.build_module()
     backend.parallelize(module)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))

@@ -1,13 +1,13 @@
 """Backends, keyed by `hardware.strategy`: the only place that branches on the hardware.
 
-`build_backend(cfg, layout)` imports the chosen backend (and its library) only when a run
-builds it; `moe.backends.specs` says what each can do without importing any of them, and
+`build_backend(cfg, dims)` imports the chosen backend (and its library) only when a run
+builds it; `moe.config.specs` says what each can do without importing any of them, and
 `moe.backends.base.Backend` is the contract they all implement.
 """
 from __future__ import annotations
 
 
-def build_backend(cfg, layout):
+def build_backend(cfg, dims):
     """The backend of cfg.hardware.strategy (a name moe.config.validate has checked against SPECS)."""
     name = cfg.hardware.strategy
     if name == "ddp":
@@ -18,7 +18,7 @@ def build_backend(cfg, layout):
         from moe.backends.fsdp2 import FSDP2Backend as backend_class
     else:
         from moe.backends.neuron import NeuronBackend as backend_class
-    return backend_class(cfg, layout)
+    return backend_class(cfg, dims)
 
 
 __all__ = ["build_backend"]

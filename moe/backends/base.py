@@ -1,6 +1,6 @@
 """The typed contract between a backend and the training module and callbacks.
 
-A `Backend` is built once per run from the config and the run's `Layout`. It gives Lightning's
+A `Backend` is built once per run from the config and the run's ParallelDims. It gives Lightning's
 Trainer its strategy, precision and plugins, builds the LightningModule, parallelises the model
 once the process group exists (`parallelize`, called from `LitMoE.configure_model`), and answers
 what the module and the callbacks ask while training: the expert-parallel groups, gradient
@@ -16,16 +16,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from moe.backends.specs import SPECS, BackendSpec
-from moe.config.layout import Layout
-
-
-@dataclass
-class ExpertGroups:
-    """This rank's expert-parallel group (token all-to-all) and expert-data-parallel group (grad sum)."""
-
-    ep: Any
-    expert_dp: Any
+from moe.config.specs import SPECS, BackendSpec
+from moe.parallel.dims import ExpertGroups, ParallelDims
+from moe.parallel.parallelize import Steps, parallelize
 
 
 @dataclass
@@ -49,8 +42,8 @@ class Backend:
     # True where the library all-reduces expert gradients over the expert-data-parallel group itself.
     reduces_expert_grads: ClassVar[bool] = False
 
-    def __init__(self, cfg, layout: Layout):
-        self.cfg, self.layout = cfg, layout
+    def __init__(self, cfg, dims: ParallelDims):
+        self.cfg, self.dims = cfg, dims
         self.expert_groups: ExpertGroups | None = None  # set by parallelize when ep > 1
         self._resuming = False  # set by build_module
 
@@ -115,7 +108,7 @@ class Backend:
     def sharded_checkpoints(self) -> bool:
         """Each rank writes its own experts into a checkpoint directory (moe/checkpoint/sharded.py)
         under expert parallelism; without it every rank holds every expert and one file is written."""
-        return self.layout.ep > 1
+        return self.dims.ep > 1
 
     def val_micro_batches(self) -> int:
         """Micro-batches in one validation batch: 1, the module evaluates one micro-batch at a time."""
@@ -129,26 +122,22 @@ class Backend:
 
     # -- the model, once the process group exists ----------------------------------------------
     def make_expert_groups(self) -> ExpertGroups:
-        from moe.parallel.groups import build_expert_groups
+        return self.dims.expert_groups()
 
-        return build_expert_groups(self.layout)
+    def parallelize_steps(self, module) -> Steps:
+        """Which steps of moe.parallel.parallelize apply: expert parallelism over the EP group, the
+        load-balance group, and this rank's storage on the strategy's device."""
+        if self.dims.ep > 1:
+            self.expert_groups = self.make_expert_groups()
+        world = dist.is_initialized() and dist.get_world_size() > 1
+        return Steps(ep_group=self.expert_groups.ep if self.dims.ep > 1 else None,
+                     load_balance_group=dist.group.WORLD if self.cfg.moe_opt.aux_loss_group == "dp" and world
+                     else None,
+                     device=self.device_of(module), source=self.initial_source())
 
     def parallelize(self, module) -> None:
-        """Expert parallelism, storage for this rank's shard (a model built on the meta device),
-        load-balance scope, activation checkpointing and compile, in that order."""
-        from moe.parallel.apply import apply_ac, apply_compile, apply_ep, apply_load_balance_group
-
-        model, par = module.model, self.cfg.parallel
-        if self.layout.ep > 1:
-            self.expert_groups = self.make_expert_groups()
-            apply_ep(model, self.expert_groups.ep)
-        if model.embed_tokens.weight.is_meta:
-            model.materialize(self.device_of(module), self.initial_source())
-        if self.cfg.moe_opt.aux_loss_group == "dp" and dist.is_initialized() and dist.get_world_size() > 1:
-            apply_load_balance_group(model, dist.group.WORLD)
-        apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)
-        if self.cfg.model.compile:
-            apply_compile(model)
+        """moe.parallel.parallelize's one sequence with this backend's steps."""
+        parallelize(module.model, self.cfg, self.dims.tp, self.parallelize_steps(module))
 
     # -- around the optimizer step ------------------------------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -199,7 +188,7 @@ class Backend:
         if self.expert_groups is not None and not self.sharded_checkpoints:
             from moe.parallel.expert_state import gather_full_experts
 
-            gather_full_experts(module, checkpoint, self.expert_groups.ep, self.layout.ep)
+            gather_full_experts(module, checkpoint, self.expert_groups.ep, self.dims.ep)
 
     def on_load_checkpoint(self, module, checkpoint: dict) -> None:
         """Slice this rank's experts out of a portable checkpoint (optimizer moments once it exists); a

@@ -23,9 +23,9 @@ class DDPBackend(Backend):
     name = "ddp"
 
     def trainer_parts(self) -> TrainerParts:
-        world, backend = self.layout.world, self.cfg.hardware.backend
+        world, backend = self.dims.world, self.cfg.hardware.backend
         if self.sharded_checkpoints:
-            strategy = ShardedDDPStrategy(self.layout, process_group_backend=backend)
+            strategy = ShardedDDPStrategy(self.dims, process_group_backend=backend)
         else:
             strategy = DDPStrategy(process_group_backend=backend) if world > 1 else "auto"
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=strategy,
@@ -63,9 +63,9 @@ class ShardedDDPStrategy(DDPStrategy):
     restored after setup, once the optimizer exists, straight into the live tensors.
     """
 
-    def __init__(self, layout, **kwargs):
+    def __init__(self, dims, **kwargs):
         super().__init__(**kwargs)
-        self.layout = layout
+        self.dims = dims
         self._from_file = False  # the checkpoint being restored is a portable file, not a directory
 
     @property

@@ -38,9 +38,10 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from moe.backends.base import Backend, ExpertGroups, TrainerParts
-from moe.backends.specs import REDUCE_BUCKET_ELEMENTS
+from moe.backends.base import Backend, TrainerParts
+from moe.config.specs import REDUCE_BUCKET_ELEMENTS
 from moe.errors import UserError
+from moe.parallel.dims import ExpertGroups
 from moe.parallel.expert_grads import expert_params
 
 ZERO_SHARDS_SUFFIX = ".zero"
@@ -81,15 +82,15 @@ class DeepSpeedBackend(Backend):
     norm_after_step = True  # DeepSpeed computes the norm inside engine.step(), over its own partitions
     reduces_expert_grads = True  # DeepSpeed all-reduces expert grads over the expert-DP group itself
 
-    def __init__(self, cfg, layout):
-        super().__init__(cfg, layout)
+    def __init__(self, cfg, dims):
+        super().__init__(cfg, dims)
         try:
             import deepspeed  # noqa: F401
         except ImportError as err:
             raise UserError("hardware.strategy", "deepspeed", "pip install deepspeed -c constraints.txt "
                             "(or pip install -e '.[gpu]'), or use hardware=cpu",
                             problem="needs the deepspeed package, which is not installed") from err
-        self.strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg), layout=layout,
+        self.strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg), dims=dims,
                                              process_group_backend=cfg.hardware.backend,
                                              logging_level=logging.WARNING)
 
@@ -99,23 +100,23 @@ class DeepSpeedBackend(Backend):
                             overrides={})
 
     def make_expert_groups(self) -> ExpertGroups:
-        """DeepSpeed's own EP / expert-DP groups, laid out as moe.config.layout's (consecutive EP ranks)."""
+        """DeepSpeed's own EP / expert-DP groups, laid out as moe.parallel.dims's (consecutive EP ranks)."""
         from deepspeed.utils import groups
 
-        name = f"ep_size_{self.layout.ep}"
+        name = f"ep_size_{self.dims.ep}"
         if name not in groups._get_expert_parallel_group_dict():
-            groups._create_expert_and_data_parallel(self.layout.ep)  # collective: every rank makes them all
+            groups._create_expert_and_data_parallel(self.dims.ep)  # collective: every rank makes them all
         return ExpertGroups(groups._get_expert_parallel_group(name),
                             groups._get_expert_data_parallel_group(name))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Mark expert params for DeepSpeed and give them their own ('moe') param groups, in place."""
-        if self.layout.ep <= 1:
+        if self.dims.ep <= 1:
             return
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
         for p in expert_params(self.strategy.lightning_module):
-            p.allreduce, p.group_name = False, f"ep_size_{self.layout.ep}"
+            p.allreduce, p.group_name = False, f"ep_size_{self.dims.ep}"
         groups = [dict(g) for g in optimizer.param_groups]
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer.param_groups.clear()
@@ -134,10 +135,10 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
 
     strategy_name = "moe_deepspeed"
 
-    def __init__(self, *args, layout=None, **kwargs):
+    def __init__(self, *args, dims=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.layout = layout
-        self.ep = layout.ep if layout is not None else 1
+        self.dims = dims
+        self.ep = dims.ep if dims is not None else 1
 
     # -- CPU support (Lightning's checks assume CUDA) ----------------------------------------
     def setup_environment(self) -> None:

@@ -6,7 +6,8 @@ with DTensor and FSDP2 on a `neuron` device). Lightning's ModelParallelStrategy 
 expert parallelism (moe.parallel.apply.apply_ep, the all-to-all dispatcher on the mesh's `ep` dim),
 tensor parallelism (moe.parallel.tensor_parallel), activation checkpointing, compile, FSDP2
 (moe.parallel.fsdp), and only then gives each rank storage for its own shards
-(moe.parallel.placement.materialize_distributed). The mesh is moe.parallel.mesh's.
+(moe.parallel.placement.materialize_distributed): moe.parallel.parallelize's one sequence. The mesh is
+ParallelDims.meshes's.
 
 parallel.zero_stage says how FSDP2 shards: 3 frees each block's gathered weights after its forward
 (gathers them again for the backward), 2 keeps them until the backward (more memory, one all-gather
@@ -19,15 +20,17 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from moe.backends.base import Backend, ExpertGroups, TrainerParts
+from moe.backends.base import Backend, TrainerParts
+from moe.parallel.dims import ExpertGroups
+from moe.parallel.parallelize import Steps
 
 
 class FSDP2Backend(Backend):
     name = "fsdp2"
 
-    def __init__(self, cfg, layout):
-        super().__init__(cfg, layout)
-        self.meshes = None  # moe.parallel.mesh.Meshes, built with the process group
+    def __init__(self, cfg, dims):
+        super().__init__(cfg, dims)
+        self.meshes = None  # moe.parallel.dims.Meshes, built with the process group
 
     def trainer_parts(self) -> TrainerParts:
         strategy = FSDP2Strategy(self, process_group_backend=self.cfg.hardware.backend)
@@ -48,21 +51,17 @@ class FSDP2Backend(Backend):
         """FSDP2's policy: bf16-mixed gathers weights in bf16 for compute and reduces gradients in fp32."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        from moe.backends.specs import SPECS
+        from moe.config.specs import SPECS
 
         if SPECS["fsdp2"].gathers_bf16(self.cfg):
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 
-    def parallelize(self, module) -> None:
-        from moe.parallel.placement import materialize_distributed
-
-        if self.layout.ep > 1:
+    def parallelize_steps(self, module) -> Steps:
+        if self.dims.ep > 1:
             self.expert_groups = ExpertGroups(ep=self.meshes.ep.get_group(), expert_dp=None)
-        device, source = self.device_of(module), self.initial_source()
-        parallelize_model(module.model, self.cfg, self.layout, self.meshes, self.mixed_precision(),
-                          lambda model: materialize_distributed(model, device, source, self.cfg.model,
-                                                                self.layout.tp))
+        return fsdp2_steps(self.cfg, self.dims, self.meshes, self.mixed_precision(), self.device_of(module),
+                           self.initial_source())
 
     def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
         """Lightning's clipping needs every gradient on one mesh: clip by the global norm (base grad_norm)."""
@@ -72,31 +71,25 @@ class FSDP2Backend(Backend):
         return True
 
 
-def parallelize_model(model, cfg, layout, meshes, mp_policy, materialize) -> None:
-    """On a model built on the meta device, in torchtitan's order: expert parallelism, tensor parallelism,
-    the load-balance group, activation checkpointing, compile, FSDP2; then `materialize(model)` gives each
-    rank storage and values for its shards (the training run's, or the simulation's fake ones)."""
-    from moe.parallel.apply import apply_ac, apply_compile, apply_ep, apply_load_balance_group
-    from moe.parallel.fsdp import apply_fsdp
-    from moe.parallel.tensor_parallel import apply_tp
+def fsdp2_steps(cfg, dims, meshes, mp_policy, device, source, fake_mode=None) -> Steps:
+    """Every step on the mesh: EP on its `ep` dim, TP on `tp`, the load balance over every data-parallel
+    rank, FSDP2 on the dense and expert meshes (the training run's, or the simulation's on fake ranks)."""
+    from functools import partial
 
-    par = cfg.parallel
-    if layout.ep > 1:
-        apply_ep(model, meshes.ep.get_group())
-    if layout.tp > 1:
-        apply_tp(model, meshes.tp)
-    if cfg.moe_opt.aux_loss_group == "dp" and layout.dp > 1:
-        apply_load_balance_group(model, meshes.dp.get_group())
-    apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)
-    if cfg.model.compile:
-        apply_compile(model)
-    apply_fsdp(model, meshes, layout.dp * layout.tp, reshard_after_forward=layout.zero_stage >= 3,
-               mp_policy=mp_policy, sum_only=cfg.hardware.backend == "gloo")
-    materialize(model)
+    from moe.parallel.fsdp import apply_fsdp
+
+    shard = partial(apply_fsdp, meshes=meshes, expert_divide_factor=dims.dp * dims.tp,
+                    reshard_after_forward=dims.zero_stage >= 3, mp_policy=mp_policy,
+                    sum_only=cfg.hardware.backend == "gloo")
+    balance_over_dp = cfg.moe_opt.aux_loss_group == "dp" and dims.dp > 1
+    return Steps(ep_group=meshes.ep.get_group() if dims.ep > 1 else None,
+                 tp_mesh=meshes.tp if dims.tp > 1 else None,
+                 load_balance_group=meshes.dp.get_group() if balance_over_dp else None,
+                 shard=shard, device=device, source=source, fake_mode=fake_mode)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy on our mesh (moe.parallel.mesh) with our sharded checkpoints.
+    """Lightning's ModelParallelStrategy on our mesh (ParallelDims.meshes) with our sharded checkpoints.
 
     Lightning builds a 2-D (data_parallel, tensor_parallel) mesh and saves DCP with its own layout;
     here the mesh has the EP and HSDP dims too, and checkpoints are canonical (moe/train/
@@ -104,15 +97,13 @@ class FSDP2Strategy(ModelParallelStrategy):
     """
 
     def __init__(self, backend: FSDP2Backend, **kwargs):
-        layout = backend.layout
-        super().__init__(data_parallel_size=layout.dp, tensor_parallel_size=layout.tp, **kwargs)
+        dims = backend.dims
+        super().__init__(data_parallel_size=dims.dp, tensor_parallel_size=dims.tp, **kwargs)
         self.backend = backend
 
     def setup_environment(self) -> None:
-        from moe.parallel.mesh import build_meshes
-
         self._setup_distributed()
-        self.backend.meshes = build_meshes(self.backend.layout, self.root_device.type)
+        self.backend.meshes = self.backend.dims.meshes(self.root_device.type)
         self._device_mesh = self.backend.meshes.world
         self.lightning_module._device_mesh = self._device_mesh
 

@@ -108,7 +108,7 @@ def _wrapped(module, optimizers: list, mesh) -> dict:
     # by state-dict key, which is also the optimizer state's key (get_state_dict strips the AC wrapper's
     # child name, moe.parallel.apply.WRAPPED)
     cfg = getattr(module, "cfg", None)  # a LitMoE; a bare module holds neither experts nor TP shards
-    wheres = where_by_name(module, cfg.model, module.backend.layout.tp) if cfg is not None else {}
+    wheres = where_by_name(module, cfg.model, module.backend.dims.tp) if cfg is not None else {}
 
     def canonical(entries, key: str | None = None) -> dict:
         out = {k: _canonical(v, wheres.get(key or k), mesh) for k, v in entries}

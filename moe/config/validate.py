@@ -1,22 +1,30 @@
 """Every value and cross-field rule of the three configs, and every enumeration they use.
 
-`validate(cfg)` checks a composed `train.py` config before anything is built and returns the
-run's `Layout`; `validate_model(model, moe_opt)` is the part a model checks when it is built
-on its own (tests, imports from Hugging Face); `validate_prep` and `validate_infer` check
-`data_prep.py` and `infer.py`. The first broken rule raises `ConfigError(field, value, fix)`
-naming the dotted key, the value seen and the change that makes it work. Types and unknown
-keys are already checked by the typed schemas at compose time (moe/config/*.py).
+`validate(cfg)` checks a composed `train.py` config before anything is built
+(moe.parallel.dims.validated_dims then builds the run's ParallelDims); `validate_model(model,
+moe_opt)` is the part a model checks when it is built on its own (tests, imports from Hugging
+Face); `validate_prep` and `validate_infer` check `data_prep.py` and `infer.py`. The first
+broken rule raises `ConfigError(field, value, fix)` naming the dotted key, the value seen and
+the change that makes it work. Types and unknown keys are already checked by the typed schemas
+at compose time (moe/config/*.py).
 
 What a backend can do (ZeRO stages, tensor/pipeline parallelism, precisions) is its spec's
-(moe/backends/specs.py); the rules that refuse what a backend cannot do are here.
+(moe/config/specs.py); the rules that refuse what a backend cannot do are here.
 """
 from __future__ import annotations
 
 import math
 
-from moe.backends.specs import SPECS, neuron_precision, spec_of
-from moe.config.layout import Layout, launch_overrides, planning, world_of
+from moe.config.derived import (
+    data_parallel_size,
+    has_moe_layers,
+    launch_overrides,
+    neuron_precision,
+    planning,
+    world_of,
+)
 from moe.config.schema import normalizes
+from moe.config.specs import SPECS, spec_of
 from moe.errors import ConfigError
 
 # -- enumerations -------------------------------------------------------------------------------
@@ -29,7 +37,7 @@ MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"
 AUX_LOSS_GROUPS = ("ep", "dp")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-NEURON_PRECISIONS = ("auto", "bf16_sr", "mixed", "fp32")  # auto: moe.backends.specs.neuron_precision
+NEURON_PRECISIONS = ("auto", "bf16_sr", "mixed", "fp32")  # auto: moe.config.specs.neuron_precision
 SPIKE_ACTIONS = ("warn", "skip", "rollback")
 DATA_KINDS = ("prepared", "online")
 DATA_FORMATS = ("text", "chat", "sentence")
@@ -261,7 +269,7 @@ def check_ep(cfg) -> None:
     _need(m.num_experts % p.ep == 0, "parallel.ep", p.ep,
           f"use an ep that divides model.num_experts={m.num_experts}",
           f"does not divide num_experts={m.num_experts}")
-    dp = Layout.from_config(cfg).dp
+    dp = data_parallel_size(cfg)
     least = p.tp * p.pp * p.ep
     _need(dp % p.ep == 0, "parallel.ep", p.ep,
           "expert parallelism is carved out of data parallelism, so launch a multiple of "
@@ -279,7 +287,7 @@ def check_hybrid_shard(cfg) -> None:
           "data-parallel group), or use the fsdp2 backend, which has HSDP (hardware=gpu_fsdp2, trn2, "
           "cpu_fsdp2)",
           f"is not implemented by {spec.library} (hardware={cfg.hardware.name})")
-    dp = Layout.from_config(cfg).dp
+    dp = data_parallel_size(cfg)
     _need(p.hybrid_shard_degree >= 1 and dp % p.hybrid_shard_degree == 0, "parallel.hybrid_shard_degree",
           p.hybrid_shard_degree, f"use a divisor of dp={dp}, or null to shard over the data-parallel group",
           f"does not divide the data-parallel size {dp}")
@@ -289,7 +297,7 @@ def check_global_batch(cfg) -> None:
     t = cfg.trainer
     if t.global_batch_size is None:
         return
-    dp = Layout.from_config(cfg).dp
+    dp = data_parallel_size(cfg)
     got = t.micro_batch_size * t.accumulate_grad_batches * dp
     per_micro = t.micro_batch_size * dp
     if t.global_batch_size % per_micro == 0:
@@ -499,11 +507,9 @@ def check_neuron_precision(cfg) -> None:
     """NxD's MoE computes its slot indices in float64 (expert_mlps_v2.py:285-294, :518, :531-545):
     XLA_USE_BF16=1 (bf16_sr) runs them in bf16, exact for integers up to 256 only, which misplaces
     most tokens' slots; XLA_DOWNCAST_BF16=1 (mixed) runs them in float32, exact up to 2**24 slots."""
-    from moe.model.size import param_breakdown  # here: moe.model imports this module
-
     m, t = cfg.model, cfg.trainer
     precision = neuron_precision(cfg)
-    moe_layers = param_breakdown(m).num_moe_layers > 0
+    moe_layers = has_moe_layers(m)
     fix = ("use hardware.neuron_precision=mixed (bf16 compute, fp32 master weights; float64 runs as float32) "
            "or fp32, or auto, which picks mixed for MoE models")
     _need(not (moe_layers and precision == "bf16_sr"), "hardware.neuron_precision", "bf16_sr", fix,
@@ -549,7 +555,7 @@ def check_fsdp2(cfg) -> None:
     if cfg.hardware.strategy != "fsdp2":
         return
     p, m = cfg.parallel, cfg.model
-    dp = Layout.from_config(cfg).dp
+    dp = data_parallel_size(cfg)
     _need(p.zero_stage >= 2 or dp == 1, "parallel.zero_stage", p.zero_stage,
           "set parallel.zero_stage=3 (each block's gathered weights freed after its forward) or 2 (kept "
           "until its backward: more memory, one all-gather fewer)",
@@ -585,11 +591,10 @@ RULES = [  # in order: counts, then the hardware, then divisibility of the layou
 ]
 
 
-def validate(cfg) -> Layout:
-    """Raise ConfigError for the first rule the composed config breaks; else return its Layout."""
+def validate(cfg) -> None:
+    """Raise ConfigError for the first rule the composed config breaks."""
     for rule in RULES:
         rule(cfg)
-    return Layout.from_config(cfg)
 
 
 # =============================================================================== data_prep.py

@@ -113,16 +113,16 @@ def online_cache_dir(prep: PrepConfig) -> Path:
 
 
 class MoEDataModule(L.LightningDataModule):
-    """`layout` (moe.config.layout.Layout) says which data-parallel rank this process is: ranks of one
+    """`dims` (moe.parallel.dims.ParallelDims) says which data-parallel rank this process is: ranks of one
     tensor/pipeline-parallel group read the same data. Without one, every process is its own rank.
     `val_micro_batches`: micro-batches per validation batch (a backend's pipeline evaluates a whole
     step's at once); such batches are complete, a shorter last one is left out."""
 
     def __init__(self, data_cfg, micro_batch_size: int, accumulate_grad_batches: int, max_steps: int,
-                 seed: int, limit_val_batches: int, layout=None, dp_rank: int | None = None,
+                 seed: int, limit_val_batches: int, dims=None, dp_rank: int | None = None,
                  dp_size: int | None = None, val_micro_batches: int = 1):
         super().__init__()
-        self.cfg, self.layout = data_cfg, layout
+        self.cfg, self.dims = data_cfg, dims
         self.micro_batch_size, self.accumulate = micro_batch_size, accumulate_grad_batches
         self.val_micro_batches = val_micro_batches
         self.max_steps, self.seed, self.limit_val_batches = max_steps, seed, limit_val_batches
@@ -230,9 +230,9 @@ class MoEDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return 0, 1
-        if self.layout is None:
+        if self.dims is None:
             return trainer.global_rank, trainer.world_size
-        return self.layout.dp_rank(trainer.global_rank), self.layout.dp
+        return self.dims.dp_rank(trainer.global_rank), self.dims.dp
 
     def train_sampler(self) -> StreamSampler:
         return StreamSampler(len(self.prepared.splits["train"]), self.micro_batch_size,

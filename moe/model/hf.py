@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
+from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.model import hf_deepseek
 from moe.model.hf_tensors import value_reader
 from moe.model.model import MoETransformer
-from moe.model.size import head_dim_of
 
 IMPORTABLE = ("mixtral", "deepseek_v3")  # model_type of the checkpoints from_hf reads
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config.derived import is_moe_layer
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.config.validate import validate_model
 from moe.model.attention import (  # noqa: F401 (re-exported: moe.model.model's names before the split)
@@ -36,9 +37,6 @@ from moe.model.loss import router_loss_sum
 from moe.model.mla import MLAttention
 from moe.model.moe import Experts, MoELayer, Router, RoutingStats
 from moe.model.norm import RMSNorm
-from moe.model.size import is_moe_layer
-
-# ----------------------------------------------------------------------------- feed-forward
 
 
 class SwiGLU(nn.Module):

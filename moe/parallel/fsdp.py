@@ -8,7 +8,7 @@ that hold the same experts), sharded on dim 1 (hidden or intermediate size: a ra
 single expert, fewer rows than the shard group has ranks), and their gradient is divided by
 dp * tp, not by the expert mesh's size: each expert's gradient already sums the tokens of every EP
 rank (torchtitan sets the same divide factor), and the tp ranks of the expert mesh add tp equal
-copies of it (moe.parallel.mesh).
+copies of it (moe.parallel.dims.Meshes).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _inner(module: nn.Module) -> nn.Module:
 
 def apply_fsdp(model: nn.Module, meshes, expert_divide_factor: int, reshard_after_forward: bool,
                mp_policy=None, sum_only: bool = False) -> nn.Module:
-    """fully_shard every block (and its experts), then the root; `meshes` is moe.parallel.mesh.Meshes.
+    """fully_shard every block (and its experts), then the root; `meshes` is moe.parallel.dims.Meshes.
     sum_only: reduce with SUM and divide apart (gloo has neither AVG nor PREMUL_SUM, which NCCL uses); not on
     an experts unit with one rank in its shard group, where torch 2.13 would divide the gradient twice
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: the one-rank copy divides by the factor at

@@ -140,7 +140,7 @@ def load_full_checkpoint(lit_module, optimizers: list, checkpoint: dict) -> None
     has none yet), then the param groups' hyper-parameters."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    wheres = where_by_name(lit_module, lit_module.cfg.model, lit_module.backend.layout.tp)
+    wheres = where_by_name(lit_module, lit_module.cfg.model, lit_module.backend.dims.tp)
     live = lit_module.state_dict(keep_vars=True)
     for key, value in checkpoint["state_dict"].items():
         _fill_canonical(live[key], value, wheres.get(key))

@@ -1,8 +1,8 @@
 """Dry-run planner: the parallel layout and a per-device memory estimate, from config arithmetic.
 
-`python train.py ... dry_run=true` prints `make_plan(cfg, layout).render()`: world size and
+`python train.py ... dry_run=true` prints `make_plan(cfg, dims).render()`: world size and
 nodes, TP/PP/DP/EP group sizes with example ranks in neuronx-distributed's order (the run's
-`Layout`), parameter counts (moe.model.size), and parameters + gradients + optimizer states +
+ParallelDims), parameter counts (moe.config.size), and parameters + gradients + optimizer states +
 activations per device against `hardware.device_memory_gib`, with the bytes per parameter
 the backend's spec gives. Nothing here touches a device, so a 512-NeuronCore layout can
 be checked on a laptop. The numbers are estimates (see `activation_bytes`); allocator
@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moe.backends.specs import spec_of
-from moe.config.layout import Layout, launch_overrides
+from moe.config.derived import attention_dims, is_moe_layer, launch_overrides
+from moe.config.size import param_breakdown
+from moe.config.specs import spec_of
 from moe.model.fused_ce import CE_CHUNK_TOKENS
-from moe.model.size import attention_dims, is_moe_layer, param_breakdown
+from moe.parallel.dims import ParallelDims
 
 GIB = 2**30
 
@@ -154,7 +155,7 @@ class Plan:
     hardware: str
     parallel: str
     device_name: str
-    layout: Layout
+    dims: ParallelDims
     trainer_world: int
     params_total: int
     params_active: int
@@ -163,19 +164,19 @@ class Plan:
 
     def render(self) -> str:
         """The dry-run report, one screen."""
-        mem, lay = self.memory, self.layout
+        mem, d = self.memory, self.dims
         lines = [
             f"dry run: model={self.model} hardware={self.hardware} parallel={self.parallel}",
             f"parameters   {_b(self.params_total)} total, {_b(self.params_active)} active per token "
             f"({100 * self.params_active / self.params_total:.1f}%)",
-            f"world        {lay.world} x {self.device_name} = {lay.nodes} node(s) of {lay.devices_per_node}",
-            f"layout       tp {lay.tp} x pp {lay.pp} x dp {lay.dp} = {lay.tp * lay.pp * lay.dp}; "
-            f"ep {lay.ep} inside dp, expert-dp {lay.expert_dp} = dp / ep; ZeRO stage {lay.zero_stage}",
-            f"batch        {lay.global_batch} sequences x {lay.seq_len} tokens = "
-            f"{lay.tokens_per_step:,} tokens per optimizer step",
+            f"world        {d.world} x {self.device_name} = {d.nodes} node(s) of {d.devices_per_node}",
+            f"layout       tp {d.tp} x pp {d.pp} x dp {d.dp} = {d.tp * d.pp * d.dp}; "
+            f"ep {d.ep} inside dp, expert-dp {d.expert_dp} = dp / ep; ZeRO stage {d.zero_stage}",
+            f"batch        {d.global_batch} sequences x {d.seq_len} tokens = "
+            f"{d.tokens_per_step:,} tokens per optimizer step",
             "groups       size  count  first group (ranks: dense [PP, DP, TP], experts [PP, DP_exp, EP, TP])",
         ]
-        for g in lay.rank_groups():
+        for g in d.rank_groups():
             lines.append(f"  {g.name:<10} {g.size:>5}  {g.count:>5}  {_ranks(g.ranks[0])}")
         lines += [
             f"memory per device (GiB, estimate; worst pipeline stage) vs {mem.capacity:.1f} GiB per "
@@ -195,11 +196,11 @@ class Plan:
         return "\n".join(lines)
 
 
-def memory_estimate(cfg, layout: Layout) -> Memory:
+def memory_estimate(cfg, dims: ParallelDims) -> Memory:
     """Parameters, gradients, optimizer states and activations per device, in GiB."""
     m, p = cfg.model, cfg.parallel
     bd = param_breakdown(m)
-    ep, tp, pp, dp = layout.ep, layout.tp, layout.pp, layout.dp
+    ep, tp, pp, dp = dims.ep, dims.tp, dims.pp, dims.dp
     layer_dense = bd.attention + bd.routers + bd.shared_experts + bd.dense_mlp
     outer = bd.embedding + bd.lm_head + bd.final_norm
     if pp > 1:  # first stage holds the embedding, last the norm and lm_head (tied: both keep a copy)
@@ -215,7 +216,7 @@ def memory_estimate(cfg, layout: Layout) -> Memory:
     bytes_ = spec.state_bytes(cfg)
     pb, gb, ob = bytes_.param, bytes_.grad, bytes_.optimizer
     shard = min(dp, p.hybrid_shard_degree or dp)
-    expert_shard = min(layout.expert_dp, p.hybrid_shard_degree or layout.expert_dp)
+    expert_shard = min(dims.expert_dp, p.hybrid_shard_degree or dims.expert_dp)
     if spec.hybrid_shard and p.hybrid_shard_degree:  # its shard groups hold whole EP groups (FSDP2's HSDP)
         expert_shard = p.hybrid_shard_degree // ep
     weights_from = spec.weights_sharded_from
@@ -266,24 +267,24 @@ def memory_hints(cfg) -> list[str]:
     return hints
 
 
-def make_plan(cfg, layout: Layout) -> Plan:
+def make_plan(cfg, dims: ParallelDims) -> Plan:
     """The layout and memory estimate for a composed, validated config."""
     p, hw = cfg.parallel, cfg.hardware
     trainer_world = cfg.trainer.devices * cfg.trainer.num_nodes
     sizes = param_breakdown(cfg.model)
-    memory = memory_estimate(cfg, layout)
+    memory = memory_estimate(cfg, dims)
     notes = []
-    if trainer_world != layout.world:
+    if trainer_world != dims.world:
         notes.append(
             f"trainer.devices x trainer.num_nodes = {cfg.trainer.devices} x {cfg.trainer.num_nodes} = "
-            f"{trainer_world}; this dry run planned for {layout.world}. To launch: "
-            f"{launch_overrides(layout.world, hw.devices_per_node)}"
+            f"{trainer_world}; this dry run planned for {dims.world}. To launch: "
+            f"{launch_overrides(dims.world, hw.devices_per_node)}"
         )
     if memory.verdict != "fits":
         notes.append(f"warning: {memory.total:.2f} GiB is above 90% of the {memory.capacity:g} GiB of a "
                      f"{hw.device_name}; to save memory: " + ", ".join(memory_hints(cfg)))
     return Plan(model=cfg.model.name, hardware=hw.name, parallel=p.name, device_name=hw.device_name,
-                layout=layout, trainer_world=trainer_world, params_total=sizes.total,
+                dims=dims, trainer_world=trainer_world, params_total=sizes.total,
                 params_active=sizes.active, memory=memory, notes=notes)
 
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe.backends.specs import spec_of
-from moe.config.layout import Layout
+from moe.config.specs import spec_of
 from moe.errors import ConfigError
+from moe.parallel.dims import ParallelDims
 from moe.tools.plan import GIB, make_plan
 
 SIMULATION_FILE = "simulation.json"
@@ -74,20 +74,20 @@ class Simulation:
         return "\n".join(lines)
 
 
-def check_simulatable(cfg, layout: Layout) -> None:
+def check_simulatable(cfg, dims: ParallelDims) -> None:
     """What the simulation cannot run here, refused before anything starts."""
-    if (layout.tp > 1 and spec_of(cfg).name != "fsdp2") or layout.pp > 1:
+    if (dims.tp > 1 and spec_of(cfg).name != "fsdp2") or dims.pp > 1:
         raise ConfigError("simulate", True,
                           "use dry_run=true for this layout's plan (make test-neuron measures trn1's at "
                           "reduced width, docs/TRAINIUM.md), or the torch-native backend for TP "
                           "(hardware=gpu_fsdp2 or trn2, which simulate)",
                           f"runs the torch model's own code path; tensor/pipeline parallelism "
-                          f"(tp={layout.tp}, pp={layout.pp}) here is neuronx-distributed's, whose process "
+                          f"(tp={dims.tp}, pp={dims.pp}) here is neuronx-distributed's, whose process "
                           "groups need the Neuron runtime, or a process per rank in its CPU mode "
                           "(parallel_layers/parallel_state.py:797-818)")
-    if not 0 <= cfg.simulate_rank < layout.world:
-        raise ConfigError("simulate_rank", cfg.simulate_rank, f"use a rank in 0..{layout.world - 1}",
-                          f"is not a rank of the {layout.world}-device world")
+    if not 0 <= cfg.simulate_rank < dims.world:
+        raise ConfigError("simulate_rank", cfg.simulate_rank, f"use a rank in 0..{dims.world - 1}",
+                          f"is not a rank of the {dims.world}-device world")
 
 
 @contextlib.contextmanager
@@ -125,48 +125,39 @@ def _local_shard_optimizer(optimizer, model) -> _Optimizer:
     return _Optimizer(optimizer, model, local_views=list(views.values()))
 
 
-def _zero_shards(cfg, layout: Layout) -> tuple[int, int]:
+def _zero_shards(cfg, dims: ParallelDims) -> tuple[int, int]:
     """(ranks the dense optimizer state is split over, ranks the expert state is split over)."""
     if cfg.parallel.zero_stage < 1:
         return 1, 1
-    return layout.dp, layout.expert_dp
+    return dims.dp, dims.expert_dp
 
 
-def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
+def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     """Run the simulated step of rank `cfg.simulate_rank`; write <run_dir>/simulation.json."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moe.model import MoETransformer
-    from moe.parallel.apply import apply_ac, apply_ep, apply_load_balance_group, moe_layers
-    from moe.parallel.groups import build_expert_groups
+    from moe.parallel.apply import moe_layers
+    from moe.parallel.parallelize import parallelize
     from moe.train.optim import build_optimizer
 
-    check_simulatable(cfg, layout)
+    check_simulatable(cfg, dims)
     rank, start = cfg.simulate_rank, time.perf_counter()
     param_dtype, autocast = _param_dtype_and_autocast(cfg)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
     try:
         fsdp2 = spec_of(cfg).name == "fsdp2"
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=fsdp2)  # fsdp2: meta parameters become fake ones
-        if fsdp2:
-            model = _fsdp2_model(cfg, layout, fake_mode)
-        else:
-            groups = build_expert_groups(layout) if layout.ep > 1 else None  # the run's own, on fake ranks
-            with fake_mode, _default_dtype(param_dtype):
-                model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
-            if groups is not None:
-                apply_ep(model, groups.ep)
-            if cfg.moe_opt.aux_loss_group == "dp" and layout.world > 1:
-                apply_load_balance_group(model, dist.group.WORLD)
-            par = cfg.parallel
-            apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # meta parameters become fake ones
+        with torch.device("meta"), _default_dtype(param_dtype):
+            model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
+        parallelize(model, cfg, dims.tp, _steps(cfg, dims, fake_mode))  # the backend's, on fake ranks
         for layer in moe_layers(model):  # what a GPU runs in half precision; fake kernels exist for bf16 only
             layer.experts.use_grouped_mm = (autocast or param_dtype) == torch.bfloat16
         params_local = sum(_local_numel(p) for p in model.parameters())
 
         with fake_mode:
-            optimizer = _optimizer(cfg, layout, model, param_dtype, build_optimizer)
+            optimizer = _optimizer(cfg, dims, model, param_dtype, build_optimizer)
             tokens = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len))
         tracker = _device_peak_tracker(model, optimizer.optimizer) if fsdp2 else _device_peak_tracker()
         if fsdp2:
@@ -189,14 +180,14 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
 
     device_peak = max(peak.values(), key=lambda kinds: kinds["Total"])
     breakdown = {getattr(k, "value", str(k)): v / GIB for k, v in device_peak.items() if v}
-    plan = make_plan(cfg, layout)
+    plan = make_plan(cfg, dims)
     # DeepSpeed's engine does not run here: its buckets are added as planned (FSDP2's gathered weights
     # are real tensors of the simulated step, counted by the tracker)
     if plan.memory.comm and spec_of(cfg).name == "deepspeed":
         breakdown[COMM] = plan.memory.comm
         breakdown["Total"] += plan.memory.comm
     result = Simulation(
-        world_size=layout.world, rank=rank, params_local=params_local,
+        world_size=dims.world, rank=rank, params_local=params_local,
         params_total=plan.params_total, peak_memory_gib=breakdown["Total"],
         planned_peak_memory_gib=plan.memory.total,
         breakdown_gib=breakdown,
@@ -213,24 +204,21 @@ def simulate(cfg, layout: Layout, run_dir: str | Path | None) -> Simulation:
     return result
 
 
-def _fsdp2_model(cfg, layout: Layout, fake_mode):
-    """The fsdp2 backend's own model: built on the meta device, parallelised on the run's mesh (fake ranks),
-    each shard materialised as fake tensors."""
-    from moe.backends.fsdp2 import FSDP2Backend, parallelize_model
-    from moe.model import MoETransformer
-    from moe.parallel.mesh import build_meshes
-    from moe.parallel.placement import materialize_distributed
+def _steps(cfg, dims: ParallelDims, fake_mode):
+    """The backend's parallelize steps (moe.parallel.parallelize) on the fake ranks: fsdp2's on the run's
+    mesh; DDP's and DeepSpeed's expert parallelism over the run's EP group, the load balance over the
+    world; storage fake."""
+    from moe.parallel.parallelize import Steps
 
-    with torch.device("meta"):
-        model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
+    if spec_of(cfg).name == "fsdp2":
+        from moe.backends.fsdp2 import FSDP2Backend, fsdp2_steps
 
-    def materialize(m):
-        with fake_mode:
-            materialize_distributed(m, "cpu", None, cfg.model, layout.tp)
-
-    mp_policy = FSDP2Backend(cfg, layout).mixed_precision()
-    parallelize_model(model, cfg, layout, build_meshes(layout, "cpu"), mp_policy, materialize)
-    return model
+        mp_policy = FSDP2Backend(cfg, dims).mixed_precision()
+        return fsdp2_steps(cfg, dims, dims.meshes("cpu"), mp_policy, "cpu", None, fake_mode)
+    groups = dims.expert_groups() if dims.ep > 1 else None
+    world = cfg.moe_opt.aux_loss_group == "dp" and dims.world > 1
+    return Steps(ep_group=groups.ep if groups else None,
+                 load_balance_group=dist.group.WORLD if world else None, fake_mode=fake_mode)
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -284,12 +272,12 @@ class _Optimizer:
             self.model.zero_grad(set_to_none=True)
 
 
-def _optimizer(cfg, layout, model, param_dtype, build_optimizer) -> _Optimizer:
+def _optimizer(cfg, dims, model, param_dtype, build_optimizer) -> _Optimizer:
     if spec_of(cfg).name == "fsdp2":
         return _local_shard_optimizer(build_optimizer(model, cfg.optimizer), model)
     if spec_of(cfg).name != "deepspeed" or (cfg.parallel.zero_stage < 1 and param_dtype == torch.float32):
         return _Optimizer(build_optimizer(model, cfg.optimizer), model)
-    dense_shard, expert_shard = _zero_shards(cfg, layout)
+    dense_shard, expert_shard = _zero_shards(cfg, dims)
     dense = [p for p in model.parameters() if not getattr(p, "is_expert", False)]
     expert = [p for p in model.parameters() if getattr(p, "is_expert", False)]
     partitions = []

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from moe.config.layout import Layout
+from moe.config.size import flops_per_token, param_breakdown
 from moe.errors import UserError
-from moe.model.size import flops_per_token, param_breakdown
+from moe.parallel.dims import ParallelDims
 
 
-def build_callbacks(cfg, run_dir: Path, layout: Layout, backend, fresh: bool = False) -> list:
+def build_callbacks(cfg, run_dir: Path, dims: ParallelDims, backend, fresh: bool = False) -> list:
     from moe.train.console import StepProgressBar, bar_shown
     from moe.train.guard import SpikeGuard
     from moe.train.metrics import RunMetrics
@@ -32,10 +32,10 @@ def build_callbacks(cfg, run_dir: Path, layout: Layout, backend, fresh: bool = F
     guard = SpikeGuard.from_config(cfg, run_dir, fresh=fresh)
     callbacks = [
         RunMetrics(
-            run_dir, log_every_n_steps=cfg.trainer.log_every_n_steps, tokens_per_step=layout.tokens_per_step,
+            run_dir, log_every_n_steps=cfg.trainer.log_every_n_steps, tokens_per_step=dims.tokens_per_step,
             flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
-            peak_flops_total=cfg.hardware.peak_tflops * 1e12 * layout.world,
-            key_config=key_config(cfg, layout), guard=guard,
+            peak_flops_total=cfg.hardware.peak_tflops * 1e12 * dims.world,
+            key_config=key_config(cfg, dims), guard=guard,
         ),
         guard,  # after RunMetrics: it reads the grads first
         StepSeed(cfg.seed),
@@ -78,7 +78,7 @@ def instantiate_group(cfg, group: str) -> list:
     return made
 
 
-def key_config(cfg, layout: Layout) -> dict:
+def key_config(cfg, dims: ParallelDims) -> dict:
     """The values a report compares runs by."""
     sizes = param_breakdown(cfg.model)
     keys = ["model.name", "model.num_experts", "model.top_k", "moe_opt.name", "moe_opt.capacity_factor",
@@ -92,5 +92,5 @@ def key_config(cfg, layout: Layout) -> dict:
     values = {key: OmegaConf.select(cfg, key) for key in keys}
     values.update({"params_total": sizes.total, "params_active": sizes.active,
                    "precision": cfg.trainer.precision or cfg.hardware.precision,
-                   "global_batch_size": layout.global_batch})
+                   "global_batch_size": dims.global_batch})
     return values

@@ -20,8 +20,8 @@ import lightning as L
 import torch
 
 from moe.checkpoint.io import write_json_atomic
+from moe.config.size import param_breakdown
 from moe.model.loss import router_loss
-from moe.model.size import param_breakdown
 from moe.train.console import STEP_LOGGER, log_step
 from moe.train.step_stats import means_from_totals
 

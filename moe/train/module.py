@@ -27,9 +27,9 @@ class LitMoE(L.LightningModule):
         self.cfg = OmegaConf.create(container)
         if backend is None:  # a module built on its own (tests, tools): one process
             from moe.backends.ddp import DDPBackend
-            from moe.config.layout import Layout
+            from moe.parallel.dims import ParallelDims
 
-            backend = DDPBackend(self.cfg, Layout.from_config(self.cfg))
+            backend = DDPBackend(self.cfg, ParallelDims.from_config(self.cfg))
         self.backend = backend
         with torch.device("meta" if on_meta else "cpu"):
             self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)

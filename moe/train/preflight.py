@@ -38,7 +38,7 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> N
         return
     try:
         cfg, run_dir = compose_config(argv, config_dir, config_name)
-        layout = check_config(cfg)
+        dims = check_config(cfg)
         if not (cfg.dry_run or cfg.simulate):
             check_run_dir(cfg, run_dir)
     except UserError as err:
@@ -47,7 +47,7 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> N
     if cfg.dry_run:
         from moe.tools.plan import make_plan
 
-        print(make_plan(cfg, layout).render())
+        print(make_plan(cfg, dims).render())
         sys.exit(0)
 
 
@@ -124,11 +124,11 @@ def composition_error(err: Exception, overrides: list[str]) -> UserError:
 def check_config(cfg: DictConfig):
     """Keys beyond the schema (however added) and non-finite numbers, then every rule of validate;
     returns the run's Layout."""
-    from moe.train.run import validated_layout
+    from moe.train.run import settle
 
     check_known_keys(cfg)
     check_finite(cfg)
-    return validated_layout(cfg)[0]  # its note is train()'s to print, once
+    return settle(cfg)[0]  # its note is train()'s to print, once
 
 
 def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""cfg -> validate (Layout) -> backend -> DataModule + module -> Trainer.fit -> run dir.
+"""cfg -> validate -> ParallelDims -> backend -> DataModule + module -> Trainer.fit -> run dir.
 
 `train.py` is a thin Hydra entry point around `train(cfg, run_dir)`; tests call it too.
 """
@@ -10,15 +10,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from moe.config.layout import Layout
-from moe.config.validate import validate
+from moe.parallel.dims import ParallelDims, validated_dims
 
 
-def validated_layout(cfg: DictConfig) -> tuple[Layout, str | None]:
+def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
     """What a run settles before anything else (train, and train.py's preflight): what the machine must
     offer, the architecture of model.init_from_hf / upcycle_from_hf, a prepared dataset's seq_len, then
     every rule of validate.
-    Returns the layout and a note for the user, if any."""
+    Returns the ParallelDims and a note for the user, if any."""
     from moe.data.arrow_io import apply_prepared_meta
     from moe.train.environment import check_environment
     from moe.train.init_from_hf import apply_init_from_hf
@@ -26,25 +25,25 @@ def validated_layout(cfg: DictConfig) -> tuple[Layout, str | None]:
     check_environment(cfg)  # CUDA for hardware=gpu, Neuron for trn1, logger packages, a W&B key
     note = apply_init_from_hf(cfg)  # model.init_from_hf=DIR: architecture from DIR/config.json
     apply_prepared_meta(cfg)  # data=prepared: seq_len from DIR/meta.json
-    return validate(cfg), note
+    return validated_dims(cfg), note
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     """Validate, then either print the dry-run plan or train into `run_dir`."""
     from moe.train.console import say
 
-    layout, note = validated_layout(cfg)
+    dims, note = settle(cfg)
     if note:
         say(note)
     if cfg.dry_run:
         from moe.tools.plan import make_plan
 
-        print(make_plan(cfg, layout).render())
+        print(make_plan(cfg, dims).render())
         return None
     if cfg.simulate:
         from moe.tools.simulate import simulate
 
-        print(simulate(cfg, layout, run_dir).render())
+        print(simulate(cfg, dims, run_dir).render())
         print(f"wrote {Path(run_dir) / 'simulation.json'}")
         return None
     run_dir = Path(run_dir)
@@ -74,7 +73,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
     while True:  # once, plus once per loss-spike rollback (moe/train/guard.py)
         if resume_from:
             check_resume_compatible(resume_from, cfg)
-        backend = build_backend(cfg, layout)
+        backend = build_backend(cfg, dims)
         os.environ.update(backend.env())
         backend.apply_torch_settings()
         if backend.num_threads():
@@ -84,7 +83,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
         datamodule = MoEDataModule(
             cfg.data, micro_batch_size=cfg.trainer.micro_batch_size,
             accumulate_grad_batches=cfg.trainer.accumulate_grad_batches, max_steps=cfg.trainer.max_steps,
-            seed=cfg.seed, limit_val_batches=cfg.trainer.limit_val_batches, layout=layout,
+            seed=cfg.seed, limit_val_batches=cfg.trainer.limit_val_batches, dims=dims,
             val_micro_batches=backend.val_micro_batches(),
         )
         datamodule.check_model(cfg.model)
@@ -100,7 +99,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
             check_val_every_n_epoch=None, limit_val_batches=cfg.trainer.limit_val_batches,
             num_sanity_val_steps=0, use_distributed_sampler=False,
             logger=build_loggers(cfg) or False,
-            callbacks=build_callbacks(cfg, run_dir, layout, backend,
+            callbacks=build_callbacks(cfg, run_dir, dims, backend,
                                       fresh=not cfg.resume and not rolled_back),
             default_root_dir=str(run_dir), enable_progress_bar=bar_shown(cfg.trainer.progress_bar),
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 import moe.config  # noqa: F401
-from moe.config.validate import validate
+from moe.parallel.dims import validated_dims
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOLERANCE = 1e-5  # relative to each tensor's largest value
@@ -133,7 +133,7 @@ def main(overrides: list[str]) -> int:
     base = ["data.seq_len=32", "trainer.micro_batch_size=1", "trainer.accumulate_grad_batches=2", *OPTIMIZER]
     cfg = compose_cfg("hardware=trn1", f"trainer.devices={dist.get_world_size()}", "parallel.zero_stage=0",
                       *base, *overrides)
-    backend = NeuronBackend(cfg, validate(cfg))
+    backend = NeuronBackend(cfg, validated_dims(cfg))
     module = backend.build_module()
     parts = backend.trainer_parts()  # NxD's setup reads its trainer's strategy (lightning/module.py:112)
     trainer = L.Trainer(accelerator=parts.accelerator, strategy=parts.strategy, plugins=parts.plugins,

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from moe.config.layout import Layout
 from moe.data import MoEDataModule
 from moe.infer.export import export_hf
 from moe.infer.load import model_from_checkpoint
 from moe.model.loss import lm_loss
+from moe.parallel.dims import ParallelDims
 from moe.tools.convert_nxd import convert
 
 TOLERANCE = 1e-4  # relative: the run logged its validation loss from fp32 sums over ranks
@@ -39,14 +39,14 @@ def rows(run_dir: Path) -> list[dict]:
 
 def validation_batches(cfg) -> list[dict]:
     """Every data-parallel rank's validation micro-batches, as the run's ranks read them."""
-    layout = Layout.from_config(OmegaConf.create(cfg))
+    dims = ParallelDims.from_config(OmegaConf.create(cfg))
     batches = []
-    for dp_rank in range(layout.dp):
+    for dp_rank in range(dims.dp):
         data = MoEDataModule(cfg.data, micro_batch_size=cfg.trainer.micro_batch_size,
                              accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
                              max_steps=cfg.trainer.max_steps, seed=cfg.seed,
-                             limit_val_batches=cfg.trainer.limit_val_batches, layout=layout,
-                             dp_rank=dp_rank, dp_size=layout.dp)
+                             limit_val_batches=cfg.trainer.limit_val_batches, dims=dims,
+                             dp_rank=dp_rank, dp_size=dims.dp)
         data.setup("validate")
         batches += list(data.val_dataloader())
     return batches

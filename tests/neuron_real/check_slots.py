@@ -70,7 +70,7 @@ def main() -> int:
 
     import moe.config  # noqa: F401
     from moe.backends.neuron.env import neuron_env
-    from moe.backends.specs import neuron_precision
+    from moe.config.derived import neuron_precision
 
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
     ok = True

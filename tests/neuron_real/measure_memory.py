@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from moe.config.validate import validate
+from moe.parallel.dims import validated_dims
 from moe.tools.plan import GIB, make_plan
 
 TOLERANCE = 0.20
@@ -78,8 +78,8 @@ def main(overrides: list[str]) -> int:
 
     dist.init_process_group("gloo")
     cfg = compose_cfg(*overrides, f"trainer.devices={dist.get_world_size()}")
-    layout = validate(cfg)
-    backend = NeuronBackend(cfg, layout)
+    dims = validated_dims(cfg)
+    backend = NeuronBackend(cfg, dims)
     module = backend.build_module()
     parts = backend.trainer_parts()
     trainer = L.Trainer(accelerator=parts.accelerator, strategy=parts.strategy, plugins=parts.plugins,
@@ -97,7 +97,7 @@ def main(overrides: list[str]) -> int:
     with tracker:
         for step in range(STEPS):
             data = batch(cfg, seed=100 * step + dp_rank)
-            if layout.pp > 1:
+            if dims.pp > 1:
                 module.model.run_train(**data)
             else:
                 module.model(data["input_ids"], data["labels"])[0].backward()
@@ -108,12 +108,12 @@ def main(overrides: list[str]) -> int:
     if dist.get_rank() != 0:
         return 0
     rank, measured = max(peaks, key=lambda p: p[1])
-    plan = make_plan(cfg, layout).memory
+    plan = make_plan(cfg, dims).memory
     error = (plan.total * GIB - measured) / measured
     parts = {"parameters": plan.params, "gradients": plan.grads, "optimizer": plan.optimizer,
              "activations": plan.activations, "step": plan.step}
     planned = ", ".join(f"{what} {gib * 1024:.1f}" for what, gib in parts.items())
-    print(f"summary: tp {layout.tp} x pp {layout.pp} x dp {layout.dp} (ep {layout.ep}), "
+    print(f"summary: tp {dims.tp} x pp {dims.pp} x dp {dims.dp} (ep {dims.ep}), "
           f"{cfg.model.num_layers} layers, micro-batch {cfg.trainer.micro_batch_size} x {cfg.data.seq_len}: "
           f"largest peak rank {rank} {measured / 2**20:.1f} MiB; planner {plan.total * 1024:.1f} MiB "
           f"({planned}): {100 * error:+.1f}%", flush=True)

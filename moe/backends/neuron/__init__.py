@@ -31,8 +31,8 @@ class NeuronBackend(Backend):
     name = "neuron"
     norm_after_step = True  # NxD's optimizer computes the global norm inside its step
 
-    def __init__(self, cfg, layout):
-        super().__init__(cfg, layout)
+    def __init__(self, cfg, dims):
+        super().__init__(cfg, dims)
         from moe.backends.neuron.env import neuron_env
 
         self._env = neuron_env(cfg)
@@ -71,7 +71,7 @@ class NeuronBackend(Backend):
         from moe.backends.neuron.nxd_config import nxd_config_kwargs
 
         if self._nxd_config is None:
-            kwargs = nxd_config_kwargs(self.cfg, self.layout, init_from(self.initial_values, self.cfg.model))
+            kwargs = nxd_config_kwargs(self.cfg, self.dims, init_from(self.initial_values, self.cfg.model))
             self._nxd_config = neuronx_distributed_config(**kwargs)
         return self._nxd_config
 
@@ -96,9 +96,9 @@ class NeuronBackend(Backend):
         """Under pipeline parallelism NxD evaluates a step's num_microbatches micro-batches in one run_eval,
         which splits the batch it gets (pipeline/model.py:1074-1077) with the schedule built for them
         (:691-693): a validation batch is that many micro-batches."""
-        if self.layout.pp == 1:
+        if self.dims.pp == 1:
             return 1
-        return self.cfg.parallel.pipeline_microbatches or self.layout.accumulate_grad_batches
+        return self.cfg.parallel.pipeline_microbatches or self.dims.accumulate_grad_batches
 
     def checkpoint_options(self) -> dict:
         """No last.ckpt copy: NxD keeps the newest keep_last_checkpoints tags, resume takes the newest."""

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import os
 
-from moe.backends.specs import neuron_precision
-from moe.model.size import param_breakdown
+from moe.config.derived import neuron_precision
+from moe.config.size import param_breakdown
 
 
 def _xla(use_bf16: str, downcast_bf16: str, stochastic_rounding: str) -> dict[str, str]:

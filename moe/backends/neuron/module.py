@@ -34,14 +34,14 @@ class NeuronLitMoE(NeuronLTModule):
         run_cfg = OmegaConf.create(container)
         super().__init__(
             nxd_config=nxd_config, opt_cls=torch.optim.AdamW, scheduler_cls=None,
-            model_fn=lambda: build_model(run_cfg, backend.layout.sequence_parallel),
+            model_fn=lambda: build_model(run_cfg, backend.dims.sequence_parallel),
             grad_accum_steps=run_cfg.trainer.accumulate_grad_batches,
             train_batch_size=run_cfg.trainer.micro_batch_size, manual_opt=True,
         )
         self.save_hyperparameters({"cfg": container})
         self.cfg, self.backend = run_cfg, backend
         self.step_stats, self.val_stats = StepStats(), StepStats()
-        self.pp = backend.layout.pp
+        self.pp = backend.dims.pp
         self._pending: list[dict] = []  # pipeline: the micro-batches of the step being gathered
 
     def configure_optimizers(self):

@@ -9,7 +9,7 @@ sequence_parallel, model_init_config and mixed_precision_config.
 from __future__ import annotations
 
 from moe.backends.neuron.env import NEURON_PRECISION
-from moe.backends.specs import neuron_precision
+from moe.config.derived import neuron_precision
 
 # parallel.activation_checkpointing -> the classes NxD wraps: full = every block, moe_only = the
 # MoE layers, selective = core attention + MoE (NxD's Mixtral "selective" is (CoreAttention, MoE),
@@ -27,7 +27,7 @@ def checkpoint_classes(policy: str) -> list[type] | None:
     return [known[name] for name in CHECKPOINT_CLASSES[policy]] or None
 
 
-def nxd_config_kwargs(cfg, layout, param_init_fn) -> dict:
+def nxd_config_kwargs(cfg, dims, param_init_fn) -> dict:
     """Everything neuronx_distributed_config takes, for a validated config and its Layout."""
     from neuronx_distributed.parallel_layers import mappings
 
@@ -37,10 +37,10 @@ def nxd_config_kwargs(cfg, layout, param_init_fn) -> dict:
     zero1 = p.zero_stage == 1
     master = NEURON_PRECISION[neuron_precision(cfg)]["master_weights"] and zero1
     pipeline_config = None
-    if layout.pp > 1:  # NxDPPModel's arguments (src/neuronx_distributed/pipeline/model.py:75-114)
+    if dims.pp > 1:  # NxDPPModel's arguments (src/neuronx_distributed/pipeline/model.py:75-114)
         pipeline_config = {
             "transformer_layer_cls": StageBlock,
-            "num_microbatches": p.pipeline_microbatches or layout.accumulate_grad_batches,
+            "num_microbatches": p.pipeline_microbatches or dims.accumulate_grad_batches,
             "output_loss_value_spec": (True, False),  # NxDCausalLM returns (loss, lm_loss)
             "input_names": ["input_ids", "labels"],
             "auto_partition": True,
@@ -62,7 +62,7 @@ def nxd_config_kwargs(cfg, layout, param_init_fn) -> dict:
         "optimizer_config": {"zero_one_enabled": zero1, "grad_clipping": opt.grad_clip > 0,
                              "max_grad_norm": float(opt.grad_clip or 1.0)},
         "activation_checkpoint_config": checkpoint_classes(p.activation_checkpointing),
-        "sequence_parallel": layout.sequence_parallel,
+        "sequence_parallel": dims.sequence_parallel,
         "model_init_config": {"meta_device_init": True, "param_init_fn": param_init_fn,
                               "sequential_move_factor": 11},
         "mixed_precision_config": {"use_master_weights": master, "use_fp32_grad_acc": master,

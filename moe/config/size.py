@@ -7,25 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def is_moe_layer(layer_idx: int, m) -> bool:
-    """Layer i (0-based) of ModelConfig m is MoE when i >= first_k_dense_replace and (i + 1) %
-    moe_layer_frequency == 0: frequency 2 makes layers 1, 3, 5... MoE; first_k_dense_replace=3 makes
-    layers 0-2 dense (DeepSeek-V3)."""
-    return layer_idx >= m.first_k_dense_replace and (layer_idx + 1) % m.moe_layer_frequency == 0
-
-
-def head_dim_of(m) -> int:
-    """GQA's head dim (model.head_dim, or hidden_size / num_heads)."""
-    return m.head_dim or m.hidden_size // m.num_heads
-
-
-def attention_dims(m) -> tuple[int, int]:
-    """(query/key dims, value dims) of one attention head: head_dim twice for GQA; for MLA
-    qk_nope_head_dim + qk_rope_head_dim and v_head_dim."""
-    if m.attention == "mla":
-        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-    return head_dim_of(m), head_dim_of(m)
+from moe.config.derived import attention_dims, dense_width, head_dim_of, is_moe_layer
 
 
 def attention_params(m) -> int:
@@ -86,7 +68,7 @@ def param_breakdown(m) -> ParamBreakdown:
         attention=m.num_layers * attention_params(m),
         routers=n_moe * E * H,
         shared_experts=n_moe * 3 * H * m.shared_expert_intermediate_size,
-        dense_mlp=n_dense * 3 * H * (m.dense_intermediate_size or F),
+        dense_mlp=n_dense * 3 * H * dense_width(m),
         experts=n_moe * E * per_expert,
         active_experts=n_moe * m.top_k * per_expert,
         num_moe_layers=n_moe,

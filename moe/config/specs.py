@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe.config.derived import neuron_precision, precision_of
+from moe.config.size import param_breakdown
+
 
 @dataclass(frozen=True)
 class StateBytes:
@@ -60,7 +63,7 @@ class BackendSpec:
     ac_wraps_moe_layer: bool = False
 
     def state_bytes(self, cfg) -> StateBytes:
-        precision = str(cfg.trainer.precision or cfg.hardware.precision)
+        precision = precision_of(cfg)
         step = 0 if self.fused_adamw else 4
         if precision.startswith(("32", "64")):
             return StateBytes(4, 4, 8, "fp32 weights, grads and AdamW moments", step=step)
@@ -74,7 +77,7 @@ class BackendSpec:
 
     def activation_bytes(self, cfg) -> int:
         """Bytes per activation element: 4 for an fp32 (or fp64) run, else the half type's 2."""
-        precision = str(cfg.trainer.precision or cfg.hardware.precision)
+        precision = precision_of(cfg)
         return 4 if precision.startswith(("32", "64")) else 2
 
 
@@ -84,7 +87,7 @@ REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (mo
 @dataclass(frozen=True)
 class DeepSpeedSpec(BackendSpec):
     def state_bytes(self, cfg) -> StateBytes:
-        precision = str(cfg.trainer.precision or cfg.hardware.precision)
+        precision = precision_of(cfg)
         if precision.endswith("-mixed"):  # DeepSpeed keeps half weights and grads, fp32 master + moments
             return StateBytes(2, 2, 12, f"{precision} DeepSpeed: half weights, grads; fp32 master, moments",
                               step=4, grads_in_step=False)
@@ -107,7 +110,7 @@ class FSDP2Spec(BackendSpec):
     @staticmethod
     def gathers_bf16(cfg) -> bool:
         """bf16-mixed: FSDP2 gathers weights in bf16 for compute (reducing gradients in fp32); else fp32."""
-        return str(cfg.trainer.precision or cfg.hardware.precision) == "bf16-mixed"
+        return precision_of(cfg) == "bf16-mixed"
 
     def comm_buffer_bytes(self, cfg) -> float:
         """Weights FSDP2 holds gathered at the backward's peak, in the compute dtype: the root unit
@@ -115,33 +118,16 @@ class FSDP2Spec(BackendSpec):
         block's share (its TP part, this EP rank's experts), two blocks with zero_stage 3 (the current one
         and the prefetched one), every block with 2; plus one block's unsharded fp32 gradient before its
         reduce-scatter."""
-        from moe.config.layout import Layout
-        from moe.model.size import param_breakdown
-
-        m, bd, layout = cfg.model, param_breakdown(cfg.model), Layout.from_config(cfg)
+        m, bd, p = cfg.model, param_breakdown(cfg.model), cfg.parallel
         compute = 2 if self.gathers_bf16(cfg) else 4
         n_moe, n_dense = bd.num_moe_layers, m.num_layers - bd.num_moe_layers
-        attention = bd.attention / m.num_layers / layout.tp
-        routed = bd.routers + bd.shared_experts + bd.experts / layout.ep
+        attention = bd.attention / m.num_layers / p.tp
+        routed = bd.routers + bd.shared_experts + bd.experts / p.ep
         moe_block = attention + routed / n_moe if n_moe else 0
-        dense_block = attention + bd.dense_mlp / n_dense / layout.tp if n_dense else 0
+        dense_block = attention + bd.dense_mlp / n_dense / p.tp if n_dense else 0
         block = max(moe_block, dense_block)
-        blocks = m.num_layers if layout.zero_stage == 2 else min(2, m.num_layers)
+        blocks = m.num_layers if p.zero_stage == 2 else min(2, m.num_layers)
         return (bd.embedding + bd.lm_head + bd.final_norm + blocks * block) * compute + block * 4
-
-
-def neuron_precision(cfg) -> str:
-    """hardware.neuron_precision with `auto` resolved: `mixed` for a model with MoE layers, `bf16_sr`
-    for a dense one. neuronx-distributed computes MoE slot indices in float64 (v2.28.0
-    modules/moe/expert_mlps_v2.py:285-294, :518, :531-545, a cumulative count of tokens per expert);
-    XLA_USE_BF16=1 (bf16_sr) turns float64 into bf16, exact for integers up to 256 only, while
-    XLA_DOWNCAST_BF16=1 (mixed) turns it into float32, exact up to 2**24 (docs/TRAINIUM.md)."""
-    from moe.model.size import param_breakdown  # here: moe.model imports the validator, which imports this
-
-    preset = cfg.hardware.neuron_precision
-    if preset != "auto":
-        return preset
-    return "mixed" if param_breakdown(cfg.model).num_moe_layers else "bf16_sr"
 
 
 @dataclass(frozen=True)

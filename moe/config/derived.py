@@ -1,0 +1,92 @@
+"""Values derived from a config, each defined once: what every stage reads instead of recomputing it.
+
+Pure arithmetic on the composed config (no torch, no process group): the precision a run trains in,
+a head's width, the dense MLPs' width, which layers are MoE, the trn1 precision preset, the world
+size and the data-parallel degree a layout plans for. moe.parallel.dims.ParallelDims builds on the
+last two; the validator, the model, the planner and the backends read the rest.
+"""
+from __future__ import annotations
+
+import math
+
+
+def precision_of(cfg) -> str:
+    """The Lightning precision the run trains in: trainer.precision, else the hardware's."""
+    return str(cfg.trainer.precision or cfg.hardware.precision)
+
+
+def head_dim_of(m) -> int:
+    """GQA's head dim (model.head_dim, or hidden_size / num_heads)."""
+    return m.head_dim or m.hidden_size // m.num_heads
+
+
+def attention_dims(m) -> tuple[int, int]:
+    """(query/key dims, value dims) of one attention head: head_dim twice for GQA; for MLA
+    qk_nope_head_dim + qk_rope_head_dim and v_head_dim."""
+    if m.attention == "mla":
+        return m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    return head_dim_of(m), head_dim_of(m)
+
+
+def dense_width(m) -> int:
+    """The intermediate width of the dense (non-MoE) MLPs: model.dense_intermediate_size, else the
+    experts'."""
+    return m.dense_intermediate_size or m.intermediate_size
+
+
+def is_moe_layer(layer_idx: int, m) -> bool:
+    """Layer i (0-based) of ModelConfig m is MoE when i >= first_k_dense_replace and (i + 1) %
+    moe_layer_frequency == 0: frequency 2 makes layers 1, 3, 5... MoE; first_k_dense_replace=3 makes
+    layers 0-2 dense (DeepSeek-V3)."""
+    return layer_idx >= m.first_k_dense_replace and (layer_idx + 1) % m.moe_layer_frequency == 0
+
+
+def has_moe_layers(m) -> bool:
+    return any(is_moe_layer(i, m) for i in range(m.num_layers))
+
+
+def neuron_precision(cfg) -> str:
+    """hardware.neuron_precision with `auto` resolved: `mixed` for a model with MoE layers, `bf16_sr`
+    for a dense one. neuronx-distributed computes MoE slot indices in float64 (v2.28.0
+    modules/moe/expert_mlps_v2.py:285-294, :518, :531-545, a cumulative count of tokens per expert);
+    XLA_USE_BF16=1 (bf16_sr) turns float64 into bf16, exact for integers up to 256 only, while
+    XLA_DOWNCAST_BF16=1 (mixed) turns it into float32, exact up to 2**24 (docs/TRAINIUM.md)."""
+    preset = cfg.hardware.neuron_precision
+    if preset != "auto":
+        return preset
+    return "mixed" if has_moe_layers(cfg.model) else "bf16_sr"
+
+
+def planning(cfg) -> bool:
+    """True for runs that plan a layout without launching it (dry_run, simulate)."""
+    return bool(cfg.get("dry_run", False) or cfg.get("simulate", False))
+
+
+def world_of(cfg) -> int:
+    """Devices the layout runs on: trainer.devices * trainer.num_nodes.
+
+    A dry run or a simulation plans for the layout itself instead, so big presets can be
+    inspected on one machine: tp*pp*dp when parallel.dp is pinned, else at least tp*pp*ep
+    (the smallest world where EP fits inside DP, NxD's `world % (tp*pp*ep) == 0`).
+    """
+    trainer_world = cfg.trainer.devices * cfg.trainer.num_nodes
+    if not planning(cfg):
+        return trainer_world
+    p = cfg.parallel
+    if p.dp is not None:
+        return p.tp * p.pp * p.dp
+    return max(trainer_world, p.tp * p.pp * p.ep)
+
+
+def data_parallel_size(cfg) -> int:
+    """Every data-parallel rank: parallel.dp when pinned, else world / (tp * pp); EP is carved out of it."""
+    p = cfg.parallel
+    return p.dp if p.dp is not None else world_of(cfg) // (p.tp * p.pp)
+
+
+def launch_overrides(world: int, devices_per_node: int) -> str:
+    """The trainer overrides that give `world` devices on nodes of `devices_per_node`, fewest nodes first."""
+    nodes = math.ceil(world / devices_per_node)
+    if world % nodes:
+        return f"{world} devices do not split evenly over nodes of {devices_per_node}"
+    return f"trainer.devices={world // nodes} trainer.num_nodes={nodes}"

@@ -1,0 +1,60 @@
+"""The one parallelize sequence: a model built on the meta device becomes this rank's part of it.
+
+In torchtitan's order (torchtitan/models/*/infra/parallelize.py):
+
+    expert parallelism -> tensor parallelism -> load-balance group -> activation checkpointing
+        -> compile -> sharding (FSDP2) -> materialize (storage and values for this rank's shards only)
+
+Each backend says which steps apply with a `Steps` (moe/backends): DDP and DeepSpeed expert
+parallelism over their EP group; fsdp2 all of them on its DeviceMesh; the simulation
+(moe/tools/simulate.py) the backend's own, on fake ranks, materialising fake tensors. NxD builds
+its parallel layers while it builds the model (moe/backends/neuron/layers.py) and its own activation
+checkpointing, so it does not come here.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from moe.parallel.apply import apply_ac, apply_compile, apply_ep, apply_load_balance_group
+from moe.parallel.placement import materialize_distributed
+
+
+@dataclass
+class Steps:
+    """What a backend applies; None skips a step."""
+
+    ep_group: Any = None  # expert parallelism over this group: experts sharded, the all-to-all dispatcher
+    tp_mesh: Any = None  # DTensor tensor parallelism on this 1-D mesh (moe.parallel.tensor_parallel)
+    load_balance_group: Any = None  # routing statistics summed over it (moe_opt.aux_loss_group=dp)
+    shard: Callable[[nn.Module], Any] | None = None  # FSDP2 (moe.parallel.fsdp.apply_fsdp with its meshes)
+    device: Any = "cpu"  # where this rank's storage goes
+    source: Callable | None = None  # initial values (name, shape, first_expert); None: moe.model.init's
+    fake_mode: Any = None  # the simulation's FakeTensorMode: storage is fake
+
+
+def parallelize(model: nn.Module, cfg, tp: int, steps: Steps) -> nn.Module:
+    """Apply `steps` to `model` (built on the meta device) in the one order; returns it. `tp` is the
+    tensor-parallel degree the materialised values are split for."""
+    par = cfg.parallel
+    if steps.ep_group is not None:
+        apply_ep(model, steps.ep_group)
+    if steps.tp_mesh is not None:
+        from moe.parallel.tensor_parallel import apply_tp
+
+        apply_tp(model, steps.tp_mesh)
+    if steps.load_balance_group is not None:
+        apply_load_balance_group(model, steps.load_balance_group)
+    apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)
+    if cfg.model.compile:
+        apply_compile(model)
+    if steps.shard is not None:
+        steps.shard(model)
+    if model.embed_tokens.weight.is_meta:
+        with steps.fake_mode or contextlib.nullcontext():
+            materialize_distributed(model, steps.device, steps.source, cfg.model, tp)
+    return model
