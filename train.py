@@ -4,6 +4,7 @@ Examples:
     python train.py                                    # tiny model, bundled data, CPU
     python train.py parallel=dp2 trainer.devices=2      # 2-process DDP over gloo
     python train.py experiment=karakuri_8x7b_trn1 dry_run=true        # the trn1 plan, 16 nodes
+    python train.py simulate=true experiment=...       # the real parallelize on fake tensors
     python train.py -m moe_opt.capacity_factor=1.0,1.25,1.5,2.0
 """
 import sys
@@ -18,15 +19,40 @@ from moe.errors import exit_on_user_error
 from moe.train.preflight import preflight
 
 
+def plan(cfg: DictConfig, dims, run_dir: str) -> None:
+    """dry_run=true prints the layout and memory plan; simulate=true runs the real parallelize on fake
+    tensors and writes simulation.json into the run dir."""
+    if cfg.dry_run:
+        from moe.tools.plan import make_plan
+
+        print(make_plan(cfg, dims).render())
+    else:
+        from moe.tools.simulate import simulate
+
+        print(simulate(cfg, dims, run_dir).render())
+        print(f"wrote {Path(run_dir) / 'simulation.json'}")
+
+
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> float | None:
     """Returns the final validation loss (else training loss) for sweepers such as Optuna."""
-    from moe.train.run import objective, train
+    from moe.train.console import say
+    from moe.train.run import objective, settle, train
 
-    return objective(train(cfg, run_dir=HydraConfig.get().runtime.output_dir))
+    run_dir = HydraConfig.get().runtime.output_dir
+    if cfg.dry_run or cfg.simulate:  # a simulation, or a dry run inside a multirun
+        dims, note = settle(cfg)
+        if note:
+            say(note)
+        plan(cfg, dims, run_dir)
+        return None
+    return objective(train(cfg, run_dir=run_dir))
 
 
 if __name__ == "__main__":
-    preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"))  # config errors: exit 2, no dir
+    settled = preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"))  # errors: exit 2, no dir
+    if settled is not None and settled[0].dry_run:  # the plan, before Hydra makes a run dir
+        plan(*settled, run_dir="")
+        sys.exit(0)
     main()

@@ -36,7 +36,7 @@ sys.path.insert(0, {repo!r})
 import moe.config
 from moe.backends import build_backend
 from moe.parallel.dims import validated_dims
-from moe.train.module import LitMoE
+from moe.module.lit_moe import LitMoE
 
 world, ep, eager = {world}, {ep}, {eager}
 with initialize_config_dir(config_dir={conf!r}, version_base="1.3"):

@@ -2,7 +2,7 @@
 
 For each shape: the same config, the same weights (`from_hf` of the HF model), the same batch, the
 same process, and both with torch's fused AdamW (transformers' Trainer default for torch >= 2.8,
-training_args.py:806-811; ours: moe.train.optim.build_optimizer). Steps are interleaved (A, B, C,
+training_args.py:806-811; ours: moe.module.optim.build_optimizer). Steps are interleaved (A, B, C,
 A, B, C, ...) so a neighbour loading the CPU hurts every variant alike; figures are medians over
 --steps of wall time. Both losses include the load-balance loss (HF: output_router_logits=True +
 labels; ours: as LitMoE.losses, the chunked LM head + cross-entropy plus the router terms). Each row
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe.config import MoEOptConfig  # noqa: E402
 from moe.config.size import param_breakdown  # noqa: E402
 from moe.hf import from_hf  # noqa: E402
+from moe.module.optim import FUSED_ADAMW_DEVICES  # noqa: E402
 from moe.parallel.apply import apply_compile  # noqa: E402
-from moe.train.optim import FUSED_ADAMW_DEVICES  # noqa: E402
 
 # name -> (hidden, intermediate, layers, heads, kv heads, experts, top_k, vocab, seq, batch)
 SHAPES = {

@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from moe.train.module import LitMoE  # noqa: E402
+from moe.module.lit_moe import LitMoE  # noqa: E402
 
 SPIKE_STEP = int(os.environ["MOE_TEST_SPIKE_STEP"])
 _losses = LitMoE.losses

@@ -206,3 +206,54 @@ def test_infer_and_export_refuse_a_checkpoint_whose_bytes_changed(tmp_path):
     with pytest.raises(UserError, match="sha256") as err:
         read_checkpoint(path)
     assert err.value.field == "ckpt" and "Fix: " in str(err.value)
+
+
+def _old_names(state: dict) -> dict:
+    """A state_dict as checkpoints from before the shared expert was a SwiGLU named it."""
+    from moe.model.mlp import RENAMED
+
+    back = {new: old for old, new in RENAMED.items()}
+
+    def old_name(key: str) -> str:
+        return next((key[: -len(new)] + old for new, old in back.items() if key.endswith(new)), key)
+
+    return {old_name(k): v for k, v in state.items()}
+
+
+def test_a_checkpoint_with_the_shared_experts_older_names_still_loads(tmp_path):
+    """Portable files (resume through Lightning, infer and export through the picker) and sharded DCP
+    directories written before the rename load under today's names."""
+    from dataclasses import asdict
+
+    import torch.distributed.checkpoint as dcp
+
+    from moe.checkpoint.sharded import MODEL_KEY, TRAINER_STATE, _under_saved_names, read_full_checkpoint
+    from moe.config import ModelConfig, MoEOptConfig
+    from moe.infer.load import model_from_checkpoint
+    from moe.model import MoETransformer
+
+    model_cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=8, num_layers=2, num_heads=2,
+                            num_kv_heads=2, num_experts=4, top_k=2, shared_expert_intermediate_size=8)
+    model = MoETransformer(model_cfg, MoEOptConfig(), init_seed=3)
+    old = _old_names({f"model.{k}": v for k, v in model.state_dict().items()})
+    assert "model.layers.0.ffn.shared_expert.gate_up.weight" in old
+    cfg = {"model": asdict(model_cfg), "moe_opt": asdict(MoEOptConfig())}
+    checkpoint = {"global_step": 1, "state_dict": old, "hyper_parameters": {"cfg": cfg}}
+    AtomicCheckpointIO().save_checkpoint(checkpoint, tmp_path / "old.ckpt")
+    assert set(AtomicCheckpointIO().load_checkpoint(tmp_path / "old.ckpt")["state_dict"]) == {
+        f"model.{k}" for k in model.state_dict()}
+    loaded, _ = model_from_checkpoint(tmp_path / "old.ckpt")
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+    sharded = tmp_path / "old-sharded"
+    weights = _old_names(dict(model.state_dict()))
+    dcp.save({MODEL_KEY: weights}, checkpoint_id=str(sharded), no_dist=True)
+    torch.save({"global_step": 1}, sharded / TRAINER_STATE)
+    assert set(read_full_checkpoint(sharded)["state_dict"]) == set(model.state_dict())
+    live = {MODEL_KEY: {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
+    as_saved = _under_saved_names(sharded, live)
+    assert set(as_saved[MODEL_KEY]) == set(weights)
+    dcp.load(as_saved, checkpoint_id=str(sharded), no_dist=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(live[MODEL_KEY][name], value), name

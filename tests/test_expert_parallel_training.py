@@ -93,15 +93,15 @@ def test_ep2_ddp_matches_single_process_and_its_sharded_checkpoint_reads_whole(t
     assert all(abs(a - b) <= 1e-3 * b for a, b in norms)  # expert grads summed over the EP group
 
     # each rank wrote its own 4 experts; read back whole, the checkpoint holds all 8 and their moments
+    from moe.backends import single_process_module
     from moe.checkpoint.picker import read_checkpoint
-    from moe.train.module import LitMoE
 
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_symlink() and sorted(p.name for p in last.resolve().glob("__*_0.distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]
     ckpt = read_checkpoint(last)
     assert ckpt["state_dict"]["model.layers.0.ffn.experts.gate_up"].shape[0] == 8
-    module = LitMoE(ckpt["hyper_parameters"]["cfg"])
+    module = single_process_module(ckpt["hyper_parameters"]["cfg"])
     module.load_state_dict(ckpt["state_dict"], strict=True)
     reference = torch.load(single / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     diff = max((module.state_dict()[k] - v).abs().max().item() for k, v in reference["state_dict"].items())

@@ -10,12 +10,12 @@ from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
 from moe.data.tokenizer import chat_template_jinja, save_tokenizer, train_bpe
 from moe.errors import ConfigError, UserError
+from moe.hf import tensor_source
 from moe.infer.export import export_hf
 from moe.infer.generate import generate, left_pad
 from moe.infer.load import model_from_hf_dir
 from moe.infer.run import chat_prefix
 from moe.model import MoETransformer
-from moe.model.hf_tensors import hf_tensor_source
 from moe.train.init_from_hf import apply_init_from_hf
 
 V = 300  # tokenizer below has 290 ids; the model keeps 10 spare rows as trained models may
@@ -178,7 +178,7 @@ def test_init_from_hf_takes_the_architecture_and_weights_from_the_dir(tmp_path, 
     assert cfg.data.tokenizer == str(tmp_path / "mix")  # unset data tokenizer -> the model's own
     with torch.device("meta"):  # as training builds it: each tensor read from the files as it is filled
         model = MoETransformer(cfg.model, MoEOptConfig(capacity_factor=None, eval_capacity_factor=None))
-    model.materialize("cpu", hf_tensor_source(cfg.model.init_from_hf, cfg.model))
+    model.materialize("cpu", tensor_source(cfg.model.init_from_hf, cfg.model))
     model.eval()
     ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

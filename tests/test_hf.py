@@ -15,8 +15,8 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from moe.config import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
 from moe.hf import from_hf, model_config_from_hf, to_hf
+from moe.hf.mixtral import Mixtral
 from moe.model import MoETransformer
-from moe.model import hf as hf_interop
 
 DROPLESS = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
 
@@ -164,8 +164,8 @@ def test_per_expert_layout_is_what_save_pretrained_writes(tmp_path):
     model = ours(1.0e6, 4, 2, None, 2, 4, False, None)
     to_hf(model).save_pretrained(tmp_path)
     disk = load_file(tmp_path / "model.safetensors")
-    stacked = hf_interop._to_hf_state_dict(model)
-    per_expert = hf_interop._per_expert(stacked, num_layers=2)
+    stacked = Mixtral().state_dict(model)
+    per_expert = Mixtral().per_expert(stacked, num_layers=2)
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in disk
     assert sorted(per_expert) == sorted(disk)
     for key, value in disk.items():
@@ -174,13 +174,13 @@ def test_per_expert_layout_is_what_save_pretrained_writes(tmp_path):
 
 
 def test_safetensors_read_lazily_give_our_tensors_expert_by_expert(tmp_path):
-    """hf_tensor_source (trn1's init_from_hf) reads one tensor, or a run of experts, from the files
+    """tensor_source (trn1's init_from_hf) reads one tensor, or a run of experts, from the files
     save_pretrained wrote, and gives exactly our model's values, for every parameter."""
-    from moe.model.hf_tensors import hf_tensor_source
+    from moe.hf import tensor_source
 
     model = ours(1.0e6, 4, 2, None, 2, 4, False, None)
     to_hf(model).save_pretrained(tmp_path)
-    source = hf_tensor_source(tmp_path, model.cfg)
+    source = tensor_source(tmp_path, model.cfg)
     for name, value in model.state_dict().items():
         assert torch.equal(source(name, tuple(value.shape), None), value), name
     gate_up = model.state_dict()["layers.1.ffn.experts.gate_up"]

@@ -12,10 +12,9 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.config import ModelConfig, MoEOptConfig
 from moe.config.size import flops_per_token, param_breakdown
 from moe.errors import ConfigError
-from moe.hf import from_hf, model_config_from_hf, moe_opt_from_hf, to_hf
+from moe.hf import from_hf, model_config_from_hf, moe_opt_from_hf, tensor_source, to_hf
+from moe.hf.deepseek_v3 import DeepSeekV3, deinterleave_order
 from moe.model import MoETransformer
-from moe.model.hf_deepseek import check_routing_matches, deinterleave_order
-from moe.model.hf_tensors import hf_tensor_source
 
 V = 61
 # (q_lora_rank, rope_interleave, first_k_dense, n_group/topk_group, tied, n_shared, scaling, norm_topk)
@@ -125,10 +124,10 @@ def test_round_trip_through_save_pretrained_and_lazy_reads(tmp_path):
     # as model.init_from_hf fills a model built on the meta device: tensor by tensor, expert bias included
     with torch.device("meta"):
         lazy = MoETransformer(back.cfg, back.moe_opt)
-    lazy.materialize("cpu", hf_tensor_source(tmp_path / "ds", back.cfg))
+    lazy.materialize("cpu", tensor_source(tmp_path / "ds", back.cfg))
     for name, value in back.state_dict().items():
         torch.testing.assert_close(lazy.state_dict()[name], value, rtol=0, atol=0, msg=name)
-    source = hf_tensor_source(tmp_path / "ds", back.cfg)
+    source = tensor_source(tmp_path / "ds", back.cfg)
     torch.testing.assert_close(source("layers.2.ffn.experts.down", (3, 12, 32), 5),
                                back.layers[2].ffn.experts.down[5:8], rtol=0, atol=0)
 
@@ -176,9 +175,9 @@ def test_import_refuses_what_we_do_not_implement(attr, value, field):
 
 def test_init_from_hf_needs_the_checkpoints_routing():
     config = hf_model(*CASES[0]).config
-    check_routing_matches(config, moe_opt_from_hf(config))  # its own routing passes
+    DeepSeekV3().check_routing(config, moe_opt_from_hf(config), config.num_experts_per_tok)  # its own
     with pytest.raises(ConfigError) as err:
-        check_routing_matches(config, MoEOptConfig())
+        DeepSeekV3().check_routing(config, MoEOptConfig(), config.num_experts_per_tok)
     assert err.value.field == "moe_opt.score_function"
     assert "moe_opt.num_groups=2, moe_opt.group_top_k=1, moe_opt.topk_scaling_factor=2.5" in err.value.fix
 

@@ -3,9 +3,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from moe.backends import single_process_module
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
 from moe.model.loss import router_loss_sum
-from moe.train.module import LitMoE
 
 
 def test_loss_is_ce_plus_coefficients_times_router_losses_of_every_layer():
@@ -13,7 +13,7 @@ def test_loss_is_ce_plus_coefficients_times_router_losses_of_every_layer():
                                            moe_opt=MoEOptConfig(aux_loss_coeff=0.5, z_loss_coeff=0.25),
                                            run_name="t"))
     torch.manual_seed(0)
-    module = LitMoE(cfg)
+    module = single_process_module(cfg)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
     batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
     loss, lm_loss, out = module.losses(batch)

@@ -9,7 +9,7 @@ import torch
 from moe.config import ModelConfig, MoEOptConfig
 from moe.model import MoETransformer
 from moe.model.routing import RoutingStats, top_k_routing
-from moe.train.expert_bias import ExpertBiasUpdate
+from moe.module.expert_bias import ExpertBiasUpdate
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
             num_experts=4, top_k=2)

@@ -215,7 +215,7 @@ def test_shared_expert_is_added():
     x, _ = inputs()
     y, _ = layer(x)
     shared = layer.shared_expert
-    routed = y - shared.down(F.silu(shared.gate_up(x)[..., :8]) * shared.gate_up(x)[..., 8:])
+    routed = y - shared.down_proj(F.silu(shared.gate_up_proj(x)[..., :8]) * shared.gate_up_proj(x)[..., 8:])
     layer.shared_expert = None
     torch.testing.assert_close(routed, layer(x)[0], atol=1e-6, rtol=1e-5)
 
@@ -263,3 +263,37 @@ def test_config_errors(kwargs, field):
                        MoEOptConfig(**kwargs))
     assert err.value.field == field
     assert "Fix:" in str(err.value)
+
+
+def same_contract(impl, protocol) -> None:
+    """Each of the protocol's methods is on `impl` with the same parameter names and return annotation."""
+    import inspect
+
+    for name in (n for n in vars(protocol) if not n.startswith("_")):
+        want, have = inspect.signature(getattr(protocol, name)), inspect.signature(getattr(impl, name))
+        assert list(have.parameters) == list(want.parameters), (impl, name)
+        assert have.return_annotation == want.return_annotation, (impl, name)
+
+
+def test_the_local_and_all_to_all_dispatchers_implement_the_dispatcher_contract():
+    from moe.model.dispatch import Dispatched, Dispatcher, LocalDispatcher
+    from moe.parallel.dispatch import AllToAllDispatcher
+
+    for impl in (LocalDispatcher, AllToAllDispatcher):
+        same_contract(impl, Dispatcher)
+    local = LocalDispatcher()
+    assert isinstance(local, Dispatcher)
+    assert isinstance(MoELayer(8, 4, 4, 2, MoEOptConfig()).dispatcher, Dispatcher)
+    x, idx = torch.randn(5, 8), torch.tensor([[0, 1], [2, 3], [1, 0], [3, 3], [0, 2]])
+    out = local.dispatch(x, idx, None, None, 4)
+    assert isinstance(out, Dispatched) and out.rows_MH.shape == (10, 8)
+    assert out.counts_E.tolist() == [3, 2, 2, 3]
+    y = local.combine(out.rows_MH, torch.full((5, 2), 0.5), out.ctx)
+    assert torch.allclose(y, x)  # each token's two rows are itself, weighted 0.5 + 0.5
+
+
+def test_moe_layer_implements_the_feed_forward_contract():
+    from moe.model.moe import MoEFeedForward
+
+    same_contract(MoELayer, MoEFeedForward)
+    assert isinstance(MoELayer(8, 4, 4, 2, MoEOptConfig()), MoEFeedForward)

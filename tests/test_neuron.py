@@ -399,11 +399,11 @@ def test_8_mixtral_8x7b_is_built_on_the_meta_device(nxd):
 
 def test_8_each_parameter_gets_the_values_every_backend_starts_from(nxd):
     """param_init_fn fills NxD's model with moe.model.init's values: the same numbers as LitMoE's."""
+    from moe.backends import single_process_module
     from moe.checkpoint.nxd import our_name
-    from moe.train.module import LitMoE
 
     module = neuron_module()
-    ours = LitMoE(compose_cfg("trainer.devices=2")).model.state_dict()
+    ours = single_process_module(compose_cfg("trainer.devices=2")).model.state_dict()
     theirs = {our_name(k): v for k, v in module.model.state_dict().items()}
     assert set(theirs) == set(ours)
     for name, value in ours.items():
@@ -412,10 +412,10 @@ def test_8_each_parameter_gets_the_values_every_backend_starts_from(nxd):
 
 def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_path):
     """model.init_from_hf on trn1: each rank's param_init_fn reads its shard from DIR's safetensors
-    (moe.model.hf_tensors), so the model NxD trains holds DIR's weights; a resumed run does not."""
+    (moe.hf.tensor_source), so the model NxD trains holds DIR's weights; a resumed run does not."""
     from moe.backends.neuron import NeuronBackend
     from moe.checkpoint.nxd import our_name
-    from moe.model.hf import from_hf, to_hf
+    from moe.hf import from_hf, to_hf
     from moe.model.model import MoETransformer
     from moe.train.init_from_hf import apply_init_from_hf
 
@@ -448,11 +448,11 @@ NXD_HEAVY_DROPS = ("moe_opt=nxd", "moe_opt.capacity_factor=0.5", "moe_opt.eval_c
 def test_loss_matches_litmoe_at_degree_1(nxd, moe_opt):
     """Dropless, NxD's capacity, and a capacity that drops a quarter of the assignments (where NxD's
     renormalisation over the kept experts, moe_opt.normalize_after_drop, decides the numbers)."""
+    from moe.backends import single_process_module
     from moe.backends.neuron.causal_lm import pop_routing
-    from moe.train.module import LitMoE
 
     module = neuron_module(*moe_opt)
-    reference = LitMoE(compose_cfg(*module_routing(module.cfg)))
+    reference = single_process_module(compose_cfg(*module_routing(module.cfg)))
     batch = batch_of(module.cfg)
     loss, lm = module.model(batch["input_ids"], batch["labels"])
     ref_loss, ref_lm, out = reference.losses(batch)
@@ -473,10 +473,10 @@ def test_validation_of_one_sequence_keeps_the_capacity(nxd):
     or a validation micro-batch of one sequence has "sequence length" 1, which NxD's eval runs as token
     generation, with no capacity (modules/moe/model.py:196, expert_mlps_v2.py:1469); make test-neuron
     measured it in NxD's real code as a validation loss 5e-5 off one process's."""
-    from moe.train.module import LitMoE
+    from moe.backends import single_process_module
 
     module = neuron_module(*NXD_HEAVY_DROPS)
-    reference = LitMoE(compose_cfg(*module_routing(module.cfg)))
+    reference = single_process_module(compose_cfg(*module_routing(module.cfg)))
     one = {k: v[:1] for k, v in batch_of(module.cfg).items()}
     module.model.eval()
     reference.eval()
@@ -672,8 +672,8 @@ def test_trn1_checkpoints_generate_convert_and_export(trn1_run, tmp_path):
     portable .ckpt; export_hf from it gives a Mixtral directory holding those weights."""
     from moe.checkpoint.nxd import read_checkpoint
     from moe.checkpoint.picker import resolve_checkpoint
+    from moe.hf import from_hf
     from moe.infer.load import model_from_checkpoint
-    from moe.model.hf import from_hf
 
     newest = trn1_run / "checkpoints" / "step-000006.ckpt"
     assert resolve_checkpoint(str(trn1_run)) == newest
@@ -761,3 +761,14 @@ def test_gqa_qkv_shard_holds_each_ranks_own_heads():
     rows = torch.arange(q + 2 * kv).unsqueeze(1).float()
     shard = local_shard(rows, split_of("layers.0.attn.qkv_proj.weight", cfg.model), rank=1, tp=2).flatten()
     assert shard.tolist() == [*range(64, 128), *range(q + 32, q + 64), *range(q + kv + 32, q + 2 * kv)]
+
+
+def test_nxd_moe_layer_implements_the_feed_forward_contract(nxd_fakes):
+    """trn1 swaps the whole MoE layer (NxD fuses dispatch, experts and combine): it meets the layer's
+    contract, as moe.model.moe.MoELayer does."""
+    from test_moe_layer import same_contract
+
+    from moe.backends.neuron.moe_layer import NxDMoELayer
+    from moe.model.moe import MoEFeedForward
+
+    same_contract(NxDMoELayer, MoEFeedForward)

@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from moe.config import OptimizerConfig
-from moe.train.optim import (
+from moe.module.optim import (
     build_optimizer,
     build_scheduler,
     fit_scheduler_states,

@@ -12,8 +12,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from moe.config import ModelConfig, MoEOptConfig
 from moe.config.validate import validate_groups, validate_routing
 from moe.errors import ConfigError
+from moe.hf import check_exportable
 from moe.model import MoETransformer
-from moe.model.hf import check_exportable
 from moe.model.moe import MoELayer
 from moe.model.routing import balance_probs, limit_to_groups, router_probs, top_k_routing
 

@@ -17,8 +17,8 @@ from hydra import compose, initialize_config_dir
 
 from moe.config.validate import check_guard
 from moe.errors import ConfigError
+from moe.module.lit_moe import LitMoE
 from moe.train.guard import LEDGER
-from moe.train.module import LitMoE
 from moe.train.run import train
 
 TINY = ["model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=2", "model.num_heads=2",

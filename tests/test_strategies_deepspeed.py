@@ -20,8 +20,8 @@ from moe.checkpoint.picker import read_checkpoint
 from moe.config.validate import validate
 from moe.errors import ConfigError, UserError
 from moe.model import MoETransformer
+from moe.module.optim import build_optimizer
 from moe.parallel.dims import validated_dims
-from moe.train.optim import build_optimizer
 from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train
 
 REPO = Path(__file__).resolve().parents[1]

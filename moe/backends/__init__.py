@@ -21,4 +21,17 @@ def build_backend(cfg, dims):
     return backend_class(cfg, dims)
 
 
-__all__ = ["build_backend"]
+def single_process_module(cfg):
+    """A LitMoE built on its own, eagerly, in one process (tests, tools), with DDP's one-rank backend;
+    `cfg` a config or the plain dict a checkpoint stores."""
+    from omegaconf import OmegaConf
+
+    from moe.backends.ddp import DDPBackend
+    from moe.module import LitMoE
+    from moe.parallel.dims import ParallelDims
+
+    cfg = OmegaConf.create(cfg)
+    return LitMoE(cfg, DDPBackend(cfg, ParallelDims.from_config(cfg)))
+
+
+__all__ = ["build_backend", "single_process_module"]

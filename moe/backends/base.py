@@ -75,7 +75,7 @@ class Backend:
     def build_module(self, resuming: bool = False):
         """The LightningModule that trains `moe.model.MoETransformer` on this backend, built on the meta
         device: `parallelize` gives each rank storage and values for its own shard only."""
-        from moe.train.module import LitMoE
+        from moe.module import LitMoE
 
         self._resuming = resuming
         return LitMoE(self.cfg, backend=self, on_meta=True)
@@ -86,17 +86,9 @@ class Backend:
         model = self.cfg.model
         if self._resuming or not (model.init_from_hf or model.upcycle_from_hf):
             return None
-        if model.init_from_hf:
-            from moe.model.hf_tensors import hf_tensor_source
+        from moe.hf import tensor_source
 
-            return hf_tensor_source(model.init_from_hf, model)
-        from moe.model.init import init_stds, initial_values
-        from moe.model.upcycle import dense_tensor_source
-
-        std, out_std = init_stds(model)
-        seed = self.cfg.seed
-        return dense_tensor_source(model.upcycle_from_hf, model,
-                                   lambda name, shape: initial_values(name, shape, seed, std, out_std))
+        return tensor_source(model.init_from_hf or model.upcycle_from_hf, model, self.cfg.seed)
 
     @staticmethod
     def device_of(module) -> torch.device:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from moe.backends.base import Backend, TrainerParts
+from moe.config.derived import precision_of
 
 
 class DDPBackend(Backend):
@@ -29,7 +30,7 @@ class DDPBackend(Backend):
         else:
             strategy = DDPStrategy(process_group_backend=backend) if world > 1 else "auto"
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=strategy,
-                            precision=self.cfg.trainer.precision or self.cfg.hardware.precision, plugins=[],
+                            precision=precision_of(self.cfg), plugins=[],
                             overrides={})
 
     def parallelize(self, module) -> None:

@@ -39,6 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moe.backends.base import Backend, TrainerParts
+from moe.config.derived import precision_of
 from moe.config.specs import REDUCE_BUCKET_ELEMENTS
 from moe.errors import UserError
 from moe.parallel.dims import ExpertGroups
@@ -49,7 +50,7 @@ ZERO_SHARDS_SUFFIX = ".zero"
 
 def deepspeed_config(cfg) -> dict:
     """The DeepSpeed config dict from the (validated) parallel, optimizer, trainer and hardware groups."""
-    p, precision = cfg.parallel, cfg.trainer.precision or cfg.hardware.precision
+    p, precision = cfg.parallel, precision_of(cfg)
     on_gpu = cfg.hardware.accelerator == "gpu"
     config = {
         "train_micro_batch_size_per_gpu": cfg.trainer.micro_batch_size,
@@ -96,7 +97,7 @@ class DeepSpeedBackend(Backend):
 
     def trainer_parts(self) -> TrainerParts:
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=self.strategy,
-                            precision=self.cfg.trainer.precision or self.cfg.hardware.precision, plugins=[],
+                            precision=precision_of(self.cfg), plugins=[],
                             overrides={})
 
     def make_expert_groups(self) -> ExpertGroups:

@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from moe.backends.base import Backend, TrainerParts
+from moe.config.derived import precision_of
 from moe.parallel.dims import ExpertGroups
 from moe.parallel.parallelize import Steps
 
@@ -40,7 +41,7 @@ class FSDP2Backend(Backend):
 
             accelerator = TorchNeuronAccelerator()
         return TrainerParts(accelerator=accelerator, strategy=strategy,
-                            precision=self.cfg.trainer.precision or self.cfg.hardware.precision, plugins=[],
+                            precision=precision_of(self.cfg), plugins=[],
                             overrides={})
 
     @property

@@ -33,12 +33,20 @@ import torch
 
 from moe.checkpoint import nxd, sharded
 from moe.checkpoint.io import CorruptCheckpoint, check_zip_crc, file_sha256, meta_path
+from moe.model.mlp import upgraded
 
 _STEP_IN_NAME = re.compile(r"step[-=_]?(\d+)")
 
 
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+
+def _current_names(checkpoint):
+    """A checkpoint's weights under today's parameter names (moe.model.mlp.RENAMED)."""
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
+        checkpoint["state_dict"] = upgraded(checkpoint["state_dict"])
+    return checkpoint
 
 
 def step_hint(path: Path) -> int:
@@ -140,13 +148,13 @@ class Portable(Format):
         import pickle
 
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return _current_names(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
         except pickle.UnpicklingError as err:
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             print(f"warning: {path} holds objects beyond tensors and plain containers ({first_line[:200]}); "
                   "loading it with weights_only=False, which runs its pickled code: only load checkpoints "
                   "you trust", file=sys.stderr)
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return _current_names(torch.load(path, map_location="cpu", weights_only=False))
 
 
 _VERIFIED: dict[tuple, int | None] = {}  # checkpoint files that verified in this process -> global_step

@@ -13,6 +13,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
 from moe.checkpoint.formats import Sharded
 from moe.checkpoint.io import TMP_SUFFIX, atomic_torch_save, meta_path, remove
+from moe.model.mlp import upgraded
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -36,7 +37,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         sharded = Sharded()
         if sharded.detect(path):
             return sharded.read(path)
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint["state_dict"] = upgraded(checkpoint["state_dict"])  # older parameter names
+        return checkpoint
 
     def remove_checkpoint(self, path) -> None:
         super().remove_checkpoint(path)

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from moe.config.derived import dense_width, head_dim_of
+
 # our name suffix -> the NxD MoE module's name for the same tensor
 MOE_NAMES = {
     "ffn.router.weight": "ffn.moe.router.linear_router.weight",
@@ -66,7 +68,7 @@ REPLICATED = Split(None)
 def split_of(name: str, model_cfg) -> Split:
     """How the tensor called `name` (our name) is split over tensor-parallel ranks."""
     m = model_cfg
-    head_dim = m.head_dim or m.hidden_size // m.num_heads
+    head_dim = head_dim_of(m)
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return Split(0)  # vocabulary rows: ParallelEmbedding, ColumnParallelLinear
     if name.endswith("attn.qkv_proj.weight"):
@@ -75,7 +77,7 @@ def split_of(name: str, model_cfg) -> Split:
     if name.endswith(("attn.o_proj.weight", "ffn.down_proj.weight")):
         return Split(1)  # RowParallelLinear: input columns
     if name.endswith("ffn.gate_up_proj.weight"):
-        f = m.dense_intermediate_size or m.intermediate_size
+        f = dense_width(m)
         return Split(0, (f, f))  # [gate | up] rows
     if name.endswith("ffn.experts.gate_up"):
         return Split(2, (m.intermediate_size, m.intermediate_size))  # [E, H, gate | up]

@@ -44,6 +44,7 @@ from moe.checkpoint.io import (
     write_json_atomic,
 )
 from moe.errors import UserError
+from moe.model.mlp import RENAMED, upgraded
 
 TRAINER_STATE = "trainer_state.pt"
 PARTIAL_SUFFIX = ".partial"
@@ -207,7 +208,7 @@ def load_sharded(path: str | Path, module, optimizers: list, mesh) -> dict:
         rank_zero_warn(f"{path} holds no torch optimizer state (written by DeepSpeed): weights restored, "
                        "Adam moments start from zero")
         optimizers = []
-    state = _wrapped(module, optimizers, mesh)
+    state = _under_saved_names(path, _wrapped(module, optimizers, mesh))
     dcp.load(state, checkpoint_id=str(path))  # into the live tensors: every piece is a view of one
     if optimizers:
         for live, saved in zip(optimizers[0].param_groups, state[OPTIMIZER_KEY]["param_groups"], strict=True):
@@ -215,6 +216,24 @@ def load_sharded(path: str | Path, module, optimizers: list, mesh) -> dict:
     rest = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
     rest.pop(PARAM_GROUPS, None)
     return {**rest, "state_dict": {}, "optimizer_states": [{}] * count}
+
+
+def _under_saved_names(path: Path, state: dict) -> dict:
+    """`state` keyed as the checkpoint was written: a checkpoint from before moe.model.mlp.RENAMED keeps
+    the older parameter names, so its keys are mapped back to them for dcp.load."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if not any(fqn.endswith(tuple(RENAMED)) for fqn in saved):
+        return state
+    back = {new: old for old, new in RENAMED.items()}
+
+    def saved_name(key: str) -> str:
+        return next((key[: -len(new)] + old for new, old in back.items() if key.endswith(new)), key)
+
+    state = dict(state, **{MODEL_KEY: {saved_name(k): v for k, v in state[MODEL_KEY].items()}})
+    if OPTIMIZER_KEY in state:
+        optim = state[OPTIMIZER_KEY]
+        state[OPTIMIZER_KEY] = {**optim, "state": {saved_name(k): v for k, v in optim["state"].items()}}
+    return state
 
 
 def _has_optimizer_state(path: Path) -> bool:
@@ -238,7 +257,7 @@ def read_full_checkpoint(path: str | Path) -> dict:
         dcp.load(flat, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     checkpoint = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
     prefix = MODEL_KEY + "."
-    checkpoint["state_dict"] = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    checkpoint["state_dict"] = upgraded({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
     checkpoint["optimizer_states"] = [_torch_optimizer_state(groups, flat)
                                       for groups in checkpoint.pop(PARAM_GROUPS, [])]
     return checkpoint

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from moe.data.formats import DEFAULT_CHAT_TEMPLATE
+from moe.config.schema import DEFAULT_CHAT_TEMPLATE
 
 
 @dataclass

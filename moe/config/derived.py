@@ -62,6 +62,11 @@ def planning(cfg) -> bool:
     return bool(cfg.get("dry_run", False) or cfg.get("simulate", False))
 
 
+def trainer_world(cfg) -> int:
+    """Devices the trainer launches on: trainer.devices * trainer.num_nodes."""
+    return cfg.trainer.devices * cfg.trainer.num_nodes
+
+
 def world_of(cfg) -> int:
     """Devices the layout runs on: trainer.devices * trainer.num_nodes.
 
@@ -69,13 +74,12 @@ def world_of(cfg) -> int:
     inspected on one machine: tp*pp*dp when parallel.dp is pinned, else at least tp*pp*ep
     (the smallest world where EP fits inside DP, NxD's `world % (tp*pp*ep) == 0`).
     """
-    trainer_world = cfg.trainer.devices * cfg.trainer.num_nodes
     if not planning(cfg):
-        return trainer_world
+        return trainer_world(cfg)
     p = cfg.parallel
     if p.dp is not None:
         return p.tp * p.pp * p.dp
-    return max(trainer_world, p.tp * p.pp * p.ep)
+    return max(trainer_world(cfg), p.tp * p.pp * p.ep)
 
 
 def data_parallel_size(cfg) -> int:

@@ -11,7 +11,9 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from moe.data.formats import DEFAULT_CHAT_TEMPLATE
+# The chat format of no_robots (the KARAKURI LM 8x7B Chat recipe); the default of data.chat_template,
+# data_prep's chat_template and infer's.
+DEFAULT_CHAT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
 
 
 @dataclass

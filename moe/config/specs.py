@@ -20,7 +20,7 @@ class StateBytes:
 
     `step`: what the optimizer step adds for a moment per (optimizer-sharded) parameter: torch's
     foreach AdamW keeps one more fp32 copy while it computes the update, its fused kernel (what
-    moe.train.optim builds on CPU and CUDA) none; DeepSpeed's ZeRO optimizer holds the partition's
+    moe.module.optim builds on CPU and CUDA) none; DeepSpeed's ZeRO optimizer holds the partition's
     fp32 gradient then, having freed the model's half-precision ones (`grads_in_step` False;
     deepspeed 0.19.8 runtime/zero/stage_1_and_2.py:3126 sets the fp32 grad partition, :3128 frees
     the half gradients, :3139 steps, :3141 frees the partition).
@@ -49,7 +49,7 @@ class BackendSpec:
     # the LM head and cross-entropy run in token chunks (moe/model/fused_ce.py): no [tokens, vocab]
     # logits. NxD's vocabulary-parallel cross-entropy takes the full (sharded) logits.
     fused_cross_entropy: bool = True
-    # torch's fused AdamW (moe.train.optim.FUSED_ADAMW_DEVICES): the update needs no fp32 copy
+    # torch's fused AdamW (moe.module.optim.FUSED_ADAMW_DEVICES): the update needs no fp32 copy
     fused_adamw: bool = True
     # the ZeRO stage from which weights are sharded at rest (ZeRO-3; FSDP2 from 2, which only keeps them
     # gathered between a block's forward and backward)

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import math
 
+from omegaconf import DictConfig, OmegaConf
+
 from moe.config.derived import (
     data_parallel_size,
+    dense_width,
     has_moe_layers,
+    head_dim_of,
     launch_overrides,
     neuron_precision,
     planning,
+    precision_of,
     world_of,
 )
-from moe.config.schema import normalizes
+from moe.config.schema import DEFAULT_CHAT_TEMPLATE, normalizes
 from moe.config.specs import SPECS, spec_of
 from moe.errors import ConfigError
 
@@ -109,7 +114,7 @@ def validate_gqa(m, prefix: str) -> None:
     _need(m.num_heads % m.num_kv_heads == 0, f"{prefix}.num_kv_heads", m.num_kv_heads,
           f"use a divisor of {prefix}.num_heads={m.num_heads} (GQA shares a kv head by a group of q heads)",
           f"does not divide num_heads={m.num_heads}")
-    head_dim = m.head_dim or m.hidden_size // m.num_heads
+    head_dim = head_dim_of(m)
     _need(m.position_encoding != "rope" or head_dim % 2 == 0, f"{prefix}.head_dim", head_dim,
           "RoPE rotates pairs of dims: use an even head_dim", "is odd")
 
@@ -208,7 +213,7 @@ def check_backend(cfg) -> None:
           f"exceeds hardware.devices_per_node={hw.devices_per_node} ({hw.name})")
     _one_of("hardware.neuron_precision", hw.neuron_precision, NEURON_PRECISIONS, "Neuron precision preset")
     spec = spec_of(cfg)
-    precision = cfg.trainer.precision or hw.precision
+    precision = precision_of(cfg)
     if spec.precisions is None:
         _need(cfg.trainer.precision is None, "trainer.precision", cfg.trainer.precision,
               "leave trainer.precision=null and pick hardware.neuron_precision "
@@ -354,6 +359,23 @@ def check_model(cfg) -> None:
     validate_model(cfg.model, cfg.moe_opt)
 
 
+def check_hf_start(cfg) -> None:
+    """model.init_from_hf / upcycle_from_hf: one of them; fine-grained upcycling (granularity g) starts
+    equal to the dense model only with the top-k weights scaled by g (moe/hf/dense.py)."""
+    m = cfg.model
+    upcycle = m.get("upcycle_from_hf")
+    _need(not (m.init_from_hf and upcycle), "model.upcycle_from_hf", upcycle,
+          "set only one of model.init_from_hf (a Mixtral or DeepSeek-V3 directory) and "
+          "model.upcycle_from_hf (a dense one)", "is set together with model.init_from_hf")
+    g = m.get("upcycle_granularity", 1)
+    if upcycle and g > 1:
+        scaling = cfg.moe_opt.get("topk_scaling_factor")
+        _need(scaling == g, "moe_opt.topk_scaling_factor", scaling,
+              f"set moe_opt.topk_scaling_factor={g}: each of a copy's {g} slices then gets weight "
+              f"1/{g} x {g}, and the start equals the dense model",
+              f"does not match model.upcycle_granularity={g}")
+
+
 def check_seq_len(cfg) -> None:
     m, seq_len = cfg.model, cfg.data.seq_len
     _need(seq_len >= 1, "data.seq_len", seq_len, "use a positive sequence length such as 2048",
@@ -398,7 +420,7 @@ def check_schedule(cfg) -> None:
           "use a positive step count, or null for trainer.max_steps", "must be at least 1")
     _need(o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps,
           "use 0 (no warm-up) or a positive step count", "must not be negative")
-    # longer than the decay horizon (a short run with the default): moe.train.optim.warmup_of clamps it
+    # longer than the decay horizon (a short run with the default): moe.module.optim.warmup_of clamps it
 
 
 def check_guard(cfg) -> None:
@@ -574,7 +596,7 @@ def check_fsdp2(cfg) -> None:
               f"use a tp that divides model.num_kv_heads={m.num_kv_heads}",
               f"does not divide num_kv_heads={m.num_kv_heads}: each rank holds whole KV heads")
     if p.tp > 1:
-        width = m.dense_intermediate_size or m.intermediate_size
+        width = dense_width(m)
         _need(width % p.tp == 0, "parallel.tp", p.tp, f"use a tp that divides the dense MLP width {width}",
               f"does not divide the dense MLP width {width}")
         _need(m.position_encoding == "rope", "model.position_encoding", m.position_encoding,
@@ -582,12 +604,61 @@ def check_fsdp2(cfg) -> None:
               "is not split over TP ranks (ALiBi's slopes are per head)")
 
 
-RULES = [  # in order: counts, then the hardware, then divisibility of the layout, then the rest
+# Nodes whose keys are free-form (a logger's or a callback's constructor arguments; Hydra's own node).
+FREE_FORM = ("logger", "callbacks", "hydra")
+
+
+def check_known_keys(cfg) -> None:
+    """Refuse keys the typed schema does not define: `+trainer.max_step=5` adds one silently otherwise."""
+    from moe.config.schema import TrainConfig
+
+    if not isinstance(cfg, DictConfig):
+        return  # a TrainConfig dataclass has no other keys
+    schema = OmegaConf.structured(TrainConfig)
+
+    def walk(node, known, path: str) -> None:
+        if not isinstance(node, DictConfig) or not isinstance(known, DictConfig):
+            return
+        if OmegaConf.get_type(known) is dict:  # a dict-typed field: any key
+            return
+        for key in node.keys():
+            where = f"{path}.{key}" if path else str(key)
+            if key not in known and where not in FREE_FORM:
+                options = ", ".join(sorted(str(k) for k in known.keys()))
+                raise ConfigError(where, "???" if OmegaConf.is_missing(node, key) else node[key],
+                                  f"remove it or use one of the keys of {path or 'the root'}: {options}",
+                                  problem="is not a key of the config schema (a `+` override adds keys "
+                                          "silently; every key is in docs/CONFIG.md)")
+            if where not in FREE_FORM and not where.startswith(tuple(f"{f}." for f in FREE_FORM)):
+                walk(node[key], known[key], where)
+
+    walk(cfg, schema, "")
+
+
+def check_finite(cfg) -> None:
+    """Every number must be finite: nan/inf pass the type check and fail mid-run (or silently)."""
+
+    def walk(node, path: str) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(value, dict | list):
+                walk(value, where)
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(where, value, "give a finite number (see docs/CONFIG.md for its range)",
+                                  problem="is not a finite number")
+
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    walk(OmegaConf.to_container(node, resolve=False), "")  # interpolations: their targets are checked
+
+
+RULES = [  # in order: keys and numbers, counts, then the hardware, then divisibility of the layout, the rest
+    check_known_keys, check_finite,
     check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_model,
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
-    check_neuron, check_fsdp2,
+    check_neuron, check_fsdp2, check_hf_start,
 ]
 
 
@@ -601,8 +672,6 @@ def validate(cfg) -> None:
 
 
 def check_chat_template(field: str, template: str) -> None:
-    from moe.data.formats import DEFAULT_CHAT_TEMPLATE
-
     for slot in ("{prompt}", "{completion}"):
         _need(template.count(slot) == 1, field, template,
               f"put {slot} exactly once in the template, e.g. {DEFAULT_CHAT_TEMPLATE!r}",

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe.config.schema import DEFAULT_CHAT_TEMPLATE
 from moe.errors import UserError
 
 # Reasons a row renders to nothing without being bad input.
 BENIGN = frozenset({"blank_line"})
 ROLES = ("system", "user", "assistant")
 TURN_SEPARATOR = "\n"  # between rendered (prompt, completion) turns of one conversation
-# The chat format of no_robots (the KARAKURI LM 8x7B Chat recipe); the default of data.chat_template
-# and data_prep's chat_template.
-DEFAULT_CHAT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
 
 
 @dataclass(frozen=True)

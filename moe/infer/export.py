@@ -1,6 +1,6 @@
 """Export a model as a Mixtral (GQA) or DeepSeek-V3 (MLA) directory that transformers loads offline.
 
-`moe.model.hf` converts models in memory; this writes config.json + model.safetensors +
+`moe.hf` converts models in memory; this writes config.json + model.safetensors +
 generation_config.json + tokenizer files atomically (a temp dir renamed into place, so a
 failure leaves nothing half-written).
 """
@@ -23,7 +23,7 @@ def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_tem
     `tokenizer`: a transformers tokenizer or a directory holding one. Refuses (ConfigError)
     a model its transformers class cannot express before anything touches disk.
     """
-    from moe.model.hf import to_hf
+    from moe.hf import to_hf
 
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:

@@ -16,8 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from moe.checkpoint.picker import read_checkpoint
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import UserError
+from moe.hf import read_hf_config
 from moe.model import MoETransformer
-from moe.model.hf import IMPORTABLE
 
 PREFIX = "model."  # LitMoE.model
 
@@ -72,31 +72,10 @@ def _load_state(model: MoETransformer, state: dict, path) -> None:
 # -- Mixtral and DeepSeek-V3 directories (config.json + safetensors) -----------------------------
 
 
-def read_hf_config(path: str | Path, field: str):
-    from transformers import AutoConfig
-
-    path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        raise UserError(field, str(path), "point to a local directory written by save_pretrained "
-                        "(config.json + safetensors); hub names are not downloaded",
-                        problem="has no config.json")
-    try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as err:
-        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise UserError(field, str(path), "fix or regenerate config.json",
-                        problem=f"has a config.json transformers cannot read ({first})") from err
-    if config.model_type not in IMPORTABLE:
-        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM) or DeepSeek-V3 "
-                        "(DeepseekV3ForCausalLM) checkpoint",
-                        problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
-    return config
-
-
 def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None) -> MoETransformer:
     """MoETransformer (eval) from a Mixtral or DeepSeek-V3 directory; dropless routing as the checkpoint
     computes it."""
-    from moe.model.hf import from_hf
+    from moe.hf import from_hf
 
     read_hf_config(path, field)
     try:

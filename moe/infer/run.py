@@ -14,8 +14,9 @@ import torch
 from omegaconf import DictConfig
 
 from moe.checkpoint.picker import resolve_checkpoint
+from moe.config.schema import DEFAULT_CHAT_TEMPLATE
 from moe.config.validate import INFER_DTYPES, validate_infer
-from moe.data.formats import DEFAULT_CHAT_TEMPLATE, FormatSpec
+from moe.data.formats import FormatSpec
 from moe.data.tokenizer import check_vocab, load_hf_tokenizer, template_markers
 from moe.errors import UserError
 from moe.infer.export import export_hf

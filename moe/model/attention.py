@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig
 
 # ----------------------------------------------------------------------------- positions
@@ -174,7 +175,7 @@ class Attention(CausalSelfAttention):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
+        self.head_dim = head_dim_of(cfg)
         self.position_encoding, self.rope_theta = cfg.position_encoding, cfg.rope_theta
         self.sliding_window = cfg.sliding_window
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "experts.down", "shared_expert.down.weight")
+OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "experts.down")  # down_proj: dense and shared
 
 
 def init_stds(model_cfg) -> tuple[float, float]:

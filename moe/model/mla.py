@@ -10,7 +10,7 @@ scores are scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim).
 Parameter names follow transformers' DeepseekV3Attention (models/deepseek_v3/modeling_deepseek_v3.py,
 `q_proj`, `q_a_proj`, `q_a_layernorm`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
 `o_proj`) shortened to ours (`kv_a_proj`, `q_a_norm`, `kv_a_norm`); RoPE here rotates halves
-(`rotate_half`), and moe.model.hf_deepseek permutes the rope rows to and from DeepSeek's
+(`rotate_half`), and moe.hf.deepseek_v3 permutes the rope rows to and from DeepSeek's
 interleaved pairs. The KV cache holds the expanded per-head keys and values (as multi-head
 attention would), not the latent: generation is exact, not memory-lean.
 

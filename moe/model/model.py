@@ -4,9 +4,9 @@ Reads top to bottom, nanoGPT style. The model never mentions ranks or hardware:
 expert parallelism, activation checkpointing and compilation are applied afterwards by
 `moe.parallel.apply`, and a backend may swap layers for parallel ones (moe/backends/neuron/).
 Weight layout matches Hugging Face Mixtral up to two fusions (`qkv_proj` = [q | k | v] rows,
-`gate_up_proj` = [gate | up] rows) so `moe.model.hf` converts by slicing, never by
+`gate_up_proj` = [gate | up] rows) so `moe.hf` converts by slicing, never by
 re-deriving maths; with `model.attention=mla` the blocks hold DeepSeek-V3's multi-head latent
-attention (moe/model/mla.py) and the layout is DeepSeek-V3's (moe.model.hf_deepseek).
+attention (moe/model/mla.py) and the layout is DeepSeek-V3's (moe.hf.deepseek_v3).
 Attention lives in moe/model/attention.py and mla.py, RMSNorm in norm.py; their names are
 re-exported here.
 """
@@ -15,10 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moe.config.derived import is_moe_layer
+from moe.config.derived import dense_width, is_moe_layer
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.config.validate import validate_model
 from moe.model.attention import (  # noqa: F401 (re-exported: moe.model.model's names before the split)
@@ -35,21 +34,9 @@ from moe.model.fused_ce import linear_cross_entropy
 from moe.model.init import draw_base_seed, init_stds, initialize
 from moe.model.loss import router_loss_sum
 from moe.model.mla import MLAttention
+from moe.model.mlp import SwiGLU
 from moe.model.moe import Experts, MoELayer, Router, RoutingStats
 from moe.model.norm import RMSNorm
-
-
-class SwiGLU(nn.Module):
-    """Dense FFN: down(silu(gate(x)) * up(x)); gate and up fused in one gate_up_proj ([gate | up] rows)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -67,7 +54,7 @@ class Block(nn.Module):
                                 shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
                                 init_range=None)  # the model initialises every parameter at once
         else:
-            self.ffn = SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size or cfg.intermediate_size)
+            self.ffn = SwiGLU(cfg.hidden_size, dense_width(cfg))
 
     def forward(self, x_BSH, kv_cache: KVCache | None = None, position_offset: int = 0,
                 attention_mask_BS: torch.Tensor | None = None, generating: bool = False):
@@ -126,7 +113,7 @@ class MoETransformer(nn.Module):
     def materialize(self, device="cpu", source=None) -> None:
         """Give a model built on the meta device (and perhaps sharded since) real storage on `device`,
         only for what this process holds, and fill it: from `source(name, shape, first_expert)` (e.g.
-        moe.model.hf_tensors.hf_tensor_source) or moe.model.init's values for `init_seed`, which equal
+        moe.hf.tensor_source) or moe.model.init's values for `init_seed`, which equal
         what one process building the whole model would give these parameters. Call it before
         wrapping (activation checkpointing, compile): the values are keyed by parameter name.
         """

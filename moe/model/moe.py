@@ -15,13 +15,16 @@ no [T, E, C] one-hot tensors are built.
 """
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from moe.config.schema import normalizes
-from moe.model.dispatch import LocalDispatcher
+from moe.model.dispatch import Dispatcher, LocalDispatcher
 from moe.model.init import draw_base_seed, initialize
+from moe.model.mlp import SwiGLU
 from moe.model.routing import (
     GroupSum,
     RoutingStats,
@@ -37,14 +40,28 @@ from moe.model.routing import (
 )
 from moe.model.sync import host_sizes
 
-__all__ = ["Router", "Experts", "MoELayer", "RoutingStats", "grouped_mm_works"]
+__all__ = ["Router", "Experts", "MoEFeedForward", "MoELayer", "RoutingStats", "SharedExpert",
+           "grouped_mm_works"]
+
+SharedExpert = SwiGLU  # kept name: the shared expert is the one dense MLP (moe.model.mlp)
+
+
+@runtime_checkable
+class MoEFeedForward(Protocol):
+    """What a Block calls for an MoE layer: `MoELayer` below, or a backend's whole-layer replacement
+    (trn1's moe.backends.neuron.moe_layer.NxDMoELayer, whose library fuses dispatch, experts and
+    combine). Returns the output shaped as the input and the routing statistics (None when generating
+    or in eval, where they would be thrown away)."""
+
+    def forward(self, x_BSH: torch.Tensor,
+                generating: bool = False) -> tuple[torch.Tensor, RoutingStats | None]: ...
 
 
 class Router(nn.Module):
     """Linear gate without bias, weight [E, H], computed in `dtype` (fp32) outside autocast.
 
     With `expert_bias` (moe_opt.enable_expert_bias) it also holds the aux-loss-free balancing bias
-    [E] (a buffer: in checkpoints, not trained by the optimizer; moe.train.expert_bias moves it).
+    [E] (a buffer: in checkpoints, not trained by the optimizer; moe.module.expert_bias moves it).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, dtype=torch.float32, jitter_eps: float = 0.0,
@@ -153,18 +170,6 @@ class Experts(nn.Module):
         self.mark_expert(first)
 
 
-class SharedExpert(nn.Module):
-    """An always-on SwiGLU added to every token's MoE output (DeepSeek/Qwen-MoE style)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.down(swiglu(self.gate_up(x_TH)))
-
-
 class MoELayer(nn.Module):
     """Top-k routed SwiGLU experts; forward(x_BSH) -> (y_BSH, RoutingStats).
 
@@ -195,7 +200,7 @@ class MoELayer(nn.Module):
         self.num_groups = getattr(moe_opt, "num_groups", None)
         self.group_top_k = getattr(moe_opt, "group_top_k", None)
         self.topk_scaling_factor = getattr(moe_opt, "topk_scaling_factor", None)
-        self.dispatcher = LocalDispatcher()
+        self.dispatcher: Dispatcher = LocalDispatcher()
         self.stats_sum: GroupSum | None = None
 
         self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps,
@@ -203,7 +208,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = None
         if shared_expert_intermediate_size > 0:
-            self.shared_expert = SharedExpert(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)
         if init_range is not None:
             out_std = init_range if out_init_std is None else out_init_std
             initialize(self, draw_base_seed(), init_range, out_std)

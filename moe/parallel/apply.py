@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moe.errors import ConfigError
-from moe.model.dispatch import AllToAllDispatcher
 from moe.model.moe import MoELayer
 from moe.parallel.comm import group_sum
+from moe.parallel.dispatch import AllToAllDispatcher
 
 WRAPPED = "_checkpoint_wrapped_module"  # torch's name (torch.distributed.algorithms._checkpoint)
 

@@ -25,19 +25,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe.config.derived import dense_width, head_dim_of
+from moe.model.attention import Attention
 from moe.model.mla import MLAttention
-from moe.model.model import Attention, SwiGLU
 
 
 def fused_segments(name: str, model_cfg) -> list[int] | None:
     """Canonical row segments of a fused projection's weight (`name` as state_dict spells it), else None."""
     if name.endswith("attn.qkv_proj.weight"):
-        head_dim = model_cfg.head_dim or model_cfg.hidden_size // model_cfg.num_heads
+        head_dim = head_dim_of(model_cfg)
         kv = model_cfg.num_kv_heads * head_dim
         return [model_cfg.num_heads * head_dim, kv, kv]
     if name.endswith("ffn.gate_up_proj.weight"):  # a dense block's SwiGLU (experts are not TP-split)
-        width = model_cfg.dense_intermediate_size or model_cfg.intermediate_size
-        return [width, width]
+        return [dense_width(model_cfg)] * 2
     return None
 
 
@@ -61,10 +61,15 @@ def canonical_runs(first: int, count: int, segments: list[int], tp: int) -> list
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
-    """Column/row-parallel attention (GQA or MLA) and dense MLPs over `tp_mesh` (meta device or not)."""
+    """Column/row-parallel attention (GQA or MLA) and dense layers' MLPs over `tp_mesh` (meta device or
+    not); a shared expert stays whole, as the experts do."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
+    for block in model.layers:
+        if not block.is_moe:
+            parallelize_module(block.ffn, tp_mesh, {"gate_up_proj": ColwiseParallel(),
+                                                    "down_proj": RowwiseParallel()})
     for module in model.modules():
         if isinstance(module, Attention):
             parallelize_module(module, tp_mesh, {"qkv_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
@@ -74,7 +79,4 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
             parallelize_module(module, tp_mesh, {queries: ColwiseParallel(), "kv_b_proj": ColwiseParallel(),
                                                  "o_proj": RowwiseParallel()})
             module.tp_group = tp_mesh.get_group()
-        elif isinstance(module, SwiGLU):
-            parallelize_module(module, tp_mesh, {"gate_up_proj": ColwiseParallel(),
-                                                 "down_proj": RowwiseParallel()})
     return model

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moe.config.derived import attention_dims, is_moe_layer, launch_overrides
+from moe.config.derived import attention_dims, dense_width, is_moe_layer, launch_overrides, trainer_world
 from moe.config.size import param_breakdown
 from moe.config.specs import spec_of
 from moe.model.fused_ce import CE_CHUNK_TOKENS
@@ -55,7 +55,7 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     e = spec_of(cfg).activation_bytes(cfg)
     s, b, h, t = cfg.data.seq_len, micro_batch, m.hidden_size, p.tp
     qk_dim, v_dim = attention_dims(m)
-    F, Fd = m.intermediate_size, m.dense_intermediate_size or m.intermediate_size
+    F, Fd = m.intermediate_size, dense_width(m)
     sp = p.sequence_parallel and t > 1
     cf = cfg.moe_opt.capacity_factor or 1.0  # dropless: one slot per assignment on average
 
@@ -270,21 +270,21 @@ def memory_hints(cfg) -> list[str]:
 def make_plan(cfg, dims: ParallelDims) -> Plan:
     """The layout and memory estimate for a composed, validated config."""
     p, hw = cfg.parallel, cfg.hardware
-    trainer_world = cfg.trainer.devices * cfg.trainer.num_nodes
+    launched = trainer_world(cfg)
     sizes = param_breakdown(cfg.model)
     memory = memory_estimate(cfg, dims)
     notes = []
-    if trainer_world != dims.world:
+    if launched != dims.world:
         notes.append(
             f"trainer.devices x trainer.num_nodes = {cfg.trainer.devices} x {cfg.trainer.num_nodes} = "
-            f"{trainer_world}; this dry run planned for {dims.world}. To launch: "
+            f"{launched}; this dry run planned for {dims.world}. To launch: "
             f"{launch_overrides(dims.world, hw.devices_per_node)}"
         )
     if memory.verdict != "fits":
         notes.append(f"warning: {memory.total:.2f} GiB is above 90% of the {memory.capacity:g} GiB of a "
                      f"{hw.device_name}; to save memory: " + ", ".join(memory_hints(cfg)))
     return Plan(model=cfg.model.name, hardware=hw.name, parallel=p.name, device_name=hw.device_name,
-                dims=dims, trainer_world=trainer_world, params_total=sizes.total,
+                dims=dims, trainer_world=launched, params_total=sizes.total,
                 params_active=sizes.active, memory=memory, notes=notes)
 
 

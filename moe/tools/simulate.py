@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe.config.derived import precision_of
 from moe.config.specs import spec_of
 from moe.errors import ConfigError
 from moe.parallel.dims import ParallelDims
@@ -103,7 +104,7 @@ def _default_dtype(dtype: torch.dtype):
 
 def _param_dtype_and_autocast(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     """(dtype of the weights on the device, autocast dtype or None), as the backend trains."""
-    precision = str(cfg.trainer.precision or cfg.hardware.precision)
+    precision = precision_of(cfg)
     half = torch.bfloat16 if precision.startswith("bf16") else torch.float16
     if precision.endswith("-true") and not precision.startswith(("32", "64")):
         return half, None
@@ -138,9 +139,9 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moe.model import MoETransformer
+    from moe.module.optim import build_optimizer
     from moe.parallel.apply import moe_layers
     from moe.parallel.parallelize import parallelize
-    from moe.train.optim import build_optimizer
 
     check_simulatable(cfg, dims)
     rank, start = cfg.simulate_rank, time.perf_counter()
@@ -194,7 +195,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         planned_gib={"parameters": plan.memory.params, "gradients": plan.memory.grads,
                      "optimizer": plan.memory.optimizer, "activations": plan.memory.activations,
                      "step": plan.memory.step, "comm": plan.memory.comm},
-        precision=str(cfg.trainer.precision or cfg.hardware.precision),
+        precision=precision_of(cfg),
         micro_batch_size=cfg.trainer.micro_batch_size, seq_len=cfg.data.seq_len,
         seconds=time.perf_counter() - start)
     if run_dir is not None:

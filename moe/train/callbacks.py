@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from moe.config.derived import precision_of
 from moe.config.size import flops_per_token, param_breakdown
 from moe.errors import UserError
 from moe.parallel.dims import ParallelDims
@@ -91,6 +92,6 @@ def key_config(cfg, dims: ParallelDims) -> dict:
             "optimizer.lr", "optimizer.min_lr", "seed", "run_name"]
     values = {key: OmegaConf.select(cfg, key) for key in keys}
     values.update({"params_total": sizes.total, "params_active": sizes.active,
-                   "precision": cfg.trainer.precision or cfg.hardware.precision,
+                   "precision": precision_of(cfg),
                    "global_batch_size": dims.global_batch})
     return values

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from moe.config.validate import check_hf_start
 from moe.errors import ConfigError, UserError
-from moe.infer.load import read_hf_config
 from moe.paths import local_path
 
 # Architecture fields init_from_hf takes from config.json; name/compile/init_from_hf stay the user's.
@@ -30,43 +30,32 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
     the user), and a data tokenizer whose ids disagree with it is refused (the model would read the
     wrong tokens).
     """
-    from moe.model.hf import model_config_from_hf
-    from moe.model.hf_deepseek import check_routing_matches
-    from moe.model.upcycle import check_granularity, model_config_from_dense, read_dense_config
+    from moe.hf.convert import read_hf_config
+    from moe.hf.dense import DenseUpcycle, read_dense_config
+    from moe.hf.registry import converter_for
 
-    if cfg.model.init_from_hf and cfg.model.get("upcycle_from_hf"):
-        raise UserError("model.upcycle_from_hf", cfg.model.upcycle_from_hf, "set only one of "
-                        "model.init_from_hf (a Mixtral or DeepSeek-V3 directory) and model.upcycle_from_hf "
-                        "(a dense one)",
-                        problem="is set together with model.init_from_hf")
+    check_hf_start(cfg)
     field = "model.upcycle_from_hf" if cfg.model.get("upcycle_from_hf") else "model.init_from_hf"
     path = cfg.model.get("upcycle_from_hf") or cfg.model.init_from_hf
     if not path:
         return None
     try:
         if field == "model.upcycle_from_hf":
-            arch = asdict(model_config_from_dense(read_dense_config(path), cfg.model.num_experts,
-                                                  cfg.model.top_k))
             g = cfg.model.get("upcycle_granularity", 1)
-            check_granularity(g, arch["num_experts"], arch["top_k"], arch["intermediate_size"],
-                              "model.upcycle_granularity")
-            arch["intermediate_size"] //= g
+            upcycler = DenseUpcycle(cfg.model.num_experts, cfg.model.top_k, g,
+                                    granularity_field="model.upcycle_granularity")
+            arch = asdict(upcycler.model_config(read_dense_config(path)))
         else:
             hf_config = read_hf_config(path, field)
-            arch = asdict(model_config_from_hf(hf_config))
+            adapter = converter_for(hf_config.model_type)
+            arch = asdict(adapter.model_config(hf_config))
     except ConfigError as err:
         if err.field == field:  # about the directory itself (no config.json): already says so
             raise
         raise UserError(field, str(path), err.fix, problem=f"has {err.field}={err.value!r}, "
                         f"which {err.problem}") from err
-    if field == "model.init_from_hf" and hf_config.model_type == "deepseek_v3":
-        check_routing_matches(hf_config, cfg.moe_opt)
-    g = cfg.model.get("upcycle_granularity", 1)
-    if field == "model.upcycle_from_hf" and g > 1 and cfg.moe_opt.get("topk_scaling_factor") != g:
-        raise ConfigError("moe_opt.topk_scaling_factor", cfg.moe_opt.get("topk_scaling_factor"),
-                          f"set moe_opt.topk_scaling_factor={g}: each of a copy's {g} slices then gets "
-                          f"weight 1/{g} x {g}, and the start equals the dense model",
-                          f"does not match model.upcycle_granularity={g}")
+    if field == "model.init_from_hf":
+        adapter.check_routing(hf_config, cfg.moe_opt, arch["top_k"])
     for key, value in arch.items():
         if key not in KEEP_FROM_USER:
             cfg.model[key] = value

@@ -22,8 +22,8 @@ import torch
 from moe.checkpoint.io import write_json_atomic
 from moe.config.size import param_breakdown
 from moe.model.loss import router_loss
+from moe.module.step_stats import means_from_totals
 from moe.train.console import STEP_LOGGER, log_step
-from moe.train.step_stats import means_from_totals
 
 METRIC_COLUMNS = [
     "step", "loss", "lm_loss", "aux_loss", "z_loss", "drop_fraction", "max_expert_load",

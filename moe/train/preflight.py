@@ -12,30 +12,28 @@ A multirun (`-m`) has every job of its sweep checked first (`check_sweep`); Hydr
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
-from moe.errors import ConfigError, UserError
+from moe.errors import UserError
 
 MULTIRUN_FLAGS = {"-m", "--multirun"}
 PLUGIN_EXTRAS = {"sweeper/optuna": "optuna", "launcher/submitit": "slurm"}  # pyproject.toml's extras
-# Nodes whose keys are free-form (a logger's or a callback's constructor arguments).
-FREE_FORM = ("logger", "callbacks")
 
 
-def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> None:
-    """Compose and validate `argv`'s config; exit 2 on a config error, exit 0 after a dry run's plan."""
+def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
+    """Compose and settle `argv`'s config: (cfg, ParallelDims), or None for a multirun (every job checked)
+    and Hydra's own flags; a config error prints one paragraph and exits 2."""
     flags = {arg for arg in argv if arg.startswith("-")}
     if flags - MULTIRUN_FLAGS:
-        return  # --help / --cfg / --info ...: Hydra's business
+        return None  # --help / --cfg / --info ...: Hydra's business
     if flags:
         check_sweep([arg for arg in argv if arg not in flags], config_dir, config_name)
-        return
+        return None
     try:
         cfg, run_dir = compose_config(argv, config_dir, config_name)
         dims = check_config(cfg)
@@ -44,11 +42,7 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train") -> N
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    if cfg.dry_run:
-        from moe.tools.plan import make_plan
-
-        print(make_plan(cfg, dims).render())
-        sys.exit(0)
+    return cfg, dims
 
 
 def check_sweep(overrides: list[str], config_dir: str, config_name: str) -> None:
@@ -122,12 +116,10 @@ def composition_error(err: Exception, overrides: list[str]) -> UserError:
 
 
 def check_config(cfg: DictConfig):
-    """Keys beyond the schema (however added) and non-finite numbers, then every rule of validate;
-    returns the run's Layout."""
+    """Settle the config (every rule of moe.config.validate, keys beyond the schema and non-finite numbers
+    included); returns the run's ParallelDims."""
     from moe.train.run import settle
 
-    check_known_keys(cfg)
-    check_finite(cfg)
     return settle(cfg)[0]  # its note is train()'s to print, once
 
 
@@ -148,44 +140,3 @@ def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
         resume_from = find_resume_checkpoint(run_dir / "checkpoints", quiet=True)
         if resume_from:
             check_resume_compatible(resume_from, cfg)
-
-
-def check_known_keys(cfg: DictConfig) -> None:
-    """Refuse keys the typed schema does not define: `+trainer.max_step=5` adds one silently otherwise."""
-    from moe.config.schema import TrainConfig
-
-    schema = OmegaConf.structured(TrainConfig)
-
-    def walk(node, known, path: str) -> None:
-        if not isinstance(node, DictConfig) or not isinstance(known, DictConfig):
-            return
-        if OmegaConf.get_type(known) is dict:  # a dict-typed field: any key
-            return
-        for key in node.keys():
-            where = f"{path}.{key}" if path else str(key)
-            if key not in known:
-                options = ", ".join(sorted(str(k) for k in known.keys()))
-                raise ConfigError(where, "???" if OmegaConf.is_missing(node, key) else node[key],
-                                  f"remove it or use one of the keys of {path or 'the root'}: {options}",
-                                  problem="is not a key of the config schema (a `+` override adds keys "
-                                          "silently; every key is in docs/CONFIG.md)")
-            if where not in FREE_FORM and not where.startswith(tuple(f"{f}." for f in FREE_FORM)):
-                walk(node[key], known[key], where)
-
-    walk(cfg, schema, "")
-
-
-def check_finite(cfg: DictConfig) -> None:
-    """Every number must be finite: nan/inf pass the type check and fail mid-run (or silently)."""
-
-    def walk(node, path: str) -> None:
-        items = node.items() if isinstance(node, DictConfig) else enumerate(node)
-        for key, value in items:
-            where = f"{path}.{key}" if path else str(key)
-            if isinstance(value, DictConfig | ListConfig):
-                walk(value, where)
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(where, value, "give a finite number (see docs/CONFIG.md for its range)",
-                                  problem="is not a finite number")
-
-    walk(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), "")

@@ -1,6 +1,9 @@
-"""cfg -> validate -> ParallelDims -> backend -> DataModule + module -> Trainer.fit -> run dir.
+"""cfg -> settle (validate) -> ParallelDims -> backend -> DataModule + module -> Trainer.fit -> run dir.
 
-`train.py` is a thin Hydra entry point around `train(cfg, run_dir)`; tests call it too.
+`train.py` is a thin Hydra entry point around `train(cfg, run_dir)` (and the dry run and simulation,
+which plan instead of training); tests call it too. A config is settled once per process:
+train.py's preflight settles the config it composes, and `train` reuses that when Hydra hands it
+the same config (Hydra composes again to make its run dir; its API takes no composed config).
 """
 from __future__ import annotations
 
@@ -8,46 +11,44 @@ import json
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from moe.parallel.dims import ParallelDims, validated_dims
+
+_SETTLED: dict[str, tuple[dict, ParallelDims, str | None]] = {}  # config as composed -> what settle made
 
 
 def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
     """What a run settles before anything else (train, and train.py's preflight): what the machine must
     offer, the architecture of model.init_from_hf / upcycle_from_hf, a prepared dataset's seq_len, then
-    every rule of validate.
-    Returns the ParallelDims and a note for the user, if any."""
+    every rule of validate; `cfg` is updated in place. Returns the ParallelDims and a note for the user,
+    if any. Once per process: a config equal to one settled before gets that one's values."""
     from moe.data.arrow_io import apply_prepared_meta
     from moe.train.environment import check_environment
     from moe.train.init_from_hf import apply_init_from_hf
 
+    composed = OmegaConf.to_yaml(cfg)
+    if composed in _SETTLED:
+        values, dims, note = _SETTLED[composed]
+        cfg.merge_with(values)
+        return dims, note
     check_environment(cfg)  # CUDA for hardware=gpu, Neuron for trn1, logger packages, a W&B key
     note = apply_init_from_hf(cfg)  # model.init_from_hf=DIR: architecture from DIR/config.json
     apply_prepared_meta(cfg)  # data=prepared: seq_len from DIR/meta.json
-    return validated_dims(cfg), note
+    dims = validated_dims(cfg)
+    _SETTLED[composed] = (OmegaConf.to_container(cfg), dims, note)
+    return dims, note
 
 
-def train(cfg: DictConfig, run_dir: str | Path) -> Path | None:
-    """Validate, then either print the dry-run plan or train into `run_dir`."""
+def train(cfg: DictConfig, run_dir: str | Path) -> Path:
+    """Settle the config, then train into `run_dir`."""
     from moe.train.console import say
 
     dims, note = settle(cfg)
     if note:
         say(note)
-    if cfg.dry_run:
-        from moe.tools.plan import make_plan
-
-        print(make_plan(cfg, dims).render())
-        return None
-    if cfg.simulate:
-        from moe.tools.simulate import simulate
-
-        print(simulate(cfg, dims, run_dir).render())
-        print(f"wrote {Path(run_dir) / 'simulation.json'}")
-        return None
     run_dir = Path(run_dir)
-    from moe.train.optim import warmup_note
+    from moe.module.optim import warmup_note
 
     if note := warmup_note(cfg.optimizer, cfg.trainer.max_steps):
         say(note)

@@ -5,7 +5,7 @@
 Builds NeuronLitMoE through our NeuronBackend exactly as train.py does (NxD's config, meta-device
 init, param_init_fn, NxD's parallel layers and MoE, its pipeline when pp > 1, its expert parallelism
 when ep > 1), trains two optimizer steps on fixed batches and compares them with
-moe.train.module.LitMoE on one process holding every data-parallel rank's batches, same seed:
+moe.module.lit_moe.LitMoE on one process holding every data-parallel rank's batches, same seed:
 
 - each step's loss (the last pipeline stage's, with pp > 1), on every rank;
 - each step's local gradients: a tensor-parallel shard against moe.checkpoint.nxd.local_shard
@@ -125,9 +125,9 @@ def reference_step(ref, stats: GroupStats, data: list[dict], micro: int) -> list
 def main(overrides: list[str]) -> int:
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
+    from moe.backends import single_process_module
     from moe.backends.neuron import NeuronBackend
     from moe.checkpoint.nxd import EXPERT_TENSORS, local_shard, our_name, split_of
-    from moe.train.module import LitMoE
 
     dist.init_process_group("gloo")  # Lightning's strategy does this in a run
     base = ["data.seq_len=32", "trainer.micro_batch_size=1", "trainer.accumulate_grad_batches=2", *OPTIMIZER]
@@ -151,7 +151,7 @@ def main(overrides: list[str]) -> int:
     local = {our_name(n): p for n, p in module.model.named_parameters() if p.requires_grad}
 
     ref_overrides = [o for o in overrides if not o.startswith(("parallel.", "hardware."))]
-    ref = LitMoE(compose_cfg(*base, *ref_overrides))
+    ref = single_process_module(compose_cfg(*base, *ref_overrides))
     ref_opt = ref.configure_optimizers()
     ref_optimizer, ref_schedule = ref_opt["optimizer"], ref_opt["lr_scheduler"]["scheduler"]
     stats = GroupStats(ref.model, ep)

@@ -3,7 +3,7 @@
 The model is `layers.build_model(cfg)` (our MoETransformer with NxD layers under NxDCausalLM), built
 by NxD in `setup` (NeuronLTModule.setup -> initialize_parallel_model, src/neuronx_distributed/
 lightning/module.py:103-112, v2.28.0); the loss is moe.model.loss's; the optimizer groups are
-moe.train.optim's, over this rank's parameters, under NxD's optimizer wrapper (ZeRO-1, clipping).
+moe.module.optim's, over this rank's parameters, under NxD's optimizer wrapper (ZeRO-1, clipping).
 
 Manual optimization, as NxD requires (its precision plugin never runs a closure): one micro-batch
 per training_step; its backward; every `accumulate_grad_batches`-th one the optimizer steps. With
@@ -11,7 +11,7 @@ pipeline parallelism NxD runs forward and backward of every micro-batch of a ste
 `run_train`, which takes the whole step's batch on the CPU (lightning/strategy.py:151-153) and
 returns the loss on the last stage only, None on the others (pipeline/model.py:1974-2000); the
 micro-batches are gathered here until the step is complete. Metrics are sums and counts
-(moe.train.step_stats), so a stage without the loss simply counts none; with the pipeline the LM
+(moe.module.step_stats), so a stage without the loss simply counts none; with the pipeline the LM
 loss is not returned separately, and metrics.csv derives it from the loss and the router terms.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe.backends.neuron.causal_lm import pop_routing
 from moe.backends.neuron.layers import build_model
-from moe.train.optim import build_scheduler, param_groups
-from moe.train.step_stats import StepStats
+from moe.module.optim import build_scheduler, param_groups
+from moe.module.step_stats import StepStats
 
 
 class NeuronLitMoE(NeuronLTModule):
@@ -45,7 +45,7 @@ class NeuronLitMoE(NeuronLTModule):
         self._pending: list[dict] = []  # pipeline: the micro-batches of the step being gathered
 
     def configure_optimizers(self):
-        """moe.train.optim's groups over this rank's parameters, NxD's optimizer, our schedule."""
+        """moe.module.optim's groups over this rank's parameters, NxD's optimizer, our schedule."""
         opt, zero1 = self.cfg.optimizer, self.cfg.parallel.zero_stage == 1
         params = [p for _, p in self.model.named_parameters() if p.requires_grad]  # local under PP
         # With ZeRO-1, NxD's max_grad_norm is ignored: torch-xla's ZeroRedundancyOptimizer clips at its

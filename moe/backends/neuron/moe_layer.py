@@ -74,6 +74,8 @@ def nxd_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor:
 
 
 class NxDMoELayer(nn.Module):
+    """A moe.model.moe.MoEFeedForward: NxD's MoE module (route, dispatch, experts, combine in one)."""
+
     def __init__(self, model_cfg, moe_opt, sequence_parallel: bool, init_method):
         super().__init__()
         from neuronx_distributed.modules.moe import MoE, RouterTopK
@@ -110,8 +112,11 @@ class NxDMoELayer(nn.Module):
             ep_group = parallel_state.get_expert_model_parallel_group()
             self.stats_sum = functools.partial(group_sum, group=ep_group)
 
-    def forward(self, x: torch.Tensor, generating: bool = False) -> tuple[torch.Tensor, RoutingStats | None]:
-        """x: [B, S, H], or [S / tp, B, H] under sequence parallelism; returns y shaped as x."""
+    def forward(self, x_BSH: torch.Tensor,
+                generating: bool = False) -> tuple[torch.Tensor, RoutingStats | None]:
+        """moe.model.moe.MoEFeedForward: x [B, S, H], or [S / tp, B, H] under sequence parallelism; y
+        shaped as x."""
+        x = x_BSH
         dropless = self.capacity_factor <= 0
         eval_in_train_mode = not self.training and (dropless or self.expert_parallel)
         with _training(self.moe) if eval_in_train_mode else contextlib.nullcontext():

@@ -1,7 +1,7 @@
-"""LitMoE: the LightningModule that trains `moe.model.MoETransformer` on the DDP and DeepSpeed backends.
+"""LitMoE: the LightningModule that trains `moe.model.MoETransformer` on DDP, DeepSpeed and FSDP2.
 
 The objective is moe.model.loss's (CE + every MoE layer's router terms), the optimizer and
-schedule moe.train.optim's; how the model is spread over devices is the backend's business
+schedule moe.module.optim's; how the model is spread over devices is the backend's business
 (moe/backends), which parallelises it in `configure_model` and handles what is special about
 its gradients and checkpoints through the hooks below. The Neuron backend trains the same
 model, loss and optimizer groups through its own NxD module (moe/backends/neuron/module.py).
@@ -13,29 +13,25 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from moe.model.model import ModelOutput, MoETransformer
-from moe.train.optim import build_optimizer, build_scheduler
-from moe.train.step_stats import StepStats
+from moe.module.optim import build_optimizer, build_scheduler
+from moe.module.step_stats import StepStats
 
 
 class LitMoE(L.LightningModule):
-    def __init__(self, cfg: DictConfig, backend=None, on_meta: bool = False):
-        """on_meta: build the model on the meta device (no storage); the backend's `parallelize`
-        materialises this rank's shard in `configure_model` (Backend.build_module does this)."""
+    def __init__(self, cfg: DictConfig, backend, on_meta: bool = False):
+        """backend: the run's (moe.backends.build_backend; moe.backends.single_process_module builds a
+        module on its own). on_meta: build the model on the meta device (no storage); the backend's
+        `parallelize` materialises this rank's shard in `configure_model` (Backend.build_module)."""
         super().__init__()
         container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
         self.save_hyperparameters({"cfg": container})
         self.cfg = OmegaConf.create(container)
-        if backend is None:  # a module built on its own (tests, tools): one process
-            from moe.backends.ddp import DDPBackend
-            from moe.parallel.dims import ParallelDims
-
-            backend = DDPBackend(self.cfg, ParallelDims.from_config(self.cfg))
         self.backend = backend
         with torch.device("meta" if on_meta else "cpu"):
             self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)
         self.step_stats, self.val_stats = StepStats(), StepStats()
         self._parallelized = False
-        self._expert_bias = None  # moe.train.expert_bias.ExpertBiasUpdate, made at the first step
+        self._expert_bias = None  # moe.module.expert_bias.ExpertBiasUpdate, made at the first step
 
     def configure_model(self) -> None:
         """Parallelise once the process group exists, before the strategy wraps the model."""
@@ -56,7 +52,7 @@ class LitMoE(L.LightningModule):
         self.step_stats.add(loss=loss, lm_loss=lm, routing=out.routing, tokens=batch["input_ids"].numel())
         if getattr(self.cfg.moe_opt, "enable_expert_bias", False):  # absent in older checkpoints' configs
             if self._expert_bias is None:
-                from moe.train.expert_bias import ExpertBiasUpdate
+                from moe.module.expert_bias import ExpertBiasUpdate
 
                 self._expert_bias = ExpertBiasUpdate(self.model, self.cfg.moe_opt.bias_update_rate)
             self._expert_bias.add(out.routing)
@@ -76,7 +72,7 @@ class LitMoE(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def optimizer_step(self, *args, **kwargs) -> None:
-        """The optimizer step, then the aux-loss-free balancing bias update (moe.train.expert_bias)."""
+        """The optimizer step, then the aux-loss-free balancing bias update (moe.module.expert_bias)."""
         super().optimizer_step(*args, **kwargs)
         if self._expert_bias is not None:
             self._expert_bias.step(lambda t: self.backend.all_reduce(self, t, "sum"))
@@ -99,7 +95,7 @@ class LitMoE(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self._trainer is not None:  # schedulers exist when the strategy restores after setup
-            from moe.train.optim import fit_scheduler_states
+            from moe.module.optim import fit_scheduler_states
 
             schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
             fit_scheduler_states(checkpoint, schedulers, self.cfg.optimizer, self.cfg.trainer.max_steps)

@@ -1,0 +1,27 @@
+"""Hugging Face interop: one adapter class per model family behind one registry.
+
+    moe/hf/adapter.py      the adapter contract (read: config, routing, tensors; write: config, weights)
+    moe/hf/mixtral.py      Mixtral <-> our GQA models (and the Llama family's config and keys)
+    moe/hf/deepseek_v3.py  DeepSeek-V3 <-> our MLA models
+    moe/hf/dense.py        dense Mistral/Llama -> MoE by upcycling
+    moe/hf/registry.py     model_type -> adapter; our attention -> the family we export to
+    moe/hf/convert.py      to_hf, from_hf, tensor_source, read_hf_config
+    moe/hf/tensors.py      shared keys, lazy safetensors reads
+
+The names below are the public API (`moe.hf.from_hf`, `moe.hf.to_hf`, `moe.hf.upcycle`, ...).
+"""
+from moe.hf.convert import (
+    check_exportable,
+    from_hf,
+    hf_config_from_model_config,
+    model_config_from_hf,
+    moe_opt_from_hf,
+    read_hf_config,
+    tensor_source,
+    to_hf,
+)
+from moe.hf.dense import upcycle
+from moe.hf.registry import IMPORTABLE
+
+__all__ = ["IMPORTABLE", "check_exportable", "from_hf", "hf_config_from_model_config", "model_config_from_hf",
+           "moe_opt_from_hf", "read_hf_config", "tensor_source", "to_hf", "upcycle"]

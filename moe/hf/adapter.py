@@ -1,0 +1,99 @@
+"""The contract of a Hugging Face model family's adapter (torchtitan's StateDictAdapter, one per model).
+
+Reading (every adapter, `HFAdapter`):
+    model_config(hf_config) -> ModelConfig        our architecture for the checkpoint's (or a refusal)
+    moe_opt(hf_config) -> MoEOptConfig            routing as the checkpoint computes it (dropless)
+    check_routing(hf_config, moe_opt)             a user's moe_opt must choose experts as the checkpoint
+                                                  was trained to (the fields in `routing_keys`)
+    reader(model_cfg, hf_config) -> Read          read(name, get, experts=None): our tensor `name` from
+                                                  the checkpoint's per-expert keys, experts a range
+Writing (the families we export to, `ExportAdapter`):
+    check_exportable(cfg, moe_opt)                refuse what the transformers class cannot reproduce
+    hf_config(cfg, moe_opt)                       its transformers config
+    state_dict(model) -> dict                     our weights under transformers 5.x's keys (stacked)
+    per_expert(sd, num_layers) -> dict            5.x's stacked experts -> 4.x's / the files' keys
+    model_class()                                 the transformers class (MixtralForCausalLM, ...)
+
+`hf_config` is a transformers config object or its config.json as a dict (tensors.config_value
+reads either). The adapters are registered by model_type in moe/hf/registry.py.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
+from moe.errors import ConfigError
+
+Read = Callable[..., torch.Tensor]  # read(name, get, experts: range | None = None)
+
+
+class HFAdapter(ABC):
+    """One transformers model family, read into our model."""
+
+    model_types: ClassVar[tuple[str, ...]]
+    routing_keys: ClassVar[tuple[str, ...]] = ()  # moe_opt fields the checkpoint's router fixes
+
+    @abstractmethod
+    def model_config(self, hf_config) -> ModelConfig:
+        ...
+
+    @abstractmethod
+    def moe_opt(self, hf_config) -> MoEOptConfig:
+        ...
+
+    @abstractmethod
+    def reader(self, model_cfg, hf_config) -> Read:
+        ...
+
+    def check_routing(self, hf_config, moe_opt, top_k: int) -> None:
+        """model.init_from_hf: the user's moe_opt must route as the checkpoint does, else the loaded
+        experts are chosen differently from how they were trained."""
+        want = self.moe_opt(hf_config)
+        for key in self.routing_keys:
+            have, theirs = getattr(moe_opt, key), getattr(want, key)
+            if key == "normalize_top_k":
+                have, theirs = normalizes(have, top_k), normalizes(theirs, top_k)
+            if have != theirs:
+                fix = ", ".join(f"moe_opt.{k}={_yaml(getattr(want, k))}" for k in self.routing_keys)
+                family = self.model_types[0]
+                raise ConfigError(f"moe_opt.{key}", getattr(moe_opt, key),
+                                  f"route as the checkpoint does: {fix}",
+                                  f"differs from the {family} checkpoint's routing ({_yaml(theirs)})")
+
+
+class ExportAdapter(HFAdapter):
+    """A family we also write: our model -> its transformers class."""
+
+    hf_class: ClassVar[str]
+
+    @abstractmethod
+    def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
+        ...
+
+    @abstractmethod
+    def hf_config(self, cfg: ModelConfig, moe_opt: MoEOptConfig):
+        ...
+
+    @abstractmethod
+    def state_dict(self, model) -> dict[str, torch.Tensor]:
+        ...
+
+    @abstractmethod
+    def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+        ...
+
+    def model_class(self):
+        import transformers
+
+        return getattr(transformers, self.hf_class)
+
+    def prepare(self, hf_model) -> None:
+        """Anything the empty transformers model needs before its weights load (nothing by default)."""
+
+
+def _yaml(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)

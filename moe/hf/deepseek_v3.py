@@ -1,0 +1,280 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM) <-> our MLA models, weights and config.
+
+Read from transformers 5.x `models/deepseek_v3/modeling_deepseek_v3.py` (and 4.x, the Trainium
+environment's 4.52.4, which keeps one module per expert):
+  attention (MLA)  ours attn.q_proj | q_a_proj, q_a_norm, q_b_proj   <-> self_attn.q_proj | q_a_proj,
+                   q_a_layernorm, q_b_proj; attn.kv_a_proj, kv_a_norm, kv_b_proj, o_proj <->
+                   self_attn.kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj
+  dense layers     ours ffn.gate_up_proj rows [gate | up], ffn.down_proj <-> mlp.{gate,up,down}_proj
+                   (the first `first_k_dense_replace` layers; their width is HF's intermediate_size)
+  MoE layers       ours ffn.router.weight, ffn.router.expert_bias <-> mlp.gate.weight,
+                   mlp.gate.e_score_correction_bias; experts as Mixtral's but named mlp.experts.J.
+                   {gate,up,down}_proj (on disk in both versions; 5.x stacks them in memory as
+                   mlp.experts.gate_up_proj [E, 2F, H] and down_proj [E, H, F]); ffn.shared_expert
+                   <-> mlp.shared_experts (width n_shared_experts x moe_intermediate_size)
+Routing (DeepseekV3TopkRouter): sigmoid scores, expert bias for the choice only, groups scored by
+their best 2 biased scores (ours by their best top_k/group_top_k: equal when that is 2), top-k
+weights renormalised when norm_topk_prob, times routed_scaling_factor; never drops tokens.
+RoPE: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`,
+true by default); ours rotates halves, so the rope rows of the queries and of kv_a_proj are
+permuted on the way in and out, and exports keep DeepSeek's interleaved layout, which serving
+engines assume.
+Refused with a ConfigError: what DeepSeek-V3 cannot express on export (GQA, softmax scores, an
+MoE layer pattern other than "first k dense", groups scored other than by 2, a shared expert not
+a whole number of experts wide, a sliding window) and what we do not implement on import (YaRN
+or other RoPE scaling, attention biases or dropout, an activation other than SiLU). Multi-token
+prediction layers are not part of DeepseekV3ForCausalLM (transformers ignores them on load).
+"""
+from __future__ import annotations
+
+import torch
+
+from moe.config.derived import dense_width
+from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
+from moe.errors import ConfigError
+from moe.hf.adapter import ExportAdapter, Read
+from moe.hf.tensors import (
+    BLOCK_NORMS,
+    LAYER,
+    STACKED_EXPERTS,
+    TOP_LEVEL,
+    Get,
+    config_value,
+    stacked_experts,
+    top_level,
+)
+
+HF_GROUP_SCORE_TOP = 2  # DeepseekV3TopkRouter: `.topk(2, dim=-1)[0].sum(dim=-1)` per group
+
+ATTENTION = {"attn.q_proj.weight": "self_attn.q_proj.weight",
+             "attn.q_a_proj.weight": "self_attn.q_a_proj.weight",
+             "attn.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+             "attn.q_b_proj.weight": "self_attn.q_b_proj.weight",
+             "attn.kv_a_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+             "attn.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+             "attn.kv_b_proj.weight": "self_attn.kv_b_proj.weight",
+             "attn.o_proj.weight": "self_attn.o_proj.weight"}
+ROPE_ROWS = {"attn.q_proj.weight": True, "attn.q_b_proj.weight": True, "attn.kv_a_proj.weight": False}
+FFN = {"ffn.down_proj.weight": "mlp.down_proj.weight", "ffn.router.weight": "mlp.gate.weight",
+       "ffn.router.expert_bias": "mlp.gate.e_score_correction_bias",
+       "ffn.shared_expert.down_proj.weight": "mlp.shared_experts.down_proj.weight"}
+FUSED = {"ffn.gate_up_proj.weight": "mlp.", "ffn.shared_expert.gate_up_proj.weight": "mlp.shared_experts."}
+EXPERT_WEIGHTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def deinterleave_order(rope_dim: int) -> torch.Tensor:
+    """Rows of DeepSeek's interleaved pairs in our rotate-half order: [0, 2, 4, ..., 1, 3, 5, ...]
+    (transformers' apply_rotary_pos_emb_interleave computes exactly this reordering)."""
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
+def _rope_rows(weight: torch.Tensor, cfg: ModelConfig, order: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """Reorder the rope rows of a query weight (per head [nope | rope]) or of kv_a_proj ([latent | rope])."""
+    if per_head:
+        nope = cfg.qk_nope_head_dim
+        w = weight.reshape(cfg.num_heads, nope + cfg.qk_rope_head_dim, -1)
+        return torch.cat([w[:, :nope], w[:, nope:][:, order]], dim=1).flatten(0, 1)
+    return torch.cat([weight[:cfg.kv_lora_rank], weight[cfg.kv_lora_rank:][order]])
+
+
+def deepseek_value(name: str, get: Get, cfg: ModelConfig, interleaved: bool,
+                   experts: range | None = None) -> torch.Tensor:
+    """Our tensor `name` from DeepSeek-V3's per-expert keys; `interleaved`: the checkpoint's
+    rope_interleave."""
+    if name in TOP_LEVEL:
+        return top_level(name, get)
+    match = LAYER.fullmatch(name)
+    if match is None:
+        raise KeyError(f"{name}: not a DeepSeek-V3 parameter")
+    p, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    if rest in BLOCK_NORMS:
+        return get(p + BLOCK_NORMS[rest])
+    if rest in ATTENTION:
+        value = get(p + ATTENTION[rest])
+        if interleaved and rest in ROPE_ROWS:
+            value = _rope_rows(value, cfg, deinterleave_order(cfg.qk_rope_head_dim), ROPE_ROWS[rest])
+        return value
+    if rest in FFN:
+        return get(p + FFN[rest])
+    if rest in FUSED:
+        return torch.cat([get(p + FUSED[rest] + "gate_proj.weight"), get(p + FUSED[rest] + "up_proj.weight")])
+    if rest in STACKED_EXPERTS:
+        prefixes = [f"{p}mlp.experts.{j}." for j in (experts or range(cfg.num_experts))]
+        return stacked_experts(rest, get, prefixes, EXPERT_WEIGHTS)
+    raise KeyError(f"{name}: not a DeepSeek-V3 parameter")
+
+
+class DeepSeekV3(ExportAdapter):
+    model_types = ("deepseek_v3",)
+    hf_class = "DeepseekV3ForCausalLM"
+    # MoE routing fields a DeepSeek-V3 checkpoint fixes (moe_opt); the rest are training choices
+    routing_keys = ("score_function", "num_groups", "group_top_k", "topk_scaling_factor", "normalize_top_k",
+                    "enable_expert_bias")
+
+    # -- reading ----------------------------------------------------------------------------------
+    def model_config(self, hf_config) -> ModelConfig:
+        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        bias = getattr(hf_config, "attention_bias", False)
+        dropout = getattr(hf_config, "attention_dropout", 0.0)
+        refusals = (("rope_parameters.rope_type", rope_type, rope_type != "default",
+                     "only plain RoPE is implemented (YaRN context extension is not); use a checkpoint "
+                     "trained without RoPE scaling"),
+                    ("hidden_act", hf_config.hidden_act, hf_config.hidden_act != "silu",
+                     "only SiLU (SwiGLU) MLPs are implemented"),
+                    ("attention_bias", bias, bool(bias), "our MLA projections have no bias"),
+                    ("attention_dropout", dropout, bool(dropout), "set attention_dropout=0 in config.json"))
+        for field, value, refused, fix in refusals:
+            if refused:
+                raise ConfigError(field, value, fix, "is not supported")
+        moe_width, dense = hf_config.moe_intermediate_size, hf_config.intermediate_size
+        theta = float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 1.0e4)))
+        return ModelConfig(
+            name=getattr(hf_config, "_name_or_path", "") or "deepseek_v3",
+            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size, intermediate_size=moe_width,
+            dense_intermediate_size=None if dense == moe_width else dense,
+            num_layers=hf_config.num_hidden_layers, num_heads=hf_config.num_attention_heads,
+            num_kv_heads=hf_config.num_attention_heads, head_dim=None,
+            max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope",
+            rope_theta=theta, sliding_window=None,
+            rms_norm_eps=hf_config.rms_norm_eps, tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+            init_range=hf_config.initializer_range, num_experts=hf_config.n_routed_experts,
+            top_k=hf_config.num_experts_per_tok, moe_layer_frequency=1,
+            first_k_dense_replace=hf_config.first_k_dense_replace or 0,
+            shared_expert_intermediate_size=(hf_config.n_shared_experts or 0) * moe_width,
+            attention="mla", q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
+            qk_nope_head_dim=hf_config.qk_nope_head_dim, qk_rope_head_dim=hf_config.qk_rope_head_dim,
+            v_head_dim=hf_config.v_head_dim,
+        )
+
+    def moe_opt(self, hf_config) -> MoEOptConfig:
+        """Routing as the checkpoint computes it: sigmoid, its groups, its scaling, dropless, the expert
+        bias on (its values come with the weights); balancing as DeepSeek-V3 trained (moe_opt=deepseek_v3)."""
+        groups, scaling = hf_config.n_group or 1, hf_config.routed_scaling_factor
+        if groups > 1 and hf_config.num_experts_per_tok // hf_config.topk_group != HF_GROUP_SCORE_TOP:
+            raise ConfigError("topk_group", hf_config.topk_group, "use a checkpoint with "
+                              f"num_experts_per_tok / topk_group = {HF_GROUP_SCORE_TOP}",
+                              f"scores groups by their best {HF_GROUP_SCORE_TOP} experts while ours score by "
+                              "num_experts_per_tok / topk_group; not supported")
+        return MoEOptConfig(
+            name="deepseek_v3_dropless", capacity_factor=None, eval_capacity_factor=None,
+            normalize_top_k=bool(hf_config.norm_topk_prob), score_function="sigmoid",
+            num_groups=groups if groups > 1 else None,
+            group_top_k=hf_config.topk_group if groups > 1 else None,
+            topk_scaling_factor=None if scaling == 1.0 else scaling,
+            enable_expert_bias=True, bias_update_rate=1.0e-3, load_balancing_type="seq_aux_loss",
+            aux_loss_coeff=1.0e-4, z_loss_coeff=0.0,
+        )
+
+    def reader(self, model_cfg, hf_config) -> Read:
+        interleaved = bool(config_value(hf_config, "rope_interleave", True))
+        return lambda name, get, experts=None: deepseek_value(name, get, model_cfg, interleaved, experts)
+
+    # -- writing ----------------------------------------------------------------------------------
+    def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
+        if cfg.moe_layer_frequency != 1:
+            raise ConfigError("model.moe_layer_frequency", cfg.moe_layer_frequency,
+                              "use moe_layer_frequency=1 (model.first_k_dense_replace for leading dense "
+                              "layers)",
+                              "interleaves dense and MoE layers, which DeepSeek-V3 cannot express")
+        if cfg.sliding_window is not None:
+            raise ConfigError("model.sliding_window", cfg.sliding_window, "train with sliding_window=null to "
+                              "export to DeepSeek-V3", "has no DeepSeek-V3 equivalent (full attention only)")
+        if moe_opt.score_function != "sigmoid":
+            raise ConfigError("moe_opt.score_function", moe_opt.score_function,
+                              "train with moe_opt.score_function=sigmoid (moe_opt=deepseek_v3) to export it",
+                              "is not DeepSeek-V3's router, which scores experts with a sigmoid")
+        if cfg.shared_expert_intermediate_size % cfg.intermediate_size:
+            raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
+                              f"use a multiple of model.intermediate_size={cfg.intermediate_size} "
+                              "(DeepSeek-V3's shared experts are n_shared_experts experts wide)",
+                              "is not a whole number of experts")
+        per_group = None if moe_opt.num_groups is None else cfg.top_k // moe_opt.group_top_k
+        if per_group not in (None, HF_GROUP_SCORE_TOP):
+            raise ConfigError("moe_opt.group_top_k", moe_opt.group_top_k,
+                              f"use group_top_k = top_k / {HF_GROUP_SCORE_TOP} = "
+                              f"{cfg.top_k / HF_GROUP_SCORE_TOP:g} (or num_groups=null)",
+                              f"scores each group by its best top_k/group_top_k={per_group} experts; "
+                              f"DeepSeek-V3's router always sums the best {HF_GROUP_SCORE_TOP}")
+
+    def hf_config(self, cfg: ModelConfig, moe_opt: MoEOptConfig):
+        from transformers import DeepseekV3Config
+
+        self.check_exportable(cfg, moe_opt)
+        config = DeepseekV3Config(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=dense_width(cfg),
+            moe_intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+            n_shared_experts=cfg.shared_expert_intermediate_size // cfg.intermediate_size,
+            n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+            routed_scaling_factor=float(moe_opt.topk_scaling_factor or 1.0),
+            kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+            qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
+            n_group=moe_opt.num_groups or 1, topk_group=moe_opt.group_top_k or 1,
+            first_k_dense_replace=cfg.first_k_dense_replace,
+            norm_topk_prob=normalizes(moe_opt.normalize_top_k, cfg.top_k), hidden_act="silu",
+            max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
+            rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+            rope_interleave=True, attention_bias=False, attention_dropout=0.0,
+        )
+        config.rope_theta = float(cfg.rope_theta)  # 4.x reads rope_theta (see moe.hf.mixtral)
+        return config
+
+    def prepare(self, hf_model) -> None:
+        """The expert bias in fp32 whatever the model's dtype, as transformers loads it
+        (_keep_in_fp32_modules_strict)."""
+        for module in hf_model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias = module.e_score_correction_bias.float()
+
+    def state_dict(self, model) -> dict[str, torch.Tensor]:
+        """Our weights under 5.x's keys (experts stacked: mlp.experts.gate_up_proj [E, 2F, H], down_proj
+        [E, H, F]), rope rows interleaved (an export)."""
+        cfg = model.cfg
+        ours = model.state_dict()
+        interleave = torch.argsort(deinterleave_order(cfg.qk_rope_head_dim))
+        # tied: the LM head is the embedding again, as transformers holds it
+        sd = {"model.embed_tokens.weight": ours["embed_tokens.weight"],
+              "model.norm.weight": ours["norm.weight"], "lm_head.weight": ours["lm_head.weight"]}
+        for i in range(cfg.num_layers):
+            q, p = f"layers.{i}.", f"model.layers.{i}."
+            sd |= {p + key: ours[q + rest] for rest, key in BLOCK_NORMS.items()}
+            for rest, key in ATTENTION.items():
+                if q + rest in ours:
+                    value = ours[q + rest]
+                    if rest in ROPE_ROWS:
+                        value = _rope_rows(value, cfg, interleave, ROPE_ROWS[rest])
+                    sd[p + key] = value
+            for rest, key in FFN.items():
+                if q + rest in ours:
+                    sd[p + key] = ours[q + rest]
+            for rest, prefix in FUSED.items():
+                if q + rest in ours:
+                    gate, up = ours[q + rest].chunk(2)
+                    sd |= {p + prefix + "gate_proj.weight": gate, p + prefix + "up_proj.weight": up}
+            if q + "ffn.experts.gate_up" in ours:
+                if q + "ffn.router.expert_bias" not in ours:  # trained without it: choice by the scores
+                    sd[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts)
+                if q + "ffn.shared_expert.down_proj.weight" not in ours:  # n_shared_experts=0: zero-width MLP
+                    H = cfg.hidden_size
+                    sd |= {p + "mlp.shared_experts.gate_proj.weight": torch.zeros(0, H),
+                           p + "mlp.shared_experts.up_proj.weight": torch.zeros(0, H),
+                           p + "mlp.shared_experts.down_proj.weight": torch.zeros(H, 0)}
+                sd |= {p + "mlp.experts.gate_up_proj": ours[q + "ffn.experts.gate_up"].transpose(1, 2),
+                       p + "mlp.experts.down_proj": ours[q + "ffn.experts.down"].transpose(1, 2)}
+        return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+    def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+        """transformers 5.x's stacked expert tensors -> the per-expert keys of the files (and of 4.x)."""
+        sd = dict(sd)
+        for i in range(num_layers):
+            e = f"model.layers.{i}.mlp.experts."
+            if e + "gate_up_proj" not in sd:
+                continue
+            gate, up = sd.pop(e + "gate_up_proj").chunk(2, dim=1)
+            down = sd.pop(e + "down_proj")
+            for j in range(down.shape[0]):
+                sd |= {f"{e}{j}.gate_proj.weight": gate[j], f"{e}{j}.up_proj.weight": up[j],
+                       f"{e}{j}.down_proj.weight": down[j]}
+        return sd

@@ -1,0 +1,153 @@
+"""Dense Mistral/Llama -> MoE upcycling (Komatsuzaki et al. 2023, "Sparse Upcycling"): every expert
+starts as a copy of the dense model's MLP, everything else is the dense model's.
+
+Mixtral 8x7B itself started from Mistral 7B. With dropless routing and top-k weights that sum to 1
+(renormalised, `normalize_top_k`), an upcycled layer computes sum_j w_j * MLP(x) = MLP(x), so the
+upcycled model's logits equal the dense model's whatever the router picks; the router starts
+from the usual seeded init (moe.model.init: near-uniform probabilities, so tokens spread over the
+experts) and learns to specialise the copies. Optional Gaussian noise on the expert copies breaks
+their symmetry (off by default: it also breaks the equality).
+
+Fine-grained upcycling (`granularity` g > 1): the dense MLP's intermediate width F is cut into g
+slices of F/g; expert c*g + j is slice j (of copy c), so num_experts/g copies of every slice exist.
+SwiGLU is elementwise in the intermediate dimension, so the g slices together compute the dense MLP
+exactly. The router rows of one copy's g experts start equal: their scores tie, and a top_k that is a
+multiple of g picks whole copies (all g slices of each of the top_k/g best copies), whose
+renormalised weights, times topk_scaling_factor = g, sum to 1 per slice: the logits again equal the
+dense model's. Training then breaks the ties (each slice's router row gets its own gradient).
+
+The dense keys are Mistral's and Llama's (`mlp.gate_proj/up_proj/down_proj`); `DenseUpcycle.reader`
+builds each of our tensors from them, from a state dict (`upcycle`) or from the safetensors one
+tensor at a time (moe.hf.convert.tensor_source), as `model.upcycle_from_hf` reads them on each rank.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from moe.config.schema import ModelConfig, MoEOptConfig
+from moe.errors import ConfigError
+from moe.hf.adapter import HFAdapter, Read
+from moe.hf.mixtral import llama_family_config, llama_value
+from moe.hf.tensors import load_local
+
+
+def check_granularity(granularity: int, num_experts: int, top_k: int, intermediate_size: int,
+                      field: str = "granularity") -> None:
+    """What fine-grained upcycling needs to start equal to the dense model."""
+    if granularity < 1 or num_experts % granularity or top_k % granularity or intermediate_size % granularity:
+        raise ConfigError(field, granularity,
+                          f"use a g that divides num_experts={num_experts}, top_k={top_k} and the dense "
+                          f"intermediate_size={intermediate_size} (g=1: every expert a whole copy)",
+                          "cannot slice the dense MLP into whole copies")
+
+
+def fine_grained_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, experts: range,
+                         granularity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our (gate_up [n, H, 2F/g], down [n, F/g, H]) for `experts`: expert e is slice e % g of the dense
+    MLP (w1, w3 [F, H], w2 [H, F]); g = 1 gives whole copies."""
+    width = w1.shape[0] // granularity
+    cut = [slice((e % granularity) * width, (e % granularity + 1) * width) for e in experts]
+    gate_up = torch.stack([torch.cat([w1[s].T, w3[s].T], dim=1) for s in cut])
+    down = torch.stack([w2[:, s].T for s in cut])
+    return gate_up, down
+
+
+def tied_router_rows(router_EH: torch.Tensor, granularity: int) -> torch.Tensor:
+    """The router rows of each copy's g slice-experts made equal (the copy's first row), so top-k picks
+    whole copies at the start."""
+    return router_EH[::granularity].repeat_interleave(granularity, dim=0)
+
+
+class DenseUpcycle(HFAdapter):
+    """A dense checkpoint read as an MoE model of `num_experts` experts (of width F / granularity), `top_k`
+    of them per token; routers from moe.model.init's values for `seed`, rows tied per copy."""
+
+    model_types = ("mistral", "llama")
+
+    def __init__(self, num_experts: int, top_k: int, granularity: int = 1, seed: int = 0,
+                 granularity_field: str = "granularity"):
+        self.num_experts, self.top_k, self.granularity, self.seed = num_experts, top_k, granularity, seed
+        self.granularity_field = granularity_field  # as the caller spells it (model.upcycle_granularity)
+
+    def model_config(self, hf_config) -> ModelConfig:
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in self.model_types:
+            raise ConfigError("model.upcycle_from_hf", model_type, "upcycle a Mistral or Llama checkpoint",
+                              f"is not one of {self.model_types}")
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(hf_config, flag, False):
+                raise ConfigError(flag, True, "upcycle a checkpoint without biases (Mistral, Llama 2/3)",
+                                  "is not supported: our projections have no bias")
+        cfg = llama_family_config(hf_config, self.num_experts, self.top_k)
+        check_granularity(self.granularity, self.num_experts, self.top_k, cfg.intermediate_size,
+                          self.granularity_field)
+        return replace(cfg, intermediate_size=cfg.intermediate_size // self.granularity)
+
+    def moe_opt(self, hf_config) -> MoEOptConfig:
+        """Dropless, renormalised top-k (times topk_scaling_factor = granularity): logits equal the dense
+        model's."""
+        g = self.granularity
+        return MoEOptConfig(name="upcycled_dropless", capacity_factor=None, eval_capacity_factor=None,
+                            normalize_top_k=True, topk_scaling_factor=float(g) if g > 1 else None)
+
+    def reader(self, model_cfg, hf_config) -> Read:
+        from moe.model.init import init_stds, initial_values
+
+        std, out_std = init_stds(model_cfg)
+        router_shape = (model_cfg.num_experts, model_cfg.hidden_size)
+
+        def read(name: str, get, experts: range | None = None) -> torch.Tensor:
+            if name.endswith("ffn.router.weight"):
+                values = initial_values(name, router_shape, self.seed, std, out_std)
+                return tied_router_rows(values, self.granularity)
+            if ".ffn.experts." in name:
+                mlp = "model." + name.split(".ffn.")[0] + ".mlp."
+                w1, w3, w2 = (get(mlp + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj"))
+                gate_up, down = fine_grained_experts(w1, w3, w2, experts or range(self.num_experts),
+                                                     self.granularity)
+                return gate_up if name.endswith("gate_up") else down
+            return llama_value(name, get, None, model_cfg.num_experts)  # attention, norms, embeddings
+
+        return read
+
+
+def upcycle(dense, num_experts: int, top_k: int, moe_opt: MoEOptConfig | None = None,
+            noise_std: float = 0.0, seed: int = 0, granularity: int = 1):
+    """A MoETransformer from a transformers Mistral/Llama model or save_pretrained directory.
+
+    moe_opt defaults to dropless, renormalised top-k routing (times topk_scaling_factor = granularity),
+    under which the logits equal the dense model's. noise_std > 0 adds N(0, noise_std * std(weight))
+    to each expert. granularity g > 1: fine-grained experts, each a 1/g slice of the dense MLP.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from moe.model.model import MoETransformer
+
+    dense = load_local(dense, AutoModelForCausalLM, "model.upcycle_from_hf")
+    adapter = DenseUpcycle(num_experts, top_k, granularity, seed)
+    cfg = adapter.model_config(dense.config)
+    ref = next(dense.parameters())
+    model = MoETransformer(cfg, moe_opt or adapter.moe_opt(dense.config), init_seed=seed).to(dtype=ref.dtype)
+    sd, read = dense.state_dict(), adapter.reader(cfg, dense.config)
+    values = {name: read(name, sd.__getitem__) for name in model.state_dict()}
+    if noise_std > 0:
+        gen = torch.Generator().manual_seed(seed)
+        for name, value in values.items():
+            if ".ffn.experts." in name:
+                noise = torch.randn(value.shape, generator=gen, dtype=torch.float32)
+                values[name] = value + (noise * noise_std * value.float().std()).to(value.dtype)
+    model.load_state_dict({k: v.detach().clone().contiguous() for k, v in values.items()}, strict=True)
+    return model
+
+
+def read_dense_config(path: str | Path):
+    """The transformers config of a dense directory (config.json), for model.upcycle_from_hf."""
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError("model.upcycle_from_hf", str(path), "point to a local directory written by "
+                          "save_pretrained (config.json + safetensors)", "has no config.json")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,214 @@
+"""Mixtral (MixtralForCausalLM) <-> our GQA models, weights and config; and the Llama family's config.
+
+Layouts (transformers 5.x, read from `models/mixtral/modeling_mixtral.py`):
+  ours `layers.N.attn.qkv_proj.weight`  = rows [q | k | v]  <->  `self_attn.{q,k,v}_proj.weight`
+  ours `experts.gate_up [E, H, 2F]`     = transpose(1, 2)   <->  `mlp.experts.gate_up_proj [E, 2F, H]`
+       (gate columns first, then up; HF chunks the output the same way: w1 rows then w3 rows)
+  ours `experts.down [E, F, H]`         = transpose(1, 2)   <->  `mlp.experts.down_proj [E, H, F]`
+  ours `ffn.router.weight [E, H]`                           <->  `mlp.gate.weight [E, H]`
+transformers 4.x (the Trainium environment pins 4.52.4) keeps one module per expert instead:
+`block_sparse_moe.experts.J.w1/w2/w3.weight` and `block_sparse_moe.gate.weight`, which is also
+what `save_pretrained` writes in both versions (and the published Mixtral checkpoints use). Reading
+goes through those per-expert keys (`per_expert` converts 5.x's in-memory ones), so one path serves
+both versions and lazy reads of the files:
+
+    ours layers.N.ffn.experts.gate_up    [E, H, 2F]        <- expert J: [w1.T | w3.T]  (w1, w3 [F, H])
+    ours layers.N.ffn.experts.down       [E, F, H]         <- expert J: w2.T           (w2 [H, F])
+    ours layers.N.ffn.router.weight      [E, H]            <- block_sparse_moe.gate.weight
+
+Mixtral always renormalises the top-k weights and never drops tokens, so an imported model gets a
+dropless `MoEOptConfig` (capacity_factor=None, eval_capacity_factor=None, normalize_top_k=True):
+that is what makes its logits match transformers'. Options Mixtral cannot express (ALiBi, dense
+layers, a shared expert, un-normalised top-k) refuse export with a ConfigError instead of writing
+a model that would behave differently. Known difference kept: HF's jitter (`router_jitter_noise`)
+also scales the expert input; ours (`jitter_eps`) scales the router input only. Both are
+training-only.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe.config.derived import head_dim_of
+from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
+from moe.errors import ConfigError
+from moe.hf.adapter import ExportAdapter, Read
+from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
+
+IN_LAYER = {**BLOCK_NORMS, "attn.o_proj.weight": "self_attn.o_proj.weight",
+            "ffn.router.weight": "block_sparse_moe.gate.weight"}
+EXPERT_WEIGHTS = ("w1.weight", "w3.weight", "w2.weight")  # gate, up, down
+
+
+def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
+    """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama) with these experts; refuses
+    what our decoder does not implement."""
+    # 5.x: rope_parameters {rope_type, rope_theta}; 4.x: rope_theta and rope_scaling, None for plain RoPE,
+    # else {"rope_type" or the older "type", ...} (4.52.4 modeling_mixtral.py:395)
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError("rope_parameters.rope_type", rope_type,
+                          "only plain RoPE is implemented; use a checkpoint without RoPE scaling",
+                          "is not supported")
+    if hf_config.hidden_act != "silu":
+        raise ConfigError("hidden_act", hf_config.hidden_act, "only SiLU (SwiGLU) experts are implemented",
+                          "is not supported")
+    if getattr(hf_config, "attention_dropout", 0.0):
+        raise ConfigError("attention_dropout", hf_config.attention_dropout,
+                          "set attention_dropout=0 in config.json (our attention has no dropout)",
+                          "is not supported")
+    head_dim = getattr(hf_config, "head_dim", None)
+    default_head_dim = hf_config.hidden_size // hf_config.num_attention_heads  # HF's own default
+    return ModelConfig(
+        name=getattr(hf_config, "_name_or_path", "") or hf_config.model_type,
+        vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+        head_dim=None if head_dim in (None, default_head_dim) else head_dim,
+        max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope",
+        rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 1.0e6))),
+        sliding_window=getattr(hf_config, "sliding_window", None), rms_norm_eps=hf_config.rms_norm_eps,
+        tie_word_embeddings=bool(hf_config.tie_word_embeddings), init_range=hf_config.initializer_range,
+        num_experts=num_experts, top_k=top_k, moe_layer_frequency=1, shared_expert_intermediate_size=0,
+    )
+
+
+def llama_value(name: str, get: Get, expert_key, num_experts: int,
+                experts: range | None = None) -> torch.Tensor:
+    """Our tensor `name` from a Llama-shaped checkpoint: attention, norms and embeddings by the shared
+    keys, the router and experts by Mixtral's (`expert_key(layer_prefix, j)` names expert j's weights)."""
+    if name in TOP_LEVEL:
+        return top_level(name, get)
+    match = LAYER.fullmatch(name)
+    if match is None:
+        raise KeyError(f"{name}: not a parameter of a Llama-shaped model")
+    p, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    if rest in IN_LAYER:
+        return get(p + IN_LAYER[rest])
+    if rest == "attn.qkv_proj.weight":
+        return torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+    if rest in STACKED_EXPERTS:
+        prefixes = [expert_key(p, j) for j in (experts or range(num_experts))]
+        return stacked_experts(rest, get, prefixes, EXPERT_WEIGHTS)
+    raise KeyError(f"{name}: not a parameter of a Llama-shaped model")
+
+
+def _mixtral_expert(layer_prefix: str, j: int) -> str:
+    return f"{layer_prefix}block_sparse_moe.experts.{j}."
+
+
+class Mixtral(ExportAdapter):
+    model_types = ("mixtral",)
+    hf_class = "MixtralForCausalLM"
+    routing_keys = ("score_function", "num_groups", "enable_expert_bias")  # which experts a token picks
+
+    # -- reading ----------------------------------------------------------------------------------
+    def model_config(self, hf_config) -> ModelConfig:
+        return llama_family_config(hf_config, hf_config.num_local_experts, hf_config.num_experts_per_tok)
+
+    def moe_opt(self, hf_config) -> MoEOptConfig:
+        """Dropless, renormalised softmax top-k (aux coeff and jitter carried over)."""
+        return MoEOptConfig(
+            name="mixtral_dropless", capacity_factor=None, eval_capacity_factor=None, normalize_top_k=True,
+            aux_loss_coeff=hf_config.router_aux_loss_coef, jitter_eps=hf_config.router_jitter_noise,
+        )
+
+    def reader(self, model_cfg, hf_config) -> Read:
+        return lambda name, get, experts=None: llama_value(name, get, _mixtral_expert, model_cfg.num_experts,
+                                                           experts)
+
+    # -- writing ----------------------------------------------------------------------------------
+    def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
+        if cfg.position_encoding != "rope":
+            raise ConfigError("model.position_encoding", cfg.position_encoding,
+                              "train with position_encoding=rope to export to Mixtral",
+                              "cannot be expressed by Mixtral (RoPE only)")
+        if cfg.moe_layer_frequency != 1:
+            raise ConfigError("model.moe_layer_frequency", cfg.moe_layer_frequency,
+                              "use moe_layer_frequency=1 (every layer MoE) to export to Mixtral",
+                              "makes dense layers, which Mixtral cannot express")
+        if cfg.first_k_dense_replace:
+            raise ConfigError("model.first_k_dense_replace", cfg.first_k_dense_replace,
+                              "use 0 (every layer MoE) to export to Mixtral (DeepSeek-V3 has it: "
+                              "attention=mla)",
+                              "makes dense layers, which Mixtral cannot express")
+        if cfg.shared_expert_intermediate_size:
+            raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
+                              "use 0 (no shared expert) to export to Mixtral",
+                              "adds a shared expert, which Mixtral cannot express")
+        for key, default, what in (("score_function", "softmax", "scores experts with a sigmoid"),
+                                   ("num_groups", None, "limits each token to groups of experts"),
+                                   ("topk_scaling_factor", None, "scales the top-k weights")):
+            value = getattr(moe_opt, key, default)
+            if value != default:
+                raise ConfigError(f"moe_opt.{key}", value,
+                                  f"export a model trained with moe_opt.{key}={default}",
+                                  f"{what}, which Mixtral's softmax top-k router cannot express")
+        if getattr(moe_opt, "enable_expert_bias", False):
+            raise ConfigError("moe_opt.enable_expert_bias", True,
+                              "export a model trained without the expert bias "
+                              "(moe_opt.enable_expert_bias=false)",
+                              "selects experts with a learned bias, which Mixtral's router cannot express")
+        if not normalizes(moe_opt.normalize_top_k, cfg.top_k):
+            raise ConfigError("moe_opt.normalize_top_k", moe_opt.normalize_top_k,
+                              "set moe_opt.normalize_top_k=true (Mixtral always renormalises the top-k "
+                              "weights)", f"means raw router probabilities at top_k={cfg.top_k}; Mixtral "
+                              "cannot express that")
+
+    def hf_config(self, cfg: ModelConfig, moe_opt: MoEOptConfig):
+        from transformers import MixtralConfig
+
+        self.check_exportable(cfg, moe_opt)
+        config = MixtralConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, head_dim=head_dim_of(cfg), hidden_act="silu",
+            max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
+            rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+            sliding_window=cfg.sliding_window, num_experts_per_tok=cfg.top_k,
+            num_local_experts=cfg.num_experts,
+            router_aux_loss_coef=moe_opt.aux_loss_coeff, router_jitter_noise=moe_opt.jitter_eps,
+            rope_theta=float(cfg.rope_theta),
+        )
+        # `rope_theta=` is 4.x's argument (4.52.4 configuration_mixtral.py:146); 5.x still accepts it and
+        # moves it into rope_parameters (5.x configuration_utils.py:471, modeling_rope_utils.py:785). 5.x
+        # then saves only rope_parameters, which 4.x ignores (falling back to theta 1e6), so keep
+        # `rope_theta` as an attribute too: config.json then loads with the right theta in both versions.
+        config.rope_theta = float(cfg.rope_theta)
+        return config
+
+    def state_dict(self, model) -> dict[str, torch.Tensor]:
+        cfg = model.cfg
+        q_size = cfg.num_heads * head_dim_of(cfg)
+        kv_size = cfg.num_kv_heads * head_dim_of(cfg)
+        sd = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+              "lm_head.weight": model.lm_head.weight}
+        for i, block in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            q, k, v = block.attn.qkv_proj.weight.split([q_size, kv_size, kv_size], dim=0)
+            sd |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                   p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": block.attn.o_proj.weight,
+                   p + "input_layernorm.weight": block.attn_norm.weight,
+                   p + "post_attention_layernorm.weight": block.ffn_norm.weight,
+                   p + "mlp.gate.weight": block.ffn.router.weight,
+                   p + "mlp.experts.gate_up_proj": block.ffn.experts.gate_up.transpose(1, 2),
+                   p + "mlp.experts.down_proj": block.ffn.experts.down.transpose(1, 2)}
+        return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+    def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+        """Stacked keys -> per-expert keys: gate_up_proj [E, 2F, H] = w1 rows then w3 rows per expert.
+        5.x stacks the experts in memory (modeling_mixtral.py:56, `MixtralExperts`) and converts itself
+        when it loads or saves (conversion_mapping.py:1270, "mixtral"); 4.x keeps them per expert in
+        memory (4.52.4 modeling_mixtral.py:64 `MixtralBlockSparseTop2MLP` w1/w2/w3, :102-104 gate and
+        experts, :317 `block_sparse_moe`)."""
+        sd = dict(sd)
+        for i in range(num_layers):
+            p = f"model.layers.{i}."
+            w1, w3 = sd.pop(p + "mlp.experts.gate_up_proj").chunk(2, dim=1)
+            w2 = sd.pop(p + "mlp.experts.down_proj")
+            sd[p + "block_sparse_moe.gate.weight"] = sd.pop(p + "mlp.gate.weight")
+            for j in range(w2.shape[0]):
+                e = _mixtral_expert(p, j)
+                sd |= {e + "w1.weight": w1[j], e + "w3.weight": w3[j], e + "w2.weight": w2[j]}
+        return sd

@@ -1,0 +1,102 @@
+"""Reading a Hugging Face checkpoint's tensors: the keys every family shares, lazy safetensors, helpers.
+
+`get(key) -> tensor` is how every adapter reads: from a state dict in memory (`from_hf`) or from a
+save_pretrained directory's safetensors read lazily (`SafetensorsDir`), so a rank that needs one
+expert of one layer reads only that, never the whole model (moe.hf.convert.tensor_source).
+The keys below are the Llama family's, which Mixtral, DeepSeek-V3, Mistral and Llama share.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moe.errors import ConfigError
+
+Get = Callable[[str], torch.Tensor]
+
+TOP_LEVEL = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+BLOCK_NORMS = {"attn_norm.weight": "input_layernorm.weight",
+               "ffn_norm.weight": "post_attention_layernorm.weight"}
+LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+STACKED_EXPERTS = ("ffn.experts.gate_up", "ffn.experts.down")  # ours, built by stacked_experts
+
+
+def top_level(name: str, get: Get) -> torch.Tensor:
+    """Our embeddings, final norm or LM head (the embedding again when the checkpoint ties them)."""
+    if name == "lm_head.weight" and not has_key(get, TOP_LEVEL[name]):
+        return get(TOP_LEVEL["embed_tokens.weight"])
+    return get(TOP_LEVEL[name])
+
+
+def stacked_experts(rest: str, get: Get, expert_prefixes: list[str],
+                    names: tuple[str, str, str]) -> torch.Tensor:
+    """Our `ffn.experts.gate_up` [E, H, 2F] ([gate.T | up.T]) or `ffn.experts.down` [E, F, H] (down.T)
+    from per-expert gate and up [F, H] and down [H, F] weights, `names` under each expert's prefix."""
+    gate, up, down = names
+    if rest == "ffn.experts.gate_up":
+        return torch.stack([torch.cat([get(e + gate).T, get(e + up).T], dim=1) for e in expert_prefixes])
+    return torch.stack([get(e + down).T for e in expert_prefixes])
+
+
+def has_key(get: Get, key: str) -> bool:
+    try:
+        get(key)
+    except KeyError:
+        return False
+    return True
+
+
+def is_stacked(hf_sd: dict[str, torch.Tensor]) -> bool:
+    """Whether a Mixtral/DeepSeek-V3 state_dict uses transformers 5.x's stacked experts (else 4.x's and
+    the files' per-expert keys)."""
+    return any(key.endswith(".mlp.experts.gate_up_proj") for key in hf_sd)
+
+
+def config_value(hf_config, key: str, default=None):
+    """A field of a transformers config object or of its config.json dict."""
+    if isinstance(hf_config, dict):
+        return hf_config.get(key, default)
+    return getattr(hf_config, key, default)
+
+
+class SafetensorsDir:
+    """`get(key)` over a save_pretrained directory's safetensors (one file or an index), read lazily."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.file_of = json.loads(index.read_text())["weight_map"]
+        else:
+            from safetensors import safe_open
+
+            with safe_open(self.path / "model.safetensors", framework="pt") as f:
+                self.file_of = dict.fromkeys(f.keys(), "model.safetensors")
+        self._open: dict[str, object] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if key not in self.file_of:
+            raise KeyError(key)
+        name = self.file_of[key]
+        if name not in self._open:
+            self._open[name] = safe_open(self.path / name, framework="pt")
+        return self._open[name].get_tensor(key)
+
+
+def load_local(model_or_dir, model_cls, field: str):
+    """A transformers model as given, or `model_cls.from_pretrained` of a local save_pretrained directory
+    (no hub access)."""
+    if not isinstance(model_or_dir, (str, Path)):
+        return model_or_dir
+    path = Path(model_or_dir)
+    if not (path / "config.json").is_file():
+        raise ConfigError(field, str(path), "point to a directory written by save_pretrained "
+                          "(config.json + weights); hub names are not downloaded", "has no config.json")
+    return model_cls.from_pretrained(str(path), local_files_only=True)
