@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train data test test-slow test-neuron smoke sweep-smoke report bench lint compile-neuron clean
+.PHONY: help setup train data test test-slow test-neuron coverage smoke sweep-smoke report bench lint compile-neuron clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -24,11 +24,14 @@ setup: $(STAMP) ## create .venv (CPU torch 2.13.0, pinned by constraints.txt) an
 train: $(STAMP) ## default run: tiny MoE, bundled data, CPU (a few minutes); ARGS='key=value ...' to override
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP) ## fast test suite (the CI gate, under 15 minutes on 2 cores)
+test: $(STAMP) ## fast test suite (about 4 minutes on 2 cores; CI runs it, then test-slow and test-neuron)
 	$(PY) -m pytest -q $(ARGS)
 
-test-slow: $(STAMP) ## slow tests: multi-process runs, kill-and-resume
+test-slow: $(STAMP) ## slow tests: multi-process equivalence, kill-and-resume, end-to-end sweeps
 	$(PY) -m pytest -q -m slow $(ARGS)
+
+coverage: $(STAMP) ## the fast suite with line coverage of moe/ (in-process code; report in htmlcov/)
+	$(PY) -m pytest -q --cov=moe --cov-report=term:skip-covered --cov-report=html $(ARGS)
 
 NXD_CPU ?= $(HOME)/.cache/moe-nxd-cpu
 test-neuron: ## the trn1 backend on neuronx-distributed v2.28.0's real code in CPU mode (NXD_SRC=copy; first run sets up 7.7 GB in NXD_CPU)

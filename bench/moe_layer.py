@@ -67,7 +67,7 @@ class Expert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class Seed000MoELayer(nn.Module):
+class KarakuriPublishedMoELayer(nn.Module):
     def __init__(self, hidden_size, expert_size, num_experts, k=2):
         super().__init__()
         self.experts = nn.ModuleList([Expert(hidden_size, expert_size) for _ in range(num_experts)])
@@ -123,7 +123,7 @@ def build(variant, w, k):
             m.experts.down_proj.copy_(w["down"].transpose(1, 2))
         return (lambda x: m(x[None])[0]), m
     if variant == "karakuri":
-        m = Seed000MoELayer(H, F_, E, k)
+        m = KarakuriPublishedMoELayer(H, F_, E, k)
         with torch.no_grad():
             m.gate.weight.copy_(w["router"])
             m.gate.bias.zero_()

@@ -39,11 +39,73 @@ def train_run(tmp_path):
     return _run
 
 
+@pytest.fixture
+def train_here(tmp_path):
+    """`train_here(*overrides, run_dir=None)` trains through moe.train.run.train in this process, with the
+    config train.py's task gets (Hydra's run dir set): for tests that are not about the command line,
+    no subprocess and no interpreter start-up. Returns the run dir; the environment, the thread count
+    and Hydra's global state are restored after each run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from moe.train.preflight import compose_config
+    from moe.train.run import train
+
+    def _run(*overrides: str, run_dir: Path | None = None) -> Path:
+        run_dir = run_dir or tmp_path / "run"
+        env, threads = dict(os.environ), torch.get_num_threads()
+        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        try:
+            cfg, _ = compose_config([f"hydra.run.dir={run_dir}", *FAST_RUN, *overrides], str(REPO / "conf"),
+                                    "train")
+            return train(cfg, run_dir)
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            torch.set_num_threads(threads)
+            HydraConfig.instance().cfg = None
+
+    return _run
+
+
+def compose_cfg(*overrides: str, hydra: bool = False):
+    """train.py's config for these overrides, as Hydra composes it (its Compose API: no run dir);
+    `hydra=True` keeps Hydra's own node (sweeper, launcher, run dir)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=hydra)
+
+
 def free_port() -> int:
     """A free TCP port on loopback, for a test's own torch.distributed rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def on_gloo_ranks(world: int, body, *args) -> dict:
+    """`body(rank, *args)` (a module-level function) on `world` spawned processes joined by one gloo
+    process group on a fresh port; returns {rank: what body returned}. A rank that raises fails the test."""
+    import torch.multiprocessing as mp
+
+    out = mp.Manager().dict()
+    mp.spawn(_gloo_rank, args=(world, free_port(), body, args, out), nprocs=world, join=True)
+    return dict(out)
+
+
+def _gloo_rank(rank: int, world: int, port: int, body, args: tuple, out: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # several processes on a shared 2-core machine; tiny shapes
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        out[rank] = body(rank, *args)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,10 @@
 """Parallelism appliers: activation checkpointing policies, expert sharding, per-block compile."""
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import on_gloo_ranks
 
 from moe.config import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
@@ -115,25 +114,20 @@ def test_applying_ac_twice_is_a_config_error():
     assert err.value.field == "parallel.activation_checkpointing" and "once" in err.value.fix
 
 
-def _ep_worker(rank, world, port, ref_logits, ref_state):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
-        model = MoETransformer(CFG, opt).eval()
-        model.load_state_dict(ref_state)
-        apply_ep(model, dist.group.WORLD)
-        for block in model.layers:
-            if block.is_moe:
-                assert isinstance(block.ffn.dispatcher, AllToAllDispatcher)
-                assert block.ffn.dispatcher.ep == world
-                assert block.ffn.experts.gate_up.shape[0] == 2
-                full = ref_state[f"layers.{block.layer_idx}.ffn.experts.gate_up"]
-                assert torch.equal(block.ffn.experts.gate_up, full[2 * rank: 2 * rank + 2])
-        with torch.no_grad():
-            torch.testing.assert_close(model(IDS).logits_BSV, ref_logits, rtol=1e-5, atol=1e-5)
-    finally:
-        dist.destroy_process_group()
+def _ep_rank(rank, ref_logits, ref_state):
+    opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
+    model = MoETransformer(CFG, opt).eval()
+    model.load_state_dict(ref_state)
+    apply_ep(model, dist.group.WORLD)
+    for block in model.layers:
+        if block.is_moe:
+            assert isinstance(block.ffn.dispatcher, AllToAllDispatcher)
+            assert block.ffn.dispatcher.ep == 2
+            assert block.ffn.experts.gate_up.shape[0] == 2
+            full = ref_state[f"layers.{block.layer_idx}.ffn.experts.gate_up"]
+            assert torch.equal(block.ffn.experts.gate_up, full[2 * rank: 2 * rank + 2])
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits_BSV, ref_logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -143,7 +137,7 @@ def test_apply_ep_shards_experts_and_keeps_logits():
     ref = MoETransformer(CFG, opt).eval()
     with torch.no_grad():
         ref_logits = ref(IDS).logits_BSV
-    mp.spawn(_ep_worker, args=(2, 29500 + os.getpid() % 1000, ref_logits, ref.state_dict()), nprocs=2)
+    on_gloo_ranks(2, _ep_rank, ref_logits, ref.state_dict())
 
 
 @pytest.mark.slow

@@ -17,12 +17,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, run_entry
-from hydra import compose, initialize_config_dir
+from conftest import REPO, compose_cfg, run_entry
 from omegaconf import OmegaConf
 
 import moe.config  # noqa: F401  (registers the typed schema)
 from moe.checkpoint.lightning_io import AtomicCheckpointIO
+from moe.config.validate import validate
 from moe.errors import exit_on_user_error
 from moe.train.run import train
 
@@ -30,36 +30,41 @@ OUTPUTS = ("metrics.csv", "summary.json", "checkpoints")
 
 
 def compose_train(*overrides):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("train", overrides=["run_name=bad", *overrides])
+    return compose_cfg("run_name=bad", *overrides)
 
 
-def run_train(run_dir, *overrides):
-    """train.py's main in-process: (exit code, stderr)."""
-    cfg = compose_train(*overrides)
+def exit_of(function, *args) -> tuple[int, str]:
+    """(exit code, stderr) of `function(*args)` under train.py's user-error handling."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            exit_on_user_error(train)(cfg, run_dir)
+            exit_on_user_error(function)(*args)
             code = 0
         except SystemExit as exit_:
             code = exit_.code
     return code, err.getvalue()
 
 
+def run_train(run_dir, *overrides):
+    """train.py's main in-process: (exit code, stderr)."""
+    return exit_of(train, compose_train(*overrides), run_dir)
+
+
 def snapshot(path):
     return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def assert_user_error(code, err, field, value, fix):
-    """Exit 2, a single `error: field=value ... Fix: ...` paragraph, no traceback."""
+def assert_user_error(code, err, field, value, fix, problem=None):
+    """Exit 2, a single `error: field=value <problem> ... Fix: <fix>` paragraph, no traceback (None: any)."""
     assert code == 2, err
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1, err
     message = lines[0]
-    assert message.startswith(f"error: {field}={value}"), message
-    assert "Fix: " in message and fix in message.split("Fix: ", 1)[1], message
+    assert message.startswith(f"error: {field}={value} "), message
+    said, _, fixed = message.partition("Fix: ")
+    assert fixed and (fix is None or fix in fixed), message
+    assert problem is None or problem in said, message
 
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -80,141 +85,187 @@ def prepared(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------------ configs
 CONFIG_CASES = [
-    # overrides, field, value as printed, a phrase of the fix
-    (["parallel.ep=3"], "parallel.ep", "3", "use an ep that divides model.num_experts=8"),
-    (["parallel.dp=4"], "parallel.dp", "4", "set parallel.dp=null"),  # world size mismatch
-    (["trainer.devices=3"], "trainer.devices", "3", "raise trainer.num_nodes"),
-    (["optimizer.lr=-0.001"], "optimizer.lr", "-0.001", "use a positive learning rate"),
-    (["data.seq_len=1024"], "data.seq_len", "1024", "raise model.max_position_embeddings"),
-    (["trainer.max_steps=0"], "trainer.max_steps", "0", "positive number"),
-    (["optimizer.warmup_steps=-5"], "optimizer.warmup_steps", "-5", "positive step count"),
-    (["parallel.zero_stage=2"], "parallel.zero_stage", "2", "hardware=cpu_deepspeed"),
-    (["trainer.global_batch_size=10"], "trainer.global_batch_size", "10", "global_batch_size=null"),
-    (["model.top_k=9"], "model.top_k", "9", "1 <= top_k <= model.num_experts=8"),
-    (["model.num_kv_heads=3"], "model.num_kv_heads", "3", "divisor of model.num_heads=4"),
-    (["moe_opt.capacity_factor=-1"], "moe_opt.capacity_factor", "-1", "null for dropless routing"),
-    (["hardware.strategy=tpu"], "hardware.strategy", "'tpu'", "use one of ddp, deepspeed, fsdp2, neuron"),
-    (["trainer.spike_action=explode"], "trainer.spike_action", "'explode'", "use one of warn, skip"),
-    (["trainer.spike_factor=0.5"], "trainer.spike_factor", "0.5", "0 to turn detection off"),
-    # model
-    (["model.hidden_size=0"], "model.hidden_size", "0", "positive integer"),
-    (["model.hidden_size=100"], "model.head_dim", "25", "use an even head_dim"),  # 100/4 heads: odd for RoPE
-    (["model.num_heads=0"], "model.num_heads", "0", "positive integer"),
-    (["model.num_layers=0"], "model.num_layers", "0", "positive integer"),
-    (["model.vocab_size=0"], "model.vocab_size", "0", "positive integer"),
-    (["model.num_experts=0"], "model.num_experts", "0", "positive integer"),
-    (["model.top_k=0"], "model.top_k", "0", "positive integer"),
-    (["model.head_dim=3"], "model.head_dim", "3", "use an even head_dim"),
-    (["model.position_encoding=alibix"], "model.position_encoding", "'alibix'", "use one of rope, alibi"),
-    (["model.sliding_window=0"], "model.sliding_window", "0", "null for full attention"),
-    (["model.rms_norm_eps=0"], "model.rms_norm_eps", "0.0", "small positive epsilon"),
-    (["model.rope_theta=-1"], "model.rope_theta", "-1.0", "positive base such as 1e6"),
+    # overrides, field, value as printed, words of the problem, words of the fix (None: not asserted)
+    (["parallel.ep=3"], "parallel.ep", "3", None, "use an ep that divides model.num_experts=8"),
+    (["parallel.dp=4"], "parallel.dp", "4", None, "set parallel.dp=null"),
+    (["trainer.devices=3"], "trainer.devices", "3", "devices_per_node=2", "raise trainer.num_nodes"),
+    (["optimizer.lr=-0.001"], "optimizer.lr", "-0.001", None, "use a positive learning rate"),
+    (["data.seq_len=1024"], "data.seq_len", "1024",
+     "max_position_embeddings=512", "raise model.max_position_embeddings"),
+    (["trainer.max_steps=0"], "trainer.max_steps", "0", "positive", "positive number"),
+    (["optimizer.warmup_steps=-5"], "optimizer.warmup_steps", "-5", None, "positive step count"),
+    (["parallel.zero_stage=2"], "parallel.zero_stage", "2", None, "hardware=cpu_deepspeed"),
+    (["trainer.global_batch_size=10"], "trainer.global_batch_size", "10", "= 8", "global_batch_size=null"),
+    (["model.top_k=9"], "model.top_k", "9", "num_experts=8", "1 <= top_k <= model.num_experts=8"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads", "3", "num_heads=4", "divisor of model.num_heads=4"),
+    (["moe_opt.capacity_factor=-1"], "moe_opt.capacity_factor", "-1.0", None, "null for dropless routing"),
+    (["hardware.strategy=tpu"], "hardware.strategy", "'tpu'",
+     None, "use one of ddp, deepspeed, fsdp2, neuron"),
+    (["trainer.spike_action=explode"], "trainer.spike_action", "'explode'", None, "use one of warn, skip"),
+    (["trainer.spike_factor=0.5"], "trainer.spike_factor", "0.5", None, "0 to turn detection off"),
+    (["model.hidden_size=0"], "model.hidden_size", "0", None, "positive integer"),
+    (["model.hidden_size=100"], "model.head_dim", "25", None, "use an even head_dim"),
+    (["model.num_heads=0"], "model.num_heads", "0", None, "positive integer"),
+    (["model.num_layers=0"], "model.num_layers", "0", None, "positive integer"),
+    (["model.vocab_size=0"], "model.vocab_size", "0", None, "positive integer"),
+    (["model.num_experts=0"], "model.num_experts", "0", "at least 1", "positive integer"),
+    (["model.top_k=0"], "model.top_k", "0", "at least 1", "positive integer"),
+    (["model.head_dim=3"], "model.head_dim", "3", None, "use an even head_dim"),
+    (["model.position_encoding=alibix"], "model.position_encoding", "'alibix'",
+     None, "use one of rope, alibi"),
+    (["model.sliding_window=0"], "model.sliding_window", "0", None, "null for full attention"),
+    (["model.rms_norm_eps=0"], "model.rms_norm_eps", "0.0", None, "small positive epsilon"),
+    (["model.rope_theta=-1"], "model.rope_theta", "-1.0", None, "positive base such as 1e6"),
     (["model.shared_expert_intermediate_size=-1"], "model.shared_expert_intermediate_size", "-1",
-     "0 (no shared expert)"),
-    (["model.dense_intermediate_size=0"], "model.dense_intermediate_size", "0", "or null"),
+     None, "0 (no shared expert)"),
+    (["model.dense_intermediate_size=0"], "model.dense_intermediate_size", "0", None, "or null"),
+    (["moe_opt.eval_capacity_factor=0"], "moe_opt.eval_capacity_factor", "0.0",
+     None, "null for dropless routing"),
+    (["moe_opt.min_capacity=-1"], "moe_opt.min_capacity", "-1", None, "use 0 or more"),
+    (["moe_opt.drop_policy=random"], "moe_opt.drop_policy", "'random'",
+     "not a known drop policy", "use one of probs, position"),
+    (["moe_opt.aux_loss_coeff=-0.1"], "moe_opt.aux_loss_coeff", "-0.1", None, "0 or a positive coefficient"),
+    (["moe_opt.z_loss_coeff=-1"], "moe_opt.z_loss_coeff", "-1.0", None, "0 or a positive coefficient"),
+    (["moe_opt.jitter_eps=1.5"], "moe_opt.jitter_eps", "1.5", None, "0 turns jitter off"),
+    (["moe_opt.router_dtype=fp8"], "moe_opt.router_dtype", "'fp8'", None, "use one of fp32, bf16, fp16"),
+    (["moe_opt.aux_loss_group=world"], "moe_opt.aux_loss_group", "'world'", None, "use one of ep, dp"),
+    (["moe_opt.load_balancing_type=magic"], "moe_opt.load_balancing_type", "'magic'",
+     None, "use one of aux_loss, seq_aux_loss, none"),
+    (["moe_opt.bias_update_rate=-1"], "moe_opt.bias_update_rate", "-1.0", None, "such as 1e-3"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size", "0", "at least 1", "1 or more"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", "0", None, "1 or more"),
+    (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps", "0", None, "1 or more"),
+    (["trainer.val_check_interval=0"], "trainer.val_check_interval", "0", None, "1 or more"),
+    (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps", "0", None, "1 or more"),
+    (["trainer.limit_val_batches=-1"], "trainer.limit_val_batches", "-1", None, "0 (no validation)"),
+    (["trainer.num_nodes=0"], "trainer.num_nodes", "0", None, "1 or more"),
+    (["trainer.precision=fp8"], "trainer.precision", "'fp8'", None, "use one of 32-true"),
+    (["trainer.spike_window=0"], "trainer.spike_window", "0", None, "use 1 or more steps"),
+    (["trainer.spike_max_rollbacks=-1"], "trainer.spike_max_rollbacks", "-1", None, "use 0 or more"),
+    (["trainer.max_nonfinite_steps=-1"], "trainer.max_nonfinite_steps", "-1", None, "0 (never stop)"),
+    (["hardware.neuron_precision=fp4"], "hardware.neuron_precision", "'fp4'",
+     None, "use one of auto, bf16_sr, mixed, fp32"),
+    (["parallel.tp=0"], "parallel.tp", "0", None, "1 or more"),
+    (["parallel.pp=0"], "parallel.pp", "0", None, "1 or more"),
+    (["parallel.ep=0"], "parallel.ep", "0", "at least 1", "1 or more"),
+    (["parallel.dp=0"], "parallel.dp", "0", None, "or null to derive it"),
+    (["parallel.tp=2"], "parallel.tp", "2", None, "e.g. hardware=trn1"),
+    (["parallel.pp=2"], "parallel.pp", "2", None, "e.g. hardware=trn1"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "True", "tp > 1", "parallel.tp > 1"),
+    (["parallel.zero_stage=5"], "parallel.zero_stage", "5", None, "use 0, 1, 2 or 3"),
+    (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing", "'some'",
+     None, "use one of none, selective"),
+    (["parallel.activation_checkpointing_every_n=0"], "parallel.activation_checkpointing_every_n", "0",
+     "at least 1", "use 1 or more"),
+    (["parallel.hybrid_shard_degree=2"], "parallel.hybrid_shard_degree", "2",
+     None, "hybrid_shard_degree=null"),
+    (["parallel=dp2_ep8"], "parallel.dp", "16", None, "trainer.devices=2 trainer.num_nodes=8"),
+    (["hardware=trn1", "hardware.neuron_precision=bf16_sr", "dry_run=true"],
+     "hardware.neuron_precision", "'bf16_sr'", None, "use hardware.neuron_precision=mixed"),
+    (["hardware=trn1", "parallel=tp8_pp8_ep8", "moe_opt=dropless", "dry_run=true"],
+     "moe_opt.capacity_factor", "None", None, "set moe_opt.capacity_factor (e.g. 2.0"),
+    (["hardware=trn1", "parallel=tp8_pp8_ep8", "moe_opt.capacity_factor=4.0",
+      "moe_opt.eval_capacity_factor=4.0", "dry_run=true"],
+     "moe_opt.capacity_factor", "4.0", None, "below num_experts / top_k = 4"),
+    (["hardware=trn1", "parallel=tp8_pp8_ep8", "parallel.zero_stage=0", "dry_run=true"],
+     "parallel.zero_stage", "0", None, "set parallel.zero_stage=1 with parallel.ep > 1"),
+    (["hardware=trn1", "parallel=tp8_pp8_ep8", "parallel.tp=4", "dry_run=true"], "parallel.tp", "4",
+     None, "use tp 2 or 8 with parallel.ep > 1"),
+    (["hardware=cpu_fsdp2", "parallel=dp2", "trainer.devices=2"], "parallel.zero_stage", "0",
+     None, "set parallel.zero_stage=3"),
+    (["hardware=cpu_fsdp2", "parallel=fsdp2_ep2", "trainer.devices=2", "parallel.hybrid_shard_degree=1"],
+     "parallel.hybrid_shard_degree", "1", None, "use a multiple of parallel.ep=2"),
+    (["hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "trainer.devices=2", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel", "True", None, "set parallel.sequence_parallel=false"),
+    (["hardware=cpu_fsdp2", "model.tie_word_embeddings=true"], "model.tie_word_embeddings", "True",
+     None, "set model.tie_word_embeddings=false"),
+    (["hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "trainer.devices=2", "model.position_encoding=alibi"],
+     "model.position_encoding", "'alibi'", None, "use rope with tensor parallelism"),
+    (["hardware=cpu_fsdp2", "trainer.precision=bf16-true"], "trainer.precision", "'bf16-true'",
+     None, "use one of 32-true, bf16-mixed"),
+    (["model=tiny_deepseek_v3", "model.kv_lora_rank=null"], "model.kv_lora_rank", "None",
+     None, "set model.kv_lora_rank to a positive integer (DeepSeek-V3: 512"),
+    (["model=tiny_deepseek_v3", "model.qk_rope_head_dim=15"], "model.qk_rope_head_dim", "15",
+     None, "use an even qk_rope_head_dim"),
+    (["model.attention=mha"], "model.attention", "'mha'", None, "use one of gqa, mla"),
+    (["model.first_k_dense_replace=9"], "model.first_k_dense_replace", "9",
+     None, "use 0 (no leading dense layers)"),
+    (["data.kind=weird"], "data.kind", "'weird'", None, "use one of prepared, online"),
+    (["data.format=weird"], "data.format", "'weird'", None, "use one of text, chat, sentence"),
+    (["data.val_fraction=1.5"], "data.val_fraction", "1.5", None, "a fraction in [0, 1)"),
+    (["data.num_workers=-1"], "data.num_workers", "-1", None, "0 (load in the training process)"),
+    (["optimizer.lr=0"], "optimizer.lr", "0.0", "positive", "positive learning rate"),
+    (["optimizer.min_lr=1"], "optimizer.min_lr", "1.0", None, "0 <= min_lr <= optimizer.lr"),
+    (["optimizer.betas=[0.9,1.2]"], "optimizer.betas", "[0.9, 1.2]", None, "two values in [0, 1)"),
+    (["optimizer.eps=0"], "optimizer.eps", "0.0", None, "small positive epsilon"),
+    (["optimizer.weight_decay=-1"], "optimizer.weight_decay", "-1.0", None, "use 0 or more"),
+    (["optimizer.grad_clip=-1"], "optimizer.grad_clip", "-1.0", None, "or 0 for off"),
+    (["optimizer.decay_steps=0"], "optimizer.decay_steps", "0", None, "null for trainer.max_steps"),
+    (["hardware.strategy=horovod"], "hardware.strategy", "'horovod'", "not a known strategy", None),
+    (["parallel.tp=2", "trainer.devices=2"], "parallel.tp", "2", "DDP", None),
+    (["parallel.pp=2", "trainer.devices=2"], "parallel.pp", "2", "DDP", None),
+    (["hardware=trn1", "parallel.tp=2", "trainer.devices=3"], "parallel.tp", "2",
+     "does not divide the world size 3", None),
+    (["parallel=dp2"], "parallel.dp", "2", "world is 1", None),
+    (["parallel.ep=3", "trainer.devices=2", "trainer.num_nodes=3"], "parallel.ep", "3",
+     "num_experts=8", None),
+    (["parallel=ep2"], "parallel.ep", "2", "data-parallel size 1", None),
+    (["hardware=cpu_deepspeed", "trainer.devices=2", "parallel.zero_stage=1",
+      "parallel.hybrid_shard_degree=2"],
+     "parallel.hybrid_shard_degree", "2", "not implemented by DeepSpeed", None),
+    (["hardware=cpu_deepspeed", "parallel.zero_stage=4"], "parallel.zero_stage", "4",
+     "not a ZeRO stage", None),
+    (["hardware=cpu_deepspeed", "parallel.zero_stage=3"], "parallel.zero_stage", "3",
+     "not available with DeepSpeed", None),
+    (["hardware=trn1", "parallel.zero_stage=2"], "parallel.zero_stage", "2", "hardware=trn1", None),
+    (["parallel.zero_stage=1"], "parallel.zero_stage", "1", "PyTorch DDP", None),
+    (["hardware=cpu_deepspeed", "parallel.tp=2", "trainer.devices=2"], "parallel.tp", "2",
+     "not implemented by DeepSpeed", None),
+    (["hardware=trn1", "parallel.tp=8", "trainer.devices=8"], "parallel.tp", "8", "num_heads=4", None),
+    (["hardware=trn1", "parallel.pp=8", "trainer.devices=8"], "parallel.pp", "8", "num_layers=4", None),
+    (["hardware=trn1", "trainer.precision=bf16-mixed"], "trainer.precision", "'bf16-mixed'",
+     "not used by neuronx-distributed", None),
+    (["parallel.activation_checkpointing=sometimes"], "parallel.activation_checkpointing", "'sometimes'",
+     "not a known policy", None),
+    (["model.hidden_size=130"], "model.hidden_size", "130", "num_heads=4", None),
+    (["model.moe_layer_frequency=0"], "model.moe_layer_frequency", "0", "at least 1", None),
+    (["moe_opt.capacity_factor=0"], "moe_opt.capacity_factor", "0.0", "positive or null", None),
+    (["moe_opt.eval_capacity_factor=-1"], "moe_opt.eval_capacity_factor", "-1.0", "positive or null", None),
+    (["moe_opt.router_dtype=int8"], "moe_opt.router_dtype", "'int8'", "not a known router dtype", None),
+    (["optimizer.min_lr=0.01"], "optimizer.min_lr", "0.01", "lr=0.003", None),
+    (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps", "-1", "must not be negative", None),
+    (["moe_opt.bias_update_rate=-0.001"], "moe_opt.bias_update_rate", "-0.001", "must not be negative", None),
+]
+
+ENVIRONMENT_CASES = [
+    # what train() checks beyond the rules: the machine (moe/train/environment.py) and the directories
+    # named; overrides, field, value, words of the fix
     (["model.init_from_hf=/nonexistent"], "model.init_from_hf", "'/nonexistent'",
      "written by save_pretrained"),
     (["model.upcycle_from_hf=/nonexistent"], "model.upcycle_from_hf", "'/nonexistent'",
      "written by save_pretrained"),
-    # routing
-    (["moe_opt.eval_capacity_factor=0"], "moe_opt.eval_capacity_factor", "0.0", "null for dropless routing"),
-    (["moe_opt.min_capacity=-1"], "moe_opt.min_capacity", "-1", "use 0 or more"),
-    (["moe_opt.drop_policy=random"], "moe_opt.drop_policy", "'random'", "use one of probs, position"),
-    (["moe_opt.aux_loss_coeff=-0.1"], "moe_opt.aux_loss_coeff", "-0.1", "0 or a positive coefficient"),
-    (["moe_opt.z_loss_coeff=-1"], "moe_opt.z_loss_coeff", "-1.0", "0 or a positive coefficient"),
-    (["moe_opt.jitter_eps=1.5"], "moe_opt.jitter_eps", "1.5", "0 turns jitter off"),
-    (["moe_opt.router_dtype=fp8"], "moe_opt.router_dtype", "'fp8'", "use one of fp32, bf16, fp16"),
-    (["moe_opt.aux_loss_group=world"], "moe_opt.aux_loss_group", "'world'", "use one of ep, dp"),
-    (["moe_opt.load_balancing_type=magic"], "moe_opt.load_balancing_type", "'magic'",
-     "use one of aux_loss, seq_aux_loss, none"),
-    (["moe_opt.bias_update_rate=-1"], "moe_opt.bias_update_rate", "-1.0", "such as 1e-3"),
-    # trainer
-    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size", "0", "1 or more"),
-    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", "0", "1 or more"),
-    (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps", "0", "1 or more"),
-    (["trainer.val_check_interval=0"], "trainer.val_check_interval", "0", "1 or more"),
-    (["trainer.checkpoint_every_n_steps=0"], "trainer.checkpoint_every_n_steps", "0", "1 or more"),
-    (["trainer.limit_val_batches=-1"], "trainer.limit_val_batches", "-1", "0 (no validation)"),
-    (["trainer.num_nodes=0"], "trainer.num_nodes", "0", "1 or more"),
-    (["trainer.precision=fp8"], "trainer.precision", "'fp8'", "use one of 32-true"),
-    (["trainer.spike_window=0"], "trainer.spike_window", "0", "use 1 or more steps"),
-    (["trainer.spike_max_rollbacks=-1"], "trainer.spike_max_rollbacks", "-1", "use 0 or more"),
-    (["trainer.max_nonfinite_steps=-1"], "trainer.max_nonfinite_steps", "-1", "0 (never stop)"),
-    # hardware and layout
-    (["hardware.neuron_precision=fp4"], "hardware.neuron_precision", "'fp4'",
-     "use one of auto, bf16_sr, mixed, fp32"),
-    (["parallel.tp=0"], "parallel.tp", "0", "1 or more"),
-    (["parallel.pp=0"], "parallel.pp", "0", "1 or more"),
-    (["parallel.ep=0"], "parallel.ep", "0", "1 or more"),
-    (["parallel.dp=0"], "parallel.dp", "0", "or null to derive it"),
-    (["parallel.tp=2"], "parallel.tp", "2", "e.g. hardware=trn1"),  # DDP has no TP: refused, never ignored
-    (["parallel.pp=2"], "parallel.pp", "2", "e.g. hardware=trn1"),
-    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "True", "parallel.tp > 1"),
-    (["parallel.zero_stage=5"], "parallel.zero_stage", "5", "use 0, 1, 2 or 3"),
-    (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing", "'some'",
-     "use one of none, selective"),
-    (["parallel.activation_checkpointing_every_n=0"], "parallel.activation_checkpointing_every_n", "0",
-     "use 1 or more"),
-    (["parallel.hybrid_shard_degree=2"], "parallel.hybrid_shard_degree", "2", "hybrid_shard_degree=null"),
-    (["parallel=dp2_ep8"], "parallel.dp", "16", "trainer.devices=2 trainer.num_nodes=8"),
-    (["hardware=trn1"], "hardware", "'trn1'", "Neuron SDK 2.28 environment"),  # no SDK on this machine
-    # what neuronx-distributed cannot train on trn1 (dry runs: validated on this machine, nothing written)
-    (["hardware=trn1", "hardware.neuron_precision=bf16_sr", "dry_run=true"], "hardware.neuron_precision",
-     "'bf16_sr'", "use hardware.neuron_precision=mixed"),  # bf16 slot arithmetic in NxD's MoE
-    (["hardware=trn1", "parallel=tp8_pp8_ep8", "moe_opt=dropless", "dry_run=true"], "moe_opt.capacity_factor",
-     "None", "set moe_opt.capacity_factor (e.g. 2.0"),  # NxD's dropless path has no all-to-all
-    (["hardware=trn1", "parallel=tp8_pp8_ep8", "moe_opt.capacity_factor=4.0",
-      "moe_opt.eval_capacity_factor=4.0", "dry_run=true"], "moe_opt.capacity_factor", "4.0",
-     "below num_experts / top_k = 4"),
-    # NxD saves expert-parallel rank 0's optimizer only without ZeRO-1
-    (["hardware=trn1", "parallel=tp8_pp8_ep8", "parallel.zero_stage=0", "dry_run=true"],
-     "parallel.zero_stage", "0", "set parallel.zero_stage=1 with parallel.ep > 1"),
-    (["hardware=trn1", "parallel=tp8_pp8_ep8", "parallel.tp=4", "dry_run=true"], "parallel.tp", "4",
-     "use tp 2 or 8 with parallel.ep > 1"),
-    # the torch-native backend (hardware.strategy=fsdp2)
-    (["hardware=cpu_fsdp2", "parallel=dp2", "trainer.devices=2"], "parallel.zero_stage", "0",
-     "set parallel.zero_stage=3"),
-    (["hardware=cpu_fsdp2", "parallel=fsdp2_ep2", "trainer.devices=2", "parallel.hybrid_shard_degree=1"],
-     "parallel.hybrid_shard_degree", "1", "use a multiple of parallel.ep=2"),
-    (["hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "trainer.devices=2", "parallel.sequence_parallel=true"],
-     "parallel.sequence_parallel", "True", "set parallel.sequence_parallel=false"),
-    (["hardware=cpu_fsdp2", "model.tie_word_embeddings=true"], "model.tie_word_embeddings", "True",
-     "set model.tie_word_embeddings=false"),
-    (["hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "trainer.devices=2", "model.position_encoding=alibi"],
-     "model.position_encoding", "'alibi'", "use rope with tensor parallelism"),
-    (["hardware=cpu_fsdp2", "trainer.precision=bf16-true"], "trainer.precision", "'bf16-true'",
-     "use one of 32-true, bf16-mixed"),
-    (["hardware=trn2"], "hardware", "'trn2'", "TorchNeuron installed"),  # no TorchNeuron here
-    # multi-head latent attention and leading dense layers (model=tiny_deepseek_v3)
-    (["model=tiny_deepseek_v3", "model.kv_lora_rank=null"], "model.kv_lora_rank", "None",
-     "set model.kv_lora_rank to a positive integer (DeepSeek-V3: 512"),
-    (["model=tiny_deepseek_v3", "model.qk_rope_head_dim=15"], "model.qk_rope_head_dim", "15",
-     "use an even qk_rope_head_dim"),
-    (["model.attention=mha"], "model.attention", "'mha'", "use one of gqa, mla"),
-    (["model.first_k_dense_replace=9"], "model.first_k_dense_replace", "9",
-     "use 0 (no leading dense layers)"),
-    # data and optimizer
-    (["data.kind=weird"], "data.kind", "'weird'", "use one of prepared, online"),
-    (["data.format=weird"], "data.format", "'weird'", "use one of text, chat, sentence"),
-    (["data.val_fraction=1.5"], "data.val_fraction", "1.5", "a fraction in [0, 1)"),
-    (["data.num_workers=-1"], "data.num_workers", "-1", "0 (load in the training process)"),
-    (["optimizer.lr=0"], "optimizer.lr", "0.0", "positive learning rate"),
-    (["optimizer.min_lr=1"], "optimizer.min_lr", "1.0", "0 <= min_lr <= optimizer.lr"),
-    (["optimizer.betas=[0.9,1.2]"], "optimizer.betas", "[0.9, 1.2]", "two values in [0, 1)"),
-    (["optimizer.eps=0"], "optimizer.eps", "0.0", "small positive epsilon"),
-    (["optimizer.weight_decay=-1"], "optimizer.weight_decay", "-1.0", "use 0 or more"),
-    (["optimizer.grad_clip=-1"], "optimizer.grad_clip", "-1.0", "or 0 for off"),
-    (["optimizer.decay_steps=0"], "optimizer.decay_steps", "0", "null for trainer.max_steps"),
-    # what the machine must offer (moe/train/environment.py)
-    (["hardware=gpu"], "hardware", "'gpu'", "dry_run=true or simulate=true plan the GPU run"),  # no CUDA here
+    (["hardware=trn1"], "hardware", "'trn1'", "Neuron SDK 2.28 environment"),
+    (["hardware=trn2"], "hardware", "'trn2'", "TorchNeuron installed"),
+    (["hardware=gpu"], "hardware", "'gpu'", "dry_run=true or simulate=true plan the GPU run"),
     (["logger=wandb", "logger.wandb.offline=false"], "logger.wandb.offline", "False", "export WANDB_API_KEY"),
     (["+callbacks.x._target_=nodots"], "callbacks.x._target_", "'nodots'", "naming a class"),
 ]
 
 
-@pytest.mark.parametrize("overrides, field, value, fix", CONFIG_CASES,
+@pytest.mark.parametrize("overrides, field, value, problem, fix", CONFIG_CASES,
                          ids=[" ".join(c[0]) for c in CONFIG_CASES])
-def test_bad_config(tmp_path, monkeypatch, overrides, field, value, fix):
+def test_bad_config(overrides, field, value, problem, fix):
+    """Every rule of moe.config.validate: exit 2 and one paragraph naming the field, the value seen, the
+    problem and the fix."""
+    code, err = exit_of(validate, compose_train(*overrides))
+    assert_user_error(code, err, field, value, fix, problem)
+
+
+@pytest.mark.parametrize("overrides, field, value, fix", ENVIRONMENT_CASES,
+                         ids=[" ".join(c[0]) for c in ENVIRONMENT_CASES])
+def test_what_the_machine_lacks(tmp_path, monkeypatch, overrides, field, value, fix):
+    """What the machine must offer and the directories the config names, refused by train() itself:
+    nothing written."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no.netrc"))
@@ -494,11 +545,14 @@ SUCCEEDS = {"test_dry_run_prints_the_plan_and_writes_nothing"}  # exit 0, and st
 
 def matrix_table() -> str:
     """The matrix as docs/FAULT_TOLERANCE.md shows it (`python tests/test_bad_inputs.py` prints it)."""
-    rows = [(f"`{' '.join(o)}`", 2, f"`{field}={value}` ... Fix: {fix} ...")
-            for o, field, value, fix in CONFIG_CASES]
+    rows = [(f"`{' '.join(o)}`", 2, f"`{field}={value}` {problem or '...'} ... Fix: {fix or '...'}")
+            for o, field, value, problem, fix in CONFIG_CASES]
+    rows += [(f"`{' '.join(o)}`", 2, f"`{field}={value}` ... Fix: {fix} ...") for o, field, value, fix in
+             ENVIRONMENT_CASES]
     rows += [(f"`python train.py {o}`", 2, "; ".join(f"`{n}`" for n in needles)) for o, needles in CLI_CASES]
     functions = [name for name in globals() if name.startswith("test_") and name not in
-                 ("test_bad_config", "test_bad_command_line_exits_2_before_the_run_dir_exists",
+                 ("test_bad_config", "test_what_the_machine_lacks",
+                  "test_bad_command_line_exits_2_before_the_run_dir_exists",
                   "test_the_doc_lists_every_case_of_the_matrix")]
     rows += [(name[len("test_"):].replace("_", " "), 0 if name in SUCCEEDS else 2, f"see `{name}`")
              for name in functions]

@@ -11,8 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import on_gloo_ranks
 
 from moe.config import MoEOptConfig
 from moe.model.moe import MoELayer
@@ -121,23 +120,18 @@ def _check_stats_group(rank, world):
     torch.testing.assert_close(grad / world, ref.router.weight.grad, **TOL)
 
 
-def _worker(rank, world, port, cases):
-    torch.set_num_threads(1)  # 2 processes on a shared machine; tiny shapes
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        for case in cases:
-            if case == "exchange":
-                _check_exchange(rank, world)
-            elif case == "stats_group":
-                _check_stats_group(rank, world)
-            else:
-                _check_against_one_process(rank, world, **case)
-    finally:
-        dist.destroy_process_group()
+def _cases(rank, world, cases):
+    for case in cases:
+        if case == "exchange":
+            _check_exchange(rank, world)
+        elif case == "stats_group":
+            _check_stats_group(rank, world)
+        else:
+            _check_against_one_process(rank, world, **case)
 
 
 def _spawn(cases, world=2):
-    mp.spawn(_worker, args=(world, free_port(), cases), nprocs=world, join=True)
+    on_gloo_ranks(world, _cases, world, cases)
 
 
 @pytest.mark.slow  # aborted (SIGABRT in a gloo child) on the first full-suite run of fresh clones only

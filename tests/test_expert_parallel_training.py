@@ -14,8 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import on_gloo_ranks
 
 from moe.parallel.expert_grads import reduce_expert_grads
 from moe.parallel.expert_state import (
@@ -28,22 +27,18 @@ from moe.parallel.expert_state import (
 from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train
 
 
-def _two_rank_worker(rank: int, port: int, out: dict):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        group = dist.new_group([0, 1])
-        # expert grads: rank r holds sum of its EP group's token grads; result = sum / dp world
-        p = torch.nn.Parameter(torch.zeros(2, 3))
-        p.grad = torch.full((2, 3), float(rank + 1))
-        q = torch.nn.Parameter(torch.zeros(4))  # no grad on this rank: joins the all-reduce with zeros
-        q.grad = None if rank == 0 else torch.ones(4)
-        reduce_expert_grads([p, q], group, dp_world_size=2)
-        full = _gather(torch.full((1, 2), float(rank)), group)  # experts [rank] -> all experts
-        mine = _local_slice(torch.arange(4.0).view(4, 1), 2, group)  # all 4 experts -> this rank's 2
-        out[rank] = (p.grad.tolist(), q.grad.tolist(), full.tolist(), mine.flatten().tolist(),
-                     _checkpoint_round_trip(rank, group))
-    finally:
-        dist.destroy_process_group()
+def _two_rank_body(rank: int):
+    group = dist.new_group([0, 1])
+    # expert grads: rank r holds sum of its EP group's token grads; result = sum / dp world
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    p.grad = torch.full((2, 3), float(rank + 1))
+    q = torch.nn.Parameter(torch.zeros(4))  # no grad on this rank: joins the all-reduce with zeros
+    q.grad = None if rank == 0 else torch.ones(4)
+    reduce_expert_grads([p, q], group, dp_world_size=2)
+    full = _gather(torch.full((1, 2), float(rank)), group)  # experts [rank] -> all experts
+    mine = _local_slice(torch.arange(4.0).view(4, 1), 2, group)  # all 4 experts -> this rank's 2
+    return (p.grad.tolist(), q.grad.tolist(), full.tolist(), mine.flatten().tolist(),
+            _checkpoint_round_trip(rank, group))
 
 
 def _checkpoint_round_trip(rank: int, group):
@@ -68,9 +63,7 @@ def _checkpoint_round_trip(rank: int, group):
 
 
 def test_expert_grad_reduction_and_checkpoint_gather_slice_on_two_ranks():
-    port = free_port()
-    out = mp.Manager().dict()
-    mp.spawn(_two_rank_worker, args=(port, out), nprocs=2, join=True)
+    out = on_gloo_ranks(2, _two_rank_body)
     for rank in (0, 1):
         p_grad, q_grad, full, mine, (saved_w, saved_m, live_m, back, own_m) = out[rank]
         assert p_grad == [[1.5] * 3] * 2  # (1 + 2) / 2

@@ -11,9 +11,7 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import on_gloo_ranks
 from omegaconf import OmegaConf
 
 from moe.parallel.dims import Meshes, ParallelDims
@@ -70,17 +68,11 @@ def _tiny_cfg():
 
 def _on_two_ranks(body) -> dict:
     """`body()` (a module-level function) on each of 2 gloo ranks -> {rank: what it returned}."""
-    out = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(free_port(), out, body), nprocs=2, join=True)
-    return dict(out)
+    return on_gloo_ranks(2, _call, body)
 
 
-def _rank_main(rank: int, port: int, out: dict, body):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        out[rank] = body()
-    finally:
-        dist.destroy_process_group()
+def _call(rank: int, body):
+    return body()
 
 
 def _tp2_on_meta(model_cfg, moe_opt):

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import on_gloo_ranks
 
 from moe.parallel.dims import ParallelDims
 
@@ -97,18 +96,12 @@ def test_same_layout_and_creation_order_as_deepspeed(monkeypatch, world, ep):
         assert comm.calls == expert_dp_groups + ep_groups  # ParallelDims.expert_groups's order too
 
 
-def _worker(rank: int, port: int, out: dict):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
-    try:
-        groups = data_parallel_dims(4, 2).expert_groups()
-        out[rank] = (dist.get_process_group_ranks(groups.ep), dist.get_process_group_ranks(groups.expert_dp))
-    finally:
-        dist.destroy_process_group()
+def _expert_group_ranks(rank: int):
+    groups = data_parallel_dims(4, 2).expert_groups()
+    return dist.get_process_group_ranks(groups.ep), dist.get_process_group_ranks(groups.expert_dp)
 
 
 @pytest.mark.slow
 def test_expert_groups_on_four_processes():
-    port = free_port()
-    out = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, out), nprocs=4, join=True)
-    assert dict(out) == {0: ([0, 1], [0, 2]), 1: ([0, 1], [1, 3]), 2: ([2, 3], [0, 2]), 3: ([2, 3], [1, 3])}
+    out = on_gloo_ranks(4, _expert_group_ranks)
+    assert out == {0: ([0, 1], [0, 2]), 1: ([0, 1], [1, 3]), 2: ([2, 3], [0, 2]), 3: ([2, 3], [1, 3])}

@@ -192,12 +192,10 @@ def test_safetensors_read_lazily_give_our_tensors_expert_by_expert(tmp_path):
 def test_the_default_config_in_eval_mode_gives_the_logits_of_its_export():
     """moe_opt=default trains with capacity 1.25 and evaluates dropless, so validation sees the model that
     is exported. Every token the same: all route to the same two experts, which a capacity drops."""
-    from conftest import REPO
-    from hydra import compose, initialize_config_dir
+    from conftest import compose_cfg
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train")
+    cfg = compose_cfg()
     assert cfg.moe_opt.name == "default" and cfg.moe_opt.capacity_factor == 1.25
     torch.manual_seed(0)
     model = MoETransformer(OmegaConf.to_object(cfg.model), OmegaConf.to_object(cfg.moe_opt)).eval()

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 interop (issue E, item 4): multi-head latent attention and first-k-dense layers, logits
+"""DeepSeek-V3 interop: multi-head latent attention and first-k-dense layers, logits
 parity with transformers' DeepseekV3ForCausalLM both ways, save/load directories, lazy per-tensor reads,
 refusals, parameter counts, generation with the KV cache.
 """

@@ -86,16 +86,13 @@ def test_sequence_balance_loss_is_the_batch_loss_within_each_sequence_averaged()
     assert layers["seq_aux_loss"].router.weight.grad.abs().sum() > 0
 
 
-def test_aux_free_training_moves_the_bias_and_a_resume_continues_it_exactly(tmp_path):
+def test_aux_free_training_moves_the_bias_and_a_resume_continues_it_exactly(tmp_path, train_here):
     import csv
     import shutil
 
-    from conftest import FAST_RUN, run_entry
-
-    args = (*FAST_RUN, "moe_opt=aux_free", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3",
+    args = ("moe_opt=aux_free", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3",
             "trainer.limit_val_batches=0", "optimizer.warmup_steps=1")
-    run = tmp_path / "run"
-    run_entry("train.py", f"hydra.run.dir={run}", *args, check=True)
+    run = train_here(*args)
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     bias = ckpt["state_dict"]["model.layers.0.ffn.router.expert_bias"]
     assert bias.abs().sum() > 0 and torch.allclose(bias.abs(), torch.full_like(bias, 6e-3), atol=6e-3)
@@ -108,7 +105,7 @@ def test_aux_free_training_moves_the_bias_and_a_resume_continues_it_exactly(tmp_
     (resumed / "checkpoints").mkdir(parents=True)
     for name in ("step-000003.ckpt", "step-000003.ckpt.meta.json"):
         shutil.copy(run / "checkpoints" / name, resumed / "checkpoints")
-    run_entry("train.py", f"hydra.run.dir={resumed}", *args, check=True)
+    train_here(*args, run_dir=resumed)
     assert losses(resumed) == pytest.approx(losses(run)[3:], abs=1e-6)
     again = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert torch.equal(again["state_dict"]["model.layers.0.ffn.router.expert_bias"], bias)

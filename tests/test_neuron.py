@@ -1,9 +1,9 @@
 """hardware=trn1 through neuronx-distributed, on the fakes of tests/fakes (what they are: its README).
 
-Each test names the failure it guards against: the numbered items of issue B (what the trn1 path
-did wrong when read against NxD v2.28.0) and the behaviour that had silently changed there. The
-backend's own code runs unchanged; only neuronx_distributed and torch_xla are the fakes, whose
-signatures tests/test_neuron_fakes.py checks against the real release.
+Each test names the failure it guards against: what the trn1 path once did wrong when read against
+NxD v2.28.0, and behaviour that had silently changed there. The backend's own code runs unchanged;
+only neuronx_distributed and torch_xla are the fakes, whose signatures tests/test_neuron_fakes.py
+checks against the real release.
 """
 
 from __future__ import annotations
@@ -15,23 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
 from moe.config.validate import validate
 from moe.errors import ConfigError, UserError
 from moe.parallel.dims import validated_dims
-from tests.conftest import REPO, free_port, run_entry
+from tests.conftest import REPO, compose_cfg, free_port, run_entry
 
 FAKES = REPO / "tests" / "fakes"
 FAKE_ENV = {"PYTHONPATH": str(FAKES)}
 TRN1 = ("hardware=trn1", "trainer.devices=2")
 MIXTRAL_TRN1 = ("experiment=karakuri_8x7b_trn1",)
-
-
-def compose_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
 
 
 def _forget_fakes() -> None:
@@ -124,7 +118,7 @@ class _NoHFTracer:
         return None
 
 
-def test_1_transformers_5_is_named_not_reported_as_missing_package(monkeypatch):
+def test_transformers_5_is_named_not_reported_as_missing_package(monkeypatch):
     from moe.backends.neuron import _import_nxd
 
     monkeypatch.delitem(sys.modules, "neuronx_distributed", raising=False)
@@ -136,7 +130,7 @@ def test_1_transformers_5_is_named_not_reported_as_missing_package(monkeypatch):
     assert "constraints-trn1.txt" in err.value.fix
 
 
-def test_1_missing_neuron_sdk_says_what_to_install(tmp_path):
+def test_missing_neuron_sdk_says_what_to_install(tmp_path):
     proc = run_entry("train.py", *TRN1, f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "needs neuronx-distributed and torch-neuronx (SDK 2.28)" in proc.stderr
@@ -145,7 +139,7 @@ def test_1_missing_neuron_sdk_says_what_to_install(tmp_path):
 
 
 # -- 2. devices: NxD's accelerator takes 1 or TPU_NUM_DEVICES -------------------------------------------
-def test_2_tpu_num_devices_is_set_from_trainer_devices_before_the_trainer_checks_it(nxd_fakes):
+def test_tpu_num_devices_is_set_from_trainer_devices_before_the_trainer_checks_it(nxd_fakes):
     import lightning as L
 
     backend = backend_for(
@@ -178,7 +172,7 @@ def test_2_tpu_num_devices_is_set_from_trainer_devices_before_the_trainer_checks
 
 
 # -- 3. expert parallelism on trn1: NxD's training-time EP, and what it cannot do ------------------------
-def test_3_the_mission_command_plans_ep_8_on_16_nodes_with_mixtral(tmp_path):
+def test_the_mission_command_plans_ep_8_on_16_nodes_with_mixtral(tmp_path):
     """`python train.py hardware=trn1 parallel=tp8_pp8_ep8 dry_run=true`, exactly: the layout picks
     Mixtral 8x7B (conf/parallel/tp8_pp8_ep8.yaml) and plans 512 NeuronCores with ep 8 inside dp 8."""
     proc = run_entry("train.py", "hardware=trn1", "parallel=tp8_pp8_ep8", "dry_run=true",
@@ -191,7 +185,7 @@ def test_3_the_mission_command_plans_ep_8_on_16_nodes_with_mixtral(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_3_the_mission_command_without_neuron_names_the_install_and_writes_nothing(tmp_path):
+def test_the_mission_command_without_neuron_names_the_install_and_writes_nothing(tmp_path):
     proc = run_entry("train.py", "hardware=trn1", "parallel=tp8_pp8_ep8", f"hydra.run.dir={tmp_path / 'run'}",
                      timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -207,7 +201,7 @@ def test_3_the_mission_command_without_neuron_names_the_install_and_writes_nothi
     ("parallel.zero_stage=0", "parallel.zero_stage", "_ep_rank_"),  # NxD saves EP rank 0's optimizer only
     ("parallel.tp=4 model.num_kv_heads=4 trainer.devices=16", "parallel.tp", "parallel_state.py:605-606"),
 ])
-def test_3_what_nxd_expert_parallelism_cannot_train_is_refused_with_its_line(override, field, words):
+def test_what_nxd_expert_parallelism_cannot_train_is_refused_with_its_line(override, field, words):
     cfg = compose_cfg("hardware=trn1", "trainer.devices=4", "parallel.tp=2", "parallel.ep=2",
                       "parallel.zero_stage=1", *override.split())
     with pytest.raises(ConfigError) as err:
@@ -215,13 +209,13 @@ def test_3_what_nxd_expert_parallelism_cannot_train_is_refused_with_its_line(ove
     assert err.value.field == field and words in str(err.value) and "Fix:" in str(err.value)
 
 
-def test_3_expert_parallelism_validates_with_nxd_routing_and_zero1():
+def test_expert_parallelism_validates_with_nxd_routing_and_zero1():
     dims = validated_dims(compose_cfg("hardware=trn1", "trainer.devices=4", "parallel.tp=2", "parallel.ep=2",
                                       "parallel.zero_stage=1"))
     assert (dims.ep, dims.dp, dims.expert_dp) == (2, 2, 1)
 
 
-def test_3_bf16_sr_is_refused_for_moe_models_and_auto_picks_mixed():
+def test_bf16_sr_is_refused_for_moe_models_and_auto_picks_mixed():
     """bf16_sr runs NxD's float64 slot arithmetic in bf16 (tests/neuron_real/check_slots.py measures
     7879 of 16384 slots misplaced); auto is mixed with MoE layers, bf16_sr for a dense model."""
     from moe.config.derived import neuron_precision
@@ -262,7 +256,7 @@ def test_what_nxd_cannot_train_is_refused_naming_nxds_behaviour(override, field)
     assert err.value.field == field and "Fix:" in str(err.value)
 
 
-def test_3_karakuri_experiment_dry_run_prints_the_aws_layout(tmp_path):
+def test_karakuri_experiment_dry_run_prints_the_aws_layout(tmp_path):
     proc = run_entry(
         "train.py", *MIXTRAL_TRN1, "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", timeout=300
     )
@@ -272,7 +266,7 @@ def test_3_karakuri_experiment_dry_run_prints_the_aws_layout(tmp_path):
 
 
 # -- 4. pipeline tracing with sequence parallelism ------------------------------------------------------
-def test_4_pipeline_keeps_the_sequence_scatter_and_the_loss_as_single_calls(nxd):
+def test_pipeline_keeps_the_sequence_scatter_and_the_loss_as_single_calls(nxd):
     """Traced into, the scatter's body fails at tp > 1 (mappings.py:85 asserts on a traced shape), so
     NxD's recipes auto-wrap the mappings module; the graph must call it, not inline it."""
     from neuronx_distributed.parallel_layers import mappings
@@ -300,7 +294,8 @@ def test_4_pipeline_keeps_the_sequence_scatter_and_the_loss_as_single_calls(nxd)
 
 
 # -- 5. pipeline: the loss exists on the last stage only ------------------------------------------------
-def test_5_pipeline_trains_with_loss_on_the_last_stage_only(tmp_path):
+@pytest.mark.slow  # two processes
+def test_pipeline_trains_with_loss_on_the_last_stage_only(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_entry(
         "train.py",
@@ -333,7 +328,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 # -- 6. metrics are reduced on the device -----------------------------------------------------------------
-def test_6_metrics_go_through_xla_all_reduce_on_the_module_device(nxd, monkeypatch):
+def test_metrics_go_through_xla_all_reduce_on_the_module_device(nxd, monkeypatch):
     import torch_xla.core.xla_model as xm
 
     seen = []
@@ -351,7 +346,7 @@ def test_6_metrics_go_through_xla_all_reduce_on_the_module_device(nxd, monkeypat
 
 # -- 7. validation with sequence parallelism and MoE ------------------------------------------------------
 @pytest.mark.parametrize("moe_opt", ["moe_opt=nxd", "moe_opt.capacity_factor=null"])
-def test_7_moe_layer_eval_runs_with_sequence_parallel_and_dropless(nxd, moe_opt):
+def test_moe_layer_eval_runs_with_sequence_parallel_and_dropless(nxd, moe_opt):
     from moe.backends.neuron.layers import build_model, init_from, random_init
 
     cfg = backend_for(moe_opt, "moe_opt.eval_capacity_factor=${moe_opt.capacity_factor}").cfg
@@ -373,7 +368,7 @@ def test_7_moe_layer_eval_runs_with_sequence_parallel_and_dropless(nxd, moe_opt)
 
 
 # -- 8. host memory: the model is built on the meta device, each rank fills its own shard --------------------
-def test_8_mixtral_8x7b_is_built_on_the_meta_device(nxd):
+def test_mixtral_8x7b_is_built_on_the_meta_device(nxd):
     """NxD builds the model under init_on_device(meta) (trainer.py:162-166) when model_init_config
     asks for it; then no rank holds more than one parameter of the full model at any time."""
     import resource
@@ -397,7 +392,7 @@ def test_8_mixtral_8x7b_is_built_on_the_meta_device(nxd):
     assert grown_gib < 4  # one expert tensor at most; the model is 174 GiB in fp32
 
 
-def test_8_each_parameter_gets_the_values_every_backend_starts_from(nxd):
+def test_each_parameter_gets_the_values_every_backend_starts_from(nxd):
     """param_init_fn fills NxD's model with moe.model.init's values: the same numbers as LitMoE's."""
     from moe.backends import single_process_module
     from moe.checkpoint.nxd import our_name
@@ -636,6 +631,7 @@ def trn1_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_two_process_run_writes_nxd_checkpoints_and_resumes_to_the_same_numbers(trn1_run, tmp_path):
     """The module trains through Lightning's Trainer with NxD's strategy (device count, reduce, no DDP
     wrapper), saves with nxd.save_checkpoint, and a run restarted from step 3 ends where the straight
@@ -667,6 +663,7 @@ def test_two_process_run_writes_nxd_checkpoints_and_resumes_to_the_same_numbers(
         )
 
 
+@pytest.mark.slow  # the two-process run above
 def test_trn1_checkpoints_generate_convert_and_export(trn1_run, tmp_path):
     """infer.py reads the run's newest NxD checkpoint; convert_nxd writes the same weights as one
     portable .ckpt; export_hf from it gives a Mixtral directory holding those weights."""

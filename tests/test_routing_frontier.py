@@ -1,4 +1,4 @@
-"""Sigmoid scores, group-limited routing and the top-k scaling factor (issue E, item 2).
+"""Sigmoid scores, group-limited routing and the top-k scaling factor (DeepSeek-V3's router).
 
 The reference is transformers' DeepseekV3TopkRouter (the DeepSeek-V3 router as released): same
 logits, bias, groups and scaling give the same experts and weights. Then the layer trains with them,
@@ -83,8 +83,7 @@ def test_a_deepseek_v3_shaped_layer_trains_and_its_router_gets_gradient():
 
 @pytest.mark.parametrize("model", ["tiny_fine_grained", "tiny_deepseek_v3"])
 def test_the_fine_grained_presets_compose_validate_and_train(tmp_path, model):
-    from conftest import REPO
-    from hydra import compose, initialize_config_dir
+    from conftest import compose_cfg
 
     from moe.config.validate import validate
     from moe.train.run import train
@@ -92,8 +91,7 @@ def test_the_fine_grained_presets_compose_validate_and_train(tmp_path, model):
     overrides = [f"model={model}", "moe_opt=deepseek_v3", "trainer.max_steps=3",
                  "trainer.progress_bar=false",
                  "trainer.val_check_interval=100", "trainer.limit_val_batches=1", "optimizer.warmup_steps=1"]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+    cfg = compose_cfg(*overrides)
     validate(cfg)
     assert (cfg.moe_opt.score_function, cfg.moe_opt.num_groups, cfg.moe_opt.group_top_k) == ("sigmoid", 4, 2)
     train(cfg, tmp_path)

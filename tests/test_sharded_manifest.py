@@ -5,28 +5,23 @@ The directory is written by the real save_sharded in a spawned one-rank gloo pro
 process group); the checks run here on the files it left.
 """
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from conftest import free_port
+from conftest import on_gloo_ranks
 
 from moe.checkpoint.io import CorruptCheckpoint
 from moe.checkpoint.picker import read_checkpoint, verify_checkpoint
 from moe.errors import UserError
 
 
-def _save(rank, port, path):
-    import torch.distributed as dist
+def _save(rank, path):
     from torch.distributed.device_mesh import init_device_mesh
 
     from moe.checkpoint.sharded import save_sharded
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=1)
     module = torch.nn.Linear(64, 32, bias=False)
     module.weight.is_expert = True
     optimizer = torch.optim.AdamW(module.parameters())
@@ -34,13 +29,12 @@ def _save(rank, port, path):
     optimizer.step()
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("expert_dp", "ep"))
     save_sharded(path, module, [optimizer], mesh, {"global_step": 7, "state_dict": {}}, is_global_zero=True)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     path = tmp_path_factory.mktemp("sharded") / "step-000007.ckpt"
-    mp.spawn(_save, args=(free_port(), str(path)), nprocs=1, join=True)
+    on_gloo_ranks(1, _save, str(path))
     return path
 
 

@@ -12,8 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
-from hydra import compose, initialize_config_dir
+from conftest import REPO, compose_cfg
 
 from moe.config.validate import check_guard
 from moe.errors import ConfigError
@@ -29,8 +28,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=
 
 
 def config(*overrides):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("train", overrides=[*TINY, "run_name=guard", *overrides])
+    return compose_cfg(*TINY, "run_name=guard", *overrides)
 
 
 class Injector:

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from hydra import compose, initialize_config_dir
+from conftest import compose_cfg
 
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
 from moe.backends.deepspeed import DeepSpeedBackend, MoEDeepSpeedStrategy, deepspeed_config
@@ -25,11 +25,6 @@ from moe.parallel.dims import validated_dims
 from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def compose_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
 
 
 def test_config_from_parallel_optimizer_and_trainer_groups():

@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from conftest import compose_cfg
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
@@ -32,9 +31,7 @@ POINTS = {"capacity_factor": 5, "aux_loss": 12, "sweep_smoke": 3, "capacity_fact
 
 
 def _compose(overrides, hydra_cfg=False):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("train", overrides=overrides, return_hydra_config=hydra_cfg)
+    return compose_cfg(*overrides, hydra=hydra_cfg)
 
 
 def sweep_points(name: str) -> list[list[str]]:

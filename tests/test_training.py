@@ -60,6 +60,7 @@ def test_short_run_writes_outputs_and_loss_falls(train_run):
     assert (run_dir / ".hydra" / "config.yaml").exists()
 
 
+@pytest.mark.slow  # kill and relaunch
 def test_relaunch_after_a_kill_resumes_and_ends_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", *FAST_RUN,
@@ -87,6 +88,7 @@ def test_relaunch_after_a_kill_resumes_and_ends_at_the_same_step(tmp_path):
     assert again.returncode == 0 and json.loads((run_dir / "summary.json").read_text())["steps"] == 40
 
 
+@pytest.mark.slow  # two processes
 def test_two_process_ddp_run(train_run):
     run_dir, _ = train_run("parallel=dp2", "trainer.devices=2", "trainer.max_steps=20",
                            "trainer.micro_batch_size=4", "trainer.val_check_interval=10", timeout=600)

@@ -43,17 +43,15 @@ def test_upcycled_logits_equal_the_dense_models(tmp_path, kind):
 
 def test_meta_build_upcycles_each_rank_from_the_files(tmp_path):
     """The training path: Backend.build_module on meta, materialised from the dense files."""
-    from hydra import compose, initialize_config_dir
+    from conftest import compose_cfg
 
     from moe.backends import build_backend
     from moe.parallel.dims import validated_dims
     from moe.train.init_from_hf import apply_init_from_hf
 
     path, dense = dense_dir(tmp_path)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        overrides = [f"model.upcycle_from_hf={path}", "model.num_experts=4", "model.top_k=2",
-                     "moe_opt=dropless", f"data.tokenizer={REPO}/data/sample"]
-        cfg = compose("train", overrides=overrides)
+    cfg = compose_cfg(f"model.upcycle_from_hf={path}", "model.num_experts=4", "model.top_k=2",
+                      "moe_opt=dropless", f"data.tokenizer={REPO}/data/sample")
     apply_init_from_hf(cfg)
     backend = build_backend(cfg, validated_dims(cfg))
     module = backend.build_module()
@@ -64,12 +62,10 @@ def test_meta_build_upcycles_each_rank_from_the_files(tmp_path):
         torch.testing.assert_close(module.model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)
 
 
-def test_train_py_fine_tunes_an_upcycled_model_and_exports_it(tmp_path):
+def test_training_fine_tunes_an_upcycled_model_and_exports_it(tmp_path, train_here):
     path, _ = dense_dir(tmp_path)
-    run = tmp_path / "run"
-    run_entry("train.py", f"hydra.run.dir={run}", f"model.upcycle_from_hf={path}", "model.num_experts=4",
-              "model.top_k=2", f"data.tokenizer={REPO}/data/sample", "trainer.max_steps=6",
-              "trainer.progress_bar=false", "trainer.log_every_n_steps=1", check=True)
+    run = train_here(f"model.upcycle_from_hf={path}", "model.num_experts=4", "model.top_k=2",
+                     f"data.tokenizer={REPO}/data/sample", "trainer.max_steps=6")
     lines = (run / "metrics.csv").read_text().splitlines()
     assert len(lines) >= 7
     export = tmp_path / "export"
@@ -108,18 +104,17 @@ def test_fine_grained_upcycling_refuses_a_granularity_that_cannot_slice(tmp_path
 
 def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(tmp_path):
     """The meta-device path (each rank reads its slices) gives the same model as moe.hf.upcycle."""
-    from hydra import compose, initialize_config_dir
+    from conftest import compose_cfg
 
     from moe.backends import build_backend
     from moe.parallel.dims import validated_dims
     from moe.train.init_from_hf import apply_init_from_hf
 
     path, dense = dense_dir(tmp_path)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        overrides = [f"model.upcycle_from_hf={path}", "model.num_experts=8", "model.top_k=4",
-                     "model.upcycle_granularity=2", "moe_opt=dropless", "moe_opt.topk_scaling_factor=2",
-                     f"data.tokenizer={REPO}/data/sample"]
-        cfg = compose("train", overrides=overrides)
+    overrides = [f"model.upcycle_from_hf={path}", "model.num_experts=8", "model.top_k=4",
+                 "model.upcycle_granularity=2", "moe_opt=dropless", "moe_opt.topk_scaling_factor=2",
+                 f"data.tokenizer={REPO}/data/sample"]
+    cfg = compose_cfg(*overrides)
     apply_init_from_hf(cfg)
     assert cfg.model.intermediate_size == 32
     backend = build_backend(cfg, validated_dims(cfg))
@@ -129,7 +124,6 @@ def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(
     module.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(module.model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[o for o in overrides if "topk_scaling" not in o])
+    cfg = compose_cfg(*(o for o in overrides if "topk_scaling" not in o))
     with pytest.raises(UserError, match="moe_opt.topk_scaling_factor=2"):
         apply_init_from_hf(cfg)

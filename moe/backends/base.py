@@ -158,10 +158,6 @@ class Backend:
         for p in module.parameters():
             p.grad = None
 
-    def take_skip(self) -> bool:
-        """Whether the optimizer step about to run was skipped (backends that skip inside the step)."""
-        return False
-
     def grad_norm_after_step(self, module) -> float | None:
         """With `norm_after_step`: the norm the optimizer computed in its last step."""
         return None

@@ -1,4 +1,4 @@
-"""Configs: typed schemas (Hydra's ConfigStore), the validator, and the parallel layout.
+"""Configs: typed schemas (Hydra's ConfigStore), the validator, derived values, model sizes and backend specs.
 
 Importing `moe.config` registers `train_schema` (and the `sweep` group); `moe.config.infer` and
 `moe.config.data_prep` register the other two entry points' roots.

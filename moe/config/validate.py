@@ -604,6 +604,24 @@ def check_fsdp2(cfg) -> None:
               "is not split over TP ranks (ALiBi's slopes are per head)")
 
 
+def check_simulate(cfg) -> None:
+    """simulate=true runs the torch model's own code path for one rank (moe/tools/simulate.py)."""
+    if not cfg.get("simulate", False):
+        return
+    p, world = cfg.parallel, world_of(cfg)
+    if (p.tp > 1 and spec_of(cfg).name != "fsdp2") or p.pp > 1:
+        raise ConfigError("simulate", True,
+                          "use dry_run=true for this layout's plan (make test-neuron measures trn1's at "
+                          "reduced width, docs/TRAINIUM.md), or the torch-native backend for TP "
+                          "(hardware=gpu_fsdp2 or trn2, which simulate)",
+                          f"runs the torch model's own code path; tensor/pipeline parallelism "
+                          f"(tp={p.tp}, pp={p.pp}) here is neuronx-distributed's, whose process "
+                          "groups need the Neuron runtime, or a process per rank in its CPU mode "
+                          "(parallel_layers/parallel_state.py:797-818)")
+    _need(0 <= cfg.simulate_rank < world, "simulate_rank", cfg.simulate_rank, f"use a rank in 0..{world - 1}",
+          f"is not a rank of the {world}-device world")
+
+
 # Nodes whose keys are free-form (a logger's or a callback's constructor arguments; Hydra's own node).
 FREE_FORM = ("logger", "callbacks", "hydra")
 
@@ -658,7 +676,7 @@ RULES = [  # in order: keys and numbers, counts, then the hardware, then divisib
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
-    check_neuron, check_fsdp2, check_hf_start,
+    check_neuron, check_fsdp2, check_hf_start, check_simulate,
 ]
 
 

@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from moe.config.derived import precision_of
 from moe.config.specs import spec_of
-from moe.errors import ConfigError
 from moe.parallel.dims import ParallelDims
 from moe.tools.plan import GIB, make_plan
 
@@ -73,22 +72,6 @@ class Simulation:
             lines.append(f"  ({COMM}: DeepSpeed's reduce bucket as the planner counts it; its engine does "
                          "not run here)")
         return "\n".join(lines)
-
-
-def check_simulatable(cfg, dims: ParallelDims) -> None:
-    """What the simulation cannot run here, refused before anything starts."""
-    if (dims.tp > 1 and spec_of(cfg).name != "fsdp2") or dims.pp > 1:
-        raise ConfigError("simulate", True,
-                          "use dry_run=true for this layout's plan (make test-neuron measures trn1's at "
-                          "reduced width, docs/TRAINIUM.md), or the torch-native backend for TP "
-                          "(hardware=gpu_fsdp2 or trn2, which simulate)",
-                          f"runs the torch model's own code path; tensor/pipeline parallelism "
-                          f"(tp={dims.tp}, pp={dims.pp}) here is neuronx-distributed's, whose process "
-                          "groups need the Neuron runtime, or a process per rank in its CPU mode "
-                          "(parallel_layers/parallel_state.py:797-818)")
-    if not 0 <= cfg.simulate_rank < dims.world:
-        raise ConfigError("simulate_rank", cfg.simulate_rank, f"use a rank in 0..{dims.world - 1}",
-                          f"is not a rank of the {dims.world}-device world")
 
 
 @contextlib.contextmanager
@@ -143,7 +126,6 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     from moe.parallel.apply import moe_layers
     from moe.parallel.parallelize import parallelize
 
-    check_simulatable(cfg, dims)
     rank, start = cfg.simulate_rank, time.perf_counter()
     param_dtype, autocast = _param_dtype_and_autocast(cfg)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)

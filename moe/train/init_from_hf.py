@@ -1,5 +1,5 @@
 """`model.init_from_hf=DIR` (a Mixtral or DeepSeek-V3 directory) and `model.upcycle_from_hf=DIR` (a dense
-Mistral or Llama directory, every expert a copy of its MLP: moe/model/upcycle.py): start training from it.
+Mistral or Llama directory, every expert a copy of its MLP: moe/hf/dense.py): start training from it.
 
 The architecture comes from DIR's config.json (applied to the config before validation; with
 upcycling, model.num_experts and model.top_k stay the user's), the weights from its safetensors

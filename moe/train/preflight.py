@@ -2,11 +2,12 @@
 
 Hydra creates the run dir (`.hydra/`, `train.log`) before it calls the task, and exits 1 on a
 composition error, which a supervisor retries. So `train.py` composes the same config first,
-with Hydra's Compose API, and validates it: a config error (an unknown preset, an unknown key
-however it is written, `+trainer.max_step=5` included, a wrong type, a NaN, a rule of
-moe.config.validate, a run dir that cannot be created, a resume train() would refuse) prints one
-paragraph and exits 2 (moe.tools.supervise never retries it), and `dry_run=true` prints its plan
-and exits 0, both before any directory exists or an existing run's files are touched.
+with Hydra's Compose API, and settles it (moe.train.run.settle, once per process): a config error
+(an unknown preset, an unknown key however it is written, `+trainer.max_step=5` included, a wrong
+type, a NaN, a rule of moe.config.validate, a run dir that cannot be created, a resume train()
+would refuse) prints one paragraph and exits 2 (moe.tools.supervise never retries it), and
+train.py prints a dry run's plan from the settled config and exits 0, both before any directory
+exists or an existing run's files are touched.
 A multirun (`-m`) has every job of its sweep checked first (`check_sweep`); Hydra's own flags
 (`--help`, `--cfg`, ...) go straight to Hydra.
 """
