@@ -8,6 +8,7 @@ one process holding the same global batch (tests/_parity.py), and resumes across
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,15 +181,21 @@ MLA = ("model=tiny_deepseek_v3", "moe_opt.score_function=sigmoid", "moe_opt.num_
        "moe_opt.group_top_k=2", "moe_opt.topk_scaling_factor=2.5", "moe_opt.enable_expert_bias=true")
 
 
+@pytest.fixture(scope="module")
+def mla_single(tmp_path_factory) -> Path:
+    """The one-process MLA run both layouts below compare with."""
+    single = tmp_path_factory.mktemp("mla") / "single"
+    train(single, *MLA, "trainer.devices=1", "trainer.micro_batch_size=4")
+    return single
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "dp2_tp2"])
-def test_mla_with_first_k_dense_layers_matches_one_process_under_fsdp2(tmp_path, layout):
+def test_mla_with_first_k_dense_layers_matches_one_process_under_fsdp2(tmp_path, mla_single, layout):
     """model=tiny_deepseek_v3 (latent attention, a dense first layer, sigmoid group-limited routing with the
     expert bias): FSDP2 with TP 2 gives every step's loss of one process holding the same global batch."""
-    single = tmp_path / "single"
-    train(single, *MLA, "trainer.devices=1", "trainer.micro_batch_size=4")
     train(tmp_path / layout, *MLA, *FSDP2, *LAYOUTS[layout])
-    assert_same_losses(tmp_path / layout, single)
+    assert_same_losses(tmp_path / layout, mla_single)
 
 
 @pytest.mark.slow
@@ -202,10 +209,13 @@ def test_every_fsdp2_layout_matches_one_process(tmp_path, tmp_path_factory, layo
     assert_same_losses(run, single)
 
 
-def _resume_at_10(tmp_path, first: tuple, then: tuple):
-    """Train 20 steps under `first`, resume its step-10 checkpoint under `then`: (uninterrupted, resumed)."""
-    run = tmp_path / "first"
-    train(run, *first)
+def _trained(run: Path, *overrides: str) -> Path:
+    train(run, *overrides)
+    return run
+
+
+def _resume_at_10(tmp_path, run: Path, then: tuple):
+    """Resume the step-10 checkpoint of `run` (20 steps) under `then`: (uninterrupted, resumed, process)."""
     resumed_run = tmp_path / "resumed"
     (resumed_run / "checkpoints").mkdir(parents=True)
     for saved in (run / "checkpoints").glob("step-000010.ckpt*"):  # a directory, or a file and its sidecar
@@ -216,15 +226,21 @@ def _resume_at_10(tmp_path, first: tuple, then: tuple):
     return losses(run), losses(resumed_run), proc
 
 
+@pytest.fixture(scope="module")
+def dp2_tp2_run(tmp_path_factory) -> Path:
+    """20 steps of FSDP2 x TP 2 on 4 ranks (checkpoints at 10 and 20), for the resumes below."""
+    return _trained(tmp_path_factory.mktemp("dp2_tp2") / "first", *FSDP2, *LAYOUTS["dp2_tp2"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("then", [
     (*FSDP2, *LAYOUTS["ep2"]),  # another FSDP2 layout: TP 2 -> EP 2
     ("hardware=cpu", "parallel=ep2", "moe_opt.aux_loss_group=dp", *TWO_RANKS),  # DDP with EP
 ], ids=["fsdp2_ep2", "ddp_ep2"])
-def test_an_fsdp2_dp2_tp2_checkpoint_resumes_under_another_layout_and_backend(tmp_path, then):
+def test_an_fsdp2_dp2_tp2_checkpoint_resumes_under_another_layout_and_backend(tmp_path, dp2_tp2_run, then):
     """Weights and Adam moments are canonical in the checkpoint (FSDP2 x TP shards of 4 ranks mapped back to
     [q | k | v] rows): steps 11-20 under EP 2 equal the uninterrupted run's."""
-    uninterrupted, resumed, _ = _resume_at_10(tmp_path, (*FSDP2, *LAYOUTS["dp2_tp2"]), then)
+    uninterrupted, resumed, _ = _resume_at_10(tmp_path, dp2_tp2_run, then)
     assert len(resumed) == 10
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[10:], strict=True)) <= TOL
 
@@ -235,7 +251,8 @@ def test_a_portable_checkpoint_of_one_process_resumes_under_fsdp2_tp2(tmp_path):
     shards from it (moe.parallel.placement.load_full_checkpoint): steps 11-20 equal the uninterrupted
     run's."""
     one = ("trainer.devices=1", "trainer.micro_batch_size=4", "moe_opt.aux_loss_group=dp")
-    uninterrupted, resumed, _ = _resume_at_10(tmp_path, one, (*FSDP2, *LAYOUTS["tp2"]))
+    uninterrupted, resumed, _ = _resume_at_10(tmp_path, _trained(tmp_path / "first", *one),
+                                              (*FSDP2, *LAYOUTS["tp2"]))
     assert len(resumed) == 10
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[10:], strict=True)) <= TOL
 
@@ -246,8 +263,10 @@ def test_a_deepspeed_checkpoint_resumes_under_fsdp2_and_back(tmp_path):
     carry over (the first resumed step's loss is the uninterrupted run's) and Adam restarts, with a
     warning; the run goes on training."""
     deepspeed = ("hardware=cpu_deepspeed", "parallel=ep2", "moe_opt.aux_loss_group=dp", *TWO_RANKS)
-    uninterrupted, resumed, proc = _resume_at_10(tmp_path / "ds", deepspeed, (*FSDP2, *LAYOUTS["dp2_tp2"]))
+    ds = _trained(tmp_path / "ds" / "first", *deepspeed)
+    uninterrupted, resumed, proc = _resume_at_10(tmp_path / "ds", ds, (*FSDP2, *LAYOUTS["dp2_tp2"]))
     assert "Adam moments start from zero" in proc.stdout + proc.stderr
     assert abs(resumed[0] - uninterrupted[10]) <= TOL and resumed[-1] < resumed[0]
-    uninterrupted, resumed, _ = _resume_at_10(tmp_path / "fsdp2", (*FSDP2, *LAYOUTS["ep2"]), deepspeed)
+    fsdp2 = _trained(tmp_path / "fsdp2" / "first", *FSDP2, *LAYOUTS["ep2"])
+    uninterrupted, resumed, _ = _resume_at_10(tmp_path / "fsdp2", fsdp2, deepspeed)
     assert abs(resumed[0] - uninterrupted[10]) <= TOL and resumed[-1] < resumed[0]
