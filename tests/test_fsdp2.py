@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import on_gloo_ranks
+from conftest import compose_cfg, on_gloo_ranks
 from omegaconf import OmegaConf
 
 from moe.parallel.dims import Meshes, ParallelDims
@@ -41,21 +41,46 @@ def test_an_expert_piece_sits_at_its_global_expert_index():
     assert part.shape == (2, 4, 6) and offsets == (4, 0, 0)
 
 
-def _dims(world, tp=1, ep=1, hybrid=None):
+def _dims(world, tp=1, ep=1, hybrid=None, per_node=None):
     cfg = OmegaConf.create({
         "parallel": {"tp": tp, "pp": 1, "ep": ep, "dp": None, "sequence_parallel": False, "zero_stage": 3,
                      "hybrid_shard_degree": hybrid},
         "trainer": {"devices": world, "num_nodes": 1, "micro_batch_size": 1, "accumulate_grad_batches": 1},
-        "hardware": {"devices_per_node": world}, "data": {"seq_len": 8},
+        "hardware": {"devices_per_node": per_node or world, "strategy": "fsdp2"}, "data": {"seq_len": 8},
         "model": {"num_layers": 2, "num_experts": 8}})
     return ParallelDims.from_config(cfg)
 
 
 def test_mesh_dims_follow_the_layout_rank_order():
-    # 64 GPUs, tp 2, ep 8, HSDP shard groups of 16 data-parallel ranks: 2 replicas
-    want = {"dp_replicate": 2, "dp_shard_mod_ep": 2, "ep": 8, "tp": 2}
+    # 64 GPUs, tp 2, ep 8, HSDP shard groups of 16 data-parallel ranks: 2 replicas; the experts' view
+    # of a replica's 32 ranks is 4 (efsdp) x 8 (ep)
+    want = {"dp_replicate": 2, "dp_shard": 16, "tp": 2, "efsdp": 4, "ep": 8}
     assert _dims(64, tp=2, ep=8, hybrid=16).mesh_shape() == want
-    assert _dims(4, ep=2).mesh_shape() == {"dp_replicate": 1, "dp_shard_mod_ep": 2, "ep": 2, "tp": 1}
+    assert _dims(4, ep=2).mesh_shape() == {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "efsdp": 2, "ep": 2}
+
+
+def test_folded_ep_keeps_tp_then_ep_inside_a_node():
+    """Mixtral 8x22B's layout (64 GPUs, 8 a node, tp 2, ep 8): an EP group is one node's 8 ranks (4 TP
+    pairs), the replicas of an expert are a rank's peers on the other nodes."""
+    dims = _dims(64, tp=2, ep=8, hybrid=16, per_node=8)
+    groups = {g.name: g for g in dims.rank_groups()}
+    assert groups["TP"].ranks[0] == [0, 1]
+    assert groups["EP"].ranks[0] == list(range(8)) and groups["EP"].count == 8
+    assert groups["expert-DP"].ranks[0] == list(range(0, 64, 8))
+    assert {dims.nodes_spanned(g) for g in groups["EP"].ranks} == {1}
+    assert {dims.nodes_spanned(g) for g in groups["TP"].ranks} == {1}
+    assert (dims.expert_dp, dims.moe_token_split, dims.first_expert(9)) == (8, 2, 1)
+
+
+def test_the_8x22b_preset_runs_no_expert_matmul_twice():
+    """experiment=mixtral_8x22b_gpu_fsdp2: each MoE layer splits its tokens over the TP pair (every
+    expert row computed on one rank), and every TP and EP group is inside one node."""
+    from moe.train.run import settle
+
+    dims, _ = settle(compose_cfg("experiment=mixtral_8x22b_gpu_fsdp2", "dry_run=true"))
+    assert (dims.world, dims.tp, dims.ep, dims.moe_token_split) == (64, 2, 8, 2)
+    for name in ("TP", "EP"):
+        assert {dims.nodes_spanned(ranks) for ranks in dims.group(name).ranks} == {1}, name
 
 
 def _tiny_cfg():
@@ -100,7 +125,8 @@ def _tp_fsdp_logits():
     model, world = _tp2_on_meta(model_cfg, moe_opt)
     # FSDP2 over a 1-rank data-parallel mesh (the TP layout is what is checked)
     one = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp2"))["dp"]
-    meshes = Meshes(world=world, dense=one, experts=one, ep=None, tp=world["tp"], dp=one)
+    meshes = Meshes(world=world, sparse=None, dense=one, experts=one, ep=None, tp=world["tp"], dp=one,
+                    tokens=world)
     apply_fsdp(model, meshes, expert_divide_factor=1, reshard_after_forward=True)
     materialize_distributed(model, "cpu", None, model_cfg, tp=2)
     ids = torch.arange(12).view(2, 6) % 64
@@ -170,7 +196,9 @@ LAYOUTS = {
     "tp2": ("parallel=fsdp2_tp2", "trainer.devices=2", "trainer.micro_batch_size=4"),
     "ep2": ("parallel=fsdp2_ep2", *TWO_RANKS),
     "dp2": ("parallel=fsdp2_dp2", *TWO_RANKS),
-    "dp2_tp2": ("parallel=fsdp2_tp2", *FOUR, "trainer.micro_batch_size=2"),
+    # dp 2 x tp 2 with EP 2 folded over TP and sequence parallelism: every piece of the 4-rank layout at once
+    "dp2_tp2_ep2_sp": ("parallel=fsdp2_tp2", "parallel.ep=2", "parallel.sequence_parallel=true", *FOUR,
+                       "trainer.micro_batch_size=2"),
     "dp2_ep2": ("parallel=fsdp2_ep2", *FOUR, "trainer.micro_batch_size=1"),
     "hsdp": ("parallel=fsdp2_hsdp", *FOUR, "trainer.micro_batch_size=1"),
     "hsdp_ep2": ("parallel=fsdp2_hsdp", "parallel.ep=2", *FOUR, "trainer.micro_batch_size=1"),
@@ -190,7 +218,7 @@ def mla_single(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "dp2_tp2"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2_tp2_ep2_sp"])
 def test_mla_with_first_k_dense_layers_matches_one_process_under_fsdp2(tmp_path, mla_single, layout):
     """model=tiny_deepseek_v3 (latent attention, a dense first layer, sigmoid group-limited routing with the
     expert bias): FSDP2 with TP 2 gives every step's loss of one process holding the same global batch."""
@@ -201,8 +229,9 @@ def test_mla_with_first_k_dense_layers_matches_one_process_under_fsdp2(tmp_path,
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_fsdp2_layout_matches_one_process(tmp_path, tmp_path_factory, layout):
-    """dp x tp, dp x ep (each expert sharded over its 2 replicas), HSDP (2 shard groups of 2), HSDP x ep:
-    every step's loss equals one process holding the same global batch."""
+    """tp (its MoE tokens split over TP), dp x ep (each expert sharded over its 2 replicas), dp x tp with EP
+    folded over TP and sequence parallelism, HSDP (2 shard groups of 2), HSDP x ep: every step's loss equals
+    one process holding the same global batch."""
     single = single_process_baseline(tmp_path_factory)
     run = tmp_path / layout
     train(run, *FSDP2, *LAYOUTS[layout])
@@ -227,9 +256,10 @@ def _resume_at_10(tmp_path, run: Path, then: tuple):
 
 
 @pytest.fixture(scope="module")
-def dp2_tp2_run(tmp_path_factory) -> Path:
-    """20 steps of FSDP2 x TP 2 on 4 ranks (checkpoints at 10 and 20), for the resumes below."""
-    return _trained(tmp_path_factory.mktemp("dp2_tp2") / "first", *FSDP2, *LAYOUTS["dp2_tp2"])
+def folded_run(tmp_path_factory) -> Path:
+    """20 steps of FSDP2 x TP 2 x EP 2 (folded, sequence parallel) on 4 ranks (checkpoints at 10 and 20),
+    for the resumes below."""
+    return _trained(tmp_path_factory.mktemp("folded") / "first", *FSDP2, *LAYOUTS["dp2_tp2_ep2_sp"])
 
 
 @pytest.mark.slow
@@ -237,10 +267,11 @@ def dp2_tp2_run(tmp_path_factory) -> Path:
     (*FSDP2, *LAYOUTS["ep2"]),  # another FSDP2 layout: TP 2 -> EP 2
     ("hardware=cpu", "parallel=ep2", "moe_opt.aux_loss_group=dp", *TWO_RANKS),  # DDP with EP
 ], ids=["fsdp2_ep2", "ddp_ep2"])
-def test_an_fsdp2_dp2_tp2_checkpoint_resumes_under_another_layout_and_backend(tmp_path, dp2_tp2_run, then):
+def test_an_fsdp2_dp2_tp2_checkpoint_resumes_under_another_layout_and_backend(tmp_path, folded_run, then):
     """Weights and Adam moments are canonical in the checkpoint (FSDP2 x TP shards of 4 ranks mapped back to
-    [q | k | v] rows): steps 11-20 under EP 2 equal the uninterrupted run's."""
-    uninterrupted, resumed, _ = _resume_at_10(tmp_path, dp2_tp2_run, then)
+    [q | k | v] rows, experts of the folded EP groups at their global index): steps 11-20 under EP 2 alone
+    equal the uninterrupted run's."""
+    uninterrupted, resumed, _ = _resume_at_10(tmp_path, folded_run, then)
     assert len(resumed) == 10
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[10:], strict=True)) <= TOL
 
@@ -264,7 +295,7 @@ def test_a_deepspeed_checkpoint_resumes_under_fsdp2_and_back(tmp_path):
     warning; the run goes on training."""
     deepspeed = ("hardware=cpu_deepspeed", "parallel=ep2", "moe_opt.aux_loss_group=dp", *TWO_RANKS)
     ds = _trained(tmp_path / "ds" / "first", *deepspeed)
-    uninterrupted, resumed, proc = _resume_at_10(tmp_path / "ds", ds, (*FSDP2, *LAYOUTS["dp2_tp2"]))
+    uninterrupted, resumed, proc = _resume_at_10(tmp_path / "ds", ds, (*FSDP2, *LAYOUTS["dp2_tp2_ep2_sp"]))
     assert "Adam moments start from zero" in proc.stdout + proc.stderr
     assert abs(resumed[0] - uninterrupted[10]) <= TOL and resumed[-1] < resumed[0]
     fsdp2 = _trained(tmp_path / "fsdp2" / "first", *FSDP2, *LAYOUTS["ep2"])

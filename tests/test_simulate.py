@@ -54,6 +54,22 @@ def test_an_fsdp2_rank_stores_its_shards_and_the_planner_agrees(tmp_path):
     assert abs(result["planner_error"]) <= 0.3, result
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["folded", "folded_sp"])
+def test_a_tp2_folded_ep2_rank_stores_its_shards_and_the_planner_agrees(tmp_path, sequence_parallel):
+    """EP folded with TP (4 devices: dp 2 x tp 2, EP groups of 2 consecutive ranks), with and without
+    sequence parallelism: rank 0 stores half of the attention (TP) over 2 data-parallel ranks, the rest of
+    the dense weights over 2, and its 4 experts over the 2 ranks holding them; the token split (and the
+    sequence chunks) run on the fake ranks too."""
+    result, _ = simulated(tmp_path, "hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "parallel.ep=2",
+                          "trainer.devices=4", "hardware.devices_per_node=4",
+                          f"parallel.sequence_parallel={str(sequence_parallel).lower()}")
+    sizes = param_breakdown(ModelConfig(**_tiny()))
+    dense = sizes.attention / 4 + (sizes.non_expert - sizes.attention) / 2
+    assert result["world_size"] == 4
+    assert result["params_local"] == pytest.approx(dense + sizes.experts / 2 / 2, rel=0.01)
+    assert abs(result["planner_error"]) <= 0.3, result
+
+
 def test_what_cannot_be_simulated_is_refused_with_exit_2(tmp_path):
     proc = run_entry("train.py", "experiment=karakuri_8x7b_trn1", "simulate=true",
                      f"hydra.run.dir={tmp_path / 'sim'}")

@@ -7,7 +7,10 @@ expert parallelism (moe.parallel.apply.apply_ep, the all-to-all dispatcher on th
 tensor parallelism (moe.parallel.tensor_parallel), activation checkpointing, compile, FSDP2
 (moe.parallel.fsdp), and only then gives each rank storage for its own shards
 (moe.parallel.placement.materialize_distributed): moe.parallel.parallelize's one sequence. The mesh is
-ParallelDims.meshes's.
+ParallelDims.meshes's. Under TP, EP is folded with it: each MoE layer splits its tokens over the TP
+group and dispatches them over an EP group of consecutive ranks (moe.parallel.token_shard), so no
+expert matmul runs twice; the routers' and shared experts' gradients are summed over TP after the
+last backward of a step (`after_backward`).
 
 parallel.zero_stage says how FSDP2 shards: 3 frees each block's gathered weights after its forward
 (gathers them again for the backward), 2 keeps them until the backward (more memory, one all-gather
@@ -64,6 +67,17 @@ class FSDP2Backend(Backend):
         return fsdp2_steps(self.cfg, self.dims, self.meshes, self.mixed_precision(), self.device_of(module),
                            self.initial_source())
 
+    def after_backward(self, module) -> None:
+        """On a step's last micro-batch: the routers' and shared experts' gradients (with sequence
+        parallelism also the norms' and the LM head's) summed over TP: each TP rank's cover its share of
+        the tokens."""
+        if self.dims.moe_token_split == 1 or module.trainer.fit_loop.epoch_loop._should_accumulate():
+            return
+        from moe.parallel.token_shard import partial_params, sum_partial_grads
+
+        params = partial_params(module.model, self.dims.sequence_parallel)
+        sum_partial_grads(params, self.meshes.tp.get_group())
+
     def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
         """Lightning's clipping needs every gradient on one mesh: clip by the global norm (base grad_norm)."""
         from moe.parallel.grad_norm import clip_local_grads
@@ -73,20 +87,33 @@ class FSDP2Backend(Backend):
 
 
 def fsdp2_steps(cfg, dims, meshes, mp_policy, device, source, fake_mode=None) -> Steps:
-    """Every step on the mesh: EP on its `ep` dim, TP on `tp`, the load balance over every data-parallel
-    rank, FSDP2 on the dense and expert meshes (the training run's, or the simulation's on fake ranks)."""
+    """Every step on the mesh: EP on its `ep` dim, the MoE tokens split over `tp`, TP on `tp`, the load
+    balance over the ranks whose tokens it covers, FSDP2 on the dense and expert meshes (the training
+    run's, or the simulation's on fake ranks)."""
     from functools import partial
 
     from moe.parallel.fsdp import apply_fsdp
 
-    shard = partial(apply_fsdp, meshes=meshes, expert_divide_factor=dims.dp * dims.tp,
+    # an expert's gradient sums every rank's tokens that reached it: the average is over dp
+    # (torchtitan's divide factor for the experts, models/llama4/infra/parallelize.py apply_fsdp)
+    shard = partial(apply_fsdp, meshes=meshes, expert_divide_factor=dims.dp,
                     reshard_after_forward=dims.zero_stage >= 3, mp_policy=mp_policy,
                     sum_only=cfg.hardware.backend == "gloo")
-    balance_over_dp = cfg.moe_opt.aux_loss_group == "dp" and dims.dp > 1
     return Steps(ep_group=meshes.ep.get_group() if dims.ep > 1 else None,
-                 tp_mesh=meshes.tp if dims.tp > 1 else None,
-                 load_balance_group=meshes.dp.get_group() if balance_over_dp else None,
+                 token_group=meshes.tp.get_group() if dims.moe_token_split > 1 else None,
+                 tp_mesh=meshes.tp if dims.tp > 1 else None, sequence_parallel=dims.sequence_parallel,
+                 load_balance_group=_load_balance_group(cfg, dims, meshes),
                  shard=shard, device=device, source=source, fake_mode=fake_mode)
+
+
+def _load_balance_group(cfg, dims, meshes):
+    """Whose tokens the routing statistics cover: every rank's (aux_loss_group=dp), else the EP group's
+    or, when it is smaller, the TP group's (the ranks splitting one micro-batch); None: this rank's."""
+    if cfg.moe_opt.aux_loss_group == "dp" and dims.world > 1:
+        return meshes.tokens.get_group()
+    if dims.tp > 1 and dims.tp > dims.ep:
+        return meshes.tp.get_group()
+    return None  # apply_ep's EP group (whole TP groups), or one rank
 
 
 class FSDP2Strategy(ModelParallelStrategy):

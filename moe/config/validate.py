@@ -275,12 +275,36 @@ def check_ep(cfg) -> None:
           f"use an ep that divides model.num_experts={m.num_experts}",
           f"does not divide num_experts={m.num_experts}")
     dp = data_parallel_size(cfg)
+    if cfg.hardware.strategy == "fsdp2":  # EP folded with TP (moe.parallel.dims)
+        _check_folded_ep(cfg, dp)
+        return
     least = p.tp * p.pp * p.ep
     _need(dp % p.ep == 0, "parallel.ep", p.ep,
           "expert parallelism is carved out of data parallelism, so launch a multiple of "
           f"tp*pp*ep = {least} devices ({launch_overrides(least, cfg.hardware.devices_per_node)}), "
           f"or use an ep that divides dp={dp}",
           f"does not divide the data-parallel size {dp}")
+
+
+def _check_folded_ep(cfg, dp: int) -> None:
+    """The torch-native backend's EP groups are ep consecutive ranks of the dp x tp ones; each MoE layer
+    splits its micro-batch's tokens over the TP group."""
+    p, t = cfg.parallel, cfg.trainer
+    _need(p.ep % p.tp == 0 or p.tp % p.ep == 0, "parallel.ep", p.ep,
+          f"use an ep that is a multiple of parallel.tp={p.tp} (EP groups of whole TP groups, e.g. "
+          f"ep={2 * p.tp if p.tp > 1 else 2}) or a divisor of it",
+          f"neither divides nor is a multiple of tp={p.tp}: EP groups are consecutive ranks and must hold "
+          "whole TP groups or lie inside one")
+    _need((dp * p.tp) % p.ep == 0, "parallel.ep", p.ep,
+          f"use an ep that divides dp x tp = {dp * p.tp}, or launch a multiple of "
+          f"{p.pp * max(p.ep, p.tp)} devices",
+          f"does not divide the {dp * p.tp} ranks (dp {dp} x tp {p.tp}) expert parallelism folds")
+    tokens = t.micro_batch_size * cfg.data.seq_len
+    if p.tp > 1 and has_moe_layers(cfg.model):
+        _need(tokens % p.tp == 0, "trainer.micro_batch_size", t.micro_batch_size,
+              f"use a micro-batch size and data.seq_len whose product divides by parallel.tp={p.tp}",
+              f"gives {tokens} tokens per micro-batch, which the MoE layers cannot split evenly over the "
+              f"{p.tp} TP ranks")
 
 
 def check_hybrid_shard(cfg) -> None:
@@ -584,11 +608,13 @@ def check_fsdp2(cfg) -> None:
           "is not what FSDP2 does: it shards weights, gradients and optimizer states over the data-parallel "
           "ranks (use hardware=gpu, DeepSpeed, for ZeRO-1)")
     if p.hybrid_shard_degree:
-        _need(p.hybrid_shard_degree % p.ep == 0, "parallel.hybrid_shard_degree", p.hybrid_shard_degree,
-              f"use a multiple of parallel.ep={p.ep}",
+        _need(p.hybrid_shard_degree * p.tp % p.ep == 0, "parallel.hybrid_shard_degree", p.hybrid_shard_degree,
+              f"use one whose product with parallel.tp={p.tp} is a multiple of parallel.ep={p.ep}",
               "must hold whole expert-parallel groups (each HSDP shard group holds every expert)")
-    _need(not p.sequence_parallel, "parallel.sequence_parallel", True, "set parallel.sequence_parallel=false",
-          "is not built on the fsdp2 backend (its tensor parallelism keeps activations whole between blocks)")
+    if p.sequence_parallel and p.tp > 1:
+        _need(cfg.data.seq_len % p.tp == 0, "data.seq_len", cfg.data.seq_len,
+              f"use a sequence length divisible by parallel.tp={p.tp}, or parallel.sequence_parallel=false",
+              f"cannot be split evenly over the {p.tp} TP ranks of sequence parallelism")
     _need(not m.tie_word_embeddings, "model.tie_word_embeddings", True, "set model.tie_word_embeddings=false",
           "is not supported on the fsdp2 backend (FSDP2 would shard the embedding and the LM head apart)")
     if p.tp > 1 and m.attention == "gqa":

@@ -10,6 +10,10 @@ and hands the outputs back to the dispatcher to combine. Every dispatcher is a `
         ctx       whatever combine needs for the return trip (opaque to the layer)
     combine(y_MH, weights_TK, ctx) -> y_TH         the experts' outputs back in token order, weighted
 
+A layer may also hold a `TokenShard` (installed by moe.parallel.apply.apply_token_shard under tensor
+parallelism): its tokens, equal on every rank of the shard's group, are split before routing and
+the outputs gathered back, so each rank routes and computes only its share (EP folded with TP).
+
 `LocalDispatcher` (the default) holds every expert in this process; moe.parallel.dispatch's
 `AllToAllDispatcher`, installed by `moe.parallel.apply.apply_ep`, sends rows to the expert-parallel
 rank holding their expert and back. The dispatcher holds the process group; the layer never sees
@@ -50,6 +54,21 @@ class Dispatcher(Protocol):
                  capacity: int | None, num_experts: int) -> Dispatched: ...
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class TokenShard(Protocol):
+    """Splits a layer's rows over `size` ranks that hold the same rows, and gathers outputs back."""
+
+    size: int
+
+    def split(self, x_TH: torch.Tensor) -> torch.Tensor: ...
+
+    def gather(self, y_tH: torch.Tensor) -> torch.Tensor: ...
+
+    def whole_sequences(self, t_tX: torch.Tensor, num_sequences: int) -> torch.Tensor:
+        """A per-token tensor of this rank's rows -> every rank's, in [B*S] order (per-sequence losses)."""
+        ...
 
 
 @dataclass

@@ -13,6 +13,7 @@ re-exported here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -80,6 +81,18 @@ class ModelOutput:
     lm_loss: torch.Tensor | None = None  # forward(labels_BS=...): mean CE, from moe.model.fused_ce
 
 
+@runtime_checkable
+class SequenceShard(Protocol):
+    """Sequence parallelism's two ends, installed by moe.parallel (moe.parallel.token_shard.SequenceShard)."""
+
+    def split(self, x_BSH: torch.Tensor) -> torch.Tensor: ...
+
+    def gather(self, x_BsH: torch.Tensor) -> torch.Tensor: ...
+
+    def lm_loss(self, hidden_BsH: torch.Tensor, weight_VH: torch.Tensor,
+                labels_BS: torch.Tensor) -> torch.Tensor: ...
+
+
 class MoETransformer(nn.Module):
     """Decoder-only LM; layer i is MoE when i >= first_k_dense_replace and (i + 1) % moe_layer_frequency == 0.
 
@@ -108,6 +121,9 @@ class MoETransformer(nn.Module):
         self.init_seed = draw_base_seed() if init_seed is None else init_seed
         self.init_std = init_stds(model_cfg)
         initialize(self, self.init_seed, *self.init_std)
+        # sequence parallelism (moe.parallel.apply.apply_sequence_parallel): the blocks see this rank's chunk
+        # of every sequence; split after the embeddings, gathered (or the loss taken per chunk) at the end
+        self.sequence_shard: SequenceShard | None = None
 
     @torch.no_grad()
     def materialize(self, device="cpu", source=None) -> None:
@@ -159,6 +175,9 @@ class MoETransformer(nn.Module):
             raise ValueError(f"attention_mask_BS has shape {tuple(attention_mask_BS.shape)}; it must cover "
                              f"every position fed so far: {want}")
         x_BSH = self.embed_tokens(input_ids_BS)
+        sequence = self.sequence_shard
+        if sequence is not None:
+            x_BSH = sequence.split(x_BSH)  # this rank's chunk of every sequence from here on
         routing: list[RoutingStats] = []
         for i, block in enumerate(self.layers):
             cache = None if kv_cache is None else kv_cache[i]
@@ -168,7 +187,9 @@ class MoETransformer(nn.Module):
         hidden_BSH = self.norm(x_BSH)
         logits_BSV = lm = None
         if labels_BS is None:
-            logits_BSV = self.lm_head(hidden_BSH)
+            logits_BSV = self.lm_head(hidden_BSH if sequence is None else sequence.gather(hidden_BSH))
+        elif sequence is not None:
+            lm = sequence.lm_loss(hidden_BSH, self.lm_head.weight, labels_BS)
         else:
             lm = linear_cross_entropy(hidden_BSH.flatten(0, 1), self.lm_head.weight, labels_BS.flatten())
         zero = torch.zeros((), device=hidden_BSH.device)

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moe.config.schema import normalizes
-from moe.model.dispatch import Dispatcher, LocalDispatcher
+from moe.model.dispatch import Dispatcher, LocalDispatcher, TokenShard
 from moe.model.init import draw_base_seed, initialize
 from moe.model.mlp import SwiGLU
 from moe.model.routing import (
@@ -178,9 +178,10 @@ class MoELayer(nn.Module):
     moe_opt.eval_capacity_factor in eval; null means dropless; it counts this process's
     tokens (under EP the dispatcher makes every rank use the group's largest capacity).
 
-    Installed by `moe.parallel.apply`: `dispatcher` (where rows go; local by default) and
+    Installed by `moe.parallel.apply`: `dispatcher` (where rows go; local by default),
     `stats_sum` (sums routing statistics over the ranks whose tokens the load-balance and
-    z-losses cover, e.g. the EP group or every data-parallel rank; None = this process's).
+    z-losses cover, e.g. the EP group or every data-parallel rank; None = this process's) and
+    `token_shard` (under TP: each TP rank routes its share of the tokens, moe.parallel.token_shard).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, moe_opt,
@@ -202,6 +203,7 @@ class MoELayer(nn.Module):
         self.topk_scaling_factor = getattr(moe_opt, "topk_scaling_factor", None)
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.stats_sum: GroupSum | None = None
+        self.token_shard: TokenShard | None = None
 
         self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps,
                              expert_bias=getattr(moe_opt, "enable_expert_bias", False))  # absent: older cfgs
@@ -217,6 +219,11 @@ class MoELayer(nn.Module):
                 generating: bool = False) -> tuple[torch.Tensor, RoutingStats | None]:
         """generating: per-token (dropless) routing and no statistics, as generation wants."""
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        shard = self.token_shard
+        if shard is not None and x_TH.shape[0] % shard.size:  # a token count validation does not see
+            shard = None  # (generation): every rank routes every token
+        if shard is not None:
+            x_TH = shard.split(x_TH)
 
         # 1. route: fp32 scores over all E experts (the router is replicated under EP)
         logits_TE = self.router(x_TH)
@@ -239,12 +246,18 @@ class MoELayer(nn.Module):
         y_TH = self.dispatcher.combine(self.experts(rows_MH, counts), weights_TK, ctx)
         if self.shared_expert is not None:
             y_TH = y_TH + self.shared_expert(x_TH)
+        if shard is not None:
+            y_TH = shard.gather(y_TH)
 
         if generating:  # the losses and monitoring numbers would be thrown away
             return y_TH.view_as(x_BSH), None
         probs_TE = balance_probs(scores_TE, self.score_function)
-        stats = routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, self.stats_sum)
-        if self.load_balancing_type == "seq_aux_loss":
+        stats = routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, self.stats_sum,
+                              grad_share=1.0 if shard is None else 1.0 / shard.size)
+        if self.load_balancing_type == "seq_aux_loss":  # per sequence: over the whole rows again
+            if shard is not None:
+                B = x_BSH.shape[0]
+                probs_TE, idx_TK = shard.whole_sequences(probs_TE, B), shard.whole_sequences(idx_TK, B)
             stats.aux_loss = sequence_load_balance_loss(probs_TE.float(), idx_TK, x_BSH.shape[0])
         elif self.load_balancing_type == "none":
             stats.aux_loss = torch.zeros_like(stats.aux_loss)

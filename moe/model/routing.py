@@ -233,6 +233,7 @@ def routing_stats(
     idx_TK: torch.Tensor,
     keep_TK: torch.Tensor,
     group_sum: GroupSum | None = None,
+    grad_share: float = 1.0,
 ) -> RoutingStats:
     """Losses and monitoring numbers for one layer, global over the EP group.
 
@@ -240,6 +241,8 @@ def routing_stats(
     Under EP every rank returns the same values, equal to one process routing all the
     ranks' tokens; the losses' gradients are those of the local-token means, so
     averaging gradients over ranks (as DDP does) gives the global loss's gradient.
+    `grad_share`: the fraction of its rank's tokens these are (1/tp when the MoE layer splits them
+    over the TP group, whose router gradients are then summed): the local means' gradients scale by it.
     """
     E = probs_TE.shape[-1]
     sums = _local_sums(logits_TE, probs_TE, idx_TK, keep_TK)
@@ -250,8 +253,8 @@ def routing_stats(
 
     f_E = picks_E / picks_E.sum()
     aux_value = E * torch.sum(f_E * prob_sum_E / num_tokens)
-    aux = _with_value(load_balance_loss(probs_TE.float(), idx_TK, picks_E), aux_value.float())
-    z = _with_value(z_loss(logits_TE), (lse2_sum / num_tokens).float())
+    aux = _with_value(load_balance_loss(probs_TE.float(), idx_TK, picks_E) * grad_share, aux_value.float())
+    z = _with_value(z_loss(logits_TE) * grad_share, (lse2_sum / num_tokens).float())
     return RoutingStats(
         aux_loss=aux,
         z_loss=z,

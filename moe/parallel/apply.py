@@ -1,7 +1,8 @@
 """Parallelism applied to a built model, torchtitan style: the model itself never mentions ranks.
 
-Order when combining: `apply_ep` (shards experts, installs the all-to-all dispatcher), then
-`apply_load_balance_group`, `apply_ac`, then `apply_compile`. Every function edits the model in
+Order when combining: `apply_ep` (shards experts, installs the all-to-all dispatcher),
+`apply_token_shard` (EP folded with TP), then `apply_load_balance_group`, `apply_ac`, then
+`apply_compile`. Every function edits the model in
 place and returns it. State-dict keys do not change, so a checkpoint written with one policy
 loads under another. Values are validated before (moe.config.validate).
 """
@@ -104,6 +105,20 @@ def apply_ep(model: nn.Module, ep_group) -> nn.Module:
         layer.dispatcher = AllToAllDispatcher(ep_group)
         if layer.stats_sum is None:
             layer.stats_sum = functools.partial(group_sum, group=ep_group)
+    return model
+
+
+def apply_token_shard(model: nn.Module, tp_group, sequence_parallel: bool = False) -> nn.Module:
+    """Each MoE layer routes its share of the tokens of `tp_group` (moe.parallel.token_shard): no expert
+    multiplies a token on two TP ranks. Without sequence parallelism it splits them before routing and
+    gathers its outputs back; with it, the model splits every sequence after the embeddings."""
+    from moe.parallel.token_shard import SequenceParallelTokenShard, SequenceShard, TPTokenShard
+
+    shard = SequenceParallelTokenShard if sequence_parallel else TPTokenShard
+    for layer in moe_layers(model):
+        layer.token_shard = shard(tp_group)
+    if sequence_parallel:
+        model.sequence_shard = SequenceShard(tp_group)
     return model
 
 

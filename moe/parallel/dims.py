@@ -5,11 +5,22 @@ validates first) and handed to everything that needs a degree, a rank's coordina
 backends, the data module, the planner, the simulation, checkpoints. Nothing else derives a degree
 (torchtitan's ParallelDims is the model).
 
-Rank order is neuronx-distributed's (parallel_layers/parallel_state.py): dense ranks are laid
-out [PP, DP, TP] (TP fastest), experts [PP, DP_exp, EP, TP] with DP_exp * EP = DP, so an EP
-group is `ep` consecutive members of a DP group. With tp = pp = 1 this is also DeepSpeed's
-`_create_expert_and_data_parallel` order: EP groups are consecutive ranks (one node's GPUs),
-expert-DP groups are `ep` apart (across nodes), as the 16-GPU MoE recipe lays out 2 nodes.
+Dense ranks are laid out [PP, DP, TP] (TP fastest) on every backend. Experts:
+
+- neuronx-distributed (parallel_layers/parallel_state.py): [PP, DP_exp, EP, TP] with DP_exp * EP = DP,
+  so an EP group is `ep` consecutive members of a DP group, and every TP rank of it holds TP-split
+  experts.
+- folded (the torch-native backend, `ep_folds_tp`): [PP, DP_exp, EP] over the flat DP x TP ranks, as
+  torchtitan's sparse mesh (torchtitan 0.3.0 distributed/parallel_dims.py:292-330: dense
+  (pp, dp_replicate, fsdp, tp), sparse (pp, dp_replicate, efsdp, ep), efsdp = fsdp * tp / ep) and
+  Megatron-Core's "parallel folding": an EP group is `ep` consecutive ranks, whole TP groups when
+  tp divides ep. The MoE layer splits its tokens over the TP group first (moe.parallel.token_shard), so
+  every rank routes different tokens and no expert multiplies a token twice; TP and then EP stay
+  inside a node.
+
+With tp = pp = 1 both are DeepSpeed's `_create_expert_and_data_parallel` order: EP groups are
+consecutive ranks (one node's GPUs), expert-DP groups are `ep` apart (across nodes), as the 16-GPU
+MoE recipe lays out 2 nodes.
 
 Once the default process group exists, `expert_groups()` makes the EP and expert-DP groups (DDP and
 DeepSpeed with EP) and `meshes(device_type)` the torch-native backend's DeviceMesh (fsdp2), each
@@ -18,7 +29,6 @@ collectively and once.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,26 +64,28 @@ class ExpertGroups:
 class Meshes:
     """The torch-native backend's DeviceMesh (torchtitan's dims) and the sub-meshes each step uses.
 
-    world    (dp_replicate, dp_shard_mod_ep, ep, tp), tp fastest: its EP and expert-DP groups are
-             the rank order's above, those of every other backend
+    world    (dp_replicate, dp_shard, tp), tp fastest: the dense view of the ranks
+    sparse   (dp_replicate, efsdp, ep), ep fastest: the experts' view of the same ranks (folded order)
     dense    FSDP2 of attention, dense MLPs, norms, router, embeddings: every data-parallel rank,
              2-D (dp_replicate, dp_shard) for HSDP when parallel.hybrid_shard_degree is set
-    experts  FSDP2 of each rank's experts: the ranks holding the same experts (its expert-DP ranks
-             and its TP group; experts are whole on every TP rank, so FSDP2 shards their storage
-             over the TP ranks too), 2-D (dp_replicate, expert_shard) under HSDP
-    ep, tp   the all-to-all of tokens; DTensor tensor parallelism
-    dp       every data-parallel rank (statistics, Lightning's sampler size)
+    experts  FSDP2 of each rank's experts: the ranks holding the same experts (efsdp), 2-D
+             (dp_replicate, efsdp) under HSDP
+    ep, tp   the all-to-all of tokens; DTensor tensor parallelism (and the MoE's token split)
+    dp       every data-parallel rank (Lightning's sampler size)
+    tokens   every rank of the stage: ranks whose MoE tokens differ (routing statistics over dp)
 
-    The shard group of HSDP holds whole EP groups (ep divides hybrid_shard_degree), as torchtitan
+    The shard group of HSDP holds whole EP groups (ep divides hybrid_shard_degree * tp), as torchtitan
     requires, so an expert's replicas are sharded inside a node-sized group and replicated across them.
     """
 
     world: Any
+    sparse: Any
     dense: Any
     experts: Any
     ep: Any
     tp: Any
     dp: Any
+    tokens: Any
 
 
 @dataclass(eq=False)
@@ -92,6 +104,7 @@ class ParallelDims:
     num_layers: int
     num_experts: int
     hybrid_shard_degree: int | None = None  # HSDP: shard within groups of this many data-parallel ranks
+    ep_folds_tp: bool = False  # experts in the folded order (module docstring): the torch-native backend
     _built: dict = field(default_factory=dict, repr=False)  # process groups and meshes, once made
 
     @classmethod
@@ -103,7 +116,7 @@ class ParallelDims:
             devices_per_node=cfg.hardware.devices_per_node, micro_batch_size=t.micro_batch_size,
             accumulate_grad_batches=t.accumulate_grad_batches, seq_len=cfg.data.seq_len,
             num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts,
-            hybrid_shard_degree=p.hybrid_shard_degree,
+            hybrid_shard_degree=p.hybrid_shard_degree, ep_folds_tp=cfg.hardware.strategy == "fsdp2",
         )
 
     # -- which dimensions are on ----------------------------------------------------------------------
@@ -126,8 +139,14 @@ class ParallelDims:
     # -- degrees and batch arithmetic -------------------------------------------------------------------
     @property
     def expert_dp(self) -> int:
-        """Replicas of each expert: dp / ep (the 16-GPU recipe's "DP 2" at EP 8)."""
-        return self.dp // self.ep
+        """Ranks holding the same experts: dp / ep (the 16-GPU recipe's "DP 2" at EP 8), dp * tp / ep when
+        EP folds TP (torchtitan's efsdp)."""
+        return self.dp * self.tp // self.ep if self.ep_folds_tp else self.dp // self.ep
+
+    @property
+    def moe_token_split(self) -> int:
+        """Ranks each MoE layer's tokens are split over before dispatch: tp when EP folds TP, else 1."""
+        return self.tp if self.ep_folds_tp else 1
 
     @property
     def nodes(self) -> int:
@@ -150,7 +169,7 @@ class ParallelDims:
     def layers_per_stage(self) -> int:
         return math.ceil(self.num_layers / self.pp)
 
-    # -- a rank's coordinates ([PP, DP, TP] dense; [PP, DP_exp, EP, TP] experts) ------------------------
+    # -- a rank's coordinates ([PP, DP, TP]; experts [PP, DP_exp, EP, TP], folded [PP, DP_exp, EP]) --
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
@@ -160,11 +179,15 @@ class ParallelDims:
     def pp_rank(self, rank: int) -> int:
         return rank // (self.tp * self.dp)
 
+    def _expert_index(self, rank: int) -> int:
+        """Position among the ranks of the stage that EP is carved from: DP x TP folded, else DP."""
+        return rank % (self.dp * self.tp) if self.ep_folds_tp else self.dp_rank(rank)
+
     def ep_rank(self, rank: int) -> int:
-        return self.dp_rank(rank) % self.ep
+        return self._expert_index(rank) % self.ep
 
     def expert_dp_rank(self, rank: int) -> int:
-        return self.dp_rank(rank) // self.ep
+        return self._expert_index(rank) // self.ep
 
     def first_expert(self, rank: int) -> int:
         """Index of the first of this rank's experts_per_rank experts."""
@@ -181,13 +204,18 @@ class ParallelDims:
     def rank_groups(self) -> list[RankGroups]:
         """Every kind of group, each as the full list of its groups' ranks (ranks ascending)."""
         tp, dp, pp = self.tp_rank, self.dp_rank, self.pp_rank
+        expert_tp = (lambda r: ()) if self.ep_folds_tp else (lambda r: (tp(r),))  # folded: TP inside EP
         return [
             RankGroups("TP", self._members(lambda r: (pp(r), dp(r)))),
             RankGroups("PP", self._members(lambda r: (dp(r), tp(r)))),
             RankGroups("DP", self._members(lambda r: (pp(r), tp(r)))),
-            RankGroups("EP", self._members(lambda r: (pp(r), self.expert_dp_rank(r), tp(r)))),
-            RankGroups("expert-DP", self._members(lambda r: (pp(r), self.ep_rank(r), tp(r)))),
+            RankGroups("EP", self._members(lambda r: (pp(r), self.expert_dp_rank(r), *expert_tp(r)))),
+            RankGroups("expert-DP", self._members(lambda r: (pp(r), self.ep_rank(r), *expert_tp(r)))),
         ]
+
+    def nodes_spanned(self, ranks: list[int]) -> int:
+        """How many nodes (hardware.devices_per_node consecutive ranks each) a group's ranks sit on."""
+        return len({r // self.devices_per_node for r in ranks})
 
     def group(self, name: str) -> RankGroups:
         return next(g for g in self.rank_groups() if g.name == name)
@@ -211,32 +239,33 @@ class ParallelDims:
         return self._built["expert_groups"]
 
     def mesh_shape(self) -> dict[str, int]:
-        """Sizes of the world mesh's dims: dp = dp_replicate * dp_shard_mod_ep * ep."""
+        """Sizes of the dense mesh's dims (dp = dp_replicate * dp_shard) and the sparse one's
+        (dp * tp = dp_replicate * efsdp * ep), torchtitan's names."""
         shard = self.hybrid_shard_degree or self.dp
-        return {"dp_replicate": self.dp // shard, "dp_shard_mod_ep": shard // self.ep, "ep": self.ep,
-                "tp": self.tp}
+        return {"dp_replicate": self.dp // shard, "dp_shard": shard, "tp": self.tp,
+                "efsdp": shard * self.tp // self.ep, "ep": self.ep}
 
     def meshes(self, device_type: str) -> Meshes:
-        """The DeviceMesh and its sub-meshes (Meshes). Collective the first time: every rank builds the
-        same meshes in the same order."""
+        """The DeviceMesh views and their sub-meshes (Meshes): one 1-D mesh of every rank unflattened into
+        the dense and the sparse view, as torchtitan builds them (distributed/parallel_dims.py:292-330).
+        Collective the first time: every rank builds the same meshes in the same order."""
         if "meshes" not in self._built:
             from torch.distributed.device_mesh import init_device_mesh
 
             shape = self.mesh_shape()
-            world = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
-            dp = world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("data_parallel")
+            flat = init_device_mesh(device_type, (self.world,), mesh_dim_names=("world",))
+            world = flat._unflatten(0, (shape["dp_replicate"], shape["dp_shard"], self.tp),
+                                    ("dp_replicate", "dp_shard", "tp"))
+            sparse = flat._unflatten(0, (shape["dp_replicate"], shape["efsdp"], self.ep),
+                                     ("dp_replicate", "efsdp", "ep"))
+            dp = world["dp_replicate", "dp_shard"]._flatten("data_parallel")
+            tokens = flat
             if self.hybrid_shard_degree:
-                world["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-                world["dp_shard_mod_ep", "tp"]._flatten("expert_shard")
-                with warnings.catch_warnings():  # torchtitan's 2-D HSDP mesh; torch 2.13 warns it will change
-                    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-                    dense = world["dp_replicate", "dp_shard"]
-                    experts = world["dp_replicate", "expert_shard"]
+                dense, experts = world["dp_replicate", "dp_shard"], sparse["dp_replicate", "efsdp"]
             else:
-                dense = dp
-                experts = world["dp_replicate", "dp_shard_mod_ep", "tp"]._flatten("expert_shard")
-            self._built["meshes"] = Meshes(world=world, dense=dense, experts=experts, ep=world["ep"],
-                                           tp=world["tp"], dp=dp)
+                dense, experts = dp, sparse["dp_replicate", "efsdp"]._flatten("expert_shard")
+            self._built["meshes"] = Meshes(world=world, sparse=sparse, dense=dense, experts=experts,
+                                           ep=sparse["ep"], tp=world["tp"], dp=dp, tokens=tokens)
         return self._built["meshes"]
 
 

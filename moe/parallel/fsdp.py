@@ -4,11 +4,11 @@
 Each block is one FSDP unit on the dense mesh (its weights all-gathered before its forward,
 gradients reduce-scattered after its backward); the root unit holds the embeddings, the final
 norm and the LM head. A MoE block's experts are a unit of their own on the expert mesh (the ranks
-that hold the same experts), sharded on dim 1 (hidden or intermediate size: a rank may hold a
-single expert, fewer rows than the shard group has ranks), and their gradient is divided by
-dp * tp, not by the expert mesh's size: each expert's gradient already sums the tokens of every EP
-rank (torchtitan sets the same divide factor), and the tp ranks of the expert mesh add tp equal
-copies of it (moe.parallel.dims.Meshes).
+that hold the same experts, efsdp), sharded on dim 1 (hidden or intermediate size: a rank may hold
+a single expert, fewer rows than the shard group has ranks), and their gradient is divided by dp,
+not by the expert mesh's size: each expert's gradient already sums the tokens of every rank that
+sent it some (every TP rank sends its own share of the tokens, moe.parallel.token_shard), as
+torchtitan sets the divide factor.
 """
 from __future__ import annotations
 

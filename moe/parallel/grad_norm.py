@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -44,7 +44,7 @@ def global_grad_norm(params, expert_params, ep_group=None, device=None) -> torch
         meshes[key] = mesh
         squares = groups.setdefault(key, [])
         if p.grad is not None:
-            squares.append(_local(p.grad).detach().float().pow(2).sum().to(device))
+            squares.append(local_part(p.grad).detach().float().pow(2).sum().to(device))
     dense, expert = torch.zeros((), device=device), torch.zeros((), device=device)
     for key, squares in groups.items():
         total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
@@ -65,5 +65,5 @@ def clip_local_grads(params, total_norm: torch.Tensor, max_norm: float) -> None:
     coef = torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            local = _local(p.grad)
+            local = local_part(p.grad)
             local.mul_(coef.to(local.device, local.dtype))

@@ -2,8 +2,9 @@
 
 In torchtitan's order (torchtitan/models/*/infra/parallelize.py):
 
-    expert parallelism -> tensor parallelism -> load-balance group -> activation checkpointing
-        -> compile -> sharding (FSDP2) -> materialize (storage and values for this rank's shards only)
+    expert parallelism -> token split over TP -> tensor parallelism -> load-balance group
+        -> activation checkpointing -> compile -> sharding (FSDP2)
+        -> materialize (storage and values for this rank's shards only)
 
 Each backend says which steps apply with a `Steps` (moe/backends): DDP and DeepSpeed expert
 parallelism over their EP group; fsdp2 all of them on its DeviceMesh; the simulation
@@ -20,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from moe.parallel.apply import apply_ac, apply_compile, apply_ep, apply_load_balance_group
+from moe.parallel.apply import apply_ac, apply_compile, apply_ep, apply_load_balance_group, apply_token_shard
 from moe.parallel.placement import materialize_distributed
 
 
@@ -29,7 +30,9 @@ class Steps:
     """What a backend applies; None skips a step."""
 
     ep_group: Any = None  # expert parallelism over this group: experts sharded, the all-to-all dispatcher
+    token_group: Any = None  # MoE layers split their tokens over it (the TP group: EP folded with TP)
     tp_mesh: Any = None  # DTensor tensor parallelism on this 1-D mesh (moe.parallel.tensor_parallel)
+    sequence_parallel: bool = False  # activations between blocks split along the sequence over tp_mesh
     load_balance_group: Any = None  # routing statistics summed over it (moe_opt.aux_loss_group=dp)
     shard: Callable[[nn.Module], Any] | None = None  # FSDP2 (moe.parallel.fsdp.apply_fsdp with its meshes)
     device: Any = "cpu"  # where this rank's storage goes
@@ -43,10 +46,12 @@ def parallelize(model: nn.Module, cfg, tp: int, steps: Steps) -> nn.Module:
     par = cfg.parallel
     if steps.ep_group is not None:
         apply_ep(model, steps.ep_group)
+    if steps.token_group is not None:
+        apply_token_shard(model, steps.token_group, steps.sequence_parallel)
     if steps.tp_mesh is not None:
         from moe.parallel.tensor_parallel import apply_tp
 
-        apply_tp(model, steps.tp_mesh)
+        apply_tp(model, steps.tp_mesh, steps.sequence_parallel)
     if steps.load_balance_group is not None:
         apply_load_balance_group(model, steps.load_balance_group)
     apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)

@@ -2,9 +2,11 @@
 
 Attention: `qkv_proj` column-parallel (each TP rank computes its heads' q, k and v), `o_proj`
 row-parallel (its output all-reduced over the TP group). Dense SwiGLU: `gate_up_proj`
-column-parallel, `down_proj` row-parallel. Embeddings, norms, the router, the LM head and the
-experts stay whole on every TP rank (their gradients are equal there: a column-parallel layer
-all-reduces its input gradient); experts are spread by expert parallelism instead.
+column-parallel, `down_proj` row-parallel. Embeddings, norms and the LM head stay whole on every
+TP rank (their gradients are equal there: a column-parallel layer all-reduces its input gradient).
+The MoE layer is not split by TP: it splits its tokens over the TP ranks instead and spreads the
+experts by expert parallelism (moe.parallel.token_shard; its router's and shared expert's
+gradients are summed over TP).
 
 The two fused projections ([q | k | v] rows, [gate | up] rows) cannot be cut into contiguous
 chunks: TP rank t needs rows q_t, k_t, v_t. Their DTensor holds the rows *TP-interleaved*
@@ -60,23 +62,47 @@ def canonical_runs(first: int, count: int, segments: list[int], tp: int) -> list
     return runs
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
     """Column/row-parallel attention (GQA or MLA) and dense layers' MLPs over `tp_mesh` (meta device or
-    not); a shared expert stays whole, as the experts do."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    not); a shared expert stays whole, as the experts do.
+
+    sequence_parallel: their input arrives split along the sequence (Shard(1)) and is all-gathered on
+    entry, their row-parallel output is reduce-scattered back to Shard(1) instead of all-reduced
+    (torchtitan's plan, torchtitan/models/llama3/infra/parallelize.py apply_tp: PrepareModuleInput
+    Shard(1) -> Replicate, RowwiseParallel(output_layouts=Shard(1))). Latent attention's whole-width
+    down-projections take plain tensors, so its gathered input is handed over as one (the backward then
+    all-reduces and slices instead of reduce-scattering)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     tp = tp_mesh.size()
+    out = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+
+    def gather_input(module: nn.Module, args: int, local: bool = False) -> None:
+        if sequence_parallel:
+            rest = (None,) * (args - 1)  # kv cache, position offset, mask: not tensors to lay out
+            parallelize_module(module, tp_mesh, PrepareModuleInput(
+                input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest),
+                use_local_output=local))
+
     for block in model.layers:
         if not block.is_moe:
-            parallelize_module(block.ffn, tp_mesh, {"gate_up_proj": ColwiseParallel(),
-                                                    "down_proj": RowwiseParallel()})
+            gather_input(block.ffn, 1)
+            parallelize_module(block.ffn, tp_mesh, {"gate_up_proj": ColwiseParallel(), "down_proj": out})
     for module in model.modules():
         if isinstance(module, Attention):
-            parallelize_module(module, tp_mesh, {"qkv_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+            gather_input(module, 4)
+            parallelize_module(module, tp_mesh, {"qkv_proj": ColwiseParallel(), "o_proj": out})
             module.split_sizes = [size // tp for size in module.split_sizes]  # this rank's heads
         elif isinstance(module, MLAttention):
+            gather_input(module, 4, local=True)
             queries = "q_proj" if hasattr(module, "q_proj") else "q_b_proj"
             parallelize_module(module, tp_mesh, {queries: ColwiseParallel(), "kv_b_proj": ColwiseParallel(),
-                                                 "o_proj": RowwiseParallel()})
+                                                 "o_proj": out})
             module.tp_group = tp_mesh.get_group()
     return model

@@ -170,14 +170,19 @@ class Plan:
             f"parameters   {_b(self.params_total)} total, {_b(self.params_active)} active per token "
             f"({100 * self.params_active / self.params_total:.1f}%)",
             f"world        {d.world} x {self.device_name} = {d.nodes} node(s) of {d.devices_per_node}",
-            f"layout       tp {d.tp} x pp {d.pp} x dp {d.dp} = {d.tp * d.pp * d.dp}; "
-            f"ep {d.ep} inside dp, expert-dp {d.expert_dp} = dp / ep; ZeRO stage {d.zero_stage}",
+            f"layout       tp {d.tp} x pp {d.pp} x dp {d.dp} = {d.tp * d.pp * d.dp}; " + (
+                f"ep {d.ep} folded over dp x tp, expert-dp {d.expert_dp} = dp x tp / ep"
+                + (f" (MoE tokens split over tp {d.tp})" if d.tp > 1 else "") if d.ep_folds_tp else
+                f"ep {d.ep} inside dp, expert-dp {d.expert_dp} = dp / ep") + f"; ZeRO stage {d.zero_stage}",
             f"batch        {d.global_batch} sequences x {d.seq_len} tokens = "
             f"{d.tokens_per_step:,} tokens per optimizer step",
-            "groups       size  count  first group (ranks: dense [PP, DP, TP], experts [PP, DP_exp, EP, TP])",
+            "groups       size  count  nodes              first group (ranks: dense [PP, DP, TP], experts "
+            + ("[PP, DP_exp, EP] over DP x TP)" if d.ep_folds_tp else "[PP, DP_exp, EP, TP])"),
         ]
         for g in d.rank_groups():
-            lines.append(f"  {g.name:<10} {g.size:>5}  {g.count:>5}  {_ranks(g.ranks[0])}")
+            spans = max(d.nodes_spanned(ranks) for ranks in g.ranks)
+            where = "1" if spans == 1 else f"{spans} (crosses nodes)"
+            lines.append(f"  {g.name:<10} {g.size:>5}  {g.count:>5}  {where:<17}  {_ranks(g.ranks[0])}")
         lines += [
             f"memory per device (GiB, estimate; worst pipeline stage) vs {mem.capacity:.1f} GiB per "
             f"{self.device_name}",
@@ -210,15 +215,16 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
         non_expert = (layer_dense / pp + outer) / tp
     else:  # TP splits attention and dense MLPs; the rest is whole on every TP rank
         non_expert = (bd.attention + bd.dense_mlp) / tp + bd.routers + bd.shared_experts + outer
-    # experts: split by TP (NxD), or whole on every TP rank but sharded over it by FSDP2: the same count
-    expert = bd.experts / pp / (ep * tp)
+    # experts: E/ep of them on a rank, split by TP (NxD) or, folded (fsdp2), sharded over the ranks
+    # holding the same ones (dims.expert_dp, TP ranks included)
+    expert = bd.experts / pp / (ep if dims.ep_folds_tp else ep * tp)
 
     bytes_ = spec.state_bytes(cfg)
     pb, gb, ob = bytes_.param, bytes_.grad, bytes_.optimizer
     shard = min(dp, p.hybrid_shard_degree or dp)
     expert_shard = min(dims.expert_dp, p.hybrid_shard_degree or dims.expert_dp)
     if spec.hybrid_shard and p.hybrid_shard_degree:  # its shard groups hold whole EP groups (FSDP2's HSDP)
-        expert_shard = p.hybrid_shard_degree // ep
+        expert_shard = p.hybrid_shard_degree * tp // ep
     weights_from = spec.weights_sharded_from
 
     def sharded(n_dense: float, n_expert: float, stage_needed: int) -> float:
@@ -234,7 +240,7 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
     if p.zero_stage >= weights_from:
         replicas = f", {dp // shard} HSDP replicas" if dp > shard else ""
         sharding_note = (f"{spec.library}: dense states over {shard} ranks, expert states over "
-                         f"{expert_shard * tp} (expert replicas x TP){replicas}")
+                         f"{expert_shard} (the ranks holding the same experts){replicas}")
     elif p.zero_stage >= 1:
         sharding_note = (f"ZeRO-{p.zero_stage}: dense states over {shard} ranks, expert states over "
                          f"{expert_shard} (expert-dp)")

@@ -1,0 +1,167 @@
+"""EP folded with TP on the torch-native backend (moe.parallel.token_shard): each TP rank routes its share
+of the tokens over an EP group of consecutive ranks; the run equals one process holding the global batch.
+
+A tiny model (a dense layer, then 2 MoE layers of 8 experts, top-2, a shared expert, dropless,
+load-balance statistics over every rank) trains two AdamW steps on fixed batches. Every rank's
+loss, every gradient of the first step (FSDP2 shards assembled into canonical tensors; elementwise)
+and every parameter tensor after the second (in norm) equal one process's to 1e-5 relative, float32;
+the experts' row counters show each token meets each of its k experts once across all ranks
+(unfolded TP: tp times that).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import compose_cfg, on_gloo_ranks
+
+SEQ, MICRO = 8, 2  # tokens per sequence, sequences per data-parallel rank
+TOL = dict(rtol=1e-5, atol=1e-7)
+
+
+def _cfg(world: int, tp: int, ep: int, *extra: str):
+    return compose_cfg(
+        "hardware=cpu_fsdp2", f"parallel.tp={tp}", f"parallel.ep={ep}", f"trainer.devices={world}",
+        f"hardware.devices_per_node={world}", f"trainer.micro_batch_size={MICRO}", f"data.seq_len={SEQ}",
+        "model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=16", "model.num_layers=3",
+        "model.first_k_dense_replace=1", "model.dense_intermediate_size=32",
+        "model.num_heads=4", "model.num_kv_heads=2", "model.shared_expert_intermediate_size=16",
+        "moe_opt=dropless", "moe_opt.aux_loss_group=dp", "moe_opt.aux_loss_coeff=0.1", *extra)
+
+
+def _batches(dp: int) -> list[torch.Tensor]:
+    """Two global batches of dp * MICRO sequences (step 1, step 2)."""
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 64, (dp * MICRO, SEQ + 1), generator=gen) for _ in range(2)]
+
+
+def _loss(model, ids):
+    out = model(ids[:, :-1], labels_BS=ids[:, 1:])
+    return out.lm_loss + out.router_loss
+
+
+def _canonical(model, tensors: dict, tp: int, model_cfg) -> dict:
+    """name -> [(offsets, piece)]: this rank's parts of `tensors` (live, maybe sharded), canonical layout."""
+    from moe.parallel.placement import Where, pieces, where_by_name
+
+    wheres = where_by_name(model, model_cfg, tp)
+    return {name: [(offsets, part.detach().clone()) for part, offsets in pieces(t, wheres.get(name, Where()))]
+            for name, t in tensors.items()}
+
+
+def _assemble(per_rank: list[dict], shapes: dict) -> dict:
+    full = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()}
+    for parts in per_rank:
+        for name, pieces in parts.items():
+            for offsets, piece in pieces:
+                full[name][tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape, strict=True))] = piece
+    return full
+
+
+def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moe.backends.fsdp2 import fsdp2_steps
+    from moe.model.model import MoETransformer
+    from moe.model.moe import Experts
+    from moe.parallel.apply import WRAPPED
+    from moe.parallel.dims import ParallelDims
+    from moe.parallel.parallelize import parallelize
+    from moe.parallel.token_shard import partial_params, sum_partial_grads
+
+    cfg = _cfg(world, tp, ep, *extra)
+    dims = ParallelDims.from_config(cfg)
+    meshes = dims.meshes("cpu")
+    with torch.device("meta"):
+        model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=7)
+    parallelize(model, cfg, tp, fsdp2_steps(cfg, dims, meshes, MixedPrecisionPolicy(), "cpu", None))
+    rows = []
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.register_forward_hook(lambda m, args, out: rows.append(int(args[1].sum())))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    d = dims.dp_rank(rank)
+    losses, grads = [], None
+    for ids in _batches(dims.dp):
+        loss = _loss(model, ids[d * MICRO:(d + 1) * MICRO])
+        loss.backward()
+        sum_partial_grads(partial_params(model, dims.sequence_parallel), meshes.tp.get_group())
+        losses.append(loss.item())
+        if grads is None:
+            named = {n.replace(f"{WRAPPED}.", ""): p.grad for n, p in model.named_parameters()}
+            grads = _canonical(model, named, tp, cfg.model)
+        opt.step()
+        opt.zero_grad()
+    params = _canonical(model, {n: p for n, p in model.named_parameters()}, tp, cfg.model)
+    return {"losses": losses, "grads": grads, "params": params, "rows": rows[:2]}  # step 1's 2 layers
+
+
+def _one_process(world: int, tp: int, ep: int, extra: tuple) -> dict:
+    from moe.model.model import MoETransformer
+
+    cfg = _cfg(1, 1, 1, *extra)
+    model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    losses, grads = [], None
+    for ids in _batches(world // tp):
+        loss = _loss(model, ids)
+        loss.backward()
+        losses.append(loss.item())
+        grads = grads or {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+def _check(world: int, tp: int, ep: int, *extra: str) -> None:
+    out = on_gloo_ranks(world, _rank, world, tp, ep, extra)
+    want = _one_process(world, tp, ep, extra)
+    dp = world // tp
+    for key in ("grads", "params"):
+        shapes = {n: t.shape for n, t in want[key].items()}
+        got = _assemble([out[r][key] for r in range(world)], shapes)
+        assert set(got) == set(want[key])
+        for name, value in want[key].items():
+            if key == "grads":
+                torch.testing.assert_close(got[name], value, **TOL, msg=name)
+            else:  # Adam divides by sqrt(v): elementwise, a near-zero gradient's rounding shows at lr scale
+                assert (got[name] - value).norm() <= 1e-5 * value.norm(), name
+    for step in (0, 1):  # each TP group's ranks agree; the data-parallel mean is one process's loss
+        per_dp = [out[r]["losses"][step] for r in range(0, world, tp)]
+        assert all(out[r]["losses"][step] == out[r - r % tp]["losses"][step] for r in range(world))
+        assert sum(per_dp) / dp == pytest.approx(want["losses"][step], rel=1e-5)
+    tokens = world // tp * MICRO * SEQ
+    k = 2
+    for layer in (0, 1):  # every assignment computed once, on one rank
+        assert sum(out[r]["rows"][layer] for r in range(world)) == tokens * k
+
+
+@pytest.mark.slow
+def test_tp2_ep2_on_4_ranks_equals_one_process():
+    _check(4, 2, 2)
+
+
+@pytest.mark.slow
+def test_tp2_ep4_on_8_ranks_equals_one_process():
+    _check(8, 2, 4)
+
+
+@pytest.mark.slow
+def test_tp2_without_ep_and_sequence_balance_loss_equal_one_process():
+    """ep 1: each TP rank runs every expert on its half of the tokens; the sequence-wise balance loss
+    sees whole sequences again."""
+    _check(2, 2, 1, "moe_opt.load_balancing_type=seq_aux_loss")
+
+
+SP = "parallel.sequence_parallel=true"
+
+
+@pytest.mark.slow
+def test_sequence_parallel_tp2_ep2_on_4_ranks_equals_one_process():
+    """Activations split along the sequence between blocks: norms, the MoE layer and the LM loss on each
+    rank's chunk, attention and the dense MLP gathering it."""
+    _check(4, 2, 2, SP)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_tp2_with_sequence_balance_loss_equals_one_process():
+    _check(2, 2, 1, SP, "moe_opt.load_balancing_type=seq_aux_loss")
