@@ -88,7 +88,8 @@ def main() -> None:
     tokens = WORLD // TP * MICRO * SEQ
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
           f"{torch.__version__}; dp {WORLD // TP} x tp {TP}, ep {EP}, {tokens} tokens per step, top-2\n")
-    print("| variant | step s (fwd+bwd, rank 0) | expert rows per MoE layer, all ranks | rows / (tokens x k) |")
+    print("| variant | step s (fwd+bwd, rank 0) | expert rows per MoE layer, all ranks "
+          "| rows / (tokens x k) |")
     print("|---|---|---|---|")
     for name in ("folded", "unfolded"):
         rows = sum(out[r][name]["rows_per_step"] for r in range(WORLD))

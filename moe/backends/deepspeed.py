@@ -39,6 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moe.backends.base import Backend, TrainerParts
+from moe.checkpoint.trust import load_trusted
 from moe.config.derived import precision_of
 from moe.config.specs import REDUCE_BUCKET_ELEMENTS
 from moe.errors import UserError
@@ -219,7 +220,7 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
         self._loaded_from = path  # a file, or a sharded directory read whole (ep=1 holds every expert)
         self._partition_file = (rank_file(path, self.global_rank) if path.is_dir()
                                 else zero_shards_dir(path) / f"rank_{self.global_rank:05d}.pt")
-        return self.checkpoint_io.load_checkpoint(path, weights_only=False)
+        return self.checkpoint_io.load_checkpoint(path)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         """Weights (already in place from a sharded directory), then this rank's optimizer partition
@@ -233,7 +234,7 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
         if optimizer is None or self.lightning_module.trainer.state.fn != "fit":
             return
         shard_file = self._partition_file
-        shard = torch.load(shard_file, weights_only=False) if shard_file.exists() else None
+        shard = load_trusted(shard_file) if shard_file.exists() else None
         layout = self._layout(checkpoint.get("global_step"))  # a shard from another save is never mixed in
         if shard is not None and shard["layout"] == layout:
             if self.config["zero_optimization"]["stage"] > 0:  # ZeRO reads entry [dp rank] of the list

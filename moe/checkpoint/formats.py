@@ -29,17 +29,16 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
 from moe.checkpoint import nxd, sharded
 from moe.checkpoint.io import CorruptCheckpoint, check_zip_crc, file_sha256, meta_path
+from moe.checkpoint.trust import PickleRefused, check_weights_only, load_trusted
 from moe.model.mlp import upgraded
 
 _STEP_IN_NAME = re.compile(r"step[-=_]?(\d+)")
 
 
 def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return load_trusted(path, map_location="cpu", mmap=True)
 
 
 def _current_names(checkpoint):
@@ -135,6 +134,8 @@ class Portable(Format):
         check_zip_crc(path)
         try:
             ckpt = load(path)
+        except PickleRefused:  # not corrupt: foreign, and the user has not allowed its code to run
+            raise
         except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError... for bad files
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise CorruptCheckpoint(f"cannot be read ({first[:160]})") from err
@@ -144,17 +145,9 @@ class Portable(Format):
         return int(ckpt["global_step"])
 
     def read(self, path: Path) -> dict:
-        """weights_only (tensors and plain containers, no code runs): train.py's files allow it."""
-        import pickle
-
-        try:
-            return _current_names(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-        except pickle.UnpicklingError as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            print(f"warning: {path} holds objects beyond tensors and plain containers ({first_line[:200]}); "
-                  "loading it with weights_only=False, which runs its pickled code: only load checkpoints "
-                  "you trust", file=sys.stderr)
-        return _current_names(torch.load(path, map_location="cpu", weights_only=False))
+        """weights_only (tensors and plain containers, no code runs): train.py's files allow it; another
+        file only under allow_pickle=true (moe.checkpoint.trust)."""
+        return _current_names(load(path))
 
 
 _VERIFIED: dict[tuple, int | None] = {}  # checkpoint files that verified in this process -> global_step
@@ -233,10 +226,11 @@ class DeepSpeed(Format):
 
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
+        check_weights_only(sorted(Path(path).glob("**/*.pt")))  # the converter unpickles them unrestricted
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "consolidated.ckpt"
             convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out))
-            return torch.load(out, map_location="cpu", weights_only=False)
+            return load_trusted(out, map_location="cpu")
 
 
 PORTABLE = Portable()

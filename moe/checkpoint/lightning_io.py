@@ -1,8 +1,9 @@
 """Lightning's CheckpointIO over moe.checkpoint: atomic saves with a sidecar, any format loaded.
 
 A thin adapter: saving is moe.checkpoint.io.atomic_torch_save (temporary file, fsync, rename, sha256
-sidecar), loading a file is Lightning's own, loading a sharded directory reads it whole (a resume
-where this rank holds every expert: one process, or ep=1).
+sidecar), loading a file is weights-only (moe.checkpoint.trust: whatever `weights_only` Lightning
+passes), loading a sharded directory reads it whole (a resume where this rank holds every expert:
+one process, or ep=1).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
 from moe.checkpoint.formats import Sharded
 from moe.checkpoint.io import TMP_SUFFIX, atomic_torch_save, meta_path, remove
+from moe.checkpoint.trust import load_trusted
 from moe.model.mlp import upgraded
 
 
@@ -37,7 +39,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         sharded = Sharded()
         if sharded.detect(path):
             return sharded.read(path)
-        checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = load_trusted(path, map_location=map_location)
         checkpoint["state_dict"] = upgraded(checkpoint["state_dict"])  # older parameter names
         return checkpoint
 

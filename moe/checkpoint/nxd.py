@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from moe.checkpoint.trust import load_trusted
 from moe.config.derived import dense_width, head_dim_of
 
 # our name suffix -> the NxD MoE module's name for the same tensor
@@ -153,14 +154,14 @@ def is_complete(checkpoint_dir: Path) -> bool:
 def newest_complete(checkpoints_dir: Path) -> Path | None:
     """The complete NxD checkpoint of the highest step in a run's checkpoints/ folder, if any."""
     found = [p for p in Path(checkpoints_dir).glob("*.ckpt") if p.is_dir() and is_complete(p)]
-    return max(found, key=lambda p: int(torch.load(p / USER_CONTENT, weights_only=False)["global_step"]),
+    return max(found, key=lambda p: int(load_trusted(p / USER_CONTENT)["global_step"]),
                default=None)
 
 
 def read_checkpoint(checkpoint_dir: Path) -> dict:
     """The checkpoint as one Lightning checkpoint dict with full (unsharded) tensors."""
     checkpoint_dir = Path(checkpoint_dir)
-    ckpt = torch.load(checkpoint_dir / USER_CONTENT, map_location="cpu", weights_only=False)
+    ckpt = load_trusted(checkpoint_dir / USER_CONTENT, map_location="cpu")
     model_cfg = OmegaConf.create(ckpt["hyper_parameters"]["cfg"]["model"])
     shards: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # our name -> (ep rank, tp rank) -> shard
     for path in sorted((checkpoint_dir / "model").glob("*.pt")):

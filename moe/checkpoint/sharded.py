@@ -43,6 +43,7 @@ from moe.checkpoint.io import (
     unwritable,
     write_json_atomic,
 )
+from moe.checkpoint.trust import check_dcp_metadata, load_trusted
 from moe.errors import UserError
 from moe.model.mlp import RENAMED, upgraded
 
@@ -202,6 +203,7 @@ def load_sharded(path: str | Path, module, optimizers: list, mesh) -> dict:
     """Collective: fill the live module and optimizers from `path`, resharded to this layout; returns
     the trainer state (with empty weights, which are already in place)."""
     path, count = Path(path), len(optimizers)
+    check_dcp_metadata(path / DCP_METADATA)  # DCP unpickles it unrestricted
     if optimizers and not _has_optimizer_state(path):  # DeepSpeed's are in its per_rank partitions
         from lightning.pytorch.utilities import rank_zero_warn
 
@@ -213,7 +215,7 @@ def load_sharded(path: str | Path, module, optimizers: list, mesh) -> dict:
     if optimizers:
         for live, saved in zip(optimizers[0].param_groups, state[OPTIMIZER_KEY]["param_groups"], strict=True):
             live.update({k: v for k, v in saved.items() if k != "params"})  # lr, betas, weight decay...
-    rest = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    rest = load_trusted(path / TRAINER_STATE, map_location="cpu")
     rest.pop(PARAM_GROUPS, None)
     return {**rest, "state_dict": {}, "optimizer_states": [{}] * count}
 
@@ -247,6 +249,7 @@ def read_full_checkpoint(path: str | Path) -> dict:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
+    check_dcp_metadata(path / DCP_METADATA)  # DCP unpickles it unrestricted
     reader = dcp.FileSystemReader(str(path))
     metadata = reader.read_metadata()
     flat: dict[str, torch.Tensor] = {}
@@ -255,7 +258,7 @@ def read_full_checkpoint(path: str | Path) -> dict:
             flat[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if flat:
         dcp.load(flat, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-    checkpoint = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    checkpoint = load_trusted(path / TRAINER_STATE, map_location="cpu")
     prefix = MODEL_KEY + "."
     checkpoint["state_dict"] = upgraded({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
     checkpoint["optimizer_states"] = [_torch_optimizer_state(groups, flat)

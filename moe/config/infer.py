@@ -31,6 +31,7 @@ class InferConfig:
     dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | fp32 | bf16 | fp16
     export_hf: str | None = None  # write a Mixtral directory here instead of generating
     overwrite: bool = False  # let export_hf replace an existing non-empty directory
+    allow_pickle: bool = False  # load a checkpoint whose unpickling runs code (only one you trust)
     output_file: str | None = None  # also write one JSON line per prompt (prompt, completion, tokens)
 
 

@@ -222,6 +222,9 @@ class TrainConfig:
     simulate: bool = False
     simulate_rank: int = 0
     resume: bool = True  # resume from <run dir>/checkpoints/last.ckpt when present
+    # load checkpoint files holding more than tensors and plain containers (their unpickling runs code):
+    # only files you trust (moe/checkpoint/trust.py); the product's own checkpoints never need it
+    allow_pickle: bool = False
 
 
 def register_configs() -> None:

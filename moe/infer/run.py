@@ -144,7 +144,10 @@ def chat_prefix(prompt: str, template: str) -> str:
 
 def run(cfg) -> list[dict] | Path:
     """infer.py: export (returns the directory) or generate (returns one dict per prompt, also printed)."""
+    from moe.checkpoint.trust import set_allow_pickle
+
     validate_infer(cfg)
+    set_allow_pickle(cfg.allow_pickle)
     loaded = load(cfg)
     if cfg.export_hf:
         out = export_hf(loaded.model, cfg.export_hf, loaded.tokenizer, chat_template=loaded.chat_template,

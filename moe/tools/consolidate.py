@@ -18,6 +18,7 @@ import torch
 
 from moe.checkpoint.formats import PORTABLE, format_of
 from moe.checkpoint.picker import read_checkpoint, resolve_checkpoint
+from moe.checkpoint.trust import set_allow_pickle
 from moe.errors import UserError, exit_on_user_error
 
 KEPT = ("state_dict", "hyper_parameters", "hparams_name", "global_step", "epoch", "pytorch-lightning_version")
@@ -50,7 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", help="a sharded or NxD checkpoint directory, or a run dir (its newest one)")
     parser.add_argument("out", help="the .ckpt file to write")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="load files whose unpickling runs code (only ones you trust)")
     args = parser.parse_args(argv)
+    set_allow_pickle(args.allow_pickle)
     exit_on_user_error(convert)(args.src, args.out)
 
 

@@ -23,10 +23,12 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
     offer, the architecture of model.init_from_hf / upcycle_from_hf, a prepared dataset's seq_len, then
     every rule of validate; `cfg` is updated in place. Returns the ParallelDims and a note for the user,
     if any. Once per process: a config equal to one settled before gets that one's values."""
+    from moe.checkpoint.trust import set_allow_pickle
     from moe.data.arrow_io import apply_prepared_meta
     from moe.train.environment import check_environment
     from moe.train.init_from_hf import apply_init_from_hf
 
+    set_allow_pickle(cfg.allow_pickle)  # every checkpoint this process reads: weights-only unless allowed
     composed = OmegaConf.to_yaml(cfg)
     if composed in _SETTLED:
         values, dims, note = _SETTLED[composed]
