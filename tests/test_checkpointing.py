@@ -119,6 +119,22 @@ def test_flipped_bytes_are_caught_by_the_sidecar_hash(tmp_path, capsys):
     assert "(corrupt)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("damage, says", [
+    (b"\x00\xff garbage", "has an unreadable record step-000008.ckpt.meta.json"),
+    (b'{"bytes": 1, "sha256": "ab"}',
+     "has a corrupt record step-000008.ckpt.meta.json (bad or missing global_step)"),
+    (b'{"bytes": true, "sha256": "ab", "global_step": 8}', "(bad or missing bytes)"),
+], ids=["garbage", "missing_key", "wrong_type"])
+def test_a_corrupt_sidecar_falls_back_to_the_previous_checkpoint(tmp_path, capsys, damage, says):
+    """The sidecar vouches for the file; a damaged one cannot, so its checkpoint is treated as damaged."""
+    save(tmp_path / "step-000004.ckpt", 4)
+    save(tmp_path / "step-000008.ckpt", 8)
+    meta_path(tmp_path / "step-000008.ckpt").write_bytes(damage)
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "step-000004.ckpt"
+    err = capsys.readouterr().err
+    assert says in err and "falling back to the previous checkpoint" in err
+
+
 def test_without_a_sidecar_a_truncated_file_is_caught_by_loading_it(tmp_path):
     torch.save(ckpt(3), tmp_path / "step-000003.ckpt")  # written by plain torch.save: no sidecar
     save(tmp_path / "step-000002.ckpt", 2)

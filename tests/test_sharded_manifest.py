@@ -5,6 +5,7 @@ The directory is written by the real save_sharded in a spawned one-rank gloo pro
 process group); the checks run here on the files it left.
 """
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -70,4 +71,26 @@ def test_a_flipped_byte_in_a_shard_is_refused_by_infer(sharded):
 def test_a_data_file_no_rank_recorded_is_a_torn_save(sharded):
     (sharded / "__1_0.distcp").write_bytes(b"left over")
     with pytest.raises(CorruptCheckpoint, match="__1_0.distcp, which no rank recorded writing"):
+        verify_checkpoint(sharded)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("{not json", "unreadable record __0.sha256.json"),
+    ('{"__0_0.distcp": {"bytes": "12"}}',
+     "corrupt record __0.sha256.json: __0_0.distcp (bad or missing bytes"),
+    ("[1, 2]", "corrupt record __0.sha256.json (not a JSON object)"),
+], ids=["garbage", "wrong_type", "not_an_object"])
+def test_a_damaged_manifest_or_trainer_state_sidecar_is_refused_like_a_damaged_shard(sharded, damage, says):
+    """A record that cannot vouch for its files makes the directory untrusted (a resume falls back)."""
+    (sharded / "__0.sha256.json").write_text(damage)
+    with pytest.raises(CorruptCheckpoint, match=re.escape(says)):
+        verify_checkpoint(sharded)
+
+
+def test_a_damaged_trainer_state_sidecar_is_refused(sharded):
+    sidecar = sharded / "trainer_state.pt.meta.json"
+    assert sidecar.exists()
+    sidecar.write_text('{"bytes": 10, "sha256": null, "global_step": 7}')
+    says = "trainer_state.pt.meta.json (bad or missing sha256"
+    with pytest.raises(CorruptCheckpoint, match=re.escape(says)):
         verify_checkpoint(sharded)

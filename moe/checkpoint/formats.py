@@ -30,7 +30,14 @@ import sys
 from pathlib import Path
 
 from moe.checkpoint import nxd, sharded
-from moe.checkpoint.io import CorruptCheckpoint, check_zip_crc, file_sha256, meta_path
+from moe.checkpoint.io import (
+    SIDECAR_FIELDS,
+    CorruptCheckpoint,
+    check_zip_crc,
+    file_sha256,
+    meta_path,
+    read_record,
+)
 from moe.checkpoint.trust import PickleRefused, check_weights_only, load_trusted
 from moe.model.mlp import upgraded
 
@@ -118,19 +125,15 @@ class Portable(Format):
         """The sidecar's size and sha256, else the zip CRC-32s and a full load."""
         meta = meta_path(path)
         if meta.exists():
-            try:
-                record = json.loads(meta.read_text())
-            except (OSError, ValueError):
-                record = None
-            if record is not None:
-                size = path.stat().st_size
-                if size != record["bytes"]:
-                    raise CorruptCheckpoint(f"is {size} bytes but was written as {record['bytes']} "
-                                            "(truncated)")
-                if file_sha256(path) != record["sha256"]:
-                    raise CorruptCheckpoint("does not match the sha256 recorded when it was written "
-                                            "(corrupt)")
-                return record["global_step"]
+            record = read_record(meta, SIDECAR_FIELDS)  # a damaged sidecar: refused like the file
+            size = path.stat().st_size
+            if size != record["bytes"]:
+                raise CorruptCheckpoint(f"is {size} bytes but was written as {record['bytes']} "
+                                        "(truncated)")
+            if file_sha256(path) != record["sha256"]:
+                raise CorruptCheckpoint("does not match the sha256 recorded when it was written "
+                                        "(corrupt)")
+            return record["global_step"]
         check_zip_crc(path)
         try:
             ckpt = load(path)

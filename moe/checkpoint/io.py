@@ -124,6 +124,31 @@ def unwritable(path: Path, err: OSError) -> UserError:
                              "temporary file was removed")
 
 
+def read_record(path: Path, fields: dict[str, tuple[type, ...]]) -> dict:
+    """A checksum record (a checkpoint's sidecar, a sharded directory's manifest entry): JSON with these
+    fields of these types, else CorruptCheckpoint, so a damaged record is refused as its checkpoint would
+    be (a resume warns and falls back), never trusted nor silently skipped."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpoint(f"has an unreadable record {Path(path).name} ({err})") from err
+    return check_record(record, fields, Path(path).name)
+
+
+def check_record(record: Any, fields: dict[str, tuple[type, ...]], where: str) -> dict:
+    if not isinstance(record, dict):
+        raise CorruptCheckpoint(f"has a corrupt record {where} (not a JSON object)")
+    bad = [name for name, types in fields.items()
+           if name not in record or not isinstance(record[name], types) or isinstance(record[name], bool)]
+    if bad:
+        raise CorruptCheckpoint(f"has a corrupt record {where} (bad or missing {', '.join(bad)})")
+    return record
+
+
+SIDECAR_FIELDS = {"bytes": (int,), "sha256": (str,), "global_step": (int, type(None))}
+FILE_FIELDS = {"bytes": (int,), "sha256": (str,)}  # a sharded directory's manifest entry
+
+
 def file_sha256(path: Path) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:

@@ -25,7 +25,6 @@ moe.checkpoint.formats.Sharded detects and verifies the format.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -36,10 +35,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moe.checkpoint.io import (
+    FILE_FIELDS,
     CorruptCheckpoint,
     atomic_torch_save,
+    check_record,
     file_sha256,
     fsync_dir,
+    read_record,
     unwritable,
     write_json_atomic,
 )
@@ -182,10 +184,9 @@ def check_manifests(path: Path, deep: bool = False) -> None:
         return
     recorded: dict[str, dict] = {}
     for manifest in manifests:
-        try:
-            recorded.update(json.loads(manifest.read_text()))
-        except (OSError, ValueError) as err:
-            raise CorruptCheckpoint(f"has an unreadable {manifest.name} ({err})") from err
+        entries = read_record(manifest, {})
+        recorded.update({name: check_record(entry, FILE_FIELDS, f"{manifest.name}: {name}")
+                         for name, entry in entries.items()})
     for name in sorted({p.name for p in path.glob("*.distcp")} - set(recorded)):
         raise CorruptCheckpoint(f"has {name}, which no rank recorded writing (a torn save)")
     for name, want in recorded.items():
