@@ -144,3 +144,25 @@ def test_cli_prints_one_paragraph_and_exits_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: input=") and "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no .hydra/ or log litter
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "csv", "tsv", "txt"])
+def test_bytes_that_are_not_utf8_inside_a_field_are_found_before_parsing(tmp_path, suffix):
+    """pyarrow parses such a JSON string (or CSV field) and the row broke tokenization later with a
+    traceback: the byte check finds it first. error names the line; skip drops it; repair keeps the row
+    with U+FFFD for the bad bytes; both counted in meta.json."""
+    texts = [t.replace(",", " ").replace("\t", " ").replace('"', "") for t in LINES[:8]]
+    if suffix == "jsonl":
+        rows, bad = [json.dumps({"text": t}) for t in texts], b'{"text": "caf\xe9 au lait"}'
+    else:
+        rows, bad = (["text"] if suffix in ("csv", "tsv") else []) + texts, b"caf\xe9 au lait"
+    src = tmp_path / f"bad.{suffix}"
+    src.write_bytes("".join(r + "\n" for r in rows[:4]).encode() + bad + b"\n"
+                    + "".join(r + "\n" for r in rows[4:]).encode())
+    err = fails(tmp_path, "has undecodable bytes on line 5 ", input=str(src))
+    assert "on_bad_row=repair" in err.fix
+    skipped = prep(tmp_path, input=str(src), on_bad_row="skip", overwrite=True)
+    assert skipped["rows"]["skipped"] == {"undecodable_bytes": 1} and skipped["rows"]["used"] == 8
+    repaired = prep(tmp_path, input=str(src), on_bad_row="repair", overwrite=True)
+    assert repaired["rows"]["repaired"] == {"undecodable_bytes": 1} and repaired["rows"]["skipped"] == {}
+    assert repaired["rows"]["used"] == 9

@@ -50,7 +50,7 @@ def test_concat_is_group_texts_over_the_whole_split_with_exact_token_conservatio
     s = meta["splits"]["train"]
     assert s["tokens_in"] == len(stream) == s["tokens_in_blocks"] + s["tail_tokens_dropped"]
     assert s["blocks"] == len(ids) == len(stream) // 17 and s["tail_tokens_dropped"] == len(stream) % 17
-    assert meta["rows"] == {"read": 61, "used": 60, "skipped": {}, "blank_lines_ignored": 1}
+    assert meta["rows"] == {"read": 61, "used": 60, "skipped": {}, "repaired": {}, "blank_lines_ignored": 1}
     assert meta["tokenizer"]["vocab_size"] == 512 and meta["token_dtype"] == "uint16"
 
 

@@ -30,7 +30,9 @@ class PrepConfig:
     packing: str = "concat"  # concat (group_texts, EOS between rows) | pad (one row a block, masked)
     val_fraction: float = 0.1  # share of rows held out for validation
     seed: int = 1234  # validation split seed
-    on_bad_row: str = "error"  # error | skip (skips counted in meta.json)
+    # error | skip (bad rows dropped) | repair (undecodable bytes replaced by U+FFFD, other bad rows dropped);
+    # both counted in meta.json
+    on_bad_row: str = "error"
     num_proc: int = 1  # processes for Dataset.map
     batch_size: int = 1000  # rows per map batch
     one_file_per_split: bool = False  # one Arrow file per split (Llama 2 7B trn1 recipe), not ~500 MB shards

@@ -47,7 +47,7 @@ SPIKE_ACTIONS = ("warn", "skip", "rollback")
 DATA_KINDS = ("prepared", "online")
 DATA_FORMATS = ("text", "chat", "sentence")
 PACKINGS = ("concat", "pad")
-BAD_ROW_POLICIES = ("error", "skip")
+BAD_ROW_POLICIES = ("error", "skip", "repair")
 INFER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # besides auto
 
 

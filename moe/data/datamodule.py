@@ -73,7 +73,8 @@ class _ResumableLoader(DataLoader):
 def online_prep_config(cfg) -> PrepConfig:
     """The data_prep config that online mode runs (data_prep.py with these values writes the same blocks)."""
     if not cfg.path:
-        raise UserError("data.path", cfg.path, "pass data.path=FILE_OR_GLOB (raw jsonl/json/parquet/csv/txt)",
+        raise UserError("data.path", cfg.path,
+                        "pass data.path=FILE_OR_GLOB (raw jsonl/json/parquet/csv/tsv/txt)",
                         problem="is required for data.kind=online")
     if not cfg.tokenizer:
         raise UserError("data.tokenizer", cfg.tokenizer, "pass data.tokenizer=DIR (holding tokenizer.json), "

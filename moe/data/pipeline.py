@@ -266,6 +266,7 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
         "splits": split_stats,
         "rows": {"read": len(raw.dataset) + sum(raw.skipped.values()), "used": int(len(valid)),
                  "skipped": {k: v for k, v in sorted(skips.items()) if k not in BENIGN},
+                 "repaired": dict(sorted(raw.repaired.items())),
                  "blank_lines_ignored": skips.get("blank_line", 0)},
         "sources": raw.sources,
         "config": content_config(cfg),

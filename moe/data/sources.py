@@ -3,12 +3,16 @@
 An input is a file, a glob, a directory of raw files, a directory written by
 `datasets.save_to_disk`, a list of those, or a Hugging Face Hub name (only when the
 hub is reachable; offline, a clear error says to pass a local path). Files are read
-by the `datasets` builders (json, csv, parquet, text); a file with undecodable bytes
-or broken JSON lines is reported by line, or with `on_bad_row=skip` cleaned into a
-copy without those lines (counted).
+by the `datasets` builders (json, csv, parquet, text). Line-based files (json lines, csv/tsv,
+text) are first checked byte by byte: pyarrow's JSON reader accepts bytes that are not UTF-8
+inside a string and the row then breaks tokenization, so each file is decoded in one fast pass
+and, when that fails, line by line. A line with undecodable bytes is reported (file and line), or
+with `on_bad_row=skip` dropped, with `on_bad_row=repair` kept with those bytes replaced by U+FFFD;
+either way counted. Broken JSON lines are reported by line, or (skip, repair) dropped and counted.
 """
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
@@ -22,11 +26,11 @@ import datasets
 
 from moe.errors import UserError
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
-            ".text": "text"}
-LINE_BASED = ("json", "csv", "text")
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv",
+            ".txt": "text", ".text": "text"}
+LINE_BASED = ("json", "csv", "tsv", "text")
 GLOB_CHARS = set("*?[")
-LOCAL_HINT = ("pass a local path instead: a jsonl/json/parquet/csv/txt file, a glob, a directory of such "
+LOCAL_HINT = ("pass a local path instead: a jsonl/json/parquet/csv/tsv/txt file, a glob, a directory of such "
               "files, or a directory written by datasets' save_to_disk")
 
 
@@ -36,6 +40,7 @@ class RawData:
     kind: str  # json | csv | parquet | text | disk | hub
     sources: list[dict]
     skipped: Counter = field(default_factory=Counter)  # lines dropped while reading (on_bad_row=skip)
+    repaired: Counter = field(default_factory=Counter)  # lines kept, bad bytes replaced (on_bad_row=repair)
 
 
 def _as_list(spec) -> list[str]:
@@ -174,6 +179,50 @@ def _bad_lines(path: str, builder: str):
                     yield no, "bad_json"
 
 
+def _undecodable_lines(path: str) -> list[int]:
+    """Line numbers (1-based) holding bytes that are not UTF-8: one streaming decode of the file when it
+    is clean, else a pass line by line."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                decoder.decode(block)
+        decoder.decode(b"", final=True)
+        return []
+    except UnicodeDecodeError:
+        pass
+    bad = []
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                bad.append(no)
+    return bad
+
+
+def _checked_bytes(path: str, on_bad_row: str, out_dir: Path, raw: RawData) -> str:
+    """`path`, or a copy of it without (skip) or with repaired (repair) lines of undecodable bytes."""
+    bad = set(_undecodable_lines(path))
+    if not bad:
+        return path
+    if on_bad_row == "error":
+        raise UserError("input", path, "fix or remove that line, pass on_bad_row=skip to drop such lines or "
+                        "on_bad_row=repair to replace the bad bytes with U+FFFD (counted in meta.json)",
+                        problem=f"has undecodable bytes on line {min(bad)} ({len(bad)} such lines: not "
+                                "UTF-8)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{len(list(out_dir.iterdir())):05d}-{Path(path).name}"
+    with open(path, "rb") as src, open(out, "wb") as dst:
+        for no, line in enumerate(src, start=1):
+            if no not in bad:
+                dst.write(line)
+            elif on_bad_row == "repair":
+                dst.write(line.decode("utf-8", errors="replace").encode("utf-8"))
+    (raw.repaired if on_bad_row == "repair" else raw.skipped)["undecodable_bytes"] += len(bad)
+    return str(out)
+
+
 def _first_char(path: str) -> str:
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
@@ -197,7 +246,9 @@ def _clean_copy(path: str, builder: str, out_dir: Path, skipped: Counter) -> str
 
 
 def _load_files(builder: str, files: list[str], cache_dir: Path, num_proc: int) -> datasets.Dataset:
-    kwargs = {"encoding": "utf-8"} if builder in ("text", "csv") else {}
+    kwargs = {"encoding": "utf-8"} if builder in ("text", "csv", "tsv") else {}
+    if builder == "tsv":  # datasets' csv builder with tabs
+        builder, kwargs["delimiter"] = "csv", "\t"
     if builder == "text":
         kwargs["keep_linebreaks"] = False
     counts = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
@@ -221,7 +272,10 @@ def load_raw(spec, *, on_bad_row: str, work_dir: Path, num_proc: int = 1, split:
         return RawData(load_disk(items[0], split), kind, sources)
     if sum(s["bytes"] for s in sources) == 0:
         raise UserError("input", spec, "point input at files with data in them", problem="is empty (0 bytes)")
-    skipped: Counter = Counter()
+    raw = RawData(None, kind, sources)
+    if kind in LINE_BASED:
+        items = [_checked_bytes(f, on_bad_row, work_dir / "bytes_checked", raw) for f in items]
+    skipped = raw.skipped
     try:
         ds = _load_files(kind, items, work_dir / "hf_cache", num_proc)
     except Exception as err:
@@ -247,4 +301,5 @@ def load_raw(spec, *, on_bad_row: str, work_dir: Path, num_proc: int = 1, split:
             raise UserError("input", spec, f"check the files are valid {kind}",
                             problem=f"could not be read after dropping {sum(skipped.values())} bad lines "
                             f"({type(cause).__name__}: {cause})") from err2
-    return RawData(ds, kind, sources, skipped)
+    raw.dataset = ds
+    return raw
