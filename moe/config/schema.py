@@ -225,6 +225,9 @@ class TrainConfig:
     # load checkpoint files holding more than tensors and plain containers (their unpickling runs code):
     # only files you trust (moe/checkpoint/trust.py); the product's own checkpoints never need it
     allow_pickle: bool = False
+    # seconds a launch waits for the run dir's lock while another run holds it, before exit 2 (null: 120 for a
+    # requeued SLURM job, SLURM_RESTART_COUNT > 0, else none); moe/train/run_lock.py
+    lock_wait_s: Optional[float] = None
 
 
 def register_configs() -> None:

@@ -630,6 +630,14 @@ def check_fsdp2(cfg) -> None:
               "is not split over TP ranks (ALiBi's slopes are per head)")
 
 
+def check_lock_wait(cfg) -> None:
+    """How long a launch waits for the run dir's lock (moe/train/run_lock.py)."""
+    wait = cfg.get("lock_wait_s")
+    _need(wait is None or wait >= 0, "lock_wait_s", wait,
+          "use 0 or more seconds, or null (120 s for a requeued SLURM job, else no wait)",
+          "must not be negative")
+
+
 def check_simulate(cfg) -> None:
     """simulate=true runs the torch model's own code path for one rank (moe/tools/simulate.py)."""
     if not cfg.get("simulate", False):
@@ -702,7 +710,7 @@ RULES = [  # in order: keys and numbers, counts, then the hardware, then divisib
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
-    check_neuron, check_fsdp2, check_hf_start, check_simulate,
+    check_neuron, check_fsdp2, check_hf_start, check_simulate, check_lock_wait,
 ]
 
 

@@ -137,6 +137,10 @@ def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
         raise UserError("hydra.run.dir", str(run_dir),
                         "pick a writable place: hydra.run.dir=DIR (or run_name=NAME under runs/)",
                         problem=f"cannot be created: {existing} {what}")
+    if is_rank_zero():  # one run per directory: refuse a live run's before Hydra rewrites its .hydra/
+        from moe.train.run_lock import check_free
+
+        check_free(run_dir, cfg.lock_wait_s)
     if cfg.resume and is_rank_zero():  # one reader: every rank hashing a 90 GB file at launch is wasted IO
         resume_from = find_resume_checkpoint(run_dir / "checkpoints", quiet=True)
         if resume_from:

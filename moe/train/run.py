@@ -43,13 +43,24 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> Path:
-    """Settle the config, then train into `run_dir`."""
-    from moe.train.console import say
+    """Settle the config, then train into `run_dir`, holding its lock (moe.train.run_lock) meanwhile."""
+    from moe.checkpoint.picker import is_rank_zero
+    from moe.train.run_lock import RunLock
 
     dims, note = settle(cfg)
+    lock = RunLock(Path(run_dir), cfg.lock_wait_s) if is_rank_zero() else None
+    try:
+        return _train(cfg, Path(run_dir), dims, note)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None) -> Path:
+    from moe.train.console import say
+
     if note:
         say(note)
-    run_dir = Path(run_dir)
     from moe.module.optim import warmup_note
 
     if note := warmup_note(cfg.optimizer, cfg.trainer.max_steps):
