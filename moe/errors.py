@@ -23,6 +23,20 @@ class ConfigError(UserError, ValueError):
     """A config value that cannot work; also a ValueError so model code can raise it."""
 
 
+COLLECTIVE_FAILED_EXIT = 3  # a peer rank died or stalled: retryable (moe.tools.supervise relaunches)
+
+
+class CollectiveFailed(Exception):
+    """A collective this rank waited in failed: a peer died (its connection closed) or stalled beyond
+    parallel.collective_timeout_s. Not the user's to fix, and nothing is half-written: relaunching the
+    same command resumes from the newest good checkpoint."""
+
+    def __init__(self, rank: int, collective: str, cause: BaseException):
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        self.rank, self.collective = rank, collective
+        super().__init__(f"rank {rank} stopped in {collective}: {first[:240]}")
+
+
 def exit_on_user_error(main):
     """Wrap an entry point: a UserError prints one paragraph to stderr and exits 2."""
 

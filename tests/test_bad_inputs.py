@@ -198,6 +198,8 @@ CONFIG_CASES = [
      None, "use an even qk_rope_head_dim"),
     (["model.attention=mha"], "model.attention", "'mha'", None, "use one of gqa, mla"),
     (["lock_wait_s=-1"], "lock_wait_s", "-1.0", "must not be negative", "use 0 or more seconds"),
+    (["parallel.collective_timeout_s=0"], "parallel.collective_timeout_s", "0.0", "must be positive",
+     "use a positive number of seconds"),
     (["model.first_k_dense_replace=9"], "model.first_k_dense_replace", "9",
      None, "use 0 (no leading dense layers)"),
     (["data.kind=weird"], "data.kind", "'weird'", None, "use one of prepared, online"),

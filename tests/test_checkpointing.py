@@ -10,12 +10,12 @@ import torch
 from conftest import REPO
 from omegaconf import OmegaConf
 
-from moe.checkpoint.faults import KILL_DURING_SAVE_ENV
 from moe.checkpoint.io import CorruptCheckpoint, meta_path
 from moe.checkpoint.lightning_io import AtomicCheckpointIO, with_atomic_io
 from moe.checkpoint.picker import check_resume_compatible, find_resume_checkpoint, verify_checkpoint
 from moe.config import TrainConfig
 from moe.errors import UserError
+from moe.faults import KILL_DURING_SAVE_ENV
 from moe.train.seed import step_seed
 
 

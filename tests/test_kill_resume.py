@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from moe.checkpoint.faults import KILL_DURING_SAVE_ENV
+from moe.faults import KILL_DURING_SAVE_ENV
 
 pytestmark = pytest.mark.slow
 

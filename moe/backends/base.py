@@ -67,6 +67,13 @@ class Backend:
         return {**({"OMP_NUM_THREADS": str(threads)} if threads else {}),
                 **{str(k): str(v) for k, v in self.cfg.hardware.env.items()}}
 
+    def collective_timeout(self):
+        """parallel.collective_timeout_s as the timedelta the strategy's world group gets; every other group
+        made from now on gets it too (moe.parallel.comm.set_collective_timeout)."""
+        from moe.parallel.comm import set_collective_timeout
+
+        return set_collective_timeout(self.cfg.parallel.collective_timeout_s)
+
     def apply_torch_settings(self) -> None:
         """Process-wide torch settings the hardware group asks for: hardware.allow_tf32 lets CUDA run
         fp32 matmuls on TF32 tensor cores (torch.set_float32_matmul_precision "high"), else full fp32."""

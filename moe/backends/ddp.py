@@ -26,9 +26,11 @@ class DDPBackend(Backend):
     def trainer_parts(self) -> TrainerParts:
         world, backend = self.dims.world, self.cfg.hardware.backend
         if self.sharded_checkpoints:
-            strategy = ShardedDDPStrategy(self.dims, process_group_backend=backend)
+            strategy = ShardedDDPStrategy(self.dims, process_group_backend=backend,
+                                          timeout=self.collective_timeout())
         else:
-            strategy = DDPStrategy(process_group_backend=backend) if world > 1 else "auto"
+            strategy = (DDPStrategy(process_group_backend=backend, timeout=self.collective_timeout())
+                        if world > 1 else "auto")
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=strategy,
                             precision=precision_of(self.cfg), plugins=[],
                             overrides={})

@@ -94,7 +94,7 @@ class DeepSpeedBackend(Backend):
                             problem="needs the deepspeed package, which is not installed") from err
         self.strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg), dims=dims,
                                              process_group_backend=cfg.hardware.backend,
-                                             logging_level=logging.WARNING)
+                                             logging_level=logging.WARNING, timeout=self.collective_timeout())
 
     def trainer_parts(self) -> TrainerParts:
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=self.strategy,

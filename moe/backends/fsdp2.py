@@ -37,7 +37,8 @@ class FSDP2Backend(Backend):
         self.meshes = None  # moe.parallel.dims.Meshes, built with the process group
 
     def trainer_parts(self) -> TrainerParts:
-        strategy = FSDP2Strategy(self, process_group_backend=self.cfg.hardware.backend)
+        strategy = FSDP2Strategy(self, process_group_backend=self.cfg.hardware.backend,
+                                 timeout=self.collective_timeout())
         accelerator = self.cfg.hardware.accelerator
         if accelerator == "torch_neuron":  # Lightning has none for TorchNeuron's device
             from moe.backends.torch_neuron import TorchNeuronAccelerator

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from moe.checkpoint.faults import maybe_kill_during_save
 from moe.errors import UserError
+from moe.faults import maybe_kill_during_save
 
 TMP_SUFFIX = ".tmp"
 META_SUFFIX = ".meta.json"

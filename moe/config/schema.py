@@ -114,6 +114,9 @@ class ParallelConfig:
     activation_checkpointing: str = "none"  # none | selective | full | every_n | moe_only
     activation_checkpointing_every_n: int = 1
     pipeline_microbatches: Optional[int] = None  # null = accumulate_grad_batches
+    # how long a rank waits in a collective for a peer that stalls before the run stops (exit 3, naming the
+    # rank and the collective; a dead peer is seen at once): every process group of the run
+    collective_timeout_s: float = 1800.0
 
 
 @dataclass

@@ -630,12 +630,17 @@ def check_fsdp2(cfg) -> None:
               "is not split over TP ranks (ALiBi's slopes are per head)")
 
 
-def check_lock_wait(cfg) -> None:
-    """How long a launch waits for the run dir's lock (moe/train/run_lock.py)."""
+def check_waits(cfg) -> None:
+    """How long a launch waits for the run dir's lock (moe/train/run_lock.py), and a rank for a peer in a
+    collective (moe.parallel.comm.set_collective_timeout)."""
     wait = cfg.get("lock_wait_s")
     _need(wait is None or wait >= 0, "lock_wait_s", wait,
           "use 0 or more seconds, or null (120 s for a requeued SLURM job, else no wait)",
           "must not be negative")
+    timeout = cfg.parallel.collective_timeout_s
+    _need(timeout > 0, "parallel.collective_timeout_s", timeout,
+          "use a positive number of seconds (production: minutes, e.g. 1800; tests: a few seconds)",
+          "must be positive")
 
 
 def check_simulate(cfg) -> None:
@@ -710,7 +715,7 @@ RULES = [  # in order: keys and numbers, counts, then the hardware, then divisib
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
-    check_neuron, check_fsdp2, check_hf_start, check_simulate, check_lock_wait,
+    check_neuron, check_fsdp2, check_hf_start, check_simulate, check_waits,
 ]
 
 

@@ -3,13 +3,45 @@
 Built on `torch.distributed.all_to_all_single`, which every backend (gloo included)
 supports with uneven split sizes. The exchange is differentiable: its backward is the
 reverse all-to-all, so gradients flow back to the rank a token came from.
+
+A collective here that fails (a peer died, or stalled past parallel.collective_timeout_s, which
+`set_collective_timeout` gives every group) raises moe.errors.CollectiveFailed naming this rank, the
+collective and its ranks; train() turns it into one paragraph and exit 3 (moe.train.run).
 """
 from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from moe.errors import CollectiveFailed
+from moe.faults import maybe_fail_in_all_to_all
 from moe.model.sync import host_int, host_sizes
+
+
+def set_collective_timeout(seconds: float) -> timedelta:
+    """Every process group made from now on waits at most `seconds` for a peer (parallel.
+    collective_timeout_s): torch gives groups made without a timeout (DeviceMesh's, DeepSpeed's,
+    new_group's) distributed_c10d.default_pg_timeout (torch/distributed/distributed_c10d.py
+    `_get_default_timeout`), so that is set; the world group gets it from the Lightning strategy."""
+    import torch.distributed.distributed_c10d as c10d
+
+    timeout = timedelta(seconds=seconds)
+    c10d.default_pg_timeout = timeout
+    return timeout
+
+
+@contextlib.contextmanager
+def named_collective(name: str, group):
+    """Run a collective; a failure (a dead or stalled peer) becomes CollectiveFailed naming it, its ranks."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as err:
+        ranks = (dist.get_process_group_ranks(group) if group is not None
+                 else list(range(dist.get_world_size())))
+        raise CollectiveFailed(dist.get_rank(), f"{name} over ranks {ranks}", err) from err
 
 
 class _AllToAll(torch.autograd.Function):
@@ -19,13 +51,17 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x_NH, in_splits, out_splits, group):
         ctx.in_splits, ctx.out_splits, ctx.group = in_splits, out_splits, group
         out = x_NH.new_empty((sum(out_splits),) + tuple(x_NH.shape[1:]))
-        dist.all_to_all_single(out, x_NH.contiguous(), out_splits, in_splits, group=group)
+        maybe_fail_in_all_to_all(group)
+        with named_collective("the expert-parallel all_to_all_single (forward)", group):
+            dist.all_to_all_single(out, x_NH.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_in = grad_out.new_empty((sum(ctx.in_splits),) + tuple(grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        with named_collective("the expert-parallel all_to_all_single (backward)", ctx.group):
+            dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.in_splits, ctx.out_splits,
+                                   group=ctx.group)
         return grad_in, None, None, None
 
 
@@ -40,7 +76,8 @@ def exchange_counts(send_counts: torch.Tensor, group, rows: int) -> tuple[torch.
     ep = dist.get_world_size(group)
     send_counts = send_counts.to(torch.long).contiguous()
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    with named_collective("the expert-parallel all_to_all_single of row counts", group):
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
     per_rank = torch.cat([send_counts.view(ep, -1).sum(1), recv_counts.view(ep, -1).sum(1)])
     sizes = host_sizes(per_rank, 2 * rows)  # fake tensors: balanced, each rank receives what it sends
     return recv_counts, sizes[:ep], sizes[ep:]
@@ -66,12 +103,14 @@ def even_splits(rows: int, group) -> list[int]:
 def group_sum(t: torch.Tensor, group) -> torch.Tensor:
     """Sum a statistics tensor over `group` (no gradient): routing numbers every rank logs alike."""
     t = t.detach().clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    with named_collective("the routing statistics' all_reduce", group):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
 def group_max(value: int, group, device=None) -> int:
     """Largest `value` over `group` (e.g. expert capacity when ranks hold different token counts)."""
     t = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    with named_collective("the expert capacity's all_reduce", group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return host_int(t, value)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from moe.errors import COLLECTIVE_FAILED_EXIT, CollectiveFailed, log_to_files
 from moe.parallel.dims import ParallelDims, validated_dims
 
 _SETTLED: dict[str, tuple[dict, ParallelDims, str | None]] = {}  # config as composed -> what settle made
@@ -130,6 +132,19 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None) -> Path:
             if trainer.is_global_zero:
                 say(f"{err}; relaunch the same command to resume from {ckpt_dir}")
             raise SystemExit(err.exit_code) from err
+        except (CollectiveFailed, RuntimeError, torch.distributed.DistError) as err:
+            failed = err if isinstance(err, CollectiveFailed) else _collective_failure(err)
+            if failed is None:
+                raise
+            timeout = cfg.parallel.collective_timeout_s
+            message = (f"error: {failed}. A peer rank died, or stalled longer than "
+                       f"parallel.collective_timeout_s={timeout:g} s; checkpoints are written whole or not "
+                       "at all. Relaunch the same command (or run it under python -m moe.supervise) to "
+                       f"resume from the newest good checkpoint in {ckpt_dir}")
+            print(message, file=sys.stderr, flush=True)
+            log_to_files(message)
+            _stop_local_ranks(trainer)
+            raise SystemExit(COLLECTIVE_FAILED_EXIT) from err
         except RollbackRequested as err:
             rolled_back = True
             step = err.from_step
@@ -137,6 +152,34 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None) -> Path:
     if trainer.is_global_zero:
         say(f"run dir: {run_dir}  (metrics.csv, summary.json, checkpoints/)")
     return run_dir
+
+
+def _stop_local_ranks(trainer) -> None:
+    """The ranks this process launched (Lightning's subprocess launcher): a stalled one would keep it from
+    exiting until its own collective timed out. SIGKILL, not SIGTERM: a pre-emption save would wait on the
+    lost peer; checkpoints are atomic, so nothing is left half-written."""
+    import signal
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    if launcher is not None and getattr(launcher, "procs", None):
+        launcher.kill(signal.SIGKILL)
+
+
+_TRANSPORT = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out")
+
+
+def _collective_failure(err: BaseException) -> CollectiveFailed | None:
+    """A torch.distributed failure outside the collectives moe.parallel.comm names (FSDP2's, DDP's,
+    Lightning's): a CollectiveFailed for it, else None (not a collective's failure)."""
+    import torch.distributed as dist
+
+    cause = err
+    while cause is not None and not isinstance(cause, CollectiveFailed):
+        if isinstance(cause, dist.DistError) or any(mark in str(cause) for mark in _TRANSPORT):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            return CollectiveFailed(rank, "a collective of the run (torch.distributed)", cause)
+        cause = cause.__cause__ or cause.__context__
+    return cause
 
 
 def objective(run_dir: Path | None) -> float | None:

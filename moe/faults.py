@@ -1,10 +1,16 @@
-"""Fault injection for tests: kill a process half-way through writing a checkpoint.
+"""Fault injection for tests: kill a process half-way through writing a checkpoint, or make a rank die
+or stall in an expert-parallel all-to-all.
 
 Not for real runs. A test sets `MOE_TEST_KILL_DURING_SAVE` in the environment of a training process
 it launches ("<step>", or "<step>:<file name>"): the save of that step's checkpoint then writes half
 of its temporary file, fsyncs it and SIGKILLs its own process, once per run dir (a marker file next
 to the checkpoints remembers it fired). tests/test_kill_resume.py and tests/test_supervise.py use it
-to show that a kill mid-save leaves the previous checkpoint to resume from. Unset, nothing happens.
+to show that a kill mid-save leaves the previous checkpoint to resume from.
+
+`MOE_TEST_FAULT_IN_ALL_TO_ALL` ("<rank>:<call>:kill" or "<rank>:<call>:stall:<seconds>"): global rank
+<rank> SIGKILLs itself, or sleeps, as it enters its <call>-th expert-parallel all-to-all (1-based), once
+per process; tests/test_collective_failure.py shows the peer then stops naming the rank and collective.
+Unset, nothing happens.
 """
 from __future__ import annotations
 
@@ -18,6 +24,29 @@ from typing import Any
 import torch
 
 KILL_DURING_SAVE_ENV = "MOE_TEST_KILL_DURING_SAVE"
+FAULT_IN_ALL_TO_ALL_ENV = "MOE_TEST_FAULT_IN_ALL_TO_ALL"
+_ALL_TO_ALL_CALLS = {"count": 0}
+
+
+def maybe_fail_in_all_to_all(group) -> None:
+    spec = os.environ.get(FAULT_IN_ALL_TO_ALL_ENV)
+    if not spec:
+        return
+    import time
+
+    import torch.distributed as dist
+
+    rank, call, action, *rest = spec.split(":")
+    if dist.get_rank() != int(rank):
+        return
+    _ALL_TO_ALL_CALLS["count"] += 1
+    if _ALL_TO_ALL_CALLS["count"] != int(call):
+        return
+    print(f"{FAULT_IN_ALL_TO_ALL_ENV}: rank {rank} {action}s in its all-to-all #{call}", file=sys.stderr,
+          flush=True)
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(rest[0]) if rest else 3600.0)
 
 
 def maybe_kill_during_save(obj: Any, path: Path, tmp: Path, step: int | None) -> None:
