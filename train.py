@@ -12,11 +12,14 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
 from moe.errors import exit_on_user_error
 from moe.train.preflight import preflight
+
+FAILED_JOBS: list[str] = []  # sweep jobs of this process that stopped on an error (the sweep goes on)
 
 
 def plan(cfg: DictConfig, dims, run_dir: str) -> None:
@@ -34,9 +37,27 @@ def plan(cfg: DictConfig, dims, run_dir: str) -> None:
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
-@exit_on_user_error
 def main(cfg: DictConfig) -> float | None:
-    """Returns the final validation loss (else training loss) for sweepers such as Optuna."""
+    """Returns the final validation loss (else training loss) for sweepers such as Optuna. In a sweep a
+    job that stops on an error is recorded (its train.log and the sweep's report say why) and the next
+    job runs; the sweep exits 1 at the end, naming the failed jobs."""
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        return exit_on_user_error(job)(cfg)
+    try:
+        return job(cfg)
+    except Exception as err:  # a UserError's paragraph, or an unexpected error's first line
+        from moe.errors import UserError, log_to_files
+
+        run_dir = HydraConfig.get().runtime.output_dir
+        what = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
+        log_to_files(f"error: {what}", exc_info=None if isinstance(err, UserError) else sys.exc_info())
+        print(f"error: sweep job {HydraConfig.get().job.num} ({run_dir}) failed: {what}", file=sys.stderr)
+        FAILED_JOBS.append(f"job {HydraConfig.get().job.num} ({run_dir})")
+        return None
+
+
+def job(cfg: DictConfig) -> float | None:
+    """One run: a plan (dry run, simulation) or a training run."""
     from moe.train.console import say
     from moe.train.run import objective, settle, train
 
@@ -56,3 +77,8 @@ if __name__ == "__main__":
         plan(*settled, run_dir="")
         sys.exit(0)
     main()
+    if FAILED_JOBS:
+        print(f"error: {len(FAILED_JOBS)} sweep job(s) failed: {', '.join(FAILED_JOBS)}; the others "
+              "finished. python -m moe.report <sweep dir> tabulates every job and why each failed one "
+              "stopped", file=sys.stderr)
+        sys.exit(1)

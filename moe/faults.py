@@ -10,7 +10,8 @@ to show that a kill mid-save leaves the previous checkpoint to resume from.
 `MOE_TEST_FAULT_IN_ALL_TO_ALL` ("<rank>:<call>:kill" or "<rank>:<call>:stall:<seconds>"): global rank
 <rank> SIGKILLs itself, or sleeps, as it enters its <call>-th expert-parallel all-to-all (1-based), once
 per process; tests/test_collective_failure.py shows the peer then stops naming the rank and collective.
-Unset, nothing happens.
+`MOE_TEST_SIGNAL_IN_VALIDATION` ("SIGTERM", "SIGINT", ...): the process signals itself during its first
+validation pass (tests/test_kill_resume.py). Unset, nothing happens.
 """
 from __future__ import annotations
 
@@ -26,6 +27,24 @@ import torch
 KILL_DURING_SAVE_ENV = "MOE_TEST_KILL_DURING_SAVE"
 FAULT_IN_ALL_TO_ALL_ENV = "MOE_TEST_FAULT_IN_ALL_TO_ALL"
 _ALL_TO_ALL_CALLS = {"count": 0}
+
+
+SIGNAL_IN_VALIDATION_ENV = "MOE_TEST_SIGNAL_IN_VALIDATION"
+
+
+def maybe_signal_in_validation(batch_idx: int) -> None:
+    """`MOE_TEST_SIGNAL_IN_VALIDATION` ("SIGTERM", ...): the process signals itself as its first validation
+    pass starts its first batch (once per process)."""
+    name = os.environ.get(SIGNAL_IN_VALIDATION_ENV)
+    if not name or batch_idx != 0 or _SIGNALLED["done"]:
+        return
+    _SIGNALLED["done"] = True
+    print(f"{SIGNAL_IN_VALIDATION_ENV}: sending {name} to this process during validation", file=sys.stderr,
+          flush=True)
+    os.kill(os.getpid(), getattr(signal, name))
+
+
+_SIGNALLED = {"done": False}
 
 
 def maybe_fail_in_all_to_all(group) -> None:

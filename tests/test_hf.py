@@ -206,3 +206,41 @@ def test_the_default_config_in_eval_mode_gives_the_logits_of_its_export():
         with_capacity = MoETransformer(model.cfg, replace(model.moe_opt, eval_capacity_factor=2.0)).eval()
         with_capacity.load_state_dict(model.state_dict())
         assert (with_capacity(same_token).logits_BSV - ours_logits).abs().max() > 0.01  # 2.0 drops: 100x atol
+
+
+def test_weights_holding_nan_are_refused_naming_the_tensor(tmp_path):
+    """model.init_from_hf / upcycle_from_hf (tensor_source) and infer.py hf_dir= (from_hf): a tensor saved
+    with NaN would train or generate NaN; refused, exit 2, naming the directory and our parameter."""
+    from safetensors.torch import save_file
+
+    from moe.errors import UserError
+    from moe.hf import tensor_source
+
+    model = ours(1.0e6, 4, 2, None, 2, 4, False, None)
+    to_hf(model).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.1.self_attn.o_proj.weight"][0, :3] = float("nan")
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    source = tensor_source(tmp_path, model.cfg)
+    assert torch.equal(source("layers.0.attn.o_proj.weight", (32, 32), None),
+                       model.state_dict()["layers.0.attn.o_proj.weight"])
+    says = r"model.init_from_hf=.* holds 3 NaN or infinite values in the tensor that becomes our layers.1"
+    with pytest.raises(UserError, match=says):
+        source("layers.1.attn.o_proj.weight", (32, 32), None)
+    with pytest.raises(UserError, match="hf_dir=.* holds 3 NaN"):
+        from_hf(tmp_path)
+
+
+def test_config_keys_the_model_type_does_not_define_are_named_and_biases_refused(tmp_path, capsys):
+    from moe.hf.convert import read_hf_config
+
+    to_hf(ours(1.0e6, 4, 2, None, 2, 4, False, None)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layer": 3, "rope_scalling": 2}))
+    assert read_hf_config(tmp_path, "model.init_from_hf").num_hidden_layers == 2
+    said = capsys.readouterr().err
+    assert "has keys mixtral does not define, ignored: num_hidden_layer, rope_scalling" in said
+    biased = hf_model(1.0e6, 4, 2, None, 2, 4, False, None).config
+    biased.attention_bias = True
+    with pytest.raises(ConfigError, match="attention_bias=True is not supported"):
+        model_config_from_hf(biased)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from moe.faults import KILL_DURING_SAVE_ENV
+from moe.faults import KILL_DURING_SAVE_ENV, SIGNAL_IN_VALIDATION_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +40,10 @@ def run_to_end(run_dir):
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
 
 
-def launch(run_dir, log, env=ENV):
+def launch(run_dir, log, env=ENV, *more):
     with open(log, "ab") as out:
-        return subprocess.Popen(train_cmd(run_dir), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen([*train_cmd(run_dir), *more], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
 
 
 def wait_for(proc, condition, what):
@@ -168,7 +169,8 @@ def test_truncated_checkpoints_at_resume_are_reported_and_the_previous_one_is_us
     assert_same_run(run_dir, reference)  # steps 9-12 retrained to the same result
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT],
+                         ids=["SIGTERM", "SIGUSR1", "SIGINT"])
 def test_preemption_signal_saves_the_step_exits_nonzero_and_resumes_exactly(tmp_path, reference, signum):
     """A SLURM/Kubernetes pre-emption between two scheduled checkpoints: the step in progress is saved,
     the exit status is 128 + the signal (a supervisor never reads it as success), the relaunch ends
@@ -184,3 +186,29 @@ def test_preemption_signal_saves_the_step_exits_nonzero_and_resumes_exactly(tmp_
     proc = launch(run_dir, log)
     assert proc.wait(timeout=TIMEOUT) == 0, log.read_text()[-3000:]
     assert_same_run(run_dir, reference)
+
+
+def test_a_signal_during_validation_stops_when_that_pass_ends(tmp_path):
+    """SIGTERM while step 6's validation runs: the pass ends, step 6 is checkpointed and the run stops
+    (exit 143), instead of training step 7 first."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    proc = launch(run_dir, log, env={**ENV, SIGNAL_IN_VALIDATION_ENV: "SIGTERM"})
+    assert proc.wait(timeout=TIMEOUT) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert "stopped by SIGTERM after step 6" in log.read_text()
+    assert params(run_dir)["global_step"] == 6  # last.ckpt: the validated step, not step 7
+    assert [step for step, _ in val_losses(run_dir)] == [6] and max(s for s, _ in train_losses(run_dir)) == 6
+
+
+def test_sigint_twice_stops_at_once_without_a_traceback(tmp_path):
+    """Ctrl-C: the first asks for a checkpointed stop at the step's end, a second one stops now (exit 130);
+    the checkpoints already written are whole."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    proc = launch(run_dir, log, ENV, "data.seq_len=512", "model.hidden_size=256")  # steps long enough to
+    wait_for(proc, lambda: any(s >= 2 for s, _ in train_losses(run_dir)), "step 2")  # press twice in one
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 128 + signal.SIGINT, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "second SIGINT: stopping now, without a checkpoint" in text and "Traceback" not in text
+    assert not list(run_dir.glob("checkpoints/*.tmp"))

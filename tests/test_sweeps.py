@@ -201,3 +201,24 @@ def test_make_sweep_smoke_path_end_to_end(tmp_path):
     advice = advise(runs[2].routing, target=0.01)
     assert drop_rate(runs[2].routing, advice.capacity_factor) <= 0.01  # on the run it was computed from
     assert f"**{advice.capacity_factor:g}**" in (sweep / "2" / "report.md").read_text()
+
+
+def test_a_sweep_job_that_fails_at_run_time_leaves_the_others_to_finish_and_the_report_names_it(tmp_path):
+    """Job 1 diverges (lr 1e9: non-finite losses stop it, exit-2 kind); jobs 0 and 2 still train. The sweep
+    exits 1 naming job 1, and the report's row for it says why it stopped."""
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    args = ["-m", "optimizer.lr=1e-3,1e9,1e-3", *TINY, "trainer.max_steps=3", "trainer.max_nonfinite_steps=1",
+            f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"error: 1 sweep job(s) failed: job 1 ({sweep / '1'})" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (sweep / "0" / "summary.json").exists() and (sweep / "2" / "summary.json").exists()
+    assert not (sweep / "1" / "summary.json").exists()
+    from moe.tools.report import report
+
+    table = report(sweep)[0].read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| [1]"))
+    assert "failed: trainer.max_nonfinite_steps=1 reached" in row

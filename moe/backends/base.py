@@ -95,7 +95,8 @@ class Backend:
             return None
         from moe.hf import tensor_source
 
-        return tensor_source(model.init_from_hf or model.upcycle_from_hf, model, self.cfg.seed)
+        field = "model.init_from_hf" if model.init_from_hf else "model.upcycle_from_hf"
+        return tensor_source(model.init_from_hf or model.upcycle_from_hf, model, self.cfg.seed, field)
 
     @staticmethod
     def device_of(module) -> torch.device:

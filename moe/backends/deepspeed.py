@@ -132,6 +132,17 @@ class DeepSpeedBackend(Backend):
         return None if norm is None else float(norm)
 
 
+def zero_partition_globals():
+    """The classes DeepSpeed's ZeRO optimizer state holds besides tensors (a rank's per_rank file, which this
+    backend writes): its loss scaler, its stage enum, the fragment addresses of the flat partitions. Plain
+    data, reconstructed by weights-only loading without running code (moe/checkpoint/trust.py)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return LossScaler, ZeroStageEnum, fragment_address
+
+
 class MoEDeepSpeedStrategy(DeepSpeedStrategy):
     """DeepSpeedStrategy + MoE-aware engine, portable checkpoints with per-rank ZeRO partitions, CPU."""
 
@@ -234,7 +245,10 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
         if optimizer is None or self.lightning_module.trainer.state.fn != "fit":
             return
         shard_file = self._partition_file
-        shard = load_trusted(shard_file) if shard_file.exists() else None
+        shard = None
+        if shard_file.exists():
+            with torch.serialization.safe_globals(list(zero_partition_globals())):
+                shard = load_trusted(shard_file)
         layout = self._layout(checkpoint.get("global_step"))  # a shard from another save is never mixed in
         if shard is not None and shard["layout"] == layout:
             if self.config["zero_optimization"]["stage"] > 0:  # ZeRO reads entry [dp rank] of the list

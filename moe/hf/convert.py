@@ -8,6 +8,7 @@ param_init_fn); `read_hf_config` opens a directory's config.json with a clear re
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -85,12 +86,23 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
     if is_stacked(hf_sd):  # 5.x in memory -> the per-expert keys of the files and of 4.x
         hf_sd = adapter.per_expert(hf_sd, cfg.num_layers)
     read = adapter.reader(cfg, hf.config)
-    ours = {name: read(name, hf_sd.__getitem__) for name in model.state_dict()}
+    ours = {name: check_finite(name, read(name, hf_sd.__getitem__), model_or_dir, "hf_dir")
+            for name in model.state_dict()}
     model.load_state_dict({k: v.detach().clone().contiguous() for k, v in ours.items()}, strict=True)
     return model
 
 
-def tensor_source(path: str | Path, model_cfg, seed: int = 0):
+def check_finite(name: str, value: torch.Tensor, path, field: str) -> torch.Tensor:
+    """A checkpoint tensor holding NaN or inf would train (or generate) nothing but NaN: refused, named."""
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise UserError(field, str(path), "use an intact copy of the checkpoint (re-download or re-export "
+                        "it); its files' own checksums cannot tell a tensor saved with NaN",
+                        problem=f"holds {bad} NaN or infinite values in the tensor that becomes our {name}")
+    return value
+
+
+def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "model.init_from_hf"):
     """`source(name, shape, first_expert)` -> our tensor from DIR's safetensors, as
     MoETransformer.materialize (and trn1's param_init_fn) reads values: full tensors, or experts
     [first_expert, first_expert + shape[0]). A Mixtral or DeepSeek-V3 directory is converted; a dense
@@ -110,7 +122,7 @@ def tensor_source(path: str | Path, model_cfg, seed: int = 0):
         value = read(name, files.get, experts)
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{path}: {name} is {tuple(value.shape)}, the model expects {tuple(shape)}")
-        return value
+        return check_finite(name, value, path, field)
 
     return source
 
@@ -135,4 +147,21 @@ def read_hf_config(path: str | Path, field: str):
         raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM) or DeepSeek-V3 "
                         "(DeepseekV3ForCausalLM) checkpoint",
                         problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
+    warn_unknown_keys(config, path)
     return config
+
+
+def warn_unknown_keys(config, path) -> list[str]:
+    """Keys of config.json its transformers config class does not define (a typo, or another model's
+    option): nothing reads them, so the model built is the one the known keys describe. Said in one line
+    (what changes the architecture and is not implemented is refused by the adapter instead)."""
+    import inspect
+
+    from transformers import PretrainedConfig
+
+    known = set(inspect.signature(type(config).__init__).parameters) | set(PretrainedConfig().to_dict())
+    unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)
+    if unknown:
+        print(f"warning: {Path(path) / 'config.json'} has keys {config.model_type} does not define, ignored: "
+              f"{', '.join(unknown)}", file=sys.stderr)
+    return unknown

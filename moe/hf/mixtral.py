@@ -53,6 +53,10 @@ def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
     if hf_config.hidden_act != "silu":
         raise ConfigError("hidden_act", hf_config.hidden_act, "only SiLU (SwiGLU) experts are implemented",
                           "is not supported")
+    for key in ("attention_bias", "mlp_bias"):  # Llama's options: biases our projections do not have
+        if getattr(hf_config, key, False):
+            raise ConfigError(key, True, f"convert a checkpoint with {key}=false (our projections have "
+                              "no bias)", "is not supported")
     if getattr(hf_config, "attention_dropout", 0.0):
         raise ConfigError("attention_dropout", hf_config.attention_dropout,
                           "set attention_dropout=0 in config.json (our attention has no dropout)",

@@ -167,7 +167,24 @@ def run_row(run: Run, advice: Advice | None) -> dict[str, Any]:
         "advised_cf": advice.capacity_factor if advice else None,
         "advice_exact": advice.exact if advice else True,
         "done": bool(run.summary),
+        "stopped": None if run.summary else stop_reason(run.path),
     }
+
+
+def stop_reason(run_dir: Path) -> str:
+    """Why a run has no summary.json, from its train.log: the error paragraph's first words, a signal's
+    stop, or "no summary" (still running, or killed before it could say)."""
+    log = Path(run_dir) / "train.log"
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    for line in reversed(lines):
+        text = line.split("] - ", 1)[-1].strip()  # Hydra's log prefix
+        if text.startswith("error: "):
+            return "failed: " + text[len("error: "):][:100]
+        if text.startswith("stopped by "):
+            return text[:60]
+        if "Traceback" in text or text.startswith("the run stopped on an unexpected error"):
+            return "failed: an unexpected error (train.log)"
+    return "no summary"
 
 
 def _fmt(value, spec: str) -> str:
@@ -185,7 +202,7 @@ def table(runs: list[Run], rows: list[dict], keys: list[str], target: float, lin
         advised = _fmt(row["advised_cf"], "g")
         cells = [f"[{run.label}]({run.label}/report.md)" if link else run.label,
                  *(_show(k, run.overrides.get(k, run.config.get(k))) for k in keys),
-                 _fmt(row["steps"], "d") + ("" if row["done"] else " (no summary)"),
+                 _fmt(row["steps"], "d") + ("" if row["done"] else f" ({row['stopped']})"),
                  _fmt(row["final_loss"], ".4f"), _fmt(row["best_loss"], ".4f"), _fmt(row["val_loss"], ".4f"),
                  _fmt(row["drop_pct"], ".2f"), _fmt(row["load_ratio"], ".2f"),
                  _fmt(row["tokens_per_s"], ",.0f"), _fmt(row["peak_memory_mib"], ",.0f"),

@@ -1,12 +1,17 @@
-"""SIGTERM and SIGUSR1 (SLURM pre-emption and time limits, Kubernetes eviction): save, exit non-zero.
+"""SIGTERM and SIGUSR1 (SLURM pre-emption and time limits, Kubernetes eviction), SIGINT (Ctrl-C): save,
+exit non-zero.
 
 Lightning's own SIGTERM handling stops the fit and exits 0 without a checkpoint, so a supervisor
 reports success and the steps since the last save are lost. Here a signal only sets a flag; at
 the next optimizer-step boundary every rank learns of it (one max all-reduce per step, so a
 signal delivered to rank 0 alone, as a launcher gets it, reaches all), the step just finished is
 checkpointed, a validation pass due at that step still runs, and `Preempted` unwinds the fit
-before the next batch. train.py then exits 128 + the signal number (143
-for SIGTERM, 138 for SIGUSR1), never 0, and relaunching the same command resumes at that step.
+before the next batch. A signal that arrives during validation stops the run when that pass ends
+(the step it validated is checkpointed), not one training step later. train.py then exits 128 + the
+signal number (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT), never 0, and relaunching the same
+command resumes at that step. A second SIGINT (Ctrl-C pressed again while the first one's step ends)
+stops the process at once, exit 130, without a checkpoint: saves are atomic, so the newest good one
+is whole.
 
 Under SLURM, SIGUSR1 also requeues the job (`scontrol requeue $SLURM_JOB_ID`, as Lightning's
 SLURMEnvironment does with auto-requeue; ask SLURM for it with `#SBATCH --signal=USR1@90`).
@@ -20,7 +25,9 @@ import subprocess
 import torch
 from lightning.pytorch.callbacks import Callback
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from moe.faults import maybe_signal_in_validation
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preempted(Exception):  # noqa: N818  (names what happened, as KeyboardInterrupt does)
@@ -43,6 +50,10 @@ class PreemptionCheckpoint(Callback):
         self._stop: Preempted | None = None
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            os.write(2, b"second SIGINT: stopping now, without a checkpoint (the newest one saved is whole); "
+                        b"relaunch the same command to resume from it\n")
+            os._exit(128 + signal.SIGINT)
         self.received = signum
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -54,6 +65,19 @@ class PreemptionCheckpoint(Callback):
         if trainer.global_step == self._step_seen:
             return  # accumulating micro-batches: not a step boundary
         self._step_seen = trainer.global_step
+        self._stop_if_signalled(trainer, pl_module)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        maybe_signal_in_validation(batch_idx)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """A signal during validation: stop once the pass ends, not after one more training step."""
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and self._stop is None:
+            self._stop_if_signalled(trainer, pl_module)
+
+    def _stop_if_signalled(self, trainer, pl_module) -> None:
+        """Collective: every rank learns of a signal any rank got; the step is checkpointed and the fit
+        stops before the next batch."""
         signum = self.received
         if trainer.world_size > 1:
             signum = int(self.backend.all_reduce(pl_module, torch.tensor([signum]), "max").item())
@@ -75,6 +99,8 @@ class PreemptionCheckpoint(Callback):
             raise self._stop
 
     def teardown(self, trainer, pl_module, stage) -> None:
+        if self.received:  # stopping on a signal: a second SIGINT during the shutdown still exits at once
+            return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()

@@ -45,21 +45,21 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> Path:
-    """Settle the config, then train into `run_dir`, holding its lock (moe.train.run_lock) meanwhile."""
-    from moe.checkpoint.picker import is_rank_zero
-    from moe.train.run_lock import RunLock
-
+    """Settle the config, then train into `run_dir`, holding its lock (moe.train.run_lock) from before the
+    first thing the run writes to its end."""
     dims, note = settle(cfg)
-    lock = RunLock(Path(run_dir), cfg.lock_wait_s) if is_rank_zero() else None
+    locks: list = []
     try:
-        return _train(cfg, Path(run_dir), dims, note)
+        return _train(cfg, Path(run_dir), dims, note, locks)
     finally:
-        if lock is not None:
+        for lock in locks:
             lock.release()
 
 
-def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None) -> Path:
+def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) -> Path:
+    from moe.checkpoint.picker import is_rank_zero
     from moe.train.console import say
+    from moe.train.run_lock import RunLock
 
     if note:
         say(note)
@@ -103,6 +103,8 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None) -> Path:
             val_micro_batches=backend.val_micro_batches(),
         )
         datamodule.check_model(cfg.model)
+        if not locks and is_rank_zero():  # the checks that need no run dir have passed: the run starts
+            locks.append(RunLock(run_dir, cfg.lock_wait_s))
         module = backend.build_module(resuming=bool(resume_from))
         parts = backend.trainer_parts()
         trainer = L.Trainer(**dict(
