@@ -14,6 +14,7 @@ import errno
 import io
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from omegaconf import OmegaConf
 import moe.config  # noqa: F401  (registers the typed schema)
 from moe.checkpoint.lightning_io import AtomicCheckpointIO
 from moe.config.validate import validate
-from moe.errors import exit_on_user_error
+from moe.errors import UserError, exit_on_user_error
 from moe.train.run import train
 
 OUTPUTS = ("metrics.csv", "summary.json", "checkpoints")
@@ -490,6 +491,23 @@ def test_a_run_dir_that_cannot_be_created(tmp_path):
     assert (f"error: hydra.run.dir='{tmp_path / 'file' / 'run'}' cannot be created: {tmp_path / 'file'} "
             "is not a directory. Fix: ") in proc.stderr
     assert (tmp_path / "file").read_text() == "not a directory"
+
+
+def test_a_read_only_run_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A run dir the user cannot write (a read-only mount, another user's directory). This machine runs
+    tests as root, whom permissions do not stop, so the OS's answer is given to the check (os.access)."""
+    from moe.train import preflight
+
+    run_dir = tmp_path / "shared" / "run"
+    run_dir.mkdir(parents=True)
+    real_access = preflight.os.access
+    monkeypatch.setattr(preflight.os, "access", lambda path, mode: False if Path(path) == run_dir
+                        else real_access(path, mode))
+    with pytest.raises(UserError) as err:
+        preflight.check_run_dir(compose_train(), run_dir)
+    assert str(err.value).startswith(f"hydra.run.dir='{run_dir}' cannot be created: {run_dir} cannot be "
+                                     "written by this user. Fix: pick a writable place")
+    assert sorted(run_dir.iterdir()) == []
 
 
 def test_a_refused_resume_leaves_the_existing_run_byte_for_byte(tmp_path):

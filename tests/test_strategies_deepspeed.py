@@ -133,3 +133,28 @@ def test_cpu_deepspeed_zero2_resume_restores_partitions(tmp_path):
     assert "optimizer state not restored" not in proc.stdout + proc.stderr
     resumed = losses(run)
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted, strict=True)) <= TOL
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_world_size_restores_the_weights_and_restarts_adam(tmp_path):
+    """ZeRO partitions are cut for one world size: resumed on 4 ranks (dp 4, ep 2) from a 2-rank save,
+    they cannot be resharded. The weights can (the checkpoint is canonical): the run says the optimizer
+    state was not restored, the first resumed step's loss is the uninterrupted run's (same weights, same
+    global batch, load balance over every rank) and training goes on."""
+    run = tmp_path / "ds"
+    two = ("hardware=cpu_deepspeed", "parallel=ep2", "parallel.zero_stage=2", "moe_opt.aux_loss_group=dp",
+           *TWO_RANKS)
+    train(run, *two)
+    uninterrupted = losses(run)
+    ckpts = run / "checkpoints"
+    (ckpts / "last.ckpt").unlink()
+    shutil.rmtree(ckpts / "step-000020.ckpt")
+    four = ("hardware=cpu_deepspeed", "parallel=ep2", "parallel.zero_stage=2", "moe_opt.aux_loss_group=dp",
+            "trainer.devices=4", "hardware.devices_per_node=4", "trainer.micro_batch_size=1")
+    proc = train(run, *four, resume=True)
+    said = proc.stdout + proc.stderr
+    assert "step-000010" in proc.stdout
+    assert "optimizer state not restored (saved with {'world_size': 2" in said
+    assert "'world_size': 4" in said and "Adam moments start from zero" in said
+    resumed = losses(run)
+    assert abs(resumed[10] - uninterrupted[10]) <= TOL and len(resumed) == 20
