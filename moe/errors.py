@@ -23,6 +23,12 @@ class ConfigError(UserError, ValueError):
     """A config value that cannot work; also a ValueError so model code can raise it."""
 
 
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """An exception's first line (its type's name when it has no text), for a one-paragraph message."""
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:limit]
+
+
 COLLECTIVE_FAILED_EXIT = 3  # a peer rank died or stalled: retryable (moe.tools.supervise relaunches)
 
 
@@ -32,9 +38,8 @@ class CollectiveFailed(Exception):
     same command resumes from the newest good checkpoint."""
 
     def __init__(self, rank: int, collective: str, cause: BaseException):
-        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         self.rank, self.collective = rank, collective
-        super().__init__(f"rank {rank} stopped in {collective}: {first[:240]}")
+        super().__init__(f"rank {rank} stopped in {collective}: {first_line(cause, 240)}")
 
 
 def exit_on_user_error(main):

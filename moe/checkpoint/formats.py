@@ -39,6 +39,7 @@ from moe.checkpoint.io import (
     read_record,
 )
 from moe.checkpoint.trust import PickleRefused, check_weights_only, load_trusted
+from moe.errors import first_line
 from moe.model.mlp import upgraded
 
 _STEP_IN_NAME = re.compile(r"step[-=_]?(\d+)")
@@ -140,7 +141,7 @@ class Portable(Format):
         except PickleRefused:  # not corrupt: foreign, and the user has not allowed its code to run
             raise
         except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError... for bad files
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            first = first_line(err)
             raise CorruptCheckpoint(f"cannot be read ({first[:160]})") from err
         lightning = isinstance(ckpt, dict) and "global_step" in ckpt and {"state_dict", "loops"} & set(ckpt)
         if not lightning:

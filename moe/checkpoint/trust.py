@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moe.errors import UserError
+from moe.errors import UserError, first_line
 
 _POLICY = {"allow_pickle": False}
 
@@ -42,22 +42,20 @@ class PickleRefused(UserError):
                     f"({what}), and unpickling it would run the code it names")
 
 
-def _first_line(err: Exception) -> str:
+def _refused(err: Exception) -> str:
     """What the unpickler refused: torch's "Unsupported global: GLOBAL argparse.Namespace ..." line, else
     the error's first line."""
-    text = str(err).replace("\x1b[1m", "").replace("\x1b[0m", "").strip()
-    lines = text.splitlines() or [type(err).__name__]
     refused = next((line.split("WeightsUnpickler error:")[-1].split(" was not an allowed")[0].strip()
-                    for line in lines if "WeightsUnpickler error:" in line), lines[0])
-    return refused[:200]
+                    for line in str(err).splitlines() if "WeightsUnpickler error:" in line), None)
+    return refused[:200] if refused else first_line(err)
 
 
 def _unpickle_allowed(path: Path, err: Exception) -> None:
     """Raise PickleRefused unless the user allowed pickles; warn once per file when allowed."""
     if not _POLICY["allow_pickle"]:
-        raise PickleRefused(path, _first_line(err))
+        raise PickleRefused(path, _refused(err))
     print(f"warning: allow_pickle=true: unpickling {path}, which holds objects beyond tensors "
-          f"({_first_line(err)}); its code runs now", file=sys.stderr)
+          f"({_refused(err)}); its code runs now", file=sys.stderr)
 
 
 def load_trusted(path: str | Path, **kwargs) -> Any:

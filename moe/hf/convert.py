@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from moe.config.schema import ModelConfig, MoEOptConfig
-from moe.errors import ConfigError, UserError
+from moe.errors import ConfigError, UserError, first_line
 from moe.hf.dense import DenseUpcycle
 from moe.hf.registry import CONVERTERS, IMPORTABLE, UPCYCLERS, converter_for, exporter_for
 from moe.hf.tensors import SafetensorsDir, is_stacked, load_local
@@ -140,7 +140,7 @@ def read_hf_config(path: str | Path, field: str):
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as err:
-        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        first = first_line(err)
         raise UserError(field, str(path), "fix or regenerate config.json",
                         problem=f"has a config.json transformers cannot read ({first})") from err
     if config.model_type not in CONVERTERS:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe.checkpoint.picker import read_checkpoint
 from moe.config.schema import ModelConfig, MoEOptConfig
-from moe.errors import UserError
+from moe.errors import UserError, first_line
 from moe.hf import read_hf_config
 from moe.model import MoETransformer
 
@@ -81,7 +81,7 @@ def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None) -> 
     try:
         return from_hf(Path(path).expanduser(), moe_opt=moe_opt).eval()
     except (OSError, KeyError, RuntimeError) as err:
-        first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+        first = first_line(err, 300)
         raise UserError(field, str(path), "point to a complete save_pretrained directory (config.json and "
                         "its model*.safetensors)", problem=f"could not be loaded ({first})") from err
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from moe.config.derived import precision_of
 from moe.config.size import flops_per_token, param_breakdown
-from moe.errors import UserError
+from moe.errors import UserError, first_line
 from moe.parallel.dims import ParallelDims
 
 
@@ -74,7 +74,7 @@ def instantiate_group(cfg, group: str) -> list:
             fix = (f"install what {node._target_} needs (pip install -e '.[loggers]' -c constraints.txt), "
                    f"or drop it: ~{field}" if missing else
                    f"fix {field}'s arguments to match {node._target_}, or drop it: ~{field}")
-            first = str(cause).strip().splitlines()[0][:240] if str(cause).strip() else type(cause).__name__
+            first = first_line(cause, 240)
             raise UserError(field, node._target_, fix, problem=f"could not be built ({first})") from err
     return made
 
