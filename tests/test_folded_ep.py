@@ -64,9 +64,10 @@ def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
     from moe.model.model import MoETransformer
     from moe.model.moe import Experts
     from moe.parallel.apply import WRAPPED
+    from moe.parallel.comm import sum_grads
     from moe.parallel.dims import ParallelDims
     from moe.parallel.parallelize import parallelize
-    from moe.parallel.token_shard import partial_params, sum_partial_grads
+    from moe.parallel.token_shard import partial_params
 
     cfg = _cfg(world, tp, ep, *extra)
     dims = ParallelDims.from_config(cfg)
@@ -84,7 +85,7 @@ def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
     for ids in _batches(dims.dp):
         loss = _loss(model, ids[d * MICRO:(d + 1) * MICRO])
         loss.backward()
-        sum_partial_grads(partial_params(model, dims.sequence_parallel), meshes.tp.get_group())
+        sum_grads(partial_params(model, dims.sequence_parallel), meshes.tp.get_group())
         losses.append(loss.item())
         if grads is None:
             named = {n.replace(f"{WRAPPED}.", ""): p.grad for n, p in model.named_parameters()}

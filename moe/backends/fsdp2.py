@@ -74,10 +74,11 @@ class FSDP2Backend(Backend):
         the tokens."""
         if self.dims.moe_token_split == 1 or module.trainer.fit_loop.epoch_loop._should_accumulate():
             return
-        from moe.parallel.token_shard import partial_params, sum_partial_grads
+        from moe.parallel.comm import sum_grads
+        from moe.parallel.token_shard import partial_params
 
         params = partial_params(module.model, self.dims.sequence_parallel)
-        sum_partial_grads(params, self.meshes.tp.get_group())
+        sum_grads(params, self.meshes.tp.get_group())
 
     def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
         """Lightning's clipping needs every gradient on one mesh: clip by the global norm (base grad_norm)."""

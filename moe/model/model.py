@@ -121,7 +121,7 @@ class MoETransformer(nn.Module):
         self.init_seed = draw_base_seed() if init_seed is None else init_seed
         self.init_std = init_stds(model_cfg)
         initialize(self, self.init_seed, *self.init_std)
-        # sequence parallelism (moe.parallel.apply.apply_sequence_parallel): the blocks see this rank's chunk
+        # sequence parallelism (moe.parallel.apply.apply_token_shard): the blocks see this rank's chunk
         # of every sequence; split after the embeddings, gathered (or the loss taken per chunk) at the end
         self.sequence_shard: SequenceShard | None = None
 

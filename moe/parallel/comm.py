@@ -100,6 +100,31 @@ def even_splits(rows: int, group) -> list[int]:
     return [rows // ep] * ep
 
 
+@torch.no_grad()
+def sum_grads(params, group, divide_by: int = 1) -> None:
+    """Sum the gradients of `params` over `group` in one all-reduce (then divide), in place: their local
+    parts when they are DTensors (FSDP2's shards). A parameter no token reached here gets a zero gradient
+    and still joins."""
+    from moe.parallel.grad_norm import local_part
+
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(local_part(p.grad))
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    with named_collective("the gradient all_reduce", group):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if divide_by != 1:
+        flat.div_(divide_by)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def group_sum(t: torch.Tensor, group) -> torch.Tensor:
     """Sum a statistics tensor over `group` (no gradient): routing numbers every rank logs alike."""
     t = t.detach().clone()

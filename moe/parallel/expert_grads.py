@@ -8,7 +8,8 @@ replicas stay equal.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from moe.parallel.comm import sum_grads
 
 
 def expert_param_names(module: torch.nn.Module) -> list[str]:
@@ -22,15 +23,5 @@ def expert_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def reduce_expert_grads(params: list[torch.nn.Parameter], expert_dp_group, dp_world_size: int) -> None:
     """Sum expert grads over the expert-DP group, divide by the data-parallel world size (one all-reduce)."""
-    for p in params:
-        if p.grad is None:  # no token reached these experts here: still join the all-reduce
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=expert_dp_group)
-    flat.div_(dp_world_size)
-    offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-        offset += n
+    sum_grads(params, expert_dp_group, divide_by=dp_world_size)
 

@@ -14,7 +14,7 @@ Gradients: the split's backward all-gathers the slices' input gradients (every T
 the whole, equal gradient, as replicated activations need); the gather's backward keeps the rank's
 own slice (the gradient arriving from the replicated layers above is equal on every TP rank). The
 router's and the shared expert's weights, replicated over TP, see only their rank's tokens: their
-gradients are summed over the TP group after the backward (`sum_partial_grads`, Megatron-Core's
+gradients are summed over the TP group after the backward (moe.parallel.comm.sum_grads, Megatron-Core's
 finalize_model_grads.py:318-394 `_allreduce_non_tensor_model_parallel_grads` does the same for
 its sequence-parallel weights).
 
@@ -150,24 +150,3 @@ def partial_params(model: nn.Module, sequence_parallel: bool = False) -> list[nn
             found += [*block.attn_norm.parameters(), *block.ffn_norm.parameters()]
         found += [*model.norm.parameters(), *model.lm_head.parameters()]
     return found
-
-
-@torch.no_grad()
-def sum_partial_grads(params: list[nn.Parameter], group) -> None:
-    """Sum the gradients' local parts (FSDP2's shards: equal coordinates on every TP rank) over `group`,
-    in one all-reduce."""
-    from moe.parallel.grad_norm import local_part
-
-    grads = []
-    for p in params:
-        if p.grad is None:  # a rank whose tokens reached no shared weight still joins the all-reduce
-            p.grad = torch.zeros_like(p)
-        grads.append(local_part(p.grad))
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
