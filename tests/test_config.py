@@ -101,12 +101,12 @@ for _hardware in ("cpu", "cpu_deepspeed", "gpu", "trn1"):
     MATRIX_ERRORS.update({(_hardware, p): "parallel.zero_stage" for p in ("fsdp2", "fsdp2_dp2", "fsdp2_ep2")})
     MATRIX_ERRORS[(_hardware, "fsdp2_hsdp")] = "parallel.hybrid_shard_degree"
     MATRIX_ERRORS[(_hardware, "fsdp2_tp2")] = "parallel.zero_stage" if _hardware == "trn1" else "parallel.tp"
-# the other presets on the fsdp2 backend: FSDP2 shards weights (ZeRO 0/1 refused once dp > 1), no PP
-# (tp8_sp, sequence parallelism over TP 8, trains there)
+# the other presets on the fsdp2 backend: FSDP2 shards weights (ZeRO 0/1 refused once dp > 1; the NxD
+# pipeline presets' ZeRO-1 too: fsdp2 pipelines, FSDP2-sharded) (tp8_sp, sequence parallelism over TP 8,
+# trains there)
 for _hardware in ("cpu_fsdp2", "gpu_fsdp2", "trn2"):
     MATRIX_ERRORS.update({(_hardware, p): "parallel.zero_stage"
-                          for p in ("dp2", "ep2", "dp2_zero1", "dp2_ep8")})
-    MATRIX_ERRORS.update({(_hardware, p): "parallel.pp" for p in ("tp8_pp8", "tp8_pp8_ep8")})
+                          for p in ("dp2", "ep2", "dp2_zero1", "dp2_ep8", "tp8_pp8", "tp8_pp8_ep8")})
 
 
 @pytest.mark.parametrize("hardware", ["cpu", "cpu_deepspeed", "gpu", "trn1",

@@ -14,6 +14,8 @@ import pytest
 import torch
 from conftest import compose_cfg, on_gloo_ranks
 
+from tests._shards import assemble, canonical_pieces
+
 SEQ, MICRO = 8, 2  # tokens per sequence, sequences per data-parallel rank
 TOL = dict(rtol=1e-5, atol=1e-7)
 
@@ -37,24 +39,6 @@ def _batches(dp: int) -> list[torch.Tensor]:
 def _loss(model, ids):
     out = model(ids[:, :-1], labels_BS=ids[:, 1:])
     return out.lm_loss + out.router_loss
-
-
-def _canonical(model, tensors: dict, tp: int, model_cfg) -> dict:
-    """name -> [(offsets, piece)]: this rank's parts of `tensors` (live, maybe sharded), canonical layout."""
-    from moe.parallel.placement import Where, pieces, where_by_name
-
-    wheres = where_by_name(model, model_cfg, tp)
-    return {name: [(offsets, part.detach().clone()) for part, offsets in pieces(t, wheres.get(name, Where()))]
-            for name, t in tensors.items()}
-
-
-def _assemble(per_rank: list[dict], shapes: dict) -> dict:
-    full = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()}
-    for parts in per_rank:
-        for name, pieces in parts.items():
-            for offsets, piece in pieces:
-                full[name][tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape, strict=True))] = piece
-    return full
 
 
 def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
@@ -89,10 +73,10 @@ def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
         losses.append(loss.item())
         if grads is None:
             named = {n.replace(f"{WRAPPED}.", ""): p.grad for n, p in model.named_parameters()}
-            grads = _canonical(model, named, tp, cfg.model)
+            grads = canonical_pieces(model, named, tp, cfg.model)
         opt.step()
         opt.zero_grad()
-    params = _canonical(model, {n: p for n, p in model.named_parameters()}, tp, cfg.model)
+    params = canonical_pieces(model, {n: p for n, p in model.named_parameters()}, tp, cfg.model)
     return {"losses": losses, "grads": grads, "params": params, "rows": rows[:2]}  # step 1's 2 layers
 
 
@@ -119,7 +103,7 @@ def _check(world: int, tp: int, ep: int, *extra: str) -> None:
     dp = world // tp
     for key in ("grads", "params"):
         shapes = {n: t.shape for n, t in want[key].items()}
-        got = _assemble([out[r][key] for r in range(world)], shapes)
+        got = assemble([out[r][key] for r in range(world)], shapes)
         assert set(got) == set(want[key])
         for name, value in want[key].items():
             if key == "grads":

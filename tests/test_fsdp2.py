@@ -126,7 +126,7 @@ def _tp_fsdp_logits():
     # FSDP2 over a 1-rank data-parallel mesh (the TP layout is what is checked)
     one = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp2"))["dp"]
     meshes = Meshes(world=world, sparse=None, dense=one, experts=one, ep=None, tp=world["tp"], dp=one,
-                    tokens=world)
+                    tokens=world, pp=None)
     apply_fsdp(model, meshes, expert_divide_factor=1, reshard_after_forward=True)
     materialize_distributed(model, "cpu", None, model_cfg, tp=2)
     ids = torch.arange(12).view(2, 6) % 64

@@ -111,8 +111,14 @@ class Backend:
         return self.dims.ep > 1
 
     def val_micro_batches(self) -> int:
-        """Micro-batches in one validation batch: 1, the module evaluates one micro-batch at a time."""
-        return 1
+        """Micro-batches in one validation batch: 1, the module evaluates one micro-batch at a time; under
+        pipeline parallelism a step's micro-batches (parallel.pipeline_microbatches, or
+        accumulate_grad_batches), which the pipeline evaluates in one run as it trains them (NxD's
+        run_eval splits the batch it gets, pipeline/model.py:1074-1077, with the schedule built for them,
+        :691-693)."""
+        if self.dims.pp == 1:
+            return 1
+        return self.cfg.parallel.pipeline_microbatches or self.dims.accumulate_grad_batches
 
     def checkpoint_options(self) -> dict:
         """How ModelCheckpoint keeps checkpoints: the newest keep_last_checkpoints steps, and last.ckpt,
@@ -170,12 +176,22 @@ class Backend:
         """With `norm_after_step`: the norm the optimizer computed in its last step."""
         return None
 
-    def all_reduce(self, module, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """`tensor` summed (op "sum") or maxed ("max") over every rank, returned on the CPU.
+    def all_reduce(self, module, tensor: torch.Tensor, op: str, stage_only: bool = False) -> torch.Tensor:
+        """`tensor` summed (op "sum") or maxed ("max") over every rank (`stage_only`: every rank of this
+        rank's pipeline stage, which hold the same layers), returned on the CPU.
 
         The tensor travels on the module's device: where the backend communicates (CUDA for NCCL).
         """
-        return module.trainer.strategy.reduce(tensor.to(module.device), reduce_op=op).detach().cpu()
+        group = self.stage_group() if stage_only else None
+        if group is None:
+            return module.trainer.strategy.reduce(tensor.to(module.device), reduce_op=op).detach().cpu()
+        reduced = tensor.to(module.device).clone()
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+        return reduced.cpu()
+
+    def stage_group(self):
+        """The ranks of this rank's pipeline stage, when a pipeline splits the model here (else None)."""
+        return None
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def on_save_checkpoint(self, module, checkpoint: dict) -> None:

@@ -68,6 +68,40 @@ class FSDP2Backend(Backend):
         return fsdp2_steps(self.cfg, self.dims, self.meshes, self.mixed_precision(), self.device_of(module),
                            self.initial_source())
 
+    def parallelize(self, module) -> None:
+        """moe.parallel.parallelize's sequence on the whole model, or under pipeline parallelism on each of
+        this rank's stages (moe.parallel.pipeline), which the module then trains through the schedule."""
+        if self.dims.pp == 1:
+            return super().parallelize(module)
+        from moe.module.pipelined import PipelinedSteps
+        from moe.parallel.parallelize import parallelize
+        from moe.parallel.pipeline import StageParts, build_pipeline
+
+        steps = self.parallelize_steps(module)
+        pipeline = build_pipeline(self.cfg, self.dims, self.meshes,
+                                  lambda part: parallelize(part, self.cfg, self.dims.tp, steps), steps.device)
+        module.model = StageParts(pipeline.parts)
+        module.pipelined = PipelinedSteps(pipeline)
+
+    def val_micro_batches(self) -> int:
+        """A validation batch is a training step's rows, cut into the same micro-batches (the stages' shapes
+        are given once, moe.parallel.pipeline.stage_tensors)."""
+        return self.dims.accumulate_grad_batches if self.dims.pp > 1 else 1
+
+    def stage_group(self):
+        return self.meshes.tokens.get_group() if self.dims.pp > 1 else None
+
+    def grad_norm(self, module) -> torch.Tensor:
+        """The base norm over this stage's gradients, then over the stages (each holds other layers)."""
+        norm = super().grad_norm(module)
+        if self.dims.pp == 1:
+            return norm
+        import torch.distributed as dist
+
+        squares = norm.to(module.device).pow(2)
+        dist.all_reduce(squares, group=self.meshes.pp.get_group())
+        return squares.sqrt().cpu()
+
     def after_backward(self, module) -> None:
         """On a step's last micro-batch: the routers' and shared experts' gradients (with sequence
         parallelism also the norms' and the LM head's) summed over TP: each TP rank's cover its share of

@@ -94,3 +94,14 @@ def launch_overrides(world: int, devices_per_node: int) -> str:
     if world % nodes:
         return f"{world} devices do not split evenly over nodes of {devices_per_node}"
     return f"trainer.devices={world // nodes} trainer.num_nodes={nodes}"
+
+
+def stages_per_rank(schedule: str, configured: int | None) -> int:
+    """parallel.pp_stages_per_rank, or its default: 1 for a one-stage schedule, 2 for a looped one."""
+    if configured is not None:
+        return configured
+    return 1 if schedule.lower() in SINGLE_STAGE_SCHEDULES else 2
+
+
+SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble")

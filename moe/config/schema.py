@@ -114,6 +114,10 @@ class ParallelConfig:
     activation_checkpointing: str = "none"  # none | selective | full | every_n | moe_only
     activation_checkpointing_every_n: int = 1
     pipeline_microbatches: Optional[int] = None  # null = accumulate_grad_batches
+    # fsdp2's torch.distributed.pipelining schedule (NxD runs its own 1F1B): 1F1B | GPipe (one stage per
+    # rank), Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble (pp_stages_per_rank stages each)
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: Optional[int] = None  # null = 1 for one-stage schedules, 2 for the others
     # how long a rank waits in a collective for a peer that stalls before the run stops (exit 3, naming the
     # rank and the collective; a dead peer is seen at once): every process group of the run
     collective_timeout_s: float = 1800.0

@@ -162,9 +162,9 @@ SPECS: dict[str, BackendSpec] = {
         name="deepspeed", library="DeepSpeed", max_zero_stage=2,  # ZeRO-3 rejects DeepSpeed's native MoE
         tensor_parallel=False, pipeline_parallel=False, hybrid_shard=False,
         precisions=("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")),
-    "fsdp2": FSDP2Spec(  # FSDP2 shards weights too (ZeRO-3 class); pipeline parallelism not built
+    "fsdp2": FSDP2Spec(  # FSDP2 shards weights too (ZeRO-3 class); pipelining: torch.distributed.pipelining
         name="fsdp2", library="PyTorch FSDP2 + DTensor", max_zero_stage=3, tensor_parallel=True,
-        pipeline_parallel=False, hybrid_shard=True,
+        pipeline_parallel=True, hybrid_shard=True,
         precisions=("32-true", "bf16-mixed"), weights_sharded_from=2, tp_splits_all_weights=False),
     "neuron": NeuronSpec(  # what its expert parallelism needs: moe.config.validate.check_neuron
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,

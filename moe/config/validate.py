@@ -18,6 +18,8 @@ import math
 from omegaconf import DictConfig, OmegaConf
 
 from moe.config.derived import (
+    PP_SCHEDULES,
+    SINGLE_STAGE_SCHEDULES,
     data_parallel_size,
     dense_width,
     has_moe_layers,
@@ -26,6 +28,7 @@ from moe.config.derived import (
     neuron_precision,
     planning,
     precision_of,
+    stages_per_rank,
     world_of,
 )
 from moe.config.schema import DEFAULT_CHAT_TEMPLATE, normalizes
@@ -246,6 +249,17 @@ def check_backend_degrees(cfg) -> None:
                               f"set parallel.{key}=1 (use parallel.ep and data parallelism), or a backend "
                               f"that has it (hardware.strategy: {', '.join(others)}; e.g. hardware=trn1)",
                               problem=f"is not implemented by {spec.library} (hardware={hw.name})")
+
+
+def check_pp_schedule(cfg) -> None:
+    """Only the torch-native backend picks a pipeline schedule; NxD runs its own 1F1B."""
+    p = cfg.parallel
+    if cfg.hardware.strategy == "fsdp2":
+        return
+    _need(p.pp_schedule == "1F1B" and p.pp_stages_per_rank in (None, 1), "parallel.pp_schedule",
+          p.pp_schedule, "leave parallel.pp_schedule=1F1B and parallel.pp_stages_per_rank=null, or use the "
+          "torch-native backend (hardware=gpu_fsdp2, trn2, cpu_fsdp2) for other schedules",
+          f"is not chosen on {spec_of(cfg).library}: neuronx-distributed runs its own 1F1B schedule")
 
 
 def check_world_divisible(cfg) -> None:
@@ -621,6 +635,8 @@ def check_fsdp2(cfg) -> None:
         _need(m.num_kv_heads % p.tp == 0, "parallel.tp", p.tp,
               f"use a tp that divides model.num_kv_heads={m.num_kv_heads}",
               f"does not divide num_kv_heads={m.num_kv_heads}: each rank holds whole KV heads")
+    if p.pp > 1:
+        _check_fsdp2_pipeline(cfg)
     if p.tp > 1:
         width = dense_width(m)
         _need(width % p.tp == 0, "parallel.tp", p.tp, f"use a tp that divides the dense MLP width {width}",
@@ -628,6 +644,51 @@ def check_fsdp2(cfg) -> None:
         _need(m.position_encoding == "rope", "model.position_encoding", m.position_encoding,
               "use rope with tensor parallelism on the fsdp2 backend, or parallel.tp=1",
               "is not split over TP ranks (ALiBi's slopes are per head)")
+
+
+def _check_fsdp2_pipeline(cfg) -> None:
+    """torch.distributed.pipelining's limits (torch/distributed/pipelining/schedules.py: 1F1B needs as many
+    micro-batches as stages, the looped schedules whole rounds of pp, ZBV two stages per rank)."""
+    p, t, m = cfg.parallel, cfg.trainer, cfg.model
+    _need(p.pp_schedule not in ("ZBVZeroBubble", "DualPipeV"), "parallel.pp_schedule", p.pp_schedule,
+          "use InterleavedZeroBubble (zero bubble on looped stages), or Interleaved1F1B",
+          "cannot validate here: torch 2.13's V-shaped schedules fail in eval() (pipelining/stage.py:419, "
+          "\"can't steal_bwd_input if this stage doesn't have backward\")")
+    _one_of("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES, "pipeline schedule")
+    schedule = p.pp_schedule
+    per_rank = stages_per_rank(schedule, p.pp_stages_per_rank)
+    single = schedule.lower() in SINGLE_STAGE_SCHEDULES
+    if single:
+        _need(per_rank == 1, "parallel.pp_stages_per_rank", per_rank,
+              "set parallel.pp_stages_per_rank=1 (or null)",
+              f"is not what {schedule} runs: one stage per pp rank")
+    else:
+        _need(per_rank >= 2, "parallel.pp_stages_per_rank", per_rank,
+              "set parallel.pp_stages_per_rank=2 or more (or null), or parallel.pp_schedule=1F1B",
+              f"is too few for {schedule}, which interleaves several stages on each pp rank")
+    stages = p.pp * per_rank
+    _need(m.num_layers % stages == 0, "parallel.pp", p.pp,
+          f"use a pp (times parallel.pp_stages_per_rank={per_rank}) that divides model.num_layers="
+          f"{m.num_layers}",
+          f"gives {stages} pipeline stages, which do not split {m.num_layers} layers evenly")
+    if "ZeroBubble" in schedule:
+        _need(p.zero_stage == 2, "parallel.zero_stage", p.zero_stage,
+              "set parallel.zero_stage=2 (each stage's weights stay gathered from its forward to its "
+              "backward, torchtitan's default under pipelining)",
+              f"frees the gathered weights after each forward, and {schedule}'s split weight-gradient pass "
+              "then finds none of them (pipelining/_backward.py stage_backward_input: the gradients of every "
+              "stage but the first would be lost)")
+    n = p.pipeline_microbatches or t.accumulate_grad_batches
+    field, value = (("parallel.pipeline_microbatches", p.pipeline_microbatches) if p.pipeline_microbatches
+                    else ("trainer.accumulate_grad_batches", t.accumulate_grad_batches))
+    rows = t.micro_batch_size * t.accumulate_grad_batches
+    _need(rows % n == 0, field, value, f"use a number of micro-batches that divides the {rows} sequences a "
+          "rank takes per step (trainer.micro_batch_size x trainer.accumulate_grad_batches)",
+          f"does not split the step's {rows} sequences evenly")
+    _need(n >= p.pp and (single or n % p.pp == 0), field, value,
+          f"use at least {p.pp} micro-batches{'' if single else f', a multiple of parallel.pp={p.pp}'} (more "
+          "micro-batches also shrink the pipeline bubble)",
+          f"is too few micro-batches for {schedule} over {p.pp} pipeline ranks")
 
 
 def check_waits(cfg) -> None:
@@ -711,7 +772,7 @@ def check_finite(cfg) -> None:
 
 RULES = [  # in order: keys and numbers, counts, then the hardware, then divisibility of the layout, the rest
     check_known_keys, check_finite,
-    check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_model,
+    check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_pp_schedule, check_model,
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,

@@ -32,6 +32,7 @@ class LitMoE(L.LightningModule):
         self.step_stats, self.val_stats = StepStats(), StepStats()
         self._parallelized = False
         self._expert_bias = None  # moe.module.expert_bias.ExpertBiasUpdate, made at the first step
+        self.pipelined = None  # moe.module.pipelined.PipelinedSteps, set by a backend that pipelines
 
     def configure_model(self) -> None:
         """Parallelise once the process group exists, before the strategy wraps the model."""
@@ -48,18 +49,31 @@ class LitMoE(L.LightningModule):
         return out.lm_loss + out.router_loss, out.lm_loss, out
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if self.pipelined is not None:
+            return self.pipelined.training_step(self, batch)
         loss, lm, out = self.losses(batch)
         self.step_stats.add(loss=loss, lm_loss=lm, routing=out.routing, tokens=batch["input_ids"].numel())
+        self.count_expert_picks(out.routing)
+        self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    def count_expert_picks(self, routing: list) -> None:
+        """One micro-batch's picks per expert, for the aux-loss-free balancing (moe.module.expert_bias)."""
         if getattr(self.cfg.moe_opt, "enable_expert_bias", False):  # absent in older checkpoints' configs
             if self._expert_bias is None:
                 from moe.module.expert_bias import ExpertBiasUpdate
 
                 self._expert_bias = ExpertBiasUpdate(self.model, self.cfg.moe_opt.bias_update_rate)
-            self._expert_bias.add(out.routing)
-        self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=batch["input_ids"].shape[0])
-        return loss
+            self._expert_bias.add(routing)
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        """A pipelined step has run its backward inside training_step (the schedule's)."""
+        if self.pipelined is None:
+            super().backward(loss, *args, **kwargs)
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if self.pipelined is not None:
+            return self.pipelined.validation_step(self, batch)
         _, lm, _ = self.losses(batch)
         self.val_stats.add_losses(lm, lm)  # RunMetrics sums it over ranks for metrics.csv
         self.log("val_loss", lm, prog_bar=True, batch_size=batch["input_ids"].shape[0])
@@ -75,7 +89,8 @@ class LitMoE(L.LightningModule):
         """The optimizer step, then the aux-loss-free balancing bias update (moe.module.expert_bias)."""
         super().optimizer_step(*args, **kwargs)
         if self._expert_bias is not None:
-            self._expert_bias.step(lambda t: self.backend.all_reduce(self, t, "sum"))
+            # every rank of the stage holds these layers (under pipelining, other stages hold others)
+            self._expert_bias.step(lambda t: self.backend.all_reduce(self, t, "sum", stage_only=True))
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients before clipping (expert shards summed over the EP group)."""

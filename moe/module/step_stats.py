@@ -37,6 +37,11 @@ class StepStats:
             self.sums["lm_loss"] = self.sums["lm_loss"] + _detached(lm_loss)
             self.lm_count += 1
 
+    def add_loss_term(self, value) -> None:
+        """A term of the training loss this rank computed without the rest of it (a pipeline stage's router
+        terms): summed into the loss, counted where the micro-batch's LM loss is."""
+        self.sums["loss"] = self.sums["loss"] + _detached(value)
+
     def add_routing(self, routing: list, tokens: int) -> None:
         """The RoutingStats of each MoE layer this rank ran in one micro-batch."""
         for r in routing:

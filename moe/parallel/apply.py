@@ -77,7 +77,8 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
     never repeats a collective nor meets a near-tie that routes differently the second time.
     Projections and dense FFNs keep their activations.
     """
-    for i, block in enumerate(model.layers):
+    for name, block in list(model.layers.named_children()):  # name: the layer's index in the whole model
+        i = int(name)
         if isinstance(block, CheckpointWrapper) or isinstance(block.attn.core, CheckpointWrapper):
             raise ConfigError("parallel.activation_checkpointing", policy,
                               "apply activation checkpointing once, on a freshly built model",
@@ -90,7 +91,7 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
                     block.ffn.shared_expert = CheckpointWrapper(block.ffn.shared_expert)
         elif (policy == "full" or (policy == "every_n" and (i + 1) % every_n == 0)
               or (policy == "moe_only" and block.is_moe)):
-            model.layers[i] = CheckpointWrapper(block)
+            setattr(model.layers, name, CheckpointWrapper(block))
     return model
 
 

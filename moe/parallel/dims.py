@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe.config.derived import data_parallel_size, world_of
+from moe.config.derived import data_parallel_size, stages_per_rank, world_of
 from moe.config.validate import validate
 
 
@@ -64,8 +64,9 @@ class ExpertGroups:
 class Meshes:
     """The torch-native backend's DeviceMesh (torchtitan's dims) and the sub-meshes each step uses.
 
-    world    (dp_replicate, dp_shard, tp), tp fastest: the dense view of the ranks
-    sparse   (dp_replicate, efsdp, ep), ep fastest: the experts' view of the same ranks (folded order)
+    world    (pp, dp_replicate, dp_shard, tp), tp fastest: the dense view of the ranks
+    sparse   (pp, dp_replicate, efsdp, ep), ep fastest: the experts' view of the same ranks (folded order)
+    pp       the pipeline's point-to-point group (a rank's peers holding the other stages)
     dense    FSDP2 of attention, dense MLPs, norms, router, embeddings: every data-parallel rank,
              2-D (dp_replicate, dp_shard) for HSDP when parallel.hybrid_shard_degree is set
     experts  FSDP2 of each rank's experts: the ranks holding the same experts (efsdp), 2-D
@@ -73,6 +74,8 @@ class Meshes:
     ep, tp   the all-to-all of tokens; DTensor tensor parallelism (and the MoE's token split)
     dp       every data-parallel rank (Lightning's sampler size)
     tokens   every rank of the stage: ranks whose MoE tokens differ (routing statistics over dp)
+
+    Every view but `world`, `sparse` and `pp` is this rank's pipeline stage's (the pp coordinate fixed).
 
     The shard group of HSDP holds whole EP groups (ep divides hybrid_shard_degree * tp), as torchtitan
     requires, so an expert's replicas are sharded inside a node-sized group and replicated across them.
@@ -86,6 +89,7 @@ class Meshes:
     tp: Any
     dp: Any
     tokens: Any
+    pp: Any
 
 
 @dataclass(eq=False)
@@ -104,6 +108,8 @@ class ParallelDims:
     num_layers: int
     num_experts: int
     hybrid_shard_degree: int | None = None  # HSDP: shard within groups of this many data-parallel ranks
+    pp_schedule: str = "1F1B"  # the torch-native backend's pipeline schedule (torch.distributed.pipelining)
+    pp_stages_per_rank: int = 1  # pipeline stages each pp rank holds (2 for the interleaved schedules)
     ep_folds_tp: bool = False  # experts in the folded order (module docstring): the torch-native backend
     _built: dict = field(default_factory=dict, repr=False)  # process groups and meshes, once made
 
@@ -117,6 +123,9 @@ class ParallelDims:
             accumulate_grad_batches=t.accumulate_grad_batches, seq_len=cfg.data.seq_len,
             num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts,
             hybrid_shard_degree=p.hybrid_shard_degree, ep_folds_tp=cfg.hardware.strategy == "fsdp2",
+            # configs saved before pipelining on the torch-native backend have neither key
+            pp_schedule=p.get("pp_schedule", "1F1B"),
+            pp_stages_per_rank=stages_per_rank(p.get("pp_schedule", "1F1B"), p.get("pp_stages_per_rank")),
         )
 
     # -- which dimensions are on ----------------------------------------------------------------------
@@ -167,7 +176,23 @@ class ParallelDims:
 
     @property
     def layers_per_stage(self) -> int:
+        """Layers on one pp rank (all its stages together)."""
         return math.ceil(self.num_layers / self.pp)
+
+    # -- pipeline stages (the torch-native backend; NxD places its own) ---------------------------------
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.pp_stages_per_rank
+
+    def stage_ids(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages a pp rank runs, looped as torchtitan places them (distributed/pipeline_parallel.py:
+        541-578): stage s on rank s mod pp."""
+        return tuple(pp_rank + s * self.pp for s in range(self.pp_stages_per_rank))
+
+    def stage_layers(self, stage: int) -> range:
+        """The layers of a stage: num_layers / num_stages consecutive ones (validation makes it exact)."""
+        per = self.num_layers // self.num_stages
+        return range(stage * per, (stage + 1) * per)
 
     # -- a rank's coordinates ([PP, DP, TP]; experts [PP, DP_exp, EP, TP], folded [PP, DP_exp, EP]) --
     def tp_rank(self, rank: int) -> int:
@@ -254,18 +279,19 @@ class ParallelDims:
 
             shape = self.mesh_shape()
             flat = init_device_mesh(device_type, (self.world,), mesh_dim_names=("world",))
-            world = flat._unflatten(0, (shape["dp_replicate"], shape["dp_shard"], self.tp),
-                                    ("dp_replicate", "dp_shard", "tp"))
-            sparse = flat._unflatten(0, (shape["dp_replicate"], shape["efsdp"], self.ep),
-                                     ("dp_replicate", "efsdp", "ep"))
+            world = flat._unflatten(0, (self.pp, shape["dp_replicate"], shape["dp_shard"], self.tp),
+                                    ("pp", "dp_replicate", "dp_shard", "tp"))
+            sparse = flat._unflatten(0, (self.pp, shape["dp_replicate"], shape["efsdp"], self.ep),
+                                     ("pp", "dp_replicate", "efsdp", "ep"))
             dp = world["dp_replicate", "dp_shard"]._flatten("data_parallel")
-            tokens = flat
+            tokens = world["dp_replicate", "dp_shard", "tp"]._flatten("stage")
             if self.hybrid_shard_degree:
                 dense, experts = world["dp_replicate", "dp_shard"], sparse["dp_replicate", "efsdp"]
             else:
                 dense, experts = dp, sparse["dp_replicate", "efsdp"]._flatten("expert_shard")
             self._built["meshes"] = Meshes(world=world, sparse=sparse, dense=dense, experts=experts,
-                                           ep=sparse["ep"], tp=world["tp"], dp=dp, tokens=tokens)
+                                           ep=sparse["ep"], tp=world["tp"], dp=dp, tokens=tokens,
+                                           pp=world["pp"])
         return self._built["meshes"]
 
 

@@ -59,7 +59,7 @@ def parallelize(model: nn.Module, cfg, tp: int, steps: Steps) -> nn.Module:
         apply_compile(model)
     if steps.shard is not None:
         steps.shard(model)
-    if model.embed_tokens.weight.is_meta:
+    if next(model.parameters()).is_meta:
         with steps.fake_mode or contextlib.nullcontext():
             materialize_distributed(model, steps.device, steps.source, cfg.model, tp)
     return model

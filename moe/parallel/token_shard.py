@@ -148,5 +148,6 @@ def partial_params(model: nn.Module, sequence_parallel: bool = False) -> list[nn
     if sequence_parallel:
         for block in model.layers:
             found += [*block.attn_norm.parameters(), *block.ffn_norm.parameters()]
-        found += [*model.norm.parameters(), *model.lm_head.parameters()]
+        for end in (model.norm, model.lm_head):  # a pipeline stage may hold neither
+            found += list(end.parameters()) if end is not None else []
     return found

@@ -92,14 +92,6 @@ class NeuronBackend(Backend):
         self._resuming = resuming
         return NeuronLitMoE(self.cfg, self.nxd_config(), backend=self)
 
-    def val_micro_batches(self) -> int:
-        """Under pipeline parallelism NxD evaluates a step's num_microbatches micro-batches in one run_eval,
-        which splits the batch it gets (pipeline/model.py:1074-1077) with the schedule built for them
-        (:691-693): a validation batch is that many micro-batches."""
-        if self.dims.pp == 1:
-            return 1
-        return self.cfg.parallel.pipeline_microbatches or self.dims.accumulate_grad_batches
-
     def checkpoint_options(self) -> dict:
         """No last.ckpt copy: NxD keeps the newest keep_last_checkpoints tags, resume takes the newest."""
         return {"save_last": False, "save_top_k": -1}
