@@ -38,12 +38,13 @@ test-neuron: ## the trn1 backend on neuronx-distributed v2.28.0's real code in C
 	@PREFIX=$(NXD_CPU) bash tests/neuron_real/setup.sh
 	PREFIX=$(NXD_CPU) bash tests/neuron_real/run.sh $(CHECKS)
 
-smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1, gpu (DeepSpeed), gpu_fsdp2 and trn2 presets
+smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1, gpu (DeepSpeed), gpu_fsdp2 (pipelined too) and trn2 presets
 	$(PY) train.py trainer=smoke run_name=smoke resume=false $(ARGS)
 	$(PY) train.py dry_run=true experiment=karakuri_8x7b_trn1
 	$(PY) train.py dry_run=true hardware=gpu parallel=dp2_ep8 model=mixtral_8x7b
 	$(PY) train.py dry_run=true experiment=mixtral_8x22b_gpu_fsdp2
 	$(PY) train.py dry_run=true experiment=deepseek_v3_gpu_fsdp2
+	$(PY) train.py dry_run=true experiment=switch_1t_gpu_fsdp2
 	$(PY) train.py dry_run=true experiment=mixtral_8x7b_trn2
 
 data: $(STAMP) ## prepare the bundled sample offline into data/prepared/sample (python data_prep.py data=sample)

@@ -33,9 +33,14 @@ CASES = {  # label -> train.py overrides
         "experiment=mixtral_8x22b_gpu_fsdp2"],
     "mixtral_8x7b_trn2 (experiment, fsdp2): 128 trn2 cores, tp 4 x ep 8, HSDP 16": [
         "experiment=mixtral_8x7b_trn2"],
+    # seed 003's 1T recipe, one rank of each kind of pipeline stage: first (embeddings, 4 micro-batches in
+    # flight under 1F1B), second (3), last (LM head and loss, 1)
+    **{f"switch_1t_gpu_fsdp2 (experiment, fsdp2 + pp 4, experts offloaded): rank {rank}": [
+        "experiment=switch_1t_gpu_fsdp2", f"simulate_rank={rank}"] for rank in (0, 16, 48)},
 }
 # the kinds MemTracker files them under, and FSDPMemTracker (the fsdp2 backend)
 KINDS = {"param": ("Parameter", "Sharded Param"), "act": ("Activation",), "optim": ("Optstate", "OptState")}
+# (an offloading run's device figures leave out what sits in host memory: the "Host" entry)
 
 
 def run_case(overrides: list[str]) -> dict:

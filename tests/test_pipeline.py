@@ -111,6 +111,14 @@ def test_a_pipeline_the_backend_cannot_run_is_refused(overrides, field):
     assert err.value.field == field
 
 
+def test_expert_offload_is_refused_where_fsdp2_does_not_run_it():
+    from moe.config.validate import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg("hardware=cpu_deepspeed", "parallel.offload_experts=true"))
+    assert err.value.field == "parallel.offload_experts" and "CPUOffloadPolicy" in str(err.value)
+
+
 def test_a_schedule_only_the_torch_native_backend_runs_is_refused_elsewhere():
     from moe.config.validate import validate
 
@@ -211,7 +219,10 @@ def _check(world: int, *extra: str) -> None:
 
 @pytest.mark.slow
 def test_1f1b_over_two_stages_equals_one_process():
+    """Also with the experts offloaded to host memory (FSDP2's CPUOffloadPolicy), whose units reduce their
+    gradients after every micro-batch instead of the step's last (moe.parallel.pipeline)."""
     _check(2, "parallel.pp=2")
+    _check(2, "parallel.pp=2", "parallel.offload_experts=true")
 
 
 @pytest.mark.slow

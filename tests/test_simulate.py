@@ -88,3 +88,29 @@ def test_deepspeeds_fp32_master_partition_is_counted(tmp_path):
     master_gib = (-(-sizes.non_expert // 2) + -(-sizes.experts // 2)) * 4 / 2**30  # dp2: both halved
     assert result["breakdown_gib"]["Other"] >= master_gib
     assert abs(result["planned_peak_memory_gib"] / result["peak_memory_gib"] - 1) <= 0.3
+
+
+def test_each_pipeline_stage_simulates_its_own_layers_and_micro_batches_in_flight(tmp_path):
+    """pp 2 on 2 devices (1F1B, 4 micro-batches): each rank builds only its stage (half the layers; the
+    embeddings on the first, the LM head on the last) and keeps the activations of the micro-batches its
+    schedule has in flight, 2 on the first stage against 1 on the last. With the experts offloaded, what
+    FSDP2 keeps in host memory leaves the device total for a "Host" entry."""
+    pp = ("hardware=cpu_fsdp2", "parallel.pp=2", "trainer.devices=2", "trainer.micro_batch_size=1",
+          "trainer.accumulate_grad_batches=4")
+    sizes = param_breakdown(ModelConfig(**_tiny()))
+    first, _ = simulated(tmp_path / "first", *pp, "simulate_rank=0")
+    last, _ = simulated(tmp_path / "last", *pp, "simulate_rank=1")
+    layers_half = (sizes.total - sizes.embedding - sizes.lm_head - sizes.final_norm) / 2
+    assert first["params_local"] == pytest.approx(layers_half + sizes.embedding, rel=0.01)
+    assert last["params_local"] == pytest.approx(layers_half + sizes.lm_head + sizes.final_norm, rel=0.01)
+    # 2 micro-batches' blocks against 1's and the LM head's chunk of fp32 logits
+    assert first["breakdown_gib"]["Activation"] > 1.3 * last["breakdown_gib"]["Activation"]
+    gpipe, _ = simulated(tmp_path / "gpipe", *pp, "simulate_rank=0", "parallel.pp_schedule=GPipe")
+    assert gpipe["breakdown_gib"]["Activation"] > 1.3 * first["breakdown_gib"]["Activation"]  # all 4
+    offloaded, _ = simulated(tmp_path / "offload", *pp, "simulate_rank=0", "parallel.offload_experts=true")
+    host = offloaded["breakdown_gib"]["Host"]
+    expert_bytes = sizes.experts / 2 * 16 / 2**30  # fp32 shard, fp32 gradient, two fp32 moments
+    assert host == pytest.approx(expert_bytes, rel=0.01)
+    # off the device, less the block's shard copied in for its all-gather
+    before = first["peak_memory_gib"]
+    assert before - host < offloaded["peak_memory_gib"] < before - host / 2

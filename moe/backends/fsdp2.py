@@ -134,7 +134,7 @@ def fsdp2_steps(cfg, dims, meshes, mp_policy, device, source, fake_mode=None) ->
     # (torchtitan's divide factor for the experts, models/llama4/infra/parallelize.py apply_fsdp)
     shard = partial(apply_fsdp, meshes=meshes, expert_divide_factor=dims.dp,
                     reshard_after_forward=dims.zero_stage >= 3, mp_policy=mp_policy,
-                    sum_only=cfg.hardware.backend == "gloo")
+                    sum_only=cfg.hardware.backend == "gloo", offload_experts=cfg.parallel.offload_experts)
     return Steps(ep_group=meshes.ep.get_group() if dims.ep > 1 else None,
                  token_group=meshes.tp.get_group() if dims.moe_token_split > 1 else None,
                  tp_mesh=meshes.tp if dims.tp > 1 else None, sequence_parallel=dims.sequence_parallel,

@@ -105,3 +105,19 @@ def stages_per_rank(schedule: str, configured: int | None) -> int:
 
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble")
+
+
+def pipeline_in_flight(schedule: str, pp: int, per_rank: int, n: int) -> float:
+    """Micro-batches whose activations the first pp rank keeps at its peak, in units of all its layers,
+    as torch 2.13's schedules run them (torch/distributed/pipelining/schedules.py): GPipe every one; 1F1B
+    min(n, stages) on the first stage (:1052-1055); the interleaved ones their rank-0 warm-up
+    (_get_warmup_ops, :2872-2888; factor 2 for Interleaved1F1B, 1 for InterleavedZeroBubble, :2961, :3079)
+    plus the steady state's one forward, each of 1 / per_rank of the rank's layers."""
+    if schedule == "GPipe":
+        return float(n)
+    if per_rank == 1:
+        return float(min(n, pp))
+    per_round = n // max(1, n // pp)
+    factor = 2 if schedule == "Interleaved1F1B" else 1
+    warmup = min((per_rank - 1) * per_round + factor * (pp - 1), n * per_rank)
+    return min(warmup + 1, n * per_rank) / per_rank

@@ -118,6 +118,9 @@ class ParallelConfig:
     # rank), Interleaved1F1B | InterleavedZeroBubble | ZBVZeroBubble (pp_stages_per_rank stages each)
     pp_schedule: str = "1F1B"
     pp_stages_per_rank: Optional[int] = None  # null = 1 for one-stage schedules, 2 for the others
+    # fsdp2: the experts' weights, gradients and AdamW states in host memory (FSDP2's CPUOffloadPolicy on
+    # their units; ZeRO-Infinity-style offload), copied to the device for their forward and backward
+    offload_experts: bool = False
     # how long a rank waits in a collective for a peer that stalls before the run stops (exit 3, naming the
     # rank and the collective; a dead peer is seen at once): every process group of the run
     collective_timeout_s: float = 1800.0
@@ -135,6 +138,7 @@ class HardwareConfig:
     devices_per_node: int = 2
     default_devices: int = 1  # trainer.devices unless given (trn1: every NeuronCore of the node)
     device_memory_gib: float = 24.0
+    host_memory_gib: Optional[float] = None  # per node; what parallel.offload_experts fills (null: unknown)
     peak_tflops: float = 0.5  # dense bf16 (fp32 on cpu) peak per device, for MFU
     precision: str = "32-true"  # Lightning precision string
     allow_tf32: bool = False

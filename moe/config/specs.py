@@ -8,9 +8,10 @@ only when a run builds them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from moe.config.derived import neuron_precision, precision_of
+from moe.config.derived import data_parallel_size, neuron_precision, precision_of
 from moe.config.size import param_breakdown
 
 
@@ -116,18 +117,26 @@ class FSDP2Spec(BackendSpec):
         """Weights FSDP2 holds gathered at the backward's peak, in the compute dtype: the root unit
         (embedding, final norm, LM head: FSDP2 does not reshard the root after the forward) and the largest
         block's share (its TP part, this EP rank's experts), two blocks with zero_stage 3 (the current one
-        and the prefetched one), every block with 2; plus one block's unsharded fp32 gradient before its
-        reduce-scatter."""
+        and the prefetched one), every block of the rank with 2 or under pipelining (torch's schedules
+        keep a stage gathered until the step's last backward; offloaded experts reshard after each block);
+        plus one block's unsharded fp32 gradient before its reduce-scatter."""
         m, bd, p = cfg.model, param_breakdown(cfg.model), cfg.parallel
         compute = 2 if self.gathers_bf16(cfg) else 4
         n_moe, n_dense = bd.num_moe_layers, m.num_layers - bd.num_moe_layers
         attention = bd.attention / m.num_layers / p.tp
-        routed = bd.routers + bd.shared_experts + bd.experts / p.ep
-        moe_block = attention + routed / n_moe if n_moe else 0
+        experts = bd.experts / p.ep / n_moe if n_moe else 0
+        rest_of_moe = attention + (bd.routers + bd.shared_experts) / n_moe if n_moe else 0
         dense_block = attention + bd.dense_mlp / n_dense / p.tp if n_dense else 0
-        block = max(moe_block, dense_block)
-        blocks = m.num_layers if p.zero_stage == 2 else min(2, m.num_layers)
-        return (bd.embedding + bd.lm_head + bd.final_norm + blocks * block) * compute + block * 4
+        block = max(rest_of_moe + experts, dense_block)
+        layers = math.ceil(m.num_layers / p.pp)
+        kept = layers if p.zero_stage == 2 or p.pp > 1 else min(2, layers)
+        kept_experts = min(2, layers) if p.offload_experts else kept
+        gathered = kept * block
+        copied_in = 0.0
+        if p.offload_experts:  # each block's fp32 expert shard is copied in before its all-gather
+            gathered = kept * max(rest_of_moe, dense_block) + kept_experts * experts
+            copied_in = experts * 4 / max(1, data_parallel_size(cfg) * p.tp // p.ep)  # expert-dp
+        return (bd.embedding + bd.lm_head + bd.final_norm + gathered) * compute + block * 4 + copied_in
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,21 @@ def check_pp_schedule(cfg) -> None:
           f"is not chosen on {spec_of(cfg).library}: neuronx-distributed runs its own 1F1B schedule")
 
 
+def check_offload(cfg) -> None:
+    """parallel.offload_experts is FSDP2's CPUOffloadPolicy on the experts' units (the torch-native
+    backend's)."""
+    p = cfg.parallel
+    if not p.offload_experts:
+        return
+    _need(cfg.hardware.strategy == "fsdp2", "parallel.offload_experts", True,
+          "use the torch-native backend (hardware=gpu_fsdp2 or gpu_a100_fsdp2), or "
+          "parallel.offload_experts=false",
+          f"is FSDP2's CPUOffloadPolicy, which {spec_of(cfg).library} does not run (DeepSpeed's own "
+          "offload is not built here)")
+    _need(has_moe_layers(cfg.model), "parallel.offload_experts", True, "set parallel.offload_experts=false",
+          f"has no experts to offload in model={cfg.model.name}")
+
+
 def check_world_divisible(cfg) -> None:
     p, world = cfg.parallel, world_of(cfg)
     tp_pp = p.tp * p.pp
@@ -709,10 +724,10 @@ def check_simulate(cfg) -> None:
     if not cfg.get("simulate", False):
         return
     p, world = cfg.parallel, world_of(cfg)
-    if (p.tp > 1 and spec_of(cfg).name != "fsdp2") or p.pp > 1:
+    if (p.tp > 1 or p.pp > 1) and spec_of(cfg).name != "fsdp2":
         raise ConfigError("simulate", True,
                           "use dry_run=true for this layout's plan (make test-neuron measures trn1's at "
-                          "reduced width, docs/TRAINIUM.md), or the torch-native backend for TP "
+                          "reduced width, docs/TRAINIUM.md), or the torch-native backend for TP and PP "
                           "(hardware=gpu_fsdp2 or trn2, which simulate)",
                           f"runs the torch model's own code path; tensor/pipeline parallelism "
                           f"(tp={p.tp}, pp={p.pp}) here is neuronx-distributed's, whose process "
@@ -772,7 +787,9 @@ def check_finite(cfg) -> None:
 
 RULES = [  # in order: keys and numbers, counts, then the hardware, then divisibility of the layout, the rest
     check_known_keys, check_finite,
-    check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_pp_schedule, check_model,
+    check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_pp_schedule,
+    check_offload,
+    check_model,
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,

@@ -12,6 +12,7 @@ torchtitan sets the divide factor.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from moe.model.moe import Experts
@@ -23,22 +24,29 @@ def _inner(module: nn.Module) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module, meshes, expert_divide_factor: int, reshard_after_forward: bool,
-               mp_policy=None, sum_only: bool = False) -> nn.Module:
+               mp_policy=None, sum_only: bool = False, offload_experts: bool = False) -> nn.Module:
     """fully_shard every block (and its experts), then the root; `meshes` is moe.parallel.dims.Meshes.
     sum_only: reduce with SUM and divide apart (gloo has neither AVG nor PREMUL_SUM, which NCCL uses); not on
     an experts unit with one rank in its shard group, where torch 2.13 would divide the gradient twice
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: the one-rank copy divides by the factor at
-    :629, forced sums set the post-divide to the factor at :867, applied again at :686)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    :629, forced sums set the post-divide to the factor at :867, applied again at :686).
+    offload_experts: the experts' units keep their shards, gradients and (so) AdamW states in host memory
+    (CPUOffloadPolicy: each forward and backward copies the shard in before the all-gather, each
+    reduce-scatter's gradient out; the optimizer steps them on the CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
     options = {"reshard_after_forward": reshard_after_forward,
                "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    expert_options = dict(options)
+    if offload_experts:  # in for their block's forward and backward only, whatever parallel.zero_stage says
+        expert_options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        expert_options["reshard_after_forward"] = True
     for block in model.layers:
         inner = _inner(block)
         if inner.is_moe:
             experts = inner.ffn.experts
-            fully_shard(experts, mesh=meshes.experts, shard_placement_fn=lambda _: Shard(1), **options)
+            fully_shard(experts, mesh=meshes.experts, shard_placement_fn=lambda _: Shard(1), **expert_options)
             experts.set_gradient_divide_factor(expert_divide_factor)
         fully_shard(block, mesh=meshes.dense, **options)
     fully_shard(model, mesh=meshes.dense, **options)

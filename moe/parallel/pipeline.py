@@ -72,6 +72,8 @@ def build_pipeline(cfg, dims, meshes, parallelize_part: Callable[[nn.Module], No
                                       first=stage == 0, last=stage == dims.num_stages - 1)
         part.loss_scale, part.hidden_dtype = 1.0 / n, hidden_dtype
         parallelize_part(part)
+        if cfg.parallel.offload_experts:
+            keep_offloaded_experts_reducing(part)
         parts.append(part)
         inputs, outputs = stage_tensors(cfg, dims, part, n, hidden_dtype)
         stages.append(PipelineStage(part, stage, dims.num_stages, device, input_args=inputs,
@@ -87,6 +89,34 @@ def build_pipeline(cfg, dims, meshes, parallelize_part: Callable[[nn.Module], No
     return Pipeline(parts=parts, schedule=schedule, n_microbatches=n)
 
 
+def keep_offloaded_experts_reducing(part: nn.Module) -> None:
+    """Under pipelining a stage's FSDP2 units accumulate unsharded gradients, and keep their weights
+    gathered, until the step's last backward (torch/distributed/pipelining/stage.py:844-847, then
+    perform_reduce_grad): for experts offloaded to host memory that would hold the rank's experts' whole
+    fp32 gradient on the device. Their units keep reducing (and resharding) after every micro-batch's
+    backward, their gradient going to host memory each time, as without a pipeline; the rest of the
+    stage keeps torch's behaviour."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from moe.model.moe import Experts
+
+    experts = [m for m in part.modules() if isinstance(m, Experts) and isinstance(m, FSDPModule)]
+    stage_class = type(part)
+
+    def set_requires_gradient_sync(requires: bool, *, recurse: bool = True) -> None:
+        stage_class.set_requires_gradient_sync(part, requires, recurse=recurse)
+        for unit in experts:
+            unit.set_requires_gradient_sync(True, recurse=False)
+
+    def set_reshard_after_backward(reshard: bool, *, recurse: bool = True) -> None:
+        stage_class.set_reshard_after_backward(part, reshard, recurse=recurse)
+        for unit in experts:
+            unit.set_reshard_after_backward(True, recurse=False)
+
+    part.set_requires_gradient_sync = set_requires_gradient_sync
+    part.set_reshard_after_backward = set_reshard_after_backward
+
+
 def stage_tensors(cfg, dims, part: PipelineStageModel, n_microbatches: int, hidden_dtype):
     """What a stage takes and gives for one micro-batch, on the meta device: given up front, the schedule
     infers nothing (inference would run a forward of every stage on an uninitialised tensor, through the
@@ -100,6 +130,13 @@ def stage_tensors(cfg, dims, part: PipelineStageModel, n_microbatches: int, hidd
     inputs = torch.empty(rows, dims.seq_len, dtype=torch.long, device="meta") if part.first else hidden
     outputs = torch.empty((), dtype=torch.float32, device="meta") if part.last else hidden
     return inputs, outputs
+
+
+def stage_inputs_like(stage, tokens: torch.Tensor) -> torch.Tensor:
+    """A tensor of the shape and dtype `stage` receives from its predecessor (its static input), as the
+    simulation feeds a stage whose neighbour is a fake rank."""
+    meta = stage._user_meta.inputs[0]
+    return torch.randn(meta.shape, dtype=meta.dtype, device=tokens.device, requires_grad=True)
 
 
 class StageParts(nn.Module):

@@ -13,7 +13,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moe.config.derived import attention_dims, dense_width, is_moe_layer, launch_overrides, trainer_world
+from moe.config.derived import (
+    attention_dims,
+    dense_width,
+    is_moe_layer,
+    launch_overrides,
+    pipeline_in_flight,
+    stages_per_rank,
+    trainer_world,
+)
 from moe.config.size import param_breakdown
 from moe.config.specs import spec_of
 from moe.model.fused_ce import CE_CHUNK_TOKENS
@@ -95,7 +103,12 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
                     for i in stage)  # one checkpointed layer is live again during backward
     tokens = s * b
     microbatches = p.pipeline_microbatches or cfg.trainer.accumulate_grad_batches
-    in_flight = min(p.pp, microbatches) if p.pp > 1 else 1
+    in_flight = 1.0
+    if p.pp > 1 and spec_of(cfg).name == "fsdp2":  # torch.distributed.pipelining's schedule
+        per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+        in_flight = pipeline_in_flight(p.pp_schedule, p.pp, per_rank, microbatches)
+    elif p.pp > 1:  # NxD's 1F1B
+        in_flight = min(p.pp, microbatches)
     if spec_of(cfg).fused_cross_entropy:  # a chunk's fp32 logits and softmax, the head's fp32 gradient
         logits = 2 * min(tokens, CE_CHUNK_TOKENS) * m.vocab_size * 4 + m.vocab_size * m.hidden_size * 4
     else:
@@ -104,7 +117,8 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     if sp:
         note += ", sequence parallel"
     if p.pp > 1:
-        note += f", 1F1B keeps {in_flight} micro-batch(es) on the first stage"
+        schedule = p.pp_schedule if spec_of(cfg).name == "fsdp2" else "1F1B"
+        note += f", {schedule} keeps {in_flight:g} micro-batch(es) on the first stage"
     first = (kept * in_flight + recompute) * tokens * e
     last = (kept + recompute) * tokens * e + logits
     return first, last, note
@@ -128,6 +142,8 @@ class Memory:
     precision_note: str
     activation_note: str
     sharding_note: str
+    host_per_node: float = 0.0  # offloaded states (parallel.offload_experts) in each node's host memory
+    host_capacity: float | None = None  # hardware.host_memory_gib
 
     @property
     def total(self) -> float:
@@ -144,9 +160,17 @@ class Memory:
     @property
     def verdict(self) -> str:
         """fits below 90% of device memory, tight up to 100%, else does not fit."""
-        if self.total <= 0.9 * self.capacity:
-            return "fits"
-        return "tight" if self.total <= self.capacity else "does not fit"
+        return _verdict(self.total, self.capacity)
+
+    @property
+    def host_verdict(self) -> str:
+        return _verdict(self.host_per_node, self.host_capacity) if self.host_capacity else "unknown"
+
+
+def _verdict(used: float, capacity: float) -> str:
+    if used <= 0.9 * capacity:
+        return "fits"
+    return "tight" if used <= capacity else "does not fit"
 
 
 @dataclass
@@ -197,6 +221,11 @@ class Plan:
             f"  total      {mem.total:>9.2f}  -> {mem.verdict}, headroom {mem.headroom:.2f} GiB "
             f"({100 * mem.headroom / mem.capacity:.0f}%)",
         ]
+        if mem.host_per_node:
+            of = (f" of {mem.host_capacity:g} GiB -> {mem.host_verdict}" if mem.host_capacity
+                  else " (hardware.host_memory_gib unset: not checked)")
+            lines.append(f"host memory per node (GiB): {mem.host_per_node:.0f} offloaded expert weights, "
+                         f"gradients and AdamW states (FSDP2 CPUOffloadPolicy){of}")
         lines += [n if n.startswith("warning: ") else f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -214,7 +243,7 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
     if spec.tp_splits_all_weights:
         non_expert = (layer_dense / pp + outer) / tp
     else:  # TP splits attention and dense MLPs; the rest is whole on every TP rank
-        non_expert = (bd.attention + bd.dense_mlp) / tp + bd.routers + bd.shared_experts + outer
+        non_expert = ((bd.attention + bd.dense_mlp) / tp + bd.routers + bd.shared_experts) / pp + outer
     # experts: E/ep of them on a rank, split by TP (NxD) or, folded (fsdp2), sharded over the ranks
     # holding the same ones (dims.expert_dp, TP ranks included)
     expert = bd.experts / pp / (ep if dims.ep_folds_tp else ep * tp)
@@ -232,10 +261,19 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
             return n_dense / shard + n_expert / expert_shard
         return n_dense + n_expert
 
-    params = sharded(non_expert, expert, weights_from) * pb
-    grads = sharded(non_expert, expert, 2) * gb
-    optimizer = sharded(non_expert, expert, 1) * ob
-    step = sharded(non_expert, expert, 1) * bytes_.step
+    # offloaded experts (FSDP2's CPUOffloadPolicy) keep their states in host memory: the device holds
+    # only their gathered copy while a block runs (comm)
+    offloaded = expert if p.offload_experts else 0.0
+    on_device = expert - offloaded
+    params = sharded(non_expert, on_device, weights_from) * pb
+    grads = sharded(non_expert, on_device, 2) * gb
+    if pp > 1 and spec.name == "fsdp2":
+        # torch's pipelining accumulates each unit's unsharded fp32 gradient over the step's micro-batches
+        # (no reduce-scatter before the last, stage.py:844-847); offloaded experts reduce every one
+        grads = (non_expert + on_device) * 4
+    optimizer = sharded(non_expert, on_device, 1) * ob
+    step = sharded(non_expert, on_device, 1) * bytes_.step
+    host = offloaded / expert_shard * (pb + gb + ob) * cfg.hardware.devices_per_node
     first, last, act_note = activation_bytes(cfg, cfg.trainer.micro_batch_size)
     if p.zero_stage >= weights_from:
         replicas = f", {dp // shard} HSDP replicas" if dp > shard else ""
@@ -253,6 +291,7 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
         capacity=float(cfg.hardware.device_memory_gib),
         precision_note=f"{bytes_.note} ({pb}+{gb}+{ob} bytes/param)",
         activation_note=act_note, sharding_note=sharding_note,
+        host_per_node=host / GIB, host_capacity=cfg.hardware.host_memory_gib,
     )
 
 
@@ -289,6 +328,9 @@ def make_plan(cfg, dims: ParallelDims) -> Plan:
     if memory.verdict != "fits":
         notes.append(f"warning: {memory.total:.2f} GiB is above 90% of the {memory.capacity:g} GiB of a "
                      f"{hw.device_name}; to save memory: " + ", ".join(memory_hints(cfg)))
+    if memory.host_verdict in ("tight", "does not fit"):
+        notes.append(f"warning: the offloaded states take {memory.host_per_node:.0f} GiB of host memory per "
+                     f"node, above 90% of its {memory.host_capacity:g} GiB: more nodes, or a smaller model")
     return Plan(model=cfg.model.name, hardware=hw.name, parallel=p.name, device_name=hw.device_name,
                 dims=dims, trainer_world=launched, params_total=sizes.total,
                 params_active=sizes.active, memory=memory, notes=notes)

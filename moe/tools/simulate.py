@@ -34,6 +34,7 @@ from moe.tools.plan import GIB, make_plan
 
 SIMULATION_FILE = "simulation.json"
 COMM = "Comm"  # the breakdown's entry for communication buffers added from the plan
+HOST = "Host"  # the breakdown's entry for what parallel.offload_experts keeps in host memory
 
 
 @dataclass
@@ -125,6 +126,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     from moe.module.optim import build_optimizer
     from moe.parallel.apply import moe_layers
     from moe.parallel.parallelize import parallelize
+    from moe.parallel.pipeline import StageParts
 
     rank, start = cfg.simulate_rank, time.perf_counter()
     param_dtype, autocast = _param_dtype_and_autocast(cfg)
@@ -132,18 +134,30 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     try:
         fsdp2 = spec_of(cfg).name == "fsdp2"
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # meta parameters become fake ones
-        with torch.device("meta"), _default_dtype(param_dtype):
-            model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
-        parallelize(model, cfg, dims.tp, _steps(cfg, dims, fake_mode))  # the backend's, on fake ranks
+        pipeline = None
+        if dims.pp > 1:  # this rank's stages, built on meta, parallelised and scheduled by the training code
+            with _default_dtype(param_dtype):
+                pipeline = _pipeline(cfg, dims, fake_mode)
+            model, root = StageParts(pipeline.parts), pipeline.parts[0]
+        else:
+            with torch.device("meta"), _default_dtype(param_dtype):
+                model = root = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
+            parallelize(model, cfg, dims.tp, _steps(cfg, dims, fake_mode))  # the backend's, on fake ranks
         for layer in moe_layers(model):  # what a GPU runs in half precision; fake kernels exist for bf16 only
             layer.experts.use_grouped_mm = (autocast or param_dtype) == torch.bfloat16
         params_local = sum(_local_numel(p) for p in model.parameters())
 
         with fake_mode:
             optimizer = _optimizer(cfg, dims, model, param_dtype, build_optimizer)
-            tokens = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len))
-        tracker = _device_peak_tracker(model, optimizer.optimizer) if fsdp2 else _device_peak_tracker()
-        if fsdp2:
+            rows = cfg.trainer.micro_batch_size
+            if pipeline is not None:  # the schedule's micro-batch: the rank's step batch cut in n pieces
+                rows = rows * cfg.trainer.accumulate_grad_batches // pipeline.n_microbatches
+            tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.data.seq_len))
+        # FSDP2's tracker follows one forward per module a step: a pipeline runs one per micro-batch
+        fsdp_tracker = fsdp2 and pipeline is None
+        tracker = (_device_peak_tracker(root, optimizer.optimizer) if fsdp_tracker else
+                   _device_peak_tracker(modules=pipeline is None))
+        if fsdp_tracker:
             tracker.track_inputs((tokens,))
         else:
             masters = [part for part, _ in optimizer.partitions or []]  # DeepSpeed's fp32 master partitions
@@ -151,18 +165,29 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         with fake_mode, tracker:
             for step in range(2):  # the first step creates the optimizer state; the second has it all
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                    out = model(tokens, labels_BS=tokens)  # as LitMoE.losses: the chunked LM head + CE
-                    loss = out.lm_loss + out.router_loss
-                loss.backward()
+                    if pipeline is not None:
+                        _pipeline_step(pipeline, dims.pp_rank(rank), tokens)
+                    else:
+                        out = model(tokens, labels_BS=tokens)  # as LitMoE.losses: the chunked LM head + CE
+                        (out.lm_loss + out.router_loss).backward()
                 optimizer.step()
                 if step == 0:
                     tracker.reset_mod_stats()
         peak = tracker.get_tracker_snapshot("peak")
+        offloaded = _offloaded_states(model, optimizer, fsdp_tracker) if cfg.parallel.offload_experts else {}
     finally:
         dist.destroy_process_group()
 
     device_peak = max(peak.values(), key=lambda kinds: kinds["Total"])
     breakdown = {getattr(k, "value", str(k)): v / GIB for k, v in device_peak.items() if v}
+    if offloaded:  # what CPUOffloadPolicy keeps in host memory (here every tensor is on the one CPU)
+        for kinds, gib in offloaded.items():
+            for kind in kinds:  # FSDP2 sets the reduced gradient itself: a tracker may see it as Temp
+                moved = min(gib, breakdown.get(kind, 0.0))
+                breakdown[kind] = breakdown.get(kind, 0.0) - moved
+                breakdown[HOST] = breakdown.get(HOST, 0.0) + moved
+                gib -= moved
+        breakdown["Total"] -= breakdown[HOST]
     plan = make_plan(cfg, dims)
     # DeepSpeed's engine does not run here: its buckets are added as planned (FSDP2's gathered weights
     # are real tensors of the simulated step, counted by the tracker)
@@ -204,12 +229,91 @@ def _steps(cfg, dims: ParallelDims, fake_mode):
                  load_balance_group=dist.group.WORLD if world else None, fake_mode=fake_mode)
 
 
+def _pipeline(cfg, dims: ParallelDims, fake_mode):
+    """This rank's pipeline, built as training builds it (moe.parallel.pipeline.build_pipeline: its stages,
+    each parallelised by the backend's steps on the fake ranks, and the schedule over the mesh's pp dim)."""
+    from moe.parallel.parallelize import parallelize
+    from moe.parallel.pipeline import build_pipeline
+
+    steps = _steps(cfg, dims, fake_mode)
+    return build_pipeline(cfg, dims, dims.meshes("cpu"), lambda part: parallelize(part, cfg, dims.tp, steps),
+                          torch.device("cpu"))
+
+
+def _pipeline_step(pipeline, pp_rank: int, tokens: torch.Tensor) -> None:
+    """One step of this rank's actions in the schedule's own order (its pipeline_order: forwards, full or
+    input backwards; weight passes are left in the input ones), every activation kept until its backward;
+    a stage's inputs from its neighbours are fake tensors of their static shape. FSDP2 accumulates without
+    reducing until the end, then reduces, as PipelineStage does (stage.py:844-847, perform_reduce_grad)."""
+    from moe.parallel.pipeline import stage_inputs_like
+
+    schedule = pipeline.schedule
+    stages = {stage.stage_index: stage for stage in getattr(schedule, "_stages", None) or [schedule._stage]}
+    kept = {}
+    for stage_index, kind, micro_batch in _rank_actions(schedule, pp_rank, pipeline.n_microbatches):
+        stage = stages[stage_index]
+        if kind == "F":
+            part = stage.submod
+            x = tokens if part.first else stage_inputs_like(stage, tokens)
+            kept[(stage_index, micro_batch)] = part(x, labels_BS=tokens)
+        elif kind in ("B", "I"):
+            out = kept.pop((stage_index, micro_batch))
+            stage.submod.set_is_last_backward(False)
+            stage.submod.set_reshard_after_backward(False)
+            stage.submod.set_requires_gradient_sync(False)
+            if stage.submod.last:
+                (out * stage.submod.loss_scale).backward()
+            else:
+                out.backward(torch.ones_like(out))
+    for stage in stages.values():
+        stage.perform_reduce_grad(1)
+
+
+def _rank_actions(schedule, pp_rank: int, n: int) -> list[tuple[int, str, int]]:
+    """(stage, "F" | "B" | "I" | "W", micro-batch) in the order this rank runs them. A looped schedule's
+    own pipeline_order (what its runtime executes); a one-stage schedule's order as its _step_microbatches
+    runs it (torch 2.13's _get_pipeline_order for 1F1B numbers the last stage's forwards from 1): GPipe
+    every forward then every backward, 1F1B min(n, stages - stage) forwards, then one backward and one
+    forward in turn, then the remaining backwards (schedules.py:1052-1120)."""
+    if hasattr(schedule, "_stages"):
+        return [(a.stage_index, a.computation_type.value, a.microbatch_index)
+                for a in schedule.pipeline_order[pp_rank] if a is not None and a.microbatch_index is not None]
+    from torch.distributed.pipelining.schedules import ScheduleGPipe
+
+    stage = schedule._stage.stage_index
+    if isinstance(schedule, ScheduleGPipe):
+        return [(stage, "F", i) for i in range(n)] + [(stage, "B", i) for i in range(n)]
+    warmup = min(n, schedule._num_stages - stage)
+    actions = [(stage, "F", i) for i in range(warmup)]
+    for i in range(n - warmup):
+        actions += [(stage, "B", i), (stage, "F", warmup + i)]
+    return actions + [(stage, "B", i) for i in range(n - warmup, n)]
+
+
+def _offloaded_states(model, optimizer, fsdp_tracker: bool) -> dict[tuple, float]:
+    """GiB of what parallel.offload_experts keeps in host memory (the experts' shards, their gradients and
+    their AdamW states), by the tracker kinds (FSDPMemTracker's or MemTracker's names) that hold them."""
+    from moe.model.moe import Experts
+
+    params = [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
+    ids = {id(p) for p in params}
+    views = {id(view): param for param, view in optimizer.local_views if id(param) in ids}
+    states = [t for view, state in optimizer.optimizer.state.items() if id(view) in views
+              for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+    nbytes = lambda tensors: sum(_local_numel(t) * t.element_size() for t in tensors) / GIB  # noqa: E731
+    grads = nbytes(params) * 4 / params[0].element_size() if params else 0.0  # reduced in fp32
+    if fsdp_tracker:
+        return {("Sharded Param",): nbytes(params), ("OptState",): nbytes(states),
+                ("Sharded Grad", "Temp"): grads}
+    return {("Parameter",): nbytes(params), ("Optstate",): nbytes(states), ("Gradient", "Temp"): grads}
+
+
 def _local_numel(p: torch.Tensor) -> int:
     """Elements this rank stores: a DTensor's local shard."""
     return getattr(p, "_local_tensor", p).numel()
 
 
-def _device_peak_tracker(fsdp_model=None, optimizer=None):
+def _device_peak_tracker(fsdp_model=None, optimizer=None, modules: bool = True):
     """torch's MemTracker (its FSDPMemTracker for an FSDP2 model: it knows sharded and gathered weights
     apart), keeping the per-device peak only: the per-module peaks (which nothing here reads) walk every
     module entered so far at every op, hours for a 56-layer model under FSDP2 + DTensor."""
@@ -222,6 +326,13 @@ def _device_peak_tracker(fsdp_model=None, optimizer=None):
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+
+    if not modules:  # a pipeline runs each stage once per micro-batch: no per-module states to follow
+        class DevicePeakTracker(DevicePeakTracker):  # noqa: F811
+            def _pre_fw_hook(self, module, inputs) -> None: ...
+            def _post_fw_hook(self, module, inputs, outputs) -> None: ...
+            def _pre_bw_hook(self, module, args) -> None: ...
+            def _post_bw_hook(self, module, args) -> None: ...
 
     return DevicePeakTracker(fsdp_model, optimizer) if fsdp_model is not None else DevicePeakTracker()
 
