@@ -42,6 +42,7 @@ smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1, gpu (DeepSpeed), g
 	$(PY) train.py trainer=smoke run_name=smoke resume=false $(ARGS)
 	$(PY) train.py dry_run=true experiment=karakuri_8x7b_trn1
 	$(PY) train.py dry_run=true hardware=gpu parallel=dp2_ep8 model=mixtral_8x7b
+	$(PY) train.py dry_run=true experiment=mixtral_8x7b_gpu_fsdp2
 	$(PY) train.py dry_run=true experiment=mixtral_8x22b_gpu_fsdp2
 	$(PY) train.py dry_run=true experiment=deepseek_v3_gpu_fsdp2
 	$(PY) train.py dry_run=true experiment=switch_1t_gpu_fsdp2

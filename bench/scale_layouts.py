@@ -19,8 +19,8 @@ from moe.parallel.dims import ParallelDims
 from moe.train.preflight import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = ["mixtral_8x7b_gpu_dp2_ep8", "mixtral_8x22b_gpu_fsdp2", "deepseek_v3_gpu_fsdp2",
-           "switch_1t_gpu_fsdp2"]
+PRESETS = ["moe64_top2_gpu_dp2_ep8", "mixtral_8x7b_gpu_fsdp2", "mixtral_8x22b_gpu_fsdp2",
+           "deepseek_v3_gpu_fsdp2", "switch_1t_gpu_fsdp2"]
 
 
 def expert_gflops_per_token(cfg) -> float:

@@ -19,7 +19,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 CASES = {  # label -> train.py overrides
-    "mixtral_8x7b_gpu_dp2_ep8 (experiment)": ["experiment=mixtral_8x7b_gpu_dp2_ep8"],
+    "moe64_top2_gpu_dp2_ep8 (experiment)": ["experiment=moe64_top2_gpu_dp2_ep8"],
+    "mixtral_8x7b_gpu_fsdp2 (experiment, fsdp2): 16 GPUs, ep 8, FSDP2 over 16": [
+        "experiment=mixtral_8x7b_gpu_fsdp2"],
     "moe_1b, 1 GPU": ["hardware=gpu", "model=moe_1b", "trainer.devices=1", "trainer.micro_batch_size=4",
                       "data.seq_len=2048"],
     "mixtral_8x7b, 2x8 GPUs dp2_ep8": ["hardware=gpu", "model=mixtral_8x7b", "parallel=dp2_ep8",

@@ -126,13 +126,26 @@ def test_hardware_x_parallel(hardware):
             assert err.value.field == expected, (hardware, parallel, str(err.value))
 
 
-@pytest.mark.parametrize("experiment", ["karakuri_8x7b_trn1", "mixtral_8x7b_gpu_dp2_ep8",
+@pytest.mark.parametrize("experiment", ["karakuri_8x7b_trn1", "moe64_top2_gpu_dp2_ep8",
+                                        "mixtral_8x7b_gpu_dp2_ep8", "mixtral_8x7b_gpu_fsdp2",
                                         "mixtral_8x22b_gpu_fsdp2", "mixtral_8x7b_trn2",
-                                        "deepseek_v3_gpu_fsdp2"])
+                                        "deepseek_v3_gpu_fsdp2", "switch_1t_gpu_fsdp2"])
 def test_experiments_validate_at_their_own_world(experiment):
     cfg = make_cfg(f"experiment={experiment}")
     validate(cfg)  # no dry run: trainer.devices x num_nodes is the experiment's real cluster
     assert cfg.run_name == experiment
+
+
+def test_the_16_gpu_recipes_former_name_runs_it_under_its_old_run_name():
+    """experiment=mixtral_8x7b_gpu_dp2_ep8 named seed 004's 64-expert recipe, which is not Mixtral 8x7B; the
+    name still composes that recipe, keeping its run name so runs made under it resume."""
+    old, new = make_cfg("experiment=mixtral_8x7b_gpu_dp2_ep8"), make_cfg("experiment=moe64_top2_gpu_dp2_ep8")
+    assert old.run_name == "mixtral_8x7b_gpu_dp2_ep8"
+    old.run_name = new.run_name
+    assert old == new
+    assert (new.model.num_experts, new.model.moe_layer_frequency) == (64, 2)
+    mixtral = make_cfg("experiment=mixtral_8x7b_gpu_fsdp2").model
+    assert (mixtral.num_experts, mixtral.moe_layer_frequency, mixtral.intermediate_size) == (8, 1, 14336)
 
 
 def test_karakuri_experiment_values():
