@@ -175,3 +175,12 @@ def test_optimizer_state_names_match_model_keys_under_checkpointing():
     optimizer.step()
     model_sd, optim_sd = get_state_dict(model, [optimizer])
     assert set(optim_sd["state"]) == set(model_sd) == set(build().state_dict())
+
+
+def test_compile_says_which_checkpointed_blocks_stay_eager():
+    """model.compile=true under whole-block checkpointing compiles nothing there: the user is told so."""
+    opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
+    model = apply_ac(MoETransformer(CFG, opt), "every_n", every_n=2)
+    with pytest.warns(UserWarning, match=f"compiles nothing in the {len(model.layers) // 2} of "
+                                         f"{len(model.layers)} blocks"):
+        apply_compile(model)

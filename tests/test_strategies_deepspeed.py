@@ -40,7 +40,13 @@ def test_config_from_parallel_optimizer_and_trainer_groups():
 
 
 def test_gpu_precisions():
-    assert deepspeed_config(compose_cfg("hardware=gpu", "parallel=dp2_ep8"))["bf16"] == {"enabled": True}
+    bf16 = deepspeed_config(compose_cfg("hardware=gpu", "parallel=dp2_ep8"))
+    assert bf16["bf16"] == {"enabled": True}
+    # gradients reduced and accumulated in fp32 (Megatron-Core's and torchtitan's choice)
+    assert bf16["communication_data_type"] == "fp32" and bf16["data_types"] == {"grad_accum_dtype": "fp32"}
+    no_zero = deepspeed_config(compose_cfg("hardware=gpu", "parallel.zero_stage=0"))
+    assert no_zero["communication_data_type"] == "fp32"
+    assert "data_types" not in no_zero  # DeepSpeed refuses fp32 accumulation of bf16 weights without ZeRO
     fp16 = deepspeed_config(compose_cfg("hardware=gpu", "trainer.precision=16-mixed"))["fp16"]
     assert fp16["enabled"] and fp16["loss_scale"] == 0 and fp16["initial_scale_power"] == 16  # dynamic
     gpu = deepspeed_config(compose_cfg("hardware=gpu", "parallel=dp2_ep8"))

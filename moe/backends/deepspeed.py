@@ -74,6 +74,15 @@ def deepspeed_config(cfg) -> dict:
                           "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
     elif precision in ("bf16-mixed", "bf16-true"):
         config["bf16"] = {"enabled": True}
+        # gradients reduced and accumulated in fp32, as Megatron-Core (accumulate_allreduce_grads_in_fp32,
+        # on with bf16) and torchtitan (FSDP2 reduce_dtype=float32) do: `communication_data_type` casts
+        # each bucket before its reduction (deepspeed 0.19.8 runtime/zero/stage_1_and_2.py:1485-1511),
+        # `grad_accum_dtype` keeps the micro-batches' sum in fp32 (:395-402; ZeRO-1 then runs DeepSpeed's
+        # BF16_Optimizer, runtime/engine.py:2305-2310). Without ZeRO DeepSpeed refuses fp32 accumulation
+        # of bf16 weights (engine.py:2313-2323): there only the reduction is fp32.
+        config["communication_data_type"] = "fp32"
+        if p.zero_stage >= 1:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
 

@@ -146,7 +146,17 @@ def apply_compile(model: nn.Module) -> nn.Module:
     """
     for layer in moe_layers(model):
         layer.forward = torch.compiler.disable(layer.forward)
+    eager = 0
     for block in model.layers:
-        if not isinstance(block, CheckpointWrapper):
+        if isinstance(block, CheckpointWrapper):
+            eager += 1
+        else:
             block.compile()
+    if eager:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"model.compile=true compiles nothing in the {eager} of {len(model.layers)} blocks "
+                       "that activation checkpointing wraps whole (parallel.activation_checkpointing=full, "
+                       "every_n or moe_only): they run eager. parallel.activation_checkpointing=selective "
+                       "compiles each block's projections and norms; the MoE layers stay eager either way.")
     return model
