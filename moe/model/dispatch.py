@@ -6,7 +6,8 @@ and hands the outputs back to the dispatcher to combine. Every dispatcher is a `
     agree_capacity(capacity, device) -> capacity   the slots per expert every rank of the exchange uses
     dispatch(x_TH, idx_TK, keep_TK, capacity, num_experts) -> Dispatched(rows_MH, counts_E, ctx)
         rows_MH   the rows for the experts held here, sorted by expert
-        counts_E  how many of them each local expert owns (a long tensor, one entry per local expert)
+        counts_E  how many of them each local expert owns (a long tensor, one entry per local expert; or
+                  Python ints when the dispatcher knows them on the host: fixed buffers)
         ctx       whatever combine needs for the return trip (opaque to the layer)
     combine(y_MH, weights_TK, ctx) -> y_TH         the experts' outputs back in token order, weighted
 
@@ -40,7 +41,7 @@ class Dispatched(NamedTuple):
     """What `dispatch` returns: rows for the experts here, rows per local expert, the return ticket."""
 
     rows_MH: torch.Tensor
-    counts_E: torch.Tensor
+    counts_E: torch.Tensor | list[int]
     ctx: Any
 
 

@@ -15,6 +15,7 @@ no [T, E, C] one-hot tensors are built.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -150,16 +151,23 @@ class Experts(nn.Module):
         for p in self.parameters():
             p.is_expert, p.first_expert = True, first
 
-    def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by expert, expert e owning the next counts_E[e] rows -> outputs [M, H]."""
+    def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor | list[int]) -> torch.Tensor:
+        """Rows sorted by expert, expert e owning the next counts_E[e] rows -> outputs [M, H]. counts_E is a
+        long tensor, or Python ints where the dispatcher knows them (fixed buffers): then the per-expert
+        loop reads nothing back from the device."""
         use_gmm = self.use_grouped_mm
         if use_gmm is None:
             use_gmm = grouped_mm_works(x_MH.device, x_MH.dtype) and x_MH.dtype == self.gate_up.dtype
         if use_gmm:
-            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            if isinstance(counts_E, list):
+                ends = list(itertools.accumulate(counts_E))
+                offs_E = torch.tensor(ends, dtype=torch.int32, device=x_MH.device)
+            else:
+                offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
             h_MF = swiglu(torch._grouped_mm(x_MH, self.gate_up, offs=offs_E))
             return torch._grouped_mm(h_MF, self.down, offs=offs_E)
-        xs = x_MH.split(host_sizes(counts_E, x_MH.shape[0]))  # the loop needs sizes on the host
+        sizes = counts_E if isinstance(counts_E, list) else host_sizes(counts_E, x_MH.shape[0])  # one sync
+        xs = x_MH.split(sizes)
         return torch.cat([swiglu(x @ self.gate_up[e]) @ self.down[e] for e, x in enumerate(xs)])
 
     def shard(self, first: int, count: int) -> None:

@@ -279,32 +279,34 @@ def inverse_index(index_M: torch.Tensor, n: int) -> torch.Tensor:
     return pos_n
 
 
-def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index] on dim 0; when index is longer than x, index == len(x) selects a zero row."""
-    if index.numel() > x.shape[0]:
+def _take(x: torch.Tensor, index: torch.Tensor, pad: bool = False) -> torch.Tensor:
+    """x[index] on dim 0; index == len(x) selects a zero row when index is longer than x, or `pad`."""
+    if pad or index.numel() > x.shape[0]:
         x = torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
     return x.index_select(0, index)
 
 
 class _MoveRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, index, back):
+    def forward(ctx, x, index, back, pad):
         ctx.save_for_backward(back)
-        return _take(x, index)
+        ctx.pad = pad
+        return _take(x, index, pad)
 
     @staticmethod
     def backward(ctx, grad):
         (back,) = ctx.saved_tensors
-        return _take(grad, back), None, None
+        return _take(grad, back, ctx.pad), None, None, None
 
 
-def move_rows(x: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+def move_rows(x: torch.Tensor, index: torch.Tensor, back: torch.Tensor, pad: bool = False) -> torch.Tensor:
     """x[index] (index == len(x) gives a zero row) whose gradient is grad[back].
 
     `back` must be the inverse map (e.g. `inverse_index(index, len(x))`): every row of x
-    appears once in `index`, and the rows it does not cover get zero gradient.
+    appears at most once in `index`, and the rows it does not cover get zero gradient. `pad`: either
+    map may point one past the end whatever the lengths (a fixed buffer's dropped or empty slots).
     """
-    return _MoveRows.apply(x, index, back)
+    return _MoveRows.apply(x, index, back, pad)
 
 
 def sort_rows(x_TH: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -314,16 +316,37 @@ def sort_rows(x_TH: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor, to
 
 
 def combine(y_MH: torch.Tensor, weights_TK: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor):
-    """Weighted sum of each token's expert outputs -> [T, H]; dropped assignments add zero.
+    """Weighted sum of each token's expert outputs -> [T, H]; dropped assignments add zero."""
+    return weighted_sum(move_rows(y_MH, pos_N, order_M), weights_TK)
+
+
+def weighted_sum(y_NH: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """Each token's K outputs (rows of its assignments, in [T, K] order) weighted and summed -> [T, H].
 
     Accumulates in fp32 for low-precision inputs.
     """
     T, K = weights_TK.shape
-    acc = torch.float32 if y_MH.dtype in (torch.bfloat16, torch.float16) else y_MH.dtype
-    y_TKH = move_rows(y_MH, pos_N, order_M).view(T, K, -1)
+    acc = torch.float32 if y_NH.dtype in (torch.bfloat16, torch.float16) else y_NH.dtype
+    y_TKH = y_NH.view(T, K, -1)
     if K == 1:
-        return (y_TKH[:, 0].to(acc) * weights_TK.to(acc)).to(y_MH.dtype)
-    return (y_TKH.to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(1).to(y_MH.dtype)
+        return (y_TKH[:, 0].to(acc) * weights_TK.to(acc)).to(y_NH.dtype)
+    return (y_TKH.to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(1).to(y_NH.dtype)
+
+
+def capacity_slots(idx_TK: torch.Tensor, keep_TK: torch.Tensor, num_experts: int,
+                   capacity: int) -> torch.Tensor:
+    """slot_N: each assignment's slot in an [E * C] buffer (expert * C + its rank among the expert's kept
+    assignments, in token order); a dropped one gets E * C, one past the end. Nothing is read back to the
+    host: the buffer's size is fixed, so the kept count is never needed."""
+    E, C = num_experts, capacity
+    expert_N = torch.where(keep_TK.reshape(-1), idx_TK.reshape(-1), E)  # dropped: the sentinel E
+    order_N = torch.argsort(expert_N, stable=True)
+    counts_E = expert_counts(expert_N, E + 1)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    sorted_expert = expert_N[order_N]
+    rank_N = torch.arange(expert_N.numel(), device=idx_TK.device) - starts_E[sorted_expert]
+    slot_sorted = torch.where(sorted_expert < E, sorted_expert * C + rank_N, E * C)
+    return torch.empty_like(slot_sorted).scatter_(0, order_N, slot_sorted)
 
 
 def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:

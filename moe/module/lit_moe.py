@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe.model.model import ModelOutput, MoETransformer
 from moe.module.optim import build_optimizer, build_scheduler
 from moe.module.step_stats import StepStats
+from moe.parallel.apply import clear_replays
 
 
 class LitMoE(L.LightningModule):
@@ -49,6 +50,7 @@ class LitMoE(L.LightningModule):
         return out.lm_loss + out.router_loss, out.lm_loss, out
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        clear_replays(self.model)
         if self.pipelined is not None:
             return self.pipelined.training_step(self, batch)
         loss, lm, out = self.losses(batch)

@@ -9,6 +9,7 @@ loads under another. Values are validated before (moe.config.validate).
 from __future__ import annotations
 
 import functools
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,16 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
         elif (policy == "full" or (policy == "every_n" and (i + 1) % every_n == 0)
               or (policy == "moe_only" and block.is_moe)):
             setattr(model.layers, name, CheckpointWrapper(block))
+            if block.is_moe and hasattr(block.ffn.dispatcher, "replay"):  # recomputed: reuse its host values
+                block.ffn.dispatcher.replay = deque()
     return model
+
+
+def clear_replays(model: nn.Module) -> None:
+    """Forget host values kept for recomputation that never came (a forward without its backward)."""
+    for layer in moe_layers(model):
+        if getattr(layer.dispatcher, "replay", None):
+            layer.dispatcher.replay.clear()
 
 
 def apply_ep(model: nn.Module, ep_group) -> nn.Module:

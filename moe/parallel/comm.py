@@ -100,27 +100,37 @@ def even_splits(rows: int, group) -> list[int]:
     return [rows // ep] * ep
 
 
+IN_PLACE_ELEMENTS = 1 << 20  # a gradient this large is all-reduced where it lies; smaller ones share a buffer
+
+
 @torch.no_grad()
 def sum_grads(params, group, divide_by: int = 1) -> None:
-    """Sum the gradients of `params` over `group` in one all-reduce (then divide), in place: their local
-    parts when they are DTensors (FSDP2's shards). A parameter no token reached here gets a zero gradient
-    and still joins."""
+    """Sum the gradients of `params` over `group` (then divide), in place: their local parts when they are
+    DTensors (FSDP2's shards). Large gradients (experts' stacked weights) are all-reduced where they lie,
+    without a copy; the small ones (routers, norms) in one flat buffer, one collective for them all. A
+    parameter no token reached here gets a zero gradient and still joins."""
     from moe.parallel.grad_norm import local_part
 
-    grads = []
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(local_part(p.grad))
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    small = []
     with named_collective("the gradient all_reduce", group):
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = local_part(p.grad)
+            if g.numel() >= IN_PLACE_ELEMENTS and g.is_contiguous():
+                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+                if divide_by != 1:
+                    g.div_(divide_by)
+            else:
+                small.append(g)
+        if not small:
+            return
+        flat = torch.cat([g.reshape(-1) for g in small])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     if divide_by != 1:
         flat.div_(divide_by)
     offset = 0
-    for g in grads:
+    for g in small:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
 

@@ -3,22 +3,23 @@
 `AllToAllDispatcher(group)` is a moe.model.dispatch.Dispatcher: experts are spread over the ranks
 of `group` (rank r holds experts [r*E/ep, (r+1)*E/ep)), and rows travel with
 `all_to_all_single` (moe.parallel.comm.exchange_rows): uneven splits when dropless (one host sync
-for the split sizes), fixed [E, C] buffers under a capacity (no sync). Installed by
-moe.parallel.apply.apply_ep.
+for the split sizes), fixed [E, C] buffers under a capacity (the one sync is the group's capacity).
+Installed by moe.parallel.apply.apply_ep.
 
 Shapes as moe.model.dispatch: T tokens, K picks, M kept assignments in expert order, R rows
 received from every EP rank, E experts in all, C slots per expert, X = E * C buffer slots.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moe.model.dispatch import Dispatched, Sorted, sort_by_expert
+from moe.model.routing import capacity_slots, inverse_index, move_rows, weighted_sum
 from moe.model.routing import combine as combine_rows
-from moe.model.routing import inverse_index, move_rows
 from moe.parallel.comm import even_splits, exchange_counts, exchange_rows, group_max
 
 
@@ -37,9 +38,8 @@ class _Exchanged:
 class _Slotted:
     """What the return trip of a fixed-buffer exchange needs."""
 
-    sorted: Sorted
-    slot_M: torch.Tensor  # kept row m -> its slot (expert * C + rank within the expert)
-    row_X: torch.Tensor  # slot -> kept row (M = empty slot)
+    slot_N: torch.Tensor  # assignment n -> its slot (expert * C + rank within the expert; X = dropped)
+    row_X: torch.Tensor  # slot -> assignment (N = empty slot)
     capacity: int
 
 
@@ -49,10 +49,25 @@ class AllToAllDispatcher:
     def __init__(self, group):
         self.group = group
         self.ep = dist.get_world_size(group)
+        # the host values of forwards that activation checkpointing will recompute (moe.parallel.apply.
+        # apply_ac sets it for the layers it wraps whole): None, nothing is kept
+        self.replay: deque | None = None
 
     def agree_capacity(self, capacity: int | None, device: torch.device) -> int | None:
-        """Every rank's buffers must have one size: the group's largest capacity."""
-        return None if capacity is None else group_max(capacity, self.group, device)
+        """Every rank's buffers must have one size: the group's largest capacity (the one host sync)."""
+        return None if capacity is None else self._host(lambda: group_max(capacity, self.group, device))
+
+    def _host(self, read):
+        """read() -> values read back to the host (a sync, after a collective). Where the layer's forward is
+        recomputed in the backward (activation checkpointing), the recomputation takes the forward's values
+        in order instead: it reads nothing back and runs no extra collective for them."""
+        if self.replay is None or not torch.is_grad_enabled():
+            return read()
+        if torch._C._current_graph_task_id() != -1:  # inside the backward: a checkpoint recomputing
+            return self.replay.popleft()
+        values = read()
+        self.replay.append(values)
+        return values
 
     def dispatch(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, keep_TK: torch.Tensor | None,
                  capacity: int | None, num_experts: int) -> Dispatched:
@@ -65,19 +80,19 @@ class AllToAllDispatcher:
         if isinstance(ctx, _Exchanged):
             y_RH = move_rows(y_MH, ctx.arrival_R, ctx.by_expert_R)  # back to arrival order
             y_MH = exchange_rows(y_RH, ctx.recv_splits, ctx.sent_splits, self.group)
-        else:
-            E_local, C = y_MH.shape[0] // (self.ep * ctx.capacity), ctx.capacity
-            y_XH = y_MH.view(E_local, self.ep, C, -1).transpose(0, 1).reshape(self.ep * E_local * C, -1)
-            splits = even_splits(y_XH.shape[0], self.group)
-            back_XH = exchange_rows(y_XH, splits, splits, self.group)
-            y_MH = move_rows(back_XH, ctx.slot_M, ctx.row_X)
-        return combine_rows(y_MH, weights_TK, ctx.sorted.order_M, ctx.sorted.pos_N)
+            return combine_rows(y_MH, weights_TK, ctx.sorted.order_M, ctx.sorted.pos_N)
+        E_local, C = y_MH.shape[0] // (self.ep * ctx.capacity), ctx.capacity
+        y_XH = y_MH.view(E_local, self.ep, C, -1).transpose(0, 1).reshape(self.ep * E_local * C, -1)
+        splits = even_splits(y_XH.shape[0], self.group)
+        back_XH = exchange_rows(y_XH, splits, splits, self.group)
+        return weighted_sum(move_rows(back_XH, ctx.slot_N, ctx.row_X, pad=True), weights_TK)  # dropped: 0
 
     def _dispatch_dropless(self, x_TH, idx_TK, num_experts):
         """Rows sorted by expert are also sorted by owning rank: send, then regroup by local expert."""
         local = num_experts // self.ep
         x_MH, counts_E, sorted_ = sort_by_expert(x_TH, idx_TK, None, num_experts)
-        recv_counts, sent, received = exchange_counts(counts_E, self.group, x_MH.shape[0])  # the one sync
+        recv_counts, sent, received = self._host(  # the one sync
+            lambda: exchange_counts(counts_E, self.group, x_MH.shape[0]))
         recv_RH = exchange_rows(x_MH, sent, received, self.group)
         # rows arrive grouped [source rank][local expert]; regroup them by local expert
         local_R = torch.arange(local, device=x_TH.device).repeat(self.ep).repeat_interleave(
@@ -89,16 +104,15 @@ class AllToAllDispatcher:
         return Dispatched(x_RH, recv_counts.view(self.ep, local).sum(0), ctx)
 
     def _dispatch_fixed(self, x_TH, idx_TK, keep_TK, capacity, num_experts):
-        """Fixed [E, C, H] buffers: kept row m goes to slot (expert, its rank within the expert)."""
+        """Fixed [E, C, H] buffers: kept assignment n goes to slot (expert, its rank within the expert),
+        dropped ones nowhere; nothing is read back to the host (the buffers' size is known)."""
         E, C, local, H = num_experts, capacity, num_experts // self.ep, x_TH.shape[-1]
-        x_MH, counts_E, sorted_ = sort_by_expert(x_TH, idx_TK, keep_TK, E)
-        expert_M = idx_TK.reshape(-1)[sorted_.order_M]
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
-        slot_M = expert_M * C + torch.arange(expert_M.numel(), device=x_TH.device) - starts_E[expert_M]
-        row_X = inverse_index(slot_M, E * C)  # buffer slot -> kept row (M = empty slot, zeros)
-        send_XH = move_rows(x_MH, row_X, slot_M)
+        K = idx_TK.shape[1]
+        slot_N = capacity_slots(idx_TK, keep_TK, E, C)
+        row_X = inverse_index(slot_N, E * C + 1)[:E * C]  # slot -> assignment (N = empty: a zero row)
+        x_NH = x_TH.unsqueeze(1).expand(-1, K, -1).reshape(-1, H)  # backward: sums over the k copies
+        send_XH = move_rows(x_NH, row_X, slot_N, pad=True)
         splits = even_splits(send_XH.shape[0], self.group)
         recv_XH = exchange_rows(send_XH, splits, splits, self.group)  # [source rank][local expert][slot]
         x_LRH = recv_XH.view(self.ep, local, C, H).transpose(0, 1).reshape(local * self.ep * C, H)
-        counts_L = torch.full((local,), self.ep * C, dtype=torch.long, device=x_TH.device)
-        return Dispatched(x_LRH, counts_L, _Slotted(sorted_, slot_M, row_X, C))
+        return Dispatched(x_LRH, [self.ep * C] * local, _Slotted(slot_N, row_X, C))

@@ -22,6 +22,7 @@ def expert_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def reduce_expert_grads(params: list[torch.nn.Parameter], expert_dp_group, dp_world_size: int) -> None:
-    """Sum expert grads over the expert-DP group, divide by the data-parallel world size (one all-reduce)."""
+    """Sum expert grads over the expert-DP group, divide by the data-parallel world size (in place:
+    moe.parallel.comm.sum_grads)."""
     sum_grads(params, expert_dp_group, divide_by=dp_world_size)
 

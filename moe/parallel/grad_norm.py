@@ -42,12 +42,12 @@ def global_grad_norm(params, expert_params, ep_group=None, device=None) -> torch
         mesh, dims = _sharded_dims(p)
         key = (id(mesh), dims, id(p) in experts)
         meshes[key] = mesh
-        squares = groups.setdefault(key, [])
+        grads = groups.setdefault(key, [])
         if p.grad is not None:
-            squares.append(local_part(p.grad).detach().float().pow(2).sum().to(device))
+            grads.append(local_part(p.grad).detach())
     dense, expert = torch.zeros((), device=device), torch.zeros((), device=device)
-    for key, squares in groups.items():
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    for key, grads in groups.items():
+        total = _sum_of_squares(grads, device)
         for dim in key[1]:
             dist.all_reduce(total, group=meshes[key].get_group(dim))
         if key[2]:
@@ -59,11 +59,28 @@ def global_grad_norm(params, expert_params, ep_group=None, device=None) -> torch
     return (dense + expert).sqrt()
 
 
+def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
+    """Sum of the squares of `grads` in fp32 on `device`: one foreach norm per device and dtype (torch's
+    clip_grad_norm_ kernels), no per-tensor reduction or copy."""
+    total = torch.zeros((), device=device)
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for tensors in by_kind.values():
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        total = total + torch.stack(norms).pow(2).sum().to(device)
+    return total
+
+
 @torch.no_grad()
 def clip_local_grads(params, total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale every gradient's local part by max_norm / (total_norm + 1e-6) when above, as clip_grad_norm_."""
+    """Scale every gradient's local part by max_norm / (total_norm + 1e-6) when above, as clip_grad_norm_:
+    one foreach multiply per device and dtype, the factor staying on the device (no host sync)."""
     coef = torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             local = local_part(p.grad)
-            local.mul_(coef.to(local.device, local.dtype))
+            by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (dev, dtype), grads in by_kind.items():
+        torch._foreach_mul_(grads, coef.to(dev, dtype))

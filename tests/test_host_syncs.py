@@ -1,0 +1,117 @@
+"""Host syncs of a training step: every place the CPU would wait for the GPU, counted.
+
+On CUDA a value read back to the host (`.item()`, `.tolist()`, a data-dependent shape: nonzero, bincount,
+masked_select, unique...) waits for every kernel queued before it. A dispatch mode sees the ops; `.tolist()`
+on a CPU tensor never reaches the dispatcher, so it is counted at the Python method. Budgets (issue L):
+at most one per MoE layer forward under expert parallelism (the all-to-all split sizes dropless, the group's
+capacity with one), none when activation checkpointing recomputes the layer (it reuses the forward's), none
+on the dropless path in one process, none in gradient clipping.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from conftest import on_gloo_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe.config.schema import ModelConfig, MoEOptConfig
+
+SYNCING_OPS = ("_local_scalar_dense", "nonzero", "bincount", "masked_select", "unique")
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=2, num_heads=4,
+                  num_kv_heads=2, num_experts=8, top_k=2)
+
+
+class CountSyncs(TorchDispatchMode):
+    """Ops that read device values back to the host, and `Tensor.tolist` calls, while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name, kwargs = str(func), kwargs or {}
+        sized = "repeat_interleave.Tensor" in name and kwargs.get("output_size") is None  # its shape: a read
+        if sized or any(op in name for op in SYNCING_OPS):
+            self.syncs.append(name)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def counting_syncs():
+    counter, tolist = CountSyncs(), torch.Tensor.tolist
+
+    def counted_tolist(self):
+        counter.syncs.append("Tensor.tolist")
+        return tolist(self)
+
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with counter:
+            yield counter
+    finally:
+        torch.Tensor.tolist = tolist
+
+
+def _model(moe_opt: MoEOptConfig, ep_group=None, policy: str = "none"):
+    from moe.model.model import MoETransformer
+    from moe.parallel.apply import apply_ac, apply_ep
+
+    torch.manual_seed(0)
+    model = MoETransformer(CFG, moe_opt, init_seed=1)
+    if ep_group is not None:
+        apply_ep(model, ep_group)
+    return apply_ac(model, policy)
+
+
+def _step_syncs(model, *, backward: bool) -> tuple[int, int]:
+    """(syncs in the forward, syncs in the backward) of one micro-batch."""
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    with counting_syncs() as forward:
+        out = model(ids[:, :-1], labels_BS=ids[:, 1:])
+    with counting_syncs() as backward_syncs:
+        if backward:
+            (out.lm_loss + out.router_loss).backward()
+    return len(forward.syncs), len(backward_syncs.syncs)
+
+
+def _ep_rank(rank: int, capacity: float | None, policy: str) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    moe_opt = MoEOptConfig(capacity_factor=capacity, eval_capacity_factor=capacity)
+    return _step_syncs(_model(moe_opt, dist.group.WORLD, policy), backward=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capacity", [None, 1.0], ids=["dropless", "capacity"])
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_an_expert_parallel_moe_forward_syncs_once_and_its_recomputation_never(capacity, policy):
+    out = on_gloo_ranks(2, _ep_rank, capacity, policy)
+    moe_layers = CFG.num_layers
+    for forward, backward in out.values():
+        assert forward == moe_layers  # one per MoE layer: the split sizes, or the group's capacity
+        assert backward == 0  # full checkpointing recomputes each layer with its forward's values
+
+
+def test_the_dropless_one_process_path_never_syncs():
+    model = _model(MoEOptConfig(capacity_factor=None, eval_capacity_factor=None), policy="full")
+    assert _step_syncs(model, backward=True) == (0, 0)
+
+
+def test_gradient_clipping_never_syncs():
+    from moe.model.moe import Experts
+    from moe.parallel.grad_norm import clip_local_grads, global_grad_norm
+
+    model = _model(MoEOptConfig(capacity_factor=None, eval_capacity_factor=None))
+    _step_syncs(model, backward=True)
+    experts = [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with counting_syncs() as clipping:
+        norm = global_grad_norm(model.parameters(), experts)
+        clip_local_grads(model.parameters(), norm, max_norm=1e-3)
+    assert clipping.syncs == []
+    want = torch.nn.utils.get_total_norm([g for g in before.values()])
+    torch.testing.assert_close(norm, want)
+    for name, p in model.named_parameters():  # clipped as torch's clip_grad_norm_ would
+        torch.testing.assert_close(p.grad, before[name] * (1e-3 / (want + 1e-6)), msg=name)
