@@ -155,13 +155,13 @@ FOUR_RANKS = ("trainer.devices=4", "hardware.devices_per_node=4", "trainer.micro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", [("hardware=cpu",),
-                                     ("hardware=cpu_deepspeed", "parallel.zero_stage=1"),
+@pytest.mark.parametrize("backend", [("hardware=cpu_deepspeed", "parallel.zero_stage=1"),
                                      ("hardware=cpu_deepspeed", "parallel.zero_stage=2")],
-                         ids=["ddp", "zero1", "zero2"])
+                         ids=["zero1", "zero2"])
 def test_four_ranks_with_expert_data_parallel_2_match_single_process(tmp_path, tmp_path_factory, backend):
     """ep 2 on 4 ranks: two EP groups, so every expert has 2 replicas whose gradients the expert-DP
-    all-reduce must sum (2 ranks with ep 2 have one replica, and pass without that reduction)."""
+    all-reduce must sum (2 ranks with ep 2 have one replica, and pass without that reduction). DDP's run
+    is tests/test_resume_layouts.py's, which also resumes it."""
     single = single_process_baseline(tmp_path_factory)
     run = tmp_path / "ep2x2"
     train(run, *backend, "parallel=ep2", *FOUR_RANKS)
@@ -169,11 +169,11 @@ def test_four_ranks_with_expert_data_parallel_2_match_single_process(tmp_path, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [("moe_opt.capacity_factor=1.0", "moe_opt.eval_capacity_factor=1.0"),
-                                   ("trainer.precision=bf16-mixed",)], ids=["capacity", "bf16"])
+@pytest.mark.parametrize("extra", [("moe_opt.capacity_factor=1.0", "moe_opt.eval_capacity_factor=1.0")],
+                         ids=["capacity"])
 def test_ep2_trains_with_capacity_drops_and_in_bf16(tmp_path, tmp_path_factory, extra):
-    """Capacity mode under EP (fixed buffers, the group's capacity) drops tokens and trains; bf16 autocast
-    under EP stays within bf16 rounding of the fp32 single-process run."""
+    """Capacity mode under EP (fixed buffers, the group's capacity) drops tokens and trains (bf16 under EP:
+    tests/test_bf16.py)."""
     single = single_process_baseline(tmp_path_factory)
     run = tmp_path / "ep2"
     train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS, *extra)

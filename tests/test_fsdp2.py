@@ -200,7 +200,6 @@ LAYOUTS = {
     "dp2_tp2_ep2_sp": ("parallel=fsdp2_tp2", "parallel.ep=2", "parallel.sequence_parallel=true", *FOUR,
                        "trainer.micro_batch_size=2"),
     "dp2_ep2": ("parallel=fsdp2_ep2", *FOUR, "trainer.micro_batch_size=1"),
-    "hsdp": ("parallel=fsdp2_hsdp", *FOUR, "trainer.micro_batch_size=1"),
     "hsdp_ep2": ("parallel=fsdp2_hsdp", "parallel.ep=2", *FOUR, "trainer.micro_batch_size=1"),
 }
 
@@ -226,12 +225,15 @@ def test_mla_with_first_k_dense_layers_matches_one_process_under_fsdp2(tmp_path,
     assert_same_losses(tmp_path / layout, mla_single)
 
 
+HSDP = ("parallel=fsdp2_hsdp", *FOUR, "trainer.micro_batch_size=1")  # tests/test_resume_layouts.py trains it
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_fsdp2_layout_matches_one_process(tmp_path, tmp_path_factory, layout):
     """tp (its MoE tokens split over TP), dp x ep (each expert sharded over its 2 replicas), dp x tp with EP
-    folded over TP and sequence parallelism, HSDP (2 shard groups of 2), HSDP x ep: every step's loss equals
-    one process holding the same global batch."""
+    folded over TP and sequence parallelism, HSDP x ep: every step's loss equals one process holding the
+    same global batch (HSDP alone: tests/test_resume_layouts.py)."""
     single = single_process_baseline(tmp_path_factory)
     run = tmp_path / layout
     train(run, *FSDP2, *LAYOUTS[layout])

@@ -1,57 +1,20 @@
-"""Host syncs of a training step: every place the CPU would wait for the GPU, counted.
+"""Host syncs of a training step, counted by moe.tools.syncs (a dispatch mode, and Tensor.tolist).
 
-On CUDA a value read back to the host (`.item()`, `.tolist()`, a data-dependent shape: nonzero, bincount,
-masked_select, unique...) waits for every kernel queued before it. A dispatch mode sees the ops; `.tolist()`
-on a CPU tensor never reaches the dispatcher, so it is counted at the Python method. Budgets (issue L):
-at most one per MoE layer forward under expert parallelism (the all-to-all split sizes dropless, the group's
-capacity with one), none when activation checkpointing recomputes the layer (it reuses the forward's), none
-on the dropless path in one process, none in gradient clipping.
+Budgets (issue L): at most one per MoE layer forward under expert parallelism (the all-to-all split sizes
+dropless, the group's capacity with one), none when activation checkpointing recomputes the layer (it
+reuses the forward's), none on the dropless path in one process, none in gradient clipping.
 """
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
 from conftest import on_gloo_ranks
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.config.schema import ModelConfig, MoEOptConfig
+from moe.tools.syncs import counting_syncs
 
-SYNCING_OPS = ("_local_scalar_dense", "nonzero", "bincount", "masked_select", "unique")
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=2, num_heads=4,
                   num_kv_heads=2, num_experts=8, top_k=2)
-
-
-class CountSyncs(TorchDispatchMode):
-    """Ops that read device values back to the host, and `Tensor.tolist` calls, while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.syncs: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name, kwargs = str(func), kwargs or {}
-        sized = "repeat_interleave.Tensor" in name and kwargs.get("output_size") is None  # its shape: a read
-        if sized or any(op in name for op in SYNCING_OPS):
-            self.syncs.append(name)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def counting_syncs():
-    counter, tolist = CountSyncs(), torch.Tensor.tolist
-
-    def counted_tolist(self):
-        counter.syncs.append("Tensor.tolist")
-        return tolist(self)
-
-    torch.Tensor.tolist = counted_tolist
-    try:
-        with counter:
-            yield counter
-    finally:
-        torch.Tensor.tolist = tolist
 
 
 def _model(moe_opt: MoEOptConfig, ep_group=None, policy: str = "none"):

@@ -1,6 +1,8 @@
 """Dry-run planner: parameter counts, layout (world, nodes, rank groups) and the memory verdict."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -206,3 +208,29 @@ def test_nxd_zero1_steps_on_its_own_copy_of_the_weights():
     assert bytes_of("fp32", 1) == (4, 4, 12) and bytes_of("fp32", 0) == (4, 4, 8)
     assert bytes_of("auto", 1) == bytes_of("mixed", 1) == (2, 4, 12)  # auto: mixed for an MoE model
     assert bytes_of("bf16_sr", 1) == (2, 2, 6) and bytes_of("mixed", 0) == (2, 2, 4)
+
+
+def test_routing_skew_and_fixed_costs_enter_the_plan():
+    """Dropless EP 8 over 8 experts: the rank holding the hottest expert (routing_skew x its share) gets that
+    many times the routed rows; a capacity caps them (no change); hardware.fixed_memory_gib adds as is."""
+    from moe.tools.plan import activation_bytes, hot_rank_load
+
+    hardware = {**HARDWARE["gpu"], "fixed_memory_gib": 3.0}
+    dropless = cfg_of(MODELS["mixtral_8x7b"], hardware, {"name": "ep8", "ep": 8, "zero_stage": 1},
+                      dry_run=True, **{"trainer.devices": 8, "moe_opt.capacity_factor": None})
+    assert hot_rank_load(dropless) == 2.0  # one expert per rank, at twice its share
+    balanced = copy.deepcopy(dropless)
+    balanced.routing_skew = 1.0
+    micro = dropless.trainer.micro_batch_size
+    skewed_acts, even_acts = activation_bytes(dropless, micro)[0], activation_bytes(balanced, micro)[0]
+    assert skewed_acts > 1.5 * even_acts  # the routed rows dominate a layer's activations
+    capped = copy.deepcopy(dropless)
+    capped.moe_opt.capacity_factor = 1.25
+    assert hot_rank_load(capped) == 1.0
+    plan, even = make_plan(dropless), make_plan(balanced)
+    difference = plan.memory.activations - even.memory.activations
+    assert difference == pytest.approx((skewed_acts - even_acts) / 2**30)
+    assert plan.memory.fixed == 3.0 and "fixed" in plan.render()
+    no_fixed = copy.deepcopy(dropless)
+    no_fixed.hardware.fixed_memory_gib = 0.0
+    assert plan.memory.total == pytest.approx(make_plan(no_fixed).memory.total + 3.0)

@@ -139,6 +139,9 @@ class HardwareConfig:
     default_devices: int = 1  # trainer.devices unless given (trn1: every NeuronCore of the node)
     device_memory_gib: float = 24.0
     host_memory_gib: Optional[float] = None  # per node; what parallel.offload_experts fills (null: unknown)
+    # device memory a process holds outside its tensors: runtime context, communication buffers, allocator
+    # reserve; the plan and the simulation add it (docs/SCALE.md)
+    fixed_memory_gib: float = 0.0
     peak_tflops: float = 0.5  # dense bf16 (fp32 on cpu) peak per device, for MFU
     precision: str = "32-true"  # Lightning precision string
     allow_tf32: bool = False
@@ -232,6 +235,10 @@ class TrainConfig:
     # (moe/tools/simulate.py); writes <run dir>/simulation.json. simulate_rank: which rank.
     simulate: bool = False
     simulate_rank: int = 0
+    # what dry_run and simulate plan for under dropless expert parallelism: the hottest expert's load as a
+    # multiple of its balanced share, on the rank that holds it (our runs log it as max_expert_load /
+    # mean_expert_load: the tiny preset's first steps reach 1.7-2.8, docs/SCALE.md); 1.0 = perfect balance
+    routing_skew: float = 2.0
     resume: bool = True  # resume from <run dir>/checkpoints/last.ckpt when present
     # load checkpoint files holding more than tensors and plain containers (their unpickling runs code):
     # only files you trust (moe/checkpoint/trust.py); the product's own checkpoints never need it

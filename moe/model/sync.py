@@ -6,12 +6,40 @@ needs one per forward (the all-to-all split sizes, sent and received, fetched to
 capacity mode needs one for the kept-row count (or the group's largest capacity under EP).
 
 Under fake tensors (`simulate=true`, moe/tools/simulate.py) no values exist: the simulation
-assumes perfectly balanced routing, so `total` rows spread evenly over the entries.
+assumes balanced routing, so `total` rows spread evenly over the entries, except that the simulated
+rank holds the hottest expert at `ASSUMED.skew` times its share (`routing_skew`, what the planner
+assumes too): an expert-parallel rank receives that many more rows.
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+
+@dataclass
+class Assumed:
+    skew: float = 1.0  # the simulated rank's hottest expert's load over its share
+
+
+ASSUMED = Assumed()
+
+
+@contextlib.contextmanager
+def assumed_skew(skew: float):
+    """Fake routing puts the hottest expert, at `skew` times its share, on the simulated rank."""
+    before, ASSUMED.skew = ASSUMED.skew, skew
+    try:
+        yield
+    finally:
+        ASSUMED.skew = before
+
+
+def hot_rows(balanced: int, experts_here: int) -> int:
+    """Rows a rank holding `experts_here` experts receives when one of them is the hottest (fake tensors)."""
+    return round(balanced * (experts_here - 1 + ASSUMED.skew) / experts_here)
 
 
 def host_sizes(counts: torch.Tensor, total: int) -> list[int]:

@@ -15,10 +15,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from moe.errors import CollectiveFailed
 from moe.faults import maybe_fail_in_all_to_all
-from moe.model.sync import host_int, host_sizes
+from moe.model.sync import host_int, host_sizes, hot_rows
 
 
 def set_collective_timeout(seconds: float) -> timedelta:
@@ -79,7 +80,10 @@ def exchange_counts(send_counts: torch.Tensor, group, rows: int) -> tuple[torch.
     with named_collective("the expert-parallel all_to_all_single of row counts", group):
         dist.all_to_all_single(recv_counts, send_counts, group=group)
     per_rank = torch.cat([send_counts.view(ep, -1).sum(1), recv_counts.view(ep, -1).sum(1)])
-    sizes = host_sizes(per_rank, 2 * rows)  # fake tensors: balanced, each rank receives what it sends
+    if is_fake(per_rank):  # simulated: sends balanced, receives its hottest expert's extra rows
+        sent = host_sizes(per_rank[:ep], rows)
+        return recv_counts, sent, host_sizes(per_rank[ep:], hot_rows(rows, send_counts.numel() // ep))
+    sizes = host_sizes(per_rank, 2 * rows)
     return recv_counts, sizes[:ep], sizes[ep:]
 
 

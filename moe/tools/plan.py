@@ -44,9 +44,9 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
       scaled_dot_product_attention keeps none of it, BackendSpec.fused_attention);
       MLA instead of q/k/v and o_proj input: q and the expanded k and v a*(2*qk + 2*v) with
       o_proj's input, and the latents in and out of their norms 2*(kv_lora_rank + q_lora_rank),
-      dense SwiGLU input h + gate/up/product 3F,
+      dense SwiGLU input h + gate and up 2F, silu(gate) F, their product F (4F; NxD's MLPs 3F),
       MoE input h + fp32 router logits/probs + per assignment (k of them, padded by the
-      capacity factor): dispatched input h, gate/up/product 3F, expert output h.
+      capacity factor): dispatched input h, the SwiGLU's 4F, expert output h.
     Under TP the norms/inputs (4h per layer) stay replicated unless sequence_parallel; the
     rest is split by tp. Policies (moe/parallel/apply.py): full keeps each layer's input
     plus one layer's activations while it recomputes; every_n does that for every n-th
@@ -76,10 +76,11 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
         attn = split(3 * h + latents, m.num_heads * (2 * qk_dim + 2 * v_dim)) + scores
     else:
         attn = split(3 * h, (h + 2 * m.num_kv_heads * qk_dim) + h) + scores
-    dense = split(h, 3 * Fd)
-    routed = m.top_k * cf * (2 * h + 3 * F)
+    swiglu = 3 if spec_of(cfg).name == "neuron" else 4  # NxD's MLPs measure at 3F (tests/neuron_real)
+    dense = split(h, swiglu * Fd)
+    routed = m.top_k * cf * (2 * h + swiglu * F) * hot_rank_load(cfg)
     router = 8 * m.num_experts / e  # fp32 logits and probabilities
-    moe = split(h, routed + 3 * m.shared_expert_intermediate_size) + router
+    moe = split(h, routed + swiglu * m.shared_expert_intermediate_size) + router
     moe_selective = split(h, m.top_k * cf * 2 * h) + router  # expert MLP internals recomputed
     layer_input = split(h, 0)
     policy, moe_layer_alone = p.activation_checkpointing, spec_of(cfg).ac_wraps_moe_layer
@@ -114,6 +115,8 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     else:
         logits = 2 * tokens * m.vocab_size * 4 / t  # fp32 logits and the cross-entropy's log-probabilities
     note = f"{p.activation_checkpointing} checkpointing, micro-batch {b} x {s} tokens"
+    if hot_rank_load(cfg) != 1.0:
+        note += f", the hottest expert's rank at {hot_rank_load(cfg):.2f}x the rows (routing_skew)"
     if sp:
         note += ", sequence parallel"
     if p.pp > 1:
@@ -122,6 +125,17 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     first = (kept * in_flight + recompute) * tokens * e
     last = (kept + recompute) * tokens * e + logits
     return first, last, note
+
+
+def hot_rank_load(cfg) -> float:
+    """Rows the rank holding the hottest expert receives, over a balanced rank's: its other experts at their
+    share, the hot one at `routing_skew` times (dropless expert parallelism; a capacity caps every expert at
+    its slots, and one process gets every row whatever the routing)."""
+    m, p = cfg.model, cfg.parallel
+    if cfg.moe_opt.capacity_factor is not None or p.ep == 1:
+        return 1.0
+    local = m.num_experts // p.ep
+    return (local - 1 + cfg.get("routing_skew", 1.0)) / local
 
 
 # --------------------------------------------------------------------------- the plan
@@ -142,6 +156,8 @@ class Memory:
     precision_note: str
     activation_note: str
     sharding_note: str
+    fixed: float = 0.0  # outside the tensors: runtime, communication buffers (hardware.fixed_memory_gib)
+    sharded_backward: bool = False  # gradients reduce-scattered unit by unit in the backward (FSDP2, no PP)
     host_per_node: float = 0.0  # offloaded states (parallel.offload_experts) in each node's host memory
     host_capacity: float | None = None  # hardware.host_memory_gib
 
@@ -151,7 +167,11 @@ class Memory:
         activations, communication buffers) and the optimizer step (its transient, with the
         gradients where they stay)."""
         step = self.step + (self.grads if self.grads_in_step else 0.0)
-        return self.params + self.optimizer + max(self.grads + self.activations + self.comm, step)
+        # FSDP2 (sharded_backward): gradients appear layer by layer as the backward frees the activations
+        # layer by layer, so the two peak at opposite ends of it, not together
+        backward = (max(self.grads, self.activations) if self.sharded_backward else
+                    self.grads + self.activations) + self.comm
+        return self.fixed + self.params + self.optimizer + max(backward, step)
 
     @property
     def headroom(self) -> float:
@@ -218,6 +238,8 @@ class Plan:
             "FSDP2's gathered weights",
             f"  step       {mem.step:>9.2f}  optimizer-step buffers (the peak is the larger of backward "
             "and step)",
+            f"  fixed      {mem.fixed:>9.2f}  runtime context, communication buffers, allocator reserve "
+            "(hardware.fixed_memory_gib)",
             f"  total      {mem.total:>9.2f}  -> {mem.verdict}, headroom {mem.headroom:.2f} GiB "
             f"({100 * mem.headroom / mem.capacity:.0f}%)",
         ]
@@ -291,6 +313,8 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
         capacity=float(cfg.hardware.device_memory_gib),
         precision_note=f"{bytes_.note} ({pb}+{gb}+{ob} bytes/param)",
         activation_note=act_note, sharding_note=sharding_note,
+        fixed=float(cfg.hardware.get("fixed_memory_gib", 0.0)),
+        sharded_backward=spec.name == "fsdp2" and pp == 1,
         host_per_node=host / GIB, host_capacity=cfg.hardware.host_memory_gib,
     )
 

@@ -8,13 +8,16 @@ storage is never allocated. torch's MemTracker (torch.distributed._tools.mem_tra
 bytes each live tensor would hold on the device, by kind. torchtitan's memory estimator
 (scripts/estimate/estimation.py, up to commit 4a950ea) is the model for this sequence.
 
-What it assumes: routing is perfectly balanced (no data exists to route; moe.model.sync), and the
-DeepSpeed ZeRO optimizer is its fp32 master partition plus two moments and the partition's fp32
-gradient (deepspeed 0.19.8 runtime/zero/stage_1_and_2.py: fp32 partitions :364, the partition's
-fp32 gradient set at :3126 after the half gradients are freed at :3128, stepped at :3139), and its
-reduce bucket, which the engine would allocate, is added as the planner counts it
-(BackendSpec.comm_buffer_bytes). Not counted: DDP's gradient buckets, NCCL's own buffers, the CUDA
-context and allocator fragmentation.
+What it assumes: routing is balanced but for the simulated rank, which holds the hottest expert at
+`routing_skew` times its share and receives its extra rows under dropless expert parallelism (no data
+exists to route; moe.model.sync, as the planner assumes), and the DeepSpeed ZeRO optimizer is its fp32
+master partition plus two moments and the partition's fp32 gradient (deepspeed 0.19.8
+runtime/zero/stage_1_and_2.py: fp32 partitions :364, the partition's fp32 gradient set at :3126 after
+the half gradients are freed at :3128, stepped at :3139), and its reduce bucket, which the engine would
+allocate, is added as the planner counts it
+(BackendSpec.comm_buffer_bytes). What no tensor here holds, the runtime's context, NCCL's buffers and
+the allocator's reserve, is added as `hardware.fixed_memory_gib` (a "Fixed" entry). Not counted: DDP's
+gradient buckets.
 """
 from __future__ import annotations
 
@@ -29,12 +32,14 @@ import torch.distributed as dist
 
 from moe.config.derived import precision_of
 from moe.config.specs import spec_of
+from moe.model.sync import assumed_skew
 from moe.parallel.dims import ParallelDims
 from moe.tools.plan import GIB, make_plan
 
 SIMULATION_FILE = "simulation.json"
 COMM = "Comm"  # the breakdown's entry for communication buffers added from the plan
 HOST = "Host"  # the breakdown's entry for what parallel.offload_experts keeps in host memory
+FIXED = "Fixed"  # the breakdown's entry for hardware.fixed_memory_gib, added from the plan
 
 
 @dataclass
@@ -162,7 +167,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         else:
             masters = [part for part, _ in optimizer.partitions or []]  # DeepSpeed's fp32 master partitions
             tracker.track_external(model, optimizer.optimizer, tokens, *masters)  # made outside the tracker
-        with fake_mode, tracker:
+        with fake_mode, tracker, assumed_skew(cfg.get("routing_skew", 1.0)):
             for step in range(2):  # the first step creates the optimizer state; the second has it all
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                     if pipeline is not None:
@@ -189,6 +194,9 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
                 gib -= moved
         breakdown["Total"] -= breakdown[HOST]
     plan = make_plan(cfg, dims)
+    if plan.memory.fixed:  # no runtime here: its context and communication buffers are added as planned
+        breakdown[FIXED] = plan.memory.fixed
+        breakdown["Total"] += plan.memory.fixed
     # DeepSpeed's engine does not run here: its buckets are added as planned (FSDP2's gathered weights
     # are real tensors of the simulated step, counted by the tracker)
     if plan.memory.comm and spec_of(cfg).name == "deepspeed":

@@ -1,0 +1,126 @@
+"""The GPU tier: tokens/s and MFU of a Mixtral-shaped MoE stack on one GPU, with natural routing and with
+routing forced to balance side by side (NVIDIA's headline MoE figures force balance), grouped GEMM on;
+FP8 (torchao's float8 training) as an option. docs/BENCHMARKS.md records the figures with the card's name.
+
+    .venv/bin/python bench/gpu_moe_stack.py                      # on a CUDA GPU
+    .venv/bin/python bench/gpu_moe_stack.py --fp8                # + torchao float8 linears (sm89+, torchao)
+    .venv/bin/python bench/gpu_moe_stack.py --cpu-smoke          # a tiny shape on the CPU: checks the script
+
+The stack is moe.model.MoETransformer with Mixtral 8x7B's block (hidden 4096, 8 experts of 14336, top-2,
+GQA 32/8) and --layers blocks (default 4: 5.9B parameters, bf16 weights, what one 80 GB card holds with
+SGD's step), micro-batch x 4096 tokens, the chunked LM head and loss; each step is forward, backward and
+an SGD update. MFU = 6 x active parameters x tokens/s (plus attention's 12 x layers x hidden x seq per
+token) over the card's dense bf16 peak (--peak-tflops, default from the card's name).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense bf16
+
+
+def balanced_top_k(scores_TE, k, *args, **kwargs):
+    """Forced balance: token t's picks are experts (t*k + j) mod E, weighted by its router's scores for them
+    (torchtitan's _debug_force_load_balance, NVIDIA's benchmark setting)."""
+    T, E = scores_TE.shape
+    idx_TK = (torch.arange(T, device=scores_TE.device).unsqueeze(1) * k
+              + torch.arange(k, device=scores_TE.device)) % E
+    weights_TK = scores_TE.gather(1, idx_TK)
+    return weights_TK / weights_TK.sum(-1, keepdim=True), idx_TK
+
+
+def build(args, device):
+    from moe.config.schema import ModelConfig, MoEOptConfig
+    from moe.model.model import MoETransformer
+
+    if args.cpu_smoke:
+        cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, num_experts=8, top_k=2)
+    else:
+        cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=args.layers,
+                          num_heads=32, num_kv_heads=8, num_experts=8, top_k=2, max_position_embeddings=4096)
+    opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
+    with torch.device(device):
+        model = MoETransformer(cfg, opt, init_seed=0).to(torch.bfloat16)
+    if args.fp8:
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda m, name: "attn" in name)
+    return model, cfg
+
+
+def tokens_per_s(model, cfg, args, device, balanced: bool) -> float:
+    import moe.model.moe as moe_module
+
+    natural = moe_module.top_k_routing
+    moe_module.top_k_routing = balanced_top_k if balanced else natural
+    try:
+        seq = 32 if args.cpu_smoke else args.seq_len
+        ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, seq + 1), device=device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+        times = []
+        for step in range(args.warmup + args.steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model(ids[:, :-1], labels_BS=ids[:, 1:])
+            (out.lm_loss + out.router_loss).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - start)
+        return args.micro_batch * seq / (sum(times) / len(times))
+    finally:
+        moe_module.top_k_routing = natural
+
+
+def refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--fp8", action="store_true", help="torchao float8 training, attention linears")
+    parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU (no figures)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        refuse("bench/gpu_moe_stack.py measures a CUDA GPU and this machine has none (torch sees no CUDA "
+               "device). Fix: run it on a GPU machine, or pass --cpu-smoke to check the script here.")
+    if args.fp8 and (args.cpu_smoke or torch.cuda.get_device_capability() < (8, 9)):
+        refuse("--fp8 needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: L40S, H100) and "
+               "torchao; this run has none. Fix: drop --fp8, or run on such a card.")
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    name = "CPU (smoke)" if args.cpu_smoke else torch.cuda.get_device_name()
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    model, cfg = build(args, device)
+    from moe.config.size import param_breakdown
+
+    sizes = param_breakdown(cfg)
+    seq = 32 if args.cpu_smoke else args.seq_len
+    flops_per_token = 6 * sizes.active + 12 * cfg.num_layers * cfg.hidden_size * seq
+    print(f"{name}: {cfg.num_layers} Mixtral-shaped blocks, {sizes.total / 1e9:.2f}B parameters "
+          f"({sizes.active / 1e9:.2f}B active), micro-batch {args.micro_batch} x {seq}, bf16"
+          + (", fp8 attention linears" if args.fp8 else ""))
+    print("| routing | tokens/s | MFU |")
+    print("|---|---|---|")
+    for label, balanced in (("natural (the router's own picks)", False), ("forced balance", True)):
+        rate = tokens_per_s(model, cfg, args, device, balanced)
+        mfu = f"{100 * rate * flops_per_token / (peak * 1e12):.1f}%" if peak else "- (pass --peak-tflops)"
+        print(f"| {label} | {rate:,.0f} | {mfu} |")
+
+
+if __name__ == "__main__":
+    main()

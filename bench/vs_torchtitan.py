@@ -1,0 +1,145 @@
+"""Our MoE layer beside torchtitan 0.3.0's, on the same shapes and weights, on this CPU (docs/BENCHMARKS.md).
+
+torchtitan is not a dependency (its pins conflict with ours: datasets < 4.8); install it and the few modules
+its MoE layer imports into a directory of their own, then run:
+
+    .venv/bin/pip install --target .bench-deps --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro \
+        docstring_parser triton
+    PYTHONPATH=.bench-deps .venv/bin/python bench/vs_torchtitan.py
+
+Both layers: Mixtral-style top-2 softmax routing renormalised over the two picks, SwiGLU experts through
+torch._grouped_mm, dropless, one process, bf16 weights (torchtitan's experts compute in bf16 whatever the
+weights; ours in the weights' dtype; our router in fp32, theirs in the weights'). Same expert and router
+weights (ours [E, H, 2F] gate|up and [E, F, H], theirs w1/w3 [E, F, H] and w2 [E, H, F]). Columns: forward
++ backward wall time (median of repeats), aten ops and host syncs in one forward + backward
+(moe.tools.syncs), peak memory of the step (torch's MemTracker: what the tensors would hold on a device),
+and a short training run's losses (each layer fits the same frozen random teacher from the same start).
+Ours also computes its routing statistics (load-balance and z-loss terms, per-expert counts), which
+torchtitan's forward does not.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from moe.tools.syncs import counting_syncs
+
+
+def ours(hidden: int, width: int, experts: int, top_k: int, seed: int):
+    from moe.config.schema import MoEOptConfig
+    from moe.model.moe import MoELayer
+
+    opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    torch.manual_seed(seed)
+    layer = MoELayer(hidden, width, experts, top_k, opt, init_range=0.02)
+    layer.experts.use_grouped_mm = True
+    return layer.to(torch.bfloat16)
+
+
+def theirs(layer, hidden: int, width: int, experts: int, top_k: int):
+    """torchtitan's MoE holding `layer`'s weights."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    config = MoE.Config(
+        num_experts=experts, load_balance_coeff=None,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=hidden, hidden_dim=width, num_experts=experts),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=experts, top_k=top_k)),
+        router=TokenChoiceTopKRouter.Config(num_experts=experts, top_k=top_k, score_func="softmax",
+                                            route_norm=True,
+                                            gate=Linear.Config(in_features=hidden, out_features=experts)))
+    moe = config.build().to(torch.bfloat16)
+    with torch.no_grad():
+        gate_up, down = layer.experts.gate_up.detach(), layer.experts.down.detach()
+        inner = moe.routed_experts.inner_experts
+        inner.w1_EFD.copy_(gate_up[:, :, :width].transpose(1, 2))
+        inner.w3_EFD.copy_(gate_up[:, :, width:].transpose(1, 2))
+        inner.w2_EDF.copy_(down.transpose(1, 2))
+        moe.router.gate.weight.copy_(layer.router.weight.detach())
+    return moe
+
+
+def run(module, x):
+    out = module(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def measure(name, module, x, repeats: int) -> dict:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def step():
+        module.zero_grad(set_to_none=True)
+        run(module, x).float().pow(2).mean().backward()
+
+    step()  # warm-up (grouped_mm probe, allocator)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    with counting_syncs() as counter:
+        step()
+    tracker = MemTracker()
+    tracker.track_external(module, x)
+    with tracker:
+        step()
+    peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    return {"name": name, "ms": 1e3 * statistics.median(times), "ops": counter.ops,
+            "syncs": len(counter.syncs), "peak_mib": peak / 2**20}
+
+
+def fit(module, teacher, steps: int, tokens: int, hidden: int) -> list[float]:
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(1, tokens, hidden, generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            target = teacher(x.float())
+        loss = (run(module, x).float() - target).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--width", type=int, default=896)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    h, f, e, k = args.hidden, args.width, args.experts, args.top_k
+    mine = ours(h, f, e, k, seed=0)
+    titan = theirs(mine, h, f, e, k)
+    x = torch.randn(1, args.tokens, h, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        diff = (run(mine, x).float() - run(titan, x).float()).abs().max().item()
+    print(f"shapes: hidden {h}, expert width {f}, {e} experts top-{k}, {args.tokens} tokens, bf16; "
+          f"outputs differ by {diff:.2e} at most (the routers' dtypes)")
+    print("| layer | fwd+bwd ms | aten ops | host syncs | peak MiB | loss at step 1 / 10 / last |")
+    print("|---|---|---|---|---|---|")
+    torch.manual_seed(3)
+    teacher = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, h))
+    for name, module, fresh in (("ours (moe.model.moe.MoELayer)", mine, lambda: ours(h, f, e, k, seed=0)),
+                                ("torchtitan 0.3.0 (models.common.moe.MoE)", titan,
+                                 lambda: theirs(ours(h, f, e, k, seed=0), h, f, e, k))):
+        row = measure(name, module, x, args.repeats)
+        losses = fit(fresh(), teacher, args.steps, args.tokens // 4, h)
+        print(f"| {row['name']} | {row['ms']:.1f} | {row['ops']} | {row['syncs']} | {row['peak_mib']:.1f} | "
+              f"{losses[0]:.4f} / {losses[9]:.4f} / {losses[-1]:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
