@@ -217,6 +217,7 @@ CONFIG_CASES = [
     (["hardware.strategy=horovod"], "hardware.strategy", "'horovod'", "not a known strategy", None),
     (["parallel.tp=2", "trainer.devices=2"], "parallel.tp", "2", "DDP", None),
     (["parallel.pp=2", "trainer.devices=2"], "parallel.pp", "2", "DDP", None),
+    (["routing_skew=0.5"], "routing_skew", "0.5", "below its balanced share", "1.0 (perfect balance)"),
     (["hardware=cpu_fsdp2", "parallel.pp=2", "trainer.devices=2", "trainer.accumulate_grad_batches=2",
       "parallel.pp_schedule=ZBVZeroBubble"], "parallel.pp_schedule", "'ZBVZeroBubble'", "eval()",
      "InterleavedZeroBubble"),

@@ -719,6 +719,15 @@ def check_waits(cfg) -> None:
           "must be positive")
 
 
+def check_planning(cfg) -> None:
+    """What dry_run and simulate plan for: a skew below balance, or a negative fixed cost, means nothing."""
+    skew = cfg.get("routing_skew", 1.0)
+    _need(skew >= 1.0, "routing_skew", skew, "use 1.0 (perfect balance) or more, e.g. the default 2.0",
+          "puts the hottest expert below its balanced share")
+    fixed = cfg.hardware.get("fixed_memory_gib", 0.0)
+    _need(fixed >= 0, "hardware.fixed_memory_gib", fixed, "use 0 or more GiB", "is negative")
+
+
 def check_simulate(cfg) -> None:
     """simulate=true runs the torch model's own code path for one rank (moe/tools/simulate.py)."""
     if not cfg.get("simulate", False):
@@ -793,7 +802,7 @@ RULES = [  # in order: keys and numbers, counts, then the hardware, then divisib
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
-    check_neuron, check_fsdp2, check_hf_start, check_simulate, check_waits,
+    check_neuron, check_fsdp2, check_hf_start, check_planning, check_simulate, check_waits,
 ]
 
 

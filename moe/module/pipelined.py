@@ -54,5 +54,5 @@ class PipelinedSteps:
                 stats.add_routing(record.routing, tokens_per_micro_batch)
         stats.micro_batches += self.pipeline.n_microbatches
         for micro_batch in zip(*(part.records for part in self.pipeline.parts), strict=True):
-            module.count_expert_picks([stats for record in micro_batch for stats in record.routing])
+            module.count_expert_picks([layer for record in micro_batch for layer in record.routing])
         return torch.stack(losses).mean() if losses else torch.zeros(())
