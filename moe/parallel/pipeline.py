@@ -13,7 +13,8 @@ The step's loss is the mean over micro-batches of LM loss + router terms, as one
 them computes it: the schedule sums each micro-batch's loss times 1 / micro-batches (torchtitan's
 scale_grads=False), and every stage's router terms enter its backward with the same weight
 (moe.model.stage.RouterLossGrad). FSDP2's gradient reduction runs once, after the last micro-batch
-(PipelineStage.perform_reduce_grad).
+(PipelineStage.perform_reduce_grad), but for experts offloaded to host memory, which reduce after every
+micro-batch (keep_offloaded_experts_reducing).
 """
 from __future__ import annotations
 
@@ -33,10 +34,6 @@ class Pipeline:
     parts: list[PipelineStageModel]  # this rank's stages, in stage order
     schedule: object  # a torch.distributed.pipelining schedule
     n_microbatches: int
-
-    @property
-    def has_last(self) -> bool:
-        return any(part.last for part in self.parts)
 
     def train(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Forward and backward of every micro-batch of the step (gradients accumulated, then reduced)."""
@@ -130,13 +127,6 @@ def stage_tensors(cfg, dims, part: PipelineStageModel, n_microbatches: int, hidd
     inputs = torch.empty(rows, dims.seq_len, dtype=torch.long, device="meta") if part.first else hidden
     outputs = torch.empty((), dtype=torch.float32, device="meta") if part.last else hidden
     return inputs, outputs
-
-
-def stage_inputs_like(stage, tokens: torch.Tensor) -> torch.Tensor:
-    """A tensor of the shape and dtype `stage` receives from its predecessor (its static input), as the
-    simulation feeds a stage whose neighbour is a fake rank."""
-    meta = stage._user_meta.inputs[0]
-    return torch.randn(meta.shape, dtype=meta.dtype, device=tokens.device, requires_grad=True)
 
 
 class StageParts(nn.Module):

@@ -253,8 +253,6 @@ def _pipeline_step(pipeline, pp_rank: int, tokens: torch.Tensor) -> None:
     input backwards; weight passes are left in the input ones), every activation kept until its backward;
     a stage's inputs from its neighbours are fake tensors of their static shape. FSDP2 accumulates without
     reducing until the end, then reduces, as PipelineStage does (stage.py:844-847, perform_reduce_grad)."""
-    from moe.parallel.pipeline import stage_inputs_like
-
     schedule = pipeline.schedule
     stages = {stage.stage_index: stage for stage in getattr(schedule, "_stages", None) or [schedule._stage]}
     kept = {}
@@ -262,7 +260,7 @@ def _pipeline_step(pipeline, pp_rank: int, tokens: torch.Tensor) -> None:
         stage = stages[stage_index]
         if kind == "F":
             part = stage.submod
-            x = tokens if part.first else stage_inputs_like(stage, tokens)
+            x = tokens if part.first else _received(stage)
             kept[(stage_index, micro_batch)] = part(x, labels_BS=tokens)
         elif kind in ("B", "I"):
             out = kept.pop((stage_index, micro_batch))
@@ -275,6 +273,12 @@ def _pipeline_step(pipeline, pp_rank: int, tokens: torch.Tensor) -> None:
                 out.backward(torch.ones_like(out))
     for stage in stages.values():
         stage.perform_reduce_grad(1)
+
+
+def _received(stage) -> torch.Tensor:
+    """What `stage` would receive from its neighbour on a fake rank: a tensor of its static input's shape."""
+    meta = stage._user_meta.inputs[0]
+    return torch.randn(meta.shape, dtype=meta.dtype, requires_grad=True)
 
 
 def _rank_actions(schedule, pp_rank: int, n: int) -> list[tuple[int, str, int]]:
@@ -308,7 +312,9 @@ def _offloaded_states(model, optimizer, fsdp_tracker: bool) -> dict[tuple, float
     views = {id(view): param for param, view in optimizer.local_views if id(param) in ids}
     states = [t for view, state in optimizer.optimizer.state.items() if id(view) in views
               for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
-    nbytes = lambda tensors: sum(_local_numel(t) * t.element_size() for t in tensors) / GIB  # noqa: E731
+    def nbytes(tensors) -> float:
+        return sum(_local_numel(t) * t.element_size() for t in tensors) / GIB
+
     grads = nbytes(params) * 4 / params[0].element_size() if params else 0.0  # reduced in fp32
     if fsdp_tracker:
         return {("Sharded Param",): nbytes(params), ("OptState",): nbytes(states),
