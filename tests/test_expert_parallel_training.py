@@ -75,11 +75,27 @@ def test_expert_grad_reduction_and_checkpoint_gather_slice_on_two_ranks():
         assert back == ([saved_w[rank]], own_m)
 
 
+EP2 = ("hardware=cpu", "parallel=ep2", *TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory):
+    """20 steps of DDP with EP 2 on 2 ranks (checkpoints at 10 and 20), trained once for the tests below,
+    which copy it before changing anything."""
+    run = tmp_path_factory.mktemp("ep2") / "ep2"
+    train(run, *EP2)
+    return run
+
+
+def _copy(run, to):
+    shutil.copytree(run, to, symlinks=True)  # last.ckpt is a link, as the run left it
+    return to
+
+
 @pytest.mark.slow
-def test_ep2_ddp_matches_single_process_and_its_sharded_checkpoint_reads_whole(tmp_path, tmp_path_factory):
+def test_ep2_ddp_matches_single_process_and_its_sharded_checkpoint_reads_whole(ep2_run, tmp_path_factory):
     single = single_process_baseline(tmp_path_factory)
-    run = tmp_path / "ep2"
-    train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS)
+    run = ep2_run
     assert_same_losses(run, single)
     pairs = zip(rows(run), rows(single), strict=True)
     norms = [(float(a["grad_norm"]), float(b["grad_norm"])) for a, b in pairs]
@@ -112,16 +128,15 @@ def test_dp2_with_global_batch_load_balancing_matches_single_process(tmp_path, t
 
 
 @pytest.mark.slow
-def test_ep2_ddp_resume_from_step_10_continues_the_same_run(tmp_path):
-    run = tmp_path / "ep2"
-    train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS)
+def test_ep2_ddp_resume_from_step_10_continues_the_same_run(tmp_path, ep2_run):
+    run = _copy(ep2_run, tmp_path / "ep2")
     uninterrupted = losses(run)
     ckpts = run / "checkpoints"
     (ckpts / "last.ckpt").unlink()  # as if killed after the step-10 save: a link, then the step-20 dir
     shutil.rmtree(ckpts / "step-000020.ckpt")
     assert (ckpts / "step-000010.ckpt" / ".metadata").exists()
     shutil.copy(run / "metrics.csv", tmp_path / "metrics_before.csv")
-    proc = train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS, resume=True)
+    proc = train(run, *EP2, resume=True)
     assert "resuming from" in proc.stdout and "step-000010" in proc.stdout
     resumed = losses(run)
     assert len(resumed) == 20
@@ -133,12 +148,12 @@ AT_EP1 = ("parallel=dp2", "moe_opt.aux_loss_group=dp")  # load balance over both
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resume_parallel", [("parallel=ep2",), AT_EP1], ids=["at_ep2", "at_ep1"])
-def test_sharded_checkpoint_at_ep2_resumes_at_ep1_and_ep2_with_the_same_losses(tmp_path, resume_parallel):
+def test_sharded_checkpoint_at_ep2_resumes_at_ep1_and_ep2_with_the_same_losses(tmp_path, ep2_run,
+                                                                               resume_parallel):
     """Saved at step 10 by 2 ranks holding 4 experts each; resumed by 2 ranks holding 4 (ep2) or all 8
     (dp2, read whole; load balance over both ranks, as ep2's EP group gives): steps 11-20 equal the
     uninterrupted run's."""
-    run = tmp_path / "ep2"
-    train(run, "hardware=cpu", "parallel=ep2", *TWO_RANKS)
+    run = ep2_run
     uninterrupted = losses(run)
     resumed_run = tmp_path / "resumed"
     step_10 = "checkpoints/step-000010.ckpt"

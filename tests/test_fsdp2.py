@@ -195,7 +195,6 @@ FOUR = ("trainer.devices=4", "hardware.devices_per_node=4")
 LAYOUTS = {
     "tp2": ("parallel=fsdp2_tp2", "trainer.devices=2", "trainer.micro_batch_size=4"),
     "ep2": ("parallel=fsdp2_ep2", *TWO_RANKS),
-    "dp2": ("parallel=fsdp2_dp2", *TWO_RANKS),
     # dp 2 x tp 2 with EP 2 folded over TP and sequence parallelism: every piece of the 4-rank layout at once
     "dp2_tp2_ep2_sp": ("parallel=fsdp2_tp2", "parallel.ep=2", "parallel.sequence_parallel=true", *FOUR,
                        "trainer.micro_batch_size=2"),
@@ -233,7 +232,8 @@ HSDP = ("parallel=fsdp2_hsdp", *FOUR, "trainer.micro_batch_size=1")  # tests/tes
 def test_every_fsdp2_layout_matches_one_process(tmp_path, tmp_path_factory, layout):
     """tp (its MoE tokens split over TP), dp x ep (each expert sharded over its 2 replicas), dp x tp with EP
     folded over TP and sequence parallelism, HSDP x ep: every step's loss equals one process holding the
-    same global batch (HSDP alone: tests/test_resume_layouts.py)."""
+    same global batch (HSDP alone: tests/test_resume_layouts.py; plain FSDP2 over dp is in each of these,
+    the dense weights sharded over every data-parallel rank)."""
     single = single_process_baseline(tmp_path_factory)
     run = tmp_path / layout
     train(run, *FSDP2, *LAYOUTS[layout])

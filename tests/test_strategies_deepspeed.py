@@ -103,16 +103,31 @@ def test_missing_deepspeed_is_a_user_error(monkeypatch):
 # ------------------------------------------------------------------------ real CPU training (slow)
 
 
+ZERO2 = ("hardware=cpu_deepspeed", "parallel=ep2", "parallel.zero_stage=2", *TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory):
+    """20 steps of DeepSpeed ZeRO-2 with EP 2 on 2 ranks, trained once: its parity test reads it, the resume
+    test copies it."""
+    run = tmp_path_factory.mktemp("zero2") / "ds"
+    train(run, *ZERO2)
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", [
     ("parallel=ep2",),  # ZeRO off: DeepSpeed's expert-DP all-reduce, our global-norm fp32 clipping
-    ("parallel=ep2", "parallel.zero_stage=2"),  # expert partitions over the expert-DP group
+    ("parallel=ep2", "parallel.zero_stage=2"),  # expert partitions over the expert-DP group (zero2_run)
     ("parallel=dp2", "parallel.zero_stage=1", "moe_opt.aux_loss_group=dp"),
 ], ids=["ep2", "ep2_zero2", "dp2_zero1"])
-def test_cpu_deepspeed_matches_single_process(tmp_path, tmp_path_factory, parallel):
+def test_cpu_deepspeed_matches_single_process(tmp_path, tmp_path_factory, request, parallel):
     single = single_process_baseline(tmp_path_factory)
-    run = tmp_path / "ds"
-    train(run, "hardware=cpu_deepspeed", *parallel, *TWO_RANKS)
+    if parallel == ("parallel=ep2", "parallel.zero_stage=2"):
+        run = request.getfixturevalue("zero2_run")
+    else:
+        run = tmp_path / "ds"
+        train(run, "hardware=cpu_deepspeed", *parallel, *TWO_RANKS)
     assert_same_losses(run, single)
     for got, want in zip(rows(run), rows(single), strict=True):  # DeepSpeed's own norm, before clipping
         assert abs(float(got["grad_norm"]) - float(want["grad_norm"])) <= 1e-3 * float(want["grad_norm"])
@@ -126,10 +141,10 @@ def test_cpu_deepspeed_matches_single_process(tmp_path, tmp_path_factory, parall
 
 
 @pytest.mark.slow
-def test_cpu_deepspeed_zero2_resume_restores_partitions(tmp_path):
+def test_cpu_deepspeed_zero2_resume_restores_partitions(tmp_path, zero2_run):
     run = tmp_path / "ds"
-    args = ("hardware=cpu_deepspeed", "parallel=ep2", "parallel.zero_stage=2", *TWO_RANKS)
-    train(run, *args)
+    shutil.copytree(zero2_run, run, symlinks=True)  # last.ckpt is a link, as the run left it
+    args = ZERO2
     uninterrupted = losses(run)
     ckpts = run / "checkpoints"
     (ckpts / "last.ckpt").unlink()  # as if killed after the step-10 save: a link, then the step-20 dir
