@@ -663,12 +663,12 @@ def check_fsdp2(cfg) -> None:
 
 def _check_fsdp2_pipeline(cfg) -> None:
     """torch.distributed.pipelining's limits (torch/distributed/pipelining/schedules.py: 1F1B needs as many
-    micro-batches as stages, the looped schedules whole rounds of pp, ZBV two stages per rank)."""
+    micro-batches as stages, the looped schedules whole rounds of pp) and what this product runs of it."""
     p, t, m = cfg.parallel, cfg.trainer, cfg.model
     _need(p.pp_schedule not in ("ZBVZeroBubble", "DualPipeV"), "parallel.pp_schedule", p.pp_schedule,
           "use InterleavedZeroBubble (zero bubble on looped stages), or Interleaved1F1B",
-          "cannot validate here: torch 2.13's V-shaped schedules fail in eval() (pipelining/stage.py:419, "
-          "\"can't steal_bwd_input if this stage doesn't have backward\")")
+          "is refused: validation runs through the schedule, and torch 2.13's V-shaped schedules fail in "
+          "eval() (pipelining/stage.py:419, \"can't steal_bwd_input if this stage doesn't have backward\")")
     _one_of("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES, "pipeline schedule")
     schedule = p.pp_schedule
     per_rank = stages_per_rank(schedule, p.pp_stages_per_rank)
@@ -703,7 +703,7 @@ def _check_fsdp2_pipeline(cfg) -> None:
     _need(n >= p.pp and (single or n % p.pp == 0), field, value,
           f"use at least {p.pp} micro-batches{'' if single else f', a multiple of parallel.pp={p.pp}'} (more "
           "micro-batches also shrink the pipeline bubble)",
-          f"is too few micro-batches for {schedule} over {p.pp} pipeline ranks")
+          f"is not a number of micro-batches {schedule} runs over {p.pp} pipeline ranks")
 
 
 def check_waits(cfg) -> None:
