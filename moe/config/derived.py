@@ -121,3 +121,9 @@ def pipeline_in_flight(schedule: str, pp: int, per_rank: int, n: int) -> float:
     factor = 2 if schedule == "Interleaved1F1B" else 1
     warmup = min((per_rank - 1) * per_round + factor * (pp - 1), n * per_rank)
     return min(warmup + 1, n * per_rank) / per_rank
+
+
+def hottest_rank_load(experts_here: int, skew: float) -> float:
+    """Rows a rank holding `experts_here` experts receives when one of them is the hottest, at `skew` times
+    its share (routing_skew), over a balanced rank's: the planner's and the simulation's one assumption."""
+    return (experts_here - 1 + skew) / experts_here

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from moe.config.derived import hottest_rank_load
+
 
 @dataclass
 class Assumed:
@@ -39,7 +41,7 @@ def assumed_skew(skew: float):
 
 def hot_rows(balanced: int, experts_here: int) -> int:
     """Rows a rank holding `experts_here` experts receives when one of them is the hottest (fake tensors)."""
-    return round(balanced * (experts_here - 1 + ASSUMED.skew) / experts_here)
+    return round(balanced * hottest_rank_load(experts_here, ASSUMED.skew))
 
 
 def host_sizes(counts: torch.Tensor, total: int) -> list[int]:

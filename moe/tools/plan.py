@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from moe.config.derived import (
     attention_dims,
     dense_width,
+    hottest_rank_load,
     is_moe_layer,
     launch_overrides,
     pipeline_in_flight,
@@ -134,8 +135,7 @@ def hot_rank_load(cfg) -> float:
     m, p = cfg.model, cfg.parallel
     if cfg.moe_opt.capacity_factor is not None or p.ep == 1:
         return 1.0
-    local = m.num_experts // p.ep
-    return (local - 1 + cfg.get("routing_skew", 1.0)) / local
+    return hottest_rank_load(m.num_experts // p.ep, cfg.get("routing_skew", 1.0))
 
 
 # --------------------------------------------------------------------------- the plan
