@@ -63,13 +63,18 @@ def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
     """Sum of the squares of `grads` in fp32 on `device`: one foreach norm per device and dtype (torch's
     clip_grad_norm_ kernels), no per-tensor reduction or copy."""
     total = torch.zeros((), device=device)
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        by_kind.setdefault((g.device, g.dtype), []).append(g)
-    for tensors in by_kind.values():
+    for tensors in _by_device_and_dtype(grads).values():
         norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
         total = total + torch.stack(norms).pow(2).sum().to(device)
     return total
+
+
+def _by_device_and_dtype(tensors) -> dict[tuple, list[torch.Tensor]]:
+    """The tensors grouped as a foreach kernel takes them: one device and dtype per call."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
 
 
 @torch.no_grad()
@@ -77,10 +82,6 @@ def clip_local_grads(params, total_norm: torch.Tensor, max_norm: float) -> None:
     """Scale every gradient's local part by max_norm / (total_norm + 1e-6) when above, as clip_grad_norm_:
     one foreach multiply per device and dtype, the factor staying on the device (no host sync)."""
     coef = torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            local = local_part(p.grad)
-            by_kind.setdefault((local.device, local.dtype), []).append(local)
-    for (dev, dtype), grads in by_kind.items():
-        torch._foreach_mul_(grads, coef.to(dev, dtype))
+    grads = _by_device_and_dtype(local_part(p.grad) for p in params if p.grad is not None)
+    for (dev, dtype), same in grads.items():
+        torch._foreach_mul_(same, coef.to(dev, dtype))
