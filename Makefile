@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train data test test-slow test-neuron coverage smoke sweep-smoke report bench lint compile-neuron clean
+.PHONY: help setup train data test test-slow test-neuron test-floor gpu-check coverage smoke sweep-smoke report bench lint compile-neuron clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -37,6 +37,21 @@ NXD_CPU ?= $(HOME)/.cache/moe-nxd-cpu
 test-neuron: ## the trn1 backend on neuronx-distributed v2.28.0's real code in CPU mode (NXD_SRC=copy; first run sets up 7.7 GB in NXD_CPU)
 	@PREFIX=$(NXD_CPU) bash tests/neuron_real/setup.sh
 	PREFIX=$(NXD_CPU) bash tests/neuron_real/run.sh $(CHECKS)
+
+FLOOR_VENV ?= .venv-floor
+# every backend's parity tests, the bf16 tests and the GPU emulations, at the oldest torch and Lightning admitted
+FLOOR_TESTS ?= tests/test_gpu_paths.py tests/test_moe_layer.py tests/test_model.py tests/test_bf16.py \
+  tests/test_expert_parallel_training.py::test_ep2_ddp_matches_single_process_and_its_sharded_checkpoint_reads_whole \
+  tests/test_strategies_deepspeed.py::test_cpu_deepspeed_matches_single_process \
+  tests/test_fsdp2.py::test_every_fsdp2_layout_matches_one_process \
+  tests/test_folded_ep.py::test_tp2_ep2_on_4_ranks_equals_one_process
+test-floor: ## the same tests on the oldest stack pyproject admits (torch 2.9.0, Lightning 2.5.0: constraints-floor.txt; first run sets up 7.4 GB in FLOOR_VENV)
+	@VENV=$(FLOOR_VENV) bash tests/floor/setup.sh
+	$(FLOOR_VENV)/bin/python -m pytest -q -m '' $(FLOOR_TESTS) $(ARGS)
+
+GPU_PYTHON ?= python3
+gpu-check: ## on CUDA GPUs, from a checkout (no venv): every GPU path trains 30 steps of moe_1b at seq 2048, one table, then the GPU benches; ARGS=--cpu-smoke here
+	$(GPU_PYTHON) bench/gpu_check.py $(ARGS)
 
 smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1, gpu (DeepSpeed), gpu_fsdp2 (pipelined too) and trn2 presets
 	$(PY) train.py trainer=smoke run_name=smoke resume=false $(ARGS)

@@ -15,13 +15,16 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from moe.data import prepare
-from moe.data.sample_corpus import corpus_lines
-from moe.data.tokenizer import read_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from moe.data import prepare  # noqa: E402
+from moe.data.sample_corpus import corpus_lines  # noqa: E402
+from moe.data.tokenizer import read_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,14 +12,18 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from moe.config import ModelConfig, MoEOptConfig
-from moe.hf import to_hf
-from moe.infer.generate import generate, left_pad
-from moe.model import MoETransformer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from moe.config import ModelConfig, MoEOptConfig  # noqa: E402
+from moe.hf import to_hf  # noqa: E402
+from moe.infer.generate import generate, left_pad  # noqa: E402
+from moe.model import MoETransformer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout, uninstalled (the child below inserts it too)
 MODEL = ["model=tiny", "model.vocab_size=32000", "model.hidden_size=1024", "model.intermediate_size=2816",
          "model.num_layers=8", "model.num_heads=16", "model.num_kv_heads=4", "model.num_experts=8"]
 CASES = {  # label -> (world, ep, eager)

@@ -12,11 +12,14 @@ tensor_parallel.py before issue J): tp times the work; folded, each TP rank rout
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from moe.config.size import param_breakdown
-from moe.parallel.dims import ParallelDims
-from moe.train.preflight import compose_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from moe.config.size import param_breakdown  # noqa: E402
+from moe.parallel.dims import ParallelDims  # noqa: E402
+from moe.train.preflight import compose_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ["moe64_top2_gpu_dp2_ep8", "mixtral_8x7b_gpu_fsdp2", "mixtral_8x22b_gpu_fsdp2",

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from moe.tools.syncs import counting_syncs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from moe.tools.syncs import counting_syncs  # noqa: E402
 
 
 def ours(hidden: int, width: int, experts: int, top_k: int, seed: int):
@@ -72,9 +76,13 @@ def run(module, x):
 def measure(name, module, x, repeats: int) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    cuda = x.device.type == "cuda"
+
     def step():
         module.zero_grad(set_to_none=True)
         run(module, x).float().pow(2).mean().backward()
+        if cuda:
+            torch.cuda.synchronize()
 
     step()  # warm-up (grouped_mm probe, allocator)
     times = []
@@ -84,21 +92,26 @@ def measure(name, module, x, repeats: int) -> dict:
         times.append(time.perf_counter() - start)
     with counting_syncs() as counter:
         step()
-    tracker = MemTracker()
-    tracker.track_external(module, x)
-    with tracker:
+    if cuda:  # what the card's allocator held at the step's peak, the weights and their gradients included
+        torch.cuda.reset_peak_memory_stats()
         step()
-    peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        tracker = MemTracker()
+        tracker.track_external(module, x)
+        with tracker:
+            step()
+        peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     return {"name": name, "ms": 1e3 * statistics.median(times), "ops": counter.ops,
             "syncs": len(counter.syncs), "peak_mib": peak / 2**20}
 
 
-def fit(module, teacher, steps: int, tokens: int, hidden: int) -> list[float]:
+def fit(module, teacher, steps: int, tokens: int, hidden: int, device) -> list[float]:
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(steps):
-        x = torch.randn(1, tokens, hidden, generator=gen).to(torch.bfloat16)
+        x = torch.randn(1, tokens, hidden, generator=gen).to(device, torch.bfloat16)
         with torch.no_grad():
             target = teacher(x.float())
         loss = (run(module, x).float() - target).pow(2).mean()
@@ -118,25 +131,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (make gpu-check)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    h, f, e, k = args.hidden, args.width, args.experts, args.top_k
-    mine = ours(h, f, e, k, seed=0)
-    titan = theirs(mine, h, f, e, k)
-    x = torch.randn(1, args.tokens, h, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    h, f, e, k, device = args.hidden, args.width, args.experts, args.top_k, torch.device(args.device)
+    mine = ours(h, f, e, k, seed=0).to(device)
+    titan = theirs(mine, h, f, e, k).to(device)
+    x = torch.randn(1, args.tokens, h, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
     with torch.no_grad():
         diff = (run(mine, x).float() - run(titan, x).float()).abs().max().item()
-    print(f"shapes: hidden {h}, expert width {f}, {e} experts top-{k}, {args.tokens} tokens, bf16; "
-          f"outputs differ by {diff:.2e} at most (the routers' dtypes)")
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{card}, torch {torch.__version__}; shapes: hidden {h}, expert width {f}, {e} experts top-{k}, "
+          f"{args.tokens} tokens, bf16; outputs differ by {diff:.2e} at most (the routers' dtypes)")
     print("| layer | fwd+bwd ms | aten ops | host syncs | peak MiB | loss at step 1 / 10 / last |")
     print("|---|---|---|---|---|---|")
     torch.manual_seed(3)
-    teacher = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, h))
+    teacher = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, h)).to(device)
     for name, module, fresh in (("ours (moe.model.moe.MoELayer)", mine, lambda: ours(h, f, e, k, seed=0)),
                                 ("torchtitan 0.3.0 (models.common.moe.MoE)", titan,
                                  lambda: theirs(ours(h, f, e, k, seed=0), h, f, e, k))):
         row = measure(name, module, x, args.repeats)
-        losses = fit(fresh(), teacher, args.steps, args.tokens // 4, h)
+        losses = fit(fresh().to(device), teacher, args.steps, args.tokens // 4, h, device)
         print(f"| {row['name']} | {row['ms']:.1f} | {row['ops']} | {row['syncs']} | {row['peak_mib']:.1f} | "
               f"{losses[0]:.4f} / {losses[9]:.4f} / {losses[-1]:.4f} |")
 

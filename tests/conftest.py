@@ -43,8 +43,8 @@ def train_run(tmp_path):
 def train_here(tmp_path):
     """`train_here(*overrides, run_dir=None)` trains through moe.train.run.train in this process, with the
     config train.py's task gets (Hydra's run dir set): for tests that are not about the command line,
-    no subprocess and no interpreter start-up. Returns the run dir; the environment, the thread count
-    and Hydra's global state are restored after each run."""
+    no subprocess and no interpreter start-up. Returns the run dir; the environment, the thread count,
+    Hydra's global state and the default process group are restored after each run."""
     from hydra.core.hydra_config import HydraConfig
 
     from moe.train.preflight import compose_config
@@ -63,6 +63,8 @@ def train_here(tmp_path):
             os.environ.update(env)
             torch.set_num_threads(threads)
             HydraConfig.instance().cfg = None
+            if torch.distributed.is_initialized():  # the fsdp2 backend's group, even on one process
+                torch.distributed.destroy_process_group()
 
     return _run
 

@@ -9,7 +9,7 @@ of an optimizer step's last micro-batch their gradients are summed over the expe
 and divided by the data-parallel world size: the same average over ranks that DDP gives
 dense parameters (DeepSpeed does the same sum and division itself). Clipping then uses the
 global norm (dense + every expert of the EP group), so every rank scales by the same factor
-and replicas stay identical.
+and replicas stay identical; the backend clips under every precision, never Lightning's plugin.
 """
 from __future__ import annotations
 
@@ -43,15 +43,25 @@ class DDPBackend(Backend):
             module._ddp_params_and_buffers_to_ignore = expert_param_names(module)
 
     def after_backward(self, module) -> None:
-        if self.expert_groups is None or module.trainer.fit_loop.epoch_loop._should_accumulate():
+        """On a step's last micro-batch: expert gradients summed over expert-DP, then, under 16-mixed with an
+        optimizer that unscales inside its step (the fused AdamW), the gradients unscaled here: Lightning
+        leaves them scaled for such an optimizer (plugins/precision/amp.py optimizer_step), and the norm the
+        metrics, the guard and the clipping read must be the true one. GradScaler.step then knows they are
+        (torch/amp/grad_scaler.py: an UNSCALED optimizer gets no grad_scale, still its found_inf)."""
+        if module.trainer.fit_loop.epoch_loop._should_accumulate():
             return
-        from moe.parallel.expert_grads import expert_params, reduce_expert_grads
+        if self.expert_groups is not None:
+            from moe.parallel.expert_grads import expert_params, reduce_expert_grads
 
-        reduce_expert_grads(expert_params(module), self.expert_groups.expert_dp, dist.get_world_size())
+            reduce_expert_grads(expert_params(module), self.expert_groups.expert_dp, dist.get_world_size())
+        scaler = getattr(module.trainer.precision_plugin, "scaler", None)
+        optimizer = module.trainer.optimizers[0]
+        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            scaler.unscale_(optimizer)
 
     def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
-        if self.expert_groups is None:
-            return False
+        """Always by the global norm, never Lightning's: its AMP plugin refuses to clip for the fused AdamW
+        (bf16-mixed and 16-mixed alike), and under EP the norm must cover every rank's experts."""
         from moe.parallel.grad_norm import clip_local_grads
 
         clip_local_grads(module.parameters(), self.grad_norm(module), max_norm)

@@ -61,7 +61,9 @@ def deepspeed_config(cfg) -> dict:
             "stage": p.zero_stage,
             "contiguous_gradients": True,  # ZeRO-2 with MoE requires it
             "reduce_scatter": True,  # ZeRO with MoE requires it
-            "overlap_comm": on_gpu,  # overlap reduction with backward on CUDA streams
+            # overlap reduction with backward on CUDA streams (buffers kept alive across streams since 0.19's
+            # record_stream calls, runtime/zero/stage_1_and_2.py:1531-1543)
+            "overlap_comm": on_gpu if p.overlap_comm is None else bool(p.overlap_comm),
             "allgather_partitions": True,
             "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
             "allgather_bucket_size": REDUCE_BUCKET_ELEMENTS,

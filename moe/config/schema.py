@@ -121,6 +121,9 @@ class ParallelConfig:
     # fsdp2: the experts' weights, gradients and AdamW states in host memory (FSDP2's CPUOffloadPolicy on
     # their units; ZeRO-Infinity-style offload), copied to the device for their forward and backward
     offload_experts: bool = False
+    # deepspeed: overlap ZeRO's gradient reduction with the backward on CUDA streams (null: on GPU, as
+    # DeepSpeed recommends; false where gradients must not depend on stream timing, DeepSpeed issue 5545)
+    overlap_comm: Optional[bool] = None
     # how long a rank waits in a collective for a peer that stalls before the run stops (exit 3, naming the
     # rank and the collective; a dead peer is seen at once): every process group of the run
     collective_timeout_s: float = 1800.0
@@ -201,6 +204,7 @@ class TrainerConfig:
     val_check_interval: int = 100
     limit_val_batches: int = 8
     checkpoint_every_n_steps: int = 100
+    save_checkpoints: bool = True  # false: none written, not even the final one (benchmarks, make gpu-check)
     keep_last_checkpoints: int = 2
     progress_bar: bool = True
     deterministic: bool = False

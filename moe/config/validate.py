@@ -277,6 +277,16 @@ def check_offload(cfg) -> None:
           f"has no experts to offload in model={cfg.model.name}")
 
 
+def check_overlap_comm(cfg) -> None:
+    """parallel.overlap_comm is a DeepSpeed ZeRO setting."""
+    p = cfg.parallel
+    if p.overlap_comm is None:
+        return
+    _need(cfg.hardware.strategy == "deepspeed", "parallel.overlap_comm", p.overlap_comm,
+          "leave parallel.overlap_comm=null, or use DeepSpeed (hardware=gpu or cpu_deepspeed)",
+          f"is DeepSpeed's ZeRO setting, which {spec_of(cfg).library} does not have")
+
+
 def check_world_divisible(cfg) -> None:
     p, world = cfg.parallel, world_of(cfg)
     tp_pp = p.tp * p.pp
@@ -488,6 +498,11 @@ def check_guard(cfg) -> None:
           "must be at least 1")
     _need(t.spike_max_rollbacks >= 0, "trainer.spike_max_rollbacks", t.spike_max_rollbacks, "use 0 or more",
           "must not be negative")
+    _need(t.save_checkpoints or t.spike_action != "rollback", "trainer.spike_action", t.spike_action,
+          "use trainer.spike_action=skip or warn, or trainer.save_checkpoints=true",
+          "rolls back to the last checkpoint, and trainer.save_checkpoints=false writes none")
+    _need(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", t.max_nonfinite_steps,
+          "use 0 (never stop) or more (e.g. 10)", "must not be negative")
     _need(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", t.max_nonfinite_steps,
           "use 0 (never stop) or more (e.g. 10)", "must not be negative")
 
@@ -798,6 +813,7 @@ RULES = [  # in order: keys and numbers, counts, then the hardware, then divisib
     check_known_keys, check_finite,
     check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_pp_schedule,
     check_offload,
+    check_overlap_comm,
     check_model,
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,

@@ -38,6 +38,7 @@ from moe.model.mla import MLAttention
 from moe.model.mlp import SwiGLU
 from moe.model.moe import Experts, MoELayer, Router, RoutingStats
 from moe.model.norm import RMSNorm
+from moe.model.pytree import pytree_dataclass
 
 
 class Block(nn.Module):
@@ -70,6 +71,7 @@ class Block(nn.Module):
 # ----------------------------------------------------------------------------- the model
 
 
+@pytree_dataclass  # FSDP2 hooks the root's backward on these tensors (moe.model.pytree)
 @dataclass
 class ModelOutput:
     logits_BSV: torch.Tensor | None  # None when forward was given labels: the loss is lm_loss

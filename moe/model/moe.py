@@ -42,7 +42,7 @@ from moe.model.routing import (
 from moe.model.sync import host_sizes
 
 __all__ = ["Router", "Experts", "MoEFeedForward", "MoELayer", "RoutingStats", "SharedExpert",
-           "grouped_mm_works"]
+           "autocast_dtype", "expert_kernel", "grouped_mm_works"]
 
 SharedExpert = SwiGLU  # kept name: the shared expert is the one dense MLP (moe.model.mlp)
 
@@ -95,13 +95,18 @@ class Router(nn.Module):
 
 
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+# How far the probe's grouped GEMM may be from per-expert matmuls in each dtype (inputs ~N(0, 1), 16 terms a
+# dot product): bf16 keeps 8 mantissa bits, fp16 11; fp32 allows TF32 (10 bits) where CUDA matmuls use it
+# (hardware.allow_tf32). A kernel that is wrong (offsets, layouts) is off by O(1).
+GROUPED_MM_TOLERANCE = {torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs forward and backward correctly here; probed once, cached.
+    """Whether torch._grouped_mm runs forward and backward correctly here in `dtype`; probed once, cached.
 
-    Some builds lack a kernel for a device/dtype or reject some layouts; then the
-    experts fall back to a loop over contiguous slices.
+    Some builds lack a kernel for a device/dtype or reject some layouts; then the experts fall back to a
+    loop over contiguous slices. The probe runs outside any autocast of its caller (inside one, the
+    reference matmuls would run in the autocast dtype, and a correct kernel would fail the comparison).
     """
     key = (device.type, dtype)
     if key not in _GROUPED_MM_OK:
@@ -109,7 +114,8 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         # saved-tensor hooks keep its tensors away from an enclosing activation checkpoint,
         # whose recomputation would otherwise count different saved tensors.
         keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with torch.inference_mode(False), torch.enable_grad(), keep:
+        with (torch.inference_mode(False), torch.enable_grad(), keep,
+              torch.autocast(device_type=device.type, enabled=False)):
             _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype)
     return _GROUPED_MM_OK[key]
 
@@ -127,11 +133,18 @@ def _probe_grouped_mm(device, dtype) -> bool:
         ref = torch.cat([x[:2] @ w[0], x[2:2] @ w[1], x[2:] @ w[2]])
         grads = torch.autograd.grad((y * g).sum(), (x, w))
         ref_grads = torch.autograd.grad((ref * g).sum(), (x, w))
-        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        tol = GROUPED_MM_TOLERANCE.get(dtype, 5e-2)
         pairs = [(y, ref), *zip(grads, ref_grads, strict=True)]
         return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in on `device` here, or None where autocast is off."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
 
 
 class Experts(nn.Module):
@@ -143,6 +156,7 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
         self.down = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.use_grouped_mm: bool | None = None  # None: use it where grouped_mm_works()
+        self.kernel: str | None = None  # what the last forward ran: "grouped_mm" or "loop" (summary.json)
         self.mark_expert(first=0)
 
     def mark_expert(self, first: int):
@@ -155,17 +169,23 @@ class Experts(nn.Module):
         """Rows sorted by expert, expert e owning the next counts_E[e] rows -> outputs [M, H]. counts_E is a
         long tensor, or Python ints where the dispatcher knows them (fixed buffers): then the per-expert
         loop reads nothing back from the device."""
+        autocast = autocast_dtype(x_MH.device)  # bf16-mixed: the experts' matmuls run in bf16
+        dtype = autocast or x_MH.dtype
         use_gmm = self.use_grouped_mm
         if use_gmm is None:
-            use_gmm = grouped_mm_works(x_MH.device, x_MH.dtype) and x_MH.dtype == self.gate_up.dtype
+            same_dtype = autocast is not None or dtype == self.gate_up.dtype  # autocast: weights cast below
+            use_gmm = same_dtype and grouped_mm_works(x_MH.device, dtype)
+        self.kernel = "grouped_mm" if use_gmm else "loop"
         if use_gmm:
             if isinstance(counts_E, list):
                 ends = list(itertools.accumulate(counts_E))
                 offs_E = torch.tensor(ends, dtype=torch.int32, device=x_MH.device)
             else:
                 offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-            h_MF = swiglu(torch._grouped_mm(x_MH, self.gate_up, offs=offs_E))
-            return torch._grouped_mm(h_MF, self.down, offs=offs_E)
+            # under autocast in its dtype, as the per-expert matmuls below would run (the cast weights are
+            # what autocast's matmuls make too)
+            h_MF = swiglu(torch._grouped_mm(x_MH.to(dtype), self.gate_up.to(dtype), offs=offs_E))
+            return torch._grouped_mm(h_MF, self.down.to(dtype), offs=offs_E)
         sizes = counts_E if isinstance(counts_E, list) else host_sizes(counts_E, x_MH.shape[0])  # one sync
         xs = x_MH.split(sizes)
         return torch.cat([swiglu(x @ self.gate_up[e]) @ self.down[e] for e, x in enumerate(xs)])
@@ -176,6 +196,13 @@ class Experts(nn.Module):
         self.down = nn.Parameter(self.down.detach()[first : first + count].clone())
         self.num_experts = count
         self.mark_expert(first)
+
+
+def expert_kernel(model: nn.Module) -> str | None:
+    """What the model's experts ran in their last forward: "grouped_mm", "loop", both joined by "+", or None
+    (no expert ran here: a dense model, or a backend with its own expert layer)."""
+    kernels = sorted({m.kernel for m in model.modules() if isinstance(m, Experts) and m.kernel})
+    return "+".join(kernels) or None
 
 
 class MoELayer(nn.Module):

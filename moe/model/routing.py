@@ -24,12 +24,14 @@ import torch.nn.functional as F
 
 from moe.config.schema import normalizes
 from moe.config.validate import ROUTER_DTYPES
+from moe.model.pytree import pytree_dataclass
 from moe.model.sync import host_int
 
 # Sums a statistics tensor over a process group (identity in one process).
 GroupSum = Callable[[torch.Tensor], torch.Tensor]
 
 
+@pytree_dataclass  # a block's output carries it: FSDP2 hooks its losses (moe.model.pytree)
 @dataclass
 class RoutingStats:
     """One MoE layer, one forward. The losses carry grad; the rest are detached."""

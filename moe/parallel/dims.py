@@ -275,8 +275,11 @@ class ParallelDims:
         the dense and the sparse view, as torchtitan builds them (distributed/parallel_dims.py:292-330).
         Collective the first time: every rank builds the same meshes in the same order."""
         if "meshes" not in self._built:
-            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+            if not hasattr(DeviceMesh, "_unflatten"):  # torch < 2.10
+                self._built["meshes"] = self._flattened_meshes(device_type)
+                return self._built["meshes"]
             shape = self.mesh_shape()
             flat = init_device_mesh(device_type, (self.world,), mesh_dim_names=("world",))
             world = flat._unflatten(0, (self.pp, shape["dp_replicate"], shape["dp_shard"], self.tp),
@@ -293,6 +296,39 @@ class ParallelDims:
                                            ep=sparse["ep"], tp=world["tp"], dp=dp, tokens=tokens,
                                            pp=world["pp"])
         return self._built["meshes"]
+
+    def _flattened_meshes(self, device_type: str) -> Meshes:
+        """The same views on torch without DeviceMesh._unflatten (2.9, trn1's and older GPU images'): one mesh
+        of the finest dims both views share, each view flattened from it, as torchtitan built them before
+        _unflatten (v0.1.0 torchtitan/distributed/parallel_dims.py _build_mesh_with_ep: dp_shard split into
+        dp_shard_mod_ep x dp_shard_in_ep). EP spans whole TP groups (ep a multiple of tp: dp_shard = efsdp x
+        ep/tp) or lies inside each (tp a multiple of ep: tp = tp/ep x ep), which validation guarantees."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape, tp, ep = self.mesh_shape(), self.tp, self.ep
+        if ep % tp == 0:
+            fine = {"efsdp": shape["efsdp"], "ep_in_dp": ep // tp, "tp": tp}
+            dp_shard, efsdp, ep_dims, tp_dims = ("efsdp", "ep_in_dp"), ("efsdp",), ("ep_in_dp", "tp"), ("tp",)
+        else:
+            fine = {"dp_shard": shape["dp_shard"], "tp_out_ep": tp // ep, "ep": ep}
+            dp_shard, efsdp = ("dp_shard",), ("dp_shard", "tp_out_ep")
+            ep_dims, tp_dims = ("ep",), ("tp_out_ep", "ep")
+        fine = {"pp": self.pp, "dp_replicate": shape["dp_replicate"], **fine}
+        mesh = init_device_mesh(device_type, tuple(fine.values()), mesh_dim_names=tuple(fine))
+
+        def view(names: tuple[str, ...], flat_name: str):
+            return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten(flat_name)
+
+        dp = view(("dp_replicate", *dp_shard), "data_parallel")
+        if self.hybrid_shard_degree:
+            for names, flat_name in ((dp_shard, "dp_shard"), (efsdp, "efsdp")):
+                view(names, flat_name)  # a name of the root mesh, for the 2-D slices below
+            dense, experts = mesh["dp_replicate", "dp_shard"], mesh["dp_replicate", "efsdp"]
+        else:
+            dense, experts = dp, view(("dp_replicate", *efsdp), "expert_shard")
+        tokens = view(("dp_replicate", *dp_shard, *tp_dims), "stage")
+        return Meshes(world=mesh, sparse=mesh, dense=dense, experts=experts, ep=view(ep_dims, "ep"),
+                      tp=view(tp_dims, "tp"), dp=dp, tokens=tokens, pp=mesh["pp"])
 
 
 def validated_dims(cfg) -> ParallelDims:

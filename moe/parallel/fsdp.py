@@ -27,9 +27,9 @@ def apply_fsdp(model: nn.Module, meshes, expert_divide_factor: int, reshard_afte
                mp_policy=None, sum_only: bool = False, offload_experts: bool = False) -> nn.Module:
     """fully_shard every block (and its experts), then the root; `meshes` is moe.parallel.dims.Meshes.
     sum_only: reduce with SUM and divide apart (gloo has neither AVG nor PREMUL_SUM, which NCCL uses); not on
-    an experts unit with one rank in its shard group, where torch 2.13 would divide the gradient twice
-    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: the one-rank copy divides by the factor at
-    :629, forced sums set the post-divide to the factor at :867, applied again at :686).
+    an experts unit with one rank in its shard group where torch copies instead (2.13), which would divide
+    twice (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: the one-rank copy divides by the factor
+    at :629, forced sums set the post-divide to the factor at :867, applied again at :686).
     offload_experts: the experts' units keep their shards, gradients and (so) AdamW states in host memory
     (CPUOffloadPolicy: each forward and backward copies the shard in before the all-gather, each
     reduce-scatter's gradient out; the optimizer steps them on the CPU)."""
@@ -49,11 +49,27 @@ def apply_fsdp(model: nn.Module, meshes, expert_divide_factor: int, reshard_afte
             fully_shard(experts, mesh=meshes.experts, shard_placement_fn=lambda _: Shard(1), **expert_options)
             experts.set_gradient_divide_factor(expert_divide_factor)
         fully_shard(block, mesh=meshes.dense, **options)
-    fully_shard(model, mesh=meshes.dense, **options)
+    # The root (embeddings, final norm, LM head) keeps its weights from forward to backward, torch's default
+    # for a root (torchtitan leaves it so): its backward starts right after forward, so freeing them gains
+    # no memory, and torch <= 2.11 hooks the re-gather on `tree_flatten(output)` only (moe.model.pytree).
+    fully_shard(model, mesh=meshes.dense, **{**options, "reshard_after_forward": False})
     if sum_only:
-        experts_alone = meshes.experts.size(-1) == 1  # the shard dim is the last one, HSDP or not
+        # the shard dim is the last one, HSDP or not
+        experts_alone = meshes.experts.size(-1) == 1 and _one_rank_copy_divides()
         for module in model.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 if not (experts_alone and isinstance(_inner(module), Experts)):
                     module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _one_rank_copy_divides() -> bool:
+    """Whether this torch's FSDP2 copies a one-rank shard group's gradient instead of reduce-scattering it,
+    dividing the copy by the factor (torch 2.13 _fsdp_collectives.py:618-630). torch 2.9 reduce-scatters
+    with the op even on one rank: there a forced sum is the only way gloo runs it (no PREMUL_SUM), and
+    divides once."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    return "world_size > 1" in inspect.getsource(_fsdp_collectives.foreach_reduce)

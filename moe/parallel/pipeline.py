@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe.errors import UserError
 from moe.model.stage import LayerSlice, PipelineStageModel
 
 
@@ -51,6 +52,27 @@ class Pipeline:
             part.records.clear()
 
 
+def check_stage_handshake(group) -> None:
+    """Refuse, before training, a pipeline that this torch cannot start over gloo: torch 2.9's first exchange
+    between stages sends an int64 and receives a float32 (torch/distributed/pipelining/stage.py:948-949 at
+    v2.9.0, `_get_init_p2p_neighbors_ops`), a size mismatch gloo aborts the process on; later torch sends a
+    float32 (2.13: stage.py:1118-1121)."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    if dist.get_backend(group) != "gloo":
+        return
+    source = inspect.getsource(_PipelineStageBase._get_init_p2p_neighbors_ops)
+    if "send_tensor = torch.tensor(self.stage_index, device=self.device)" in source:
+        raise UserError("parallel.pp", dist.get_world_size(group), "pipeline on CPU (gloo) with a newer "
+                        "torch (2.13 has the fix), or on GPUs (NCCL); or set parallel.pp=1",
+                        problem=f"cannot start over gloo on torch {torch.__version__}: its stages first "
+                                "connect by sending an int64 where they receive a float32 "
+                                "(torch/distributed/pipelining/stage.py), which gloo aborts on")
+
+
 def build_pipeline(cfg, dims, meshes, parallelize_part: Callable[[nn.Module], None], device) -> Pipeline:
     """This rank's stages, each parallelised by `parallelize_part` (moe.parallel.parallelize with the
     backend's steps), and the schedule over the mesh's `pp` group."""
@@ -61,6 +83,7 @@ def build_pipeline(cfg, dims, meshes, parallelize_part: Callable[[nn.Module], No
 
     n = cfg.parallel.pipeline_microbatches or cfg.trainer.accumulate_grad_batches
     group = meshes.pp.get_group()
+    check_stage_handshake(group)
     hidden_dtype = torch.bfloat16 if SPECS["fsdp2"].gathers_bf16(cfg) else torch.float32
     parts, stages = [], []
     for stage in dims.stage_ids(meshes.pp.get_local_rank()):

@@ -40,14 +40,17 @@ def build_callbacks(cfg, run_dir: Path, dims: ParallelDims, backend, fresh: bool
         ),
         guard,  # after RunMetrics: it reads the grads first
         StepSeed(cfg.seed),
-        StepCheckpoint(  # ModelCheckpoint that also saves the final step
-            dirpath=run_dir / "checkpoints", filename="step-{step:06d}", auto_insert_metric_name=False,
-            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps, monitor="step", mode="max",
-            enable_version_counter=False,  # a step re-saved after a resume overwrites, never step-N-v1
-            **backend.checkpoint_options(),
-        ),
-        PreemptionCheckpoint(backend),  # after StepCheckpoint: saves the step unless it just did
     ]
+    if cfg.trainer.save_checkpoints:
+        callbacks += [
+            StepCheckpoint(  # ModelCheckpoint that also saves the final step
+                dirpath=run_dir / "checkpoints", filename="step-{step:06d}", auto_insert_metric_name=False,
+                every_n_train_steps=cfg.trainer.checkpoint_every_n_steps, monitor="step", mode="max",
+                enable_version_counter=False,  # a step re-saved after a resume overwrites, never step-N-v1
+                **backend.checkpoint_options(),
+            ),
+            PreemptionCheckpoint(backend),  # after StepCheckpoint: saves the step unless it just did
+        ]
     if bar_shown(cfg.trainer.progress_bar):
         callbacks.append(StepProgressBar(leave=True))
     return callbacks + instantiate_group(cfg, "callbacks")

@@ -22,6 +22,7 @@ import torch
 from moe.checkpoint.io import write_json_atomic
 from moe.config.size import param_breakdown
 from moe.model.loss import router_loss
+from moe.model.moe import expert_kernel
 from moe.module.step_stats import means_from_totals
 from moe.train.console import STEP_LOGGER, log_step
 
@@ -158,6 +159,7 @@ class RunMetrics(L.Callback):
         checkpoint callbacks' last, and the final checkpoint must exist (and have fitted on disk) first."""
         if trainer.is_global_zero:
             summary = self.summary(trainer.global_step, self._peak_mib)
+            summary["expert_kernel"] = expert_kernel(pl_module.model)
             summary.update(self.guard.counts if self.guard else {})
             write_json_atomic(self.run_dir / "summary.json", summary)
 

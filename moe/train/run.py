@@ -120,6 +120,7 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) 
             callbacks=build_callbacks(cfg, run_dir, dims, backend,
                                       fresh=not cfg.resume and not rolled_back),
             default_root_dir=str(run_dir), enable_progress_bar=bar_shown(cfg.trainer.progress_bar),
+            enable_checkpointing=cfg.trainer.save_checkpoints,
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,
         ) | parts.overrides)  # Neuron: manual optimization, NxD accumulates and clips
         if trainer.is_global_zero:
