@@ -23,6 +23,14 @@ class ConfigError(UserError, ValueError):
     """A config value that cannot work; also a ValueError so model code can raise it."""
 
 
+def did_you_mean(word: str, options) -> str | None:
+    """The option closest to a misspelt `word` ("max_stesp" -> "max_steps"), or None when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def first_line(err: BaseException, limit: int = 200) -> str:
     """An exception's first line (its type's name when it has no text), for a one-paragraph message."""
     text = str(err).strip()

@@ -254,6 +254,14 @@ CONFIG_CASES = [
     (["optimizer.min_lr=0.01"], "optimizer.min_lr", "0.01", "lr=0.003", None),
     (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps", "-1", "must not be negative", None),
     (["moe_opt.bias_update_rate=-0.001"], "moe_opt.bias_update_rate", "-0.001", "must not be negative", None),
+    # reached numpy's seeding (a traceback after start-up) before it was checked
+    (["seed=-1"], "seed", "-1", "is not a seed numpy accepts", "from 0 to 4294967295"),
+    (["seed=4294967296"], "seed", "4294967296", "is not a seed numpy accepts", "from 0 to 4294967295"),
+    (["data.split_seed=-3"], "data.split_seed", "-3", "is not a seed numpy accepts", "whole number"),
+    (["parallel.overlap_comm=true"], "parallel.overlap_comm", "True", "DeepSpeed's ZeRO setting",
+     "leave parallel.overlap_comm=null"),
+    (["trainer.save_checkpoints=false", "trainer.spike_action=rollback"], "trainer.spike_action",
+     "'rollback'", "writes none", "trainer.save_checkpoints=true"),
 ]
 
 ENVIRONMENT_CASES = [
@@ -475,6 +483,9 @@ CLI_CASES = [
     ("moe_opt.capacity_factor=inf", ["moe_opt.capacity_factor=inf is not a finite number"]),  # crashed
     ("optimizer.lr=-inf", ["optimizer.lr=-inf is not a finite number"]),
     ("parallel.ep=3", ["parallel.ep=3 does not divide num_experts=8"]),  # a rule of validate
+    ("trainer.max_stesp=3", ["trainer.max_stesp", "did you mean trainer.max_steps?"]),  # a close key
+    ("hardware=gpu_fsdp", ["hardware='gpu_fsdp'", "did you mean hardware=gpu_fsdp2?"]),  # a close preset
+    ("+optimizer.lrr=1", ["optimizer.lrr=1 is not a key", "did you mean optimizer.lr?"]),
 ]
 
 
@@ -572,6 +583,144 @@ def test_data_prep_bad_input_leaves_no_output(tmp_path):
     assert f"error: input='{tmp_path / 'missing.txt'}'" in proc.stderr and "Fix: " in proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".prepared.tmp-*"))
 
+
+
+# ------------------------------------------------------------------------------------------ weights files
+def hf_dir_with(tmp_path, weights: bytes | None) -> Path:
+    """A Mixtral directory this product exported, its model.safetensors replaced by `weights`."""
+    from moe.infer.export import export_hf
+    from moe.model import MoETransformer
+
+    cfg = compose_train()
+    model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=0)
+    out = export_hf(model, tmp_path / "hf", REPO / "data" / "sample")
+    if weights is not None:
+        (out / "model.safetensors").write_bytes(weights)
+    return out
+
+
+LFS_POINTER = (b"version https://git-lfs.github.com/spec/v1\n"
+               b"oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 1234567\n")
+
+
+def test_init_from_a_git_lfs_pointer_instead_of_weights(tmp_path):
+    hf = hf_dir_with(tmp_path, LFS_POINTER)
+    code, err = run_train(tmp_path / "run", f"model.init_from_hf={hf}")
+    assert_user_error(code, err, "model.init_from_hf", repr(str(hf)), "git lfs pull",
+                      "holds a git-lfs pointer in model.safetensors, not weights")
+    assert not (tmp_path / "run").exists()
+
+
+def test_init_from_a_safetensors_file_cut_short(tmp_path):
+    hf = hf_dir_with(tmp_path, None)
+    weights = (hf / "model.safetensors").read_bytes()
+    (hf / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    code, err = run_train(tmp_path / "run", f"model.init_from_hf={hf}")
+    assert_user_error(code, err, "model.init_from_hf", repr(str(hf)), "git lfs pull", "cut short")
+
+
+def test_infer_from_an_hf_dir_whose_weights_file_is_empty(tmp_path):
+    from moe.infer.run import run
+
+    hf = hf_dir_with(tmp_path, b"")
+    code, err = exit_of(run, icfg(hf_dir=str(hf), prompt="hello"))
+    assert_user_error(code, err, "hf_dir", repr(str(hf)), "git lfs pull", "empty or cut short")
+
+
+# ------------------------------------------------------------------------------------------ damaged data
+@pytest.mark.parametrize("damage", ["truncated shard", "missing shard", "corrupt meta.json"])
+def test_damaged_prepared_data_is_named_at_start_up(tmp_path, prepared, damage):
+    data = tmp_path / "data"
+    shutil.copytree(prepared["sample"], data)
+    shard = next((data / "train").glob("*.arrow"))
+    if damage == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    elif damage == "missing shard":
+        shard.unlink()
+    else:
+        (data / "meta.json").write_text('{"seq_len": 32, "tokenizer": ')
+    code, err = run_train(tmp_path / "run", "data=prepared", f"data.path={data}")
+    assert_user_error(code, err, "data.path", repr(str(data)), "prepare it again")
+    assert "meta tensor" not in err and not (tmp_path / "run" / "metrics.csv").exists()
+
+
+# ------------------------------------------------------------------------------------------ setup failures
+@pytest.mark.parametrize("failure", [UserError("model.init_from_hf", "/x", "point elsewhere", "is wrong"),
+                                     RuntimeError("parallelize failed here")], ids=["user error", "bug"])
+def test_an_error_while_the_model_is_on_the_meta_device_reaches_the_user_as_itself(tmp_path, monkeypatch,
+                                                                                   failure):
+    """Lightning's teardown used to move the meta model to the CPU, and "Cannot copy out of meta tensor"
+    hid the real error behind two chained tracebacks."""
+    from moe.backends.base import Backend
+
+    def parallelize(self, module):
+        raise failure
+
+    monkeypatch.setattr(Backend, "parallelize", parallelize)
+    if isinstance(failure, UserError):
+        code, err = run_train(tmp_path / "run")
+        assert_user_error(code, err, "model.init_from_hf", "'/x'", "point elsewhere", "is wrong")
+        return
+    with pytest.raises(RuntimeError, match="parallelize failed here") as raised:
+        train(compose_train(), tmp_path / "run")
+    assert "meta tensor" not in repr(raised.value.__context__)
+
+
+def test_an_error_in_the_datamodules_setup_is_not_hidden_by_the_teardown(tmp_path, monkeypatch):
+    from moe.data.datamodule import MoEDataModule
+
+    def setup(self, stage=None):
+        raise UserError("data.path", "x", "prepare it", "failed in setup")
+
+    monkeypatch.setattr(MoEDataModule, "setup", setup)
+    code, err = run_train(tmp_path / "run")
+    assert_user_error(code, err, "data.path", "'x'", "prepare it", "failed in setup")
+    assert "meta tensor" not in err
+
+
+# ------------------------------------------------------------------------------------------ infer, data_prep
+def icfg(**kw):
+    from moe.config.infer import InferConfig
+
+    return OmegaConf.merge(OmegaConf.structured(InferConfig), kw)
+
+
+def test_infer_prompts_file_with_a_prompt_that_is_not_text(tmp_path):
+    from moe.infer.run import run
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"prompt": 123}\n')
+    code, err = exit_of(run, icfg(ckpt=str(tmp_path / "never-loaded.ckpt"), prompts_file=str(prompts)))
+    assert_user_error(code, err, "prompts_file", repr(str(prompts)), "non-empty string", "on line 2")
+
+
+def test_infer_output_file_that_is_a_directory_is_refused_before_generating(tmp_path):
+    from moe.infer.run import run
+
+    code, err = exit_of(run, icfg(ckpt=str(tmp_path / "never-loaded.ckpt"), prompt="hi",
+                                  output_file=str(tmp_path)))
+    assert_user_error(code, err, "output_file", repr(str(tmp_path)), "name a file", "is a directory")
+
+
+def test_infer_seed_numpy_would_refuse(tmp_path):
+    from moe.infer.run import run
+
+    code, err = exit_of(run, icfg(ckpt="last", prompt="hi", seed=-1))
+    assert_user_error(code, err, "seed", "-1", "from 0 to 4294967295", "is not a seed numpy accepts")
+
+
+@pytest.mark.parametrize("override, field, value, fix", [
+    ({"seed": -1}, "seed", "-1", "from 0 to 4294967295"),
+    ({"vocab_size": 100, "tokenizer": None}, "vocab_size", "100", "more than 256"),
+], ids=["data_prep seed=-1", "data_prep vocab_size=100"])
+def test_data_prep_values_checked_before_reading_input(tmp_path, override, field, value, fix):
+    from moe.data import prepare
+
+    cfg = {"input": str(tmp_path / "never-read.txt"), "output": str(tmp_path / "out"),
+           "tokenizer": str(REPO / "data" / "sample"), **override}
+    code, err = exit_of(prepare, cfg)
+    assert_user_error(code, err, field, value, fix)
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------------------ the table

@@ -105,14 +105,20 @@ def test_export_refuses_what_mixtral_cannot_express_and_writes_nothing(tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
-def test_export_refuses_a_non_empty_dir_unless_overwrite(tmp_path, tok_dir):
+def test_export_replaces_only_its_own_export_and_never_a_users_dir(tmp_path, tok_dir):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep.txt").write_text("x")
-    with pytest.raises(UserError, match="overwrite=true"):
-        export_hf(ours(), tmp_path / "hf", tok_dir)
-    export_hf(ours(), tmp_path / "hf", tok_dir, overwrite=True)
-    assert not (tmp_path / "hf" / "keep.txt").exists() and (tmp_path / "hf" / "config.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    for overwrite in (False, True):  # the user's directory: refused either way, nothing removed
+        with pytest.raises(UserError, match="pick a new path"):
+            export_hf(ours(), tmp_path / "hf", tok_dir, overwrite=overwrite)
+        assert (tmp_path / "hf" / "keep.txt").read_text() == "x"
+    export_hf(ours(), tmp_path / "mine", tok_dir)
+    with pytest.raises(UserError, match="overwrite=true to replace"):
+        export_hf(ours(), tmp_path / "mine", tok_dir)
+    (tmp_path / "mine" / "stale.txt").write_text("from the first export")
+    export_hf(ours(), tmp_path / "mine", tok_dir, overwrite=True)  # its own export: replaced whole
+    assert not (tmp_path / "mine" / "stale.txt").exists() and (tmp_path / "mine" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]
 
 
 def test_export_refuses_a_tokenizer_larger_than_the_model(tmp_path, tok_dir):

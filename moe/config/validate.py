@@ -33,7 +33,7 @@ from moe.config.derived import (
 )
 from moe.config.schema import DEFAULT_CHAT_TEMPLATE, normalizes
 from moe.config.specs import SPECS, spec_of
-from moe.errors import ConfigError
+from moe.errors import ConfigError, did_you_mean
 
 # -- enumerations -------------------------------------------------------------------------------
 AC_POLICIES = ("none", "selective", "full", "every_n", "moe_only")
@@ -503,8 +503,6 @@ def check_guard(cfg) -> None:
           "rolls back to the last checkpoint, and trainer.save_checkpoints=false writes none")
     _need(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", t.max_nonfinite_steps,
           "use 0 (never stop) or more (e.g. 10)", "must not be negative")
-    _need(t.max_nonfinite_steps >= 0, "trainer.max_nonfinite_steps", t.max_nonfinite_steps,
-          "use 0 (never stop) or more (e.g. 10)", "must not be negative")
 
 
 def check_instantiables(cfg) -> None:
@@ -765,6 +763,21 @@ def check_simulate(cfg) -> None:
 FREE_FORM = ("logger", "callbacks", "hydra")
 
 
+SEED_RANGE = (0, 2**32 - 1)  # what numpy's generators (and Lightning's seed_everything) accept
+
+
+def check_seed(field: str, value) -> None:
+    low, high = SEED_RANGE
+    _need(isinstance(value, int) and low <= value <= high, field, value,
+          f"use a whole number from {low} to {high}", "is not a seed numpy accepts")
+
+
+def check_seeds(cfg) -> None:
+    """train.py's seeds: the run's (model init, data order, dropout) and the validation split's."""
+    check_seed("seed", cfg.seed)
+    check_seed("data.split_seed", cfg.data.split_seed)
+
+
 def check_known_keys(cfg) -> None:
     """Refuse keys the typed schema does not define: `+trainer.max_step=5` adds one silently otherwise."""
     from moe.config.schema import TrainConfig
@@ -782,8 +795,10 @@ def check_known_keys(cfg) -> None:
             where = f"{path}.{key}" if path else str(key)
             if key not in known and where not in FREE_FORM:
                 options = ", ".join(sorted(str(k) for k in known.keys()))
-                raise ConfigError(where, "???" if OmegaConf.is_missing(node, key) else node[key],
-                                  f"remove it or use one of the keys of {path or 'the root'}: {options}",
+                guess = did_you_mean(key, known.keys())
+                hint = f"did you mean {path + '.' if path else ''}{guess}? Else " if guess else ""
+                fix = f"{hint}remove it or use one of the keys of {path or 'the root'}: {options}"
+                raise ConfigError(where, "???" if OmegaConf.is_missing(node, key) else node[key], fix,
                                   problem="is not a key of the config schema (a `+` override adds keys "
                                           "silently; every key is in docs/CONFIG.md)")
             if where not in FREE_FORM and not where.startswith(tuple(f"{f}." for f in FREE_FORM)):
@@ -810,7 +825,7 @@ def check_finite(cfg) -> None:
 
 
 RULES = [  # in order: keys and numbers, counts, then the hardware, then divisibility of the layout, the rest
-    check_known_keys, check_finite,
+    check_known_keys, check_finite, check_seeds,
     check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_pp_schedule,
     check_offload,
     check_overlap_comm,
@@ -842,6 +857,7 @@ def check_chat_template(field: str, template: str) -> None:
 
 def validate_prep(cfg) -> None:
     """data_prep.py's keys (moe/config/data_prep.py PrepConfig); names are top level there."""
+    check_seed("seed", cfg.seed)
     _need(cfg.input not in (None, "", []), "input", cfg.input,
           "pass input=PATH (file, glob, directory) or a hub dataset name", "is required")
     _one_of("format", cfg.format, DATA_FORMATS, "format")
@@ -853,6 +869,9 @@ def validate_prep(cfg) -> None:
           "use a fraction in [0, 1), e.g. 0.1", "is out of range")
     for key in ("num_proc", "batch_size"):
         _need(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use 1 or more", "must be positive")
+    _need(cfg.vocab_size is None or cfg.vocab_size > 256, "vocab_size", cfg.vocab_size,
+          "use more than 256 (a byte-level BPE holds the 256 bytes and its special tokens), e.g. 32000",
+          "is too small for a byte-level BPE")
     _need((cfg.tokenizer is None) != (cfg.vocab_size is None), "tokenizer", cfg.tokenizer,
           "pass tokenizer=DIR (a directory with tokenizer.json) or vocab_size=N (train a byte-level BPE "
           "on the input), not both",
@@ -877,4 +896,5 @@ def validate_infer(cfg) -> None:
               ("batch_size", cfg.batch_size >= 1, "use 1 or more")]
     for name, ok, fix in checks:
         _need(ok, name, getattr(cfg, name), fix)
+    check_seed("seed", cfg.seed)
     _one_of("dtype", cfg.dtype, ("auto", *INFER_DTYPES), "dtype")

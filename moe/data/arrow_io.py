@@ -19,7 +19,7 @@ import pyarrow as pa
 from datasets.arrow_writer import ArrowWriter
 from datasets.table import MemoryMappedTable
 
-from moe.errors import UserError
+from moe.errors import UserError, first_line
 
 SPLITS = ("train", "validation")
 
@@ -115,6 +115,9 @@ class Prepared:
         return self.path / self.meta["tokenizer"]["dir"]
 
 
+DAMAGED_FIX = "prepare it again (python data_prep.py ... output=DIR overwrite=true), or restore a copy"
+
+
 def read_meta(path: str | Path, field: str = "data.path") -> dict:
     path = Path(path)
     meta_file = path / "meta.json"
@@ -123,16 +126,32 @@ def read_meta(path: str | Path, field: str = "data.path") -> dict:
                    else "has no meta.json (not a finished data_prep.py output)")
         raise UserError(field, str(path), "point it at a directory written by `python data_prep.py input=... "
                         "output=DIR`", problem=problem)
-    return json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+        int(meta["seq_len"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(field, str(path), DAMAGED_FIX, problem=f"has a damaged meta.json ({err})") from err
+    return meta
 
 
 def load_prepared(path: str | Path, field: str = "data.path") -> Prepared:
-    """Open a data_prep.py output directory, memory-mapped."""
+    """Open a data_prep.py output directory, memory-mapped; a missing, truncated or corrupt shard (or one
+    holding fewer blocks than meta.json records) is a UserError naming the directory."""
     path = Path(path)
     meta = read_meta(path, field)
-    dd = datasets.load_from_disk(str(path))
     block_len = meta["seq_len"] + 1
-    return Prepared(path, meta, {name: PackedBlocks(dd[name], block_len) for name in SPLITS if name in dd})
+    try:
+        dd = datasets.load_from_disk(str(path))
+        splits = {name: PackedBlocks(dd[name], block_len) for name in SPLITS if name in dd}
+    except (OSError, ValueError, KeyError, pa.ArrowException) as err:
+        raise UserError(field, str(path), DAMAGED_FIX, problem=f"cannot be read: a shard is missing, cut "
+                        f"short or corrupt ({type(err).__name__}: {first_line(err)})") from err
+    for name, blocks in splits.items():
+        recorded = meta.get("splits", {}).get(name, {}).get("blocks")
+        if recorded is not None and recorded != len(blocks):
+            raise UserError(field, str(path), DAMAGED_FIX, problem=f"holds {len(blocks)} {name} blocks where "
+                            f"meta.json records {recorded}: a shard is missing or cut short")
+    return Prepared(path, meta, splits)
 
 
 def apply_prepared_meta(cfg) -> None:

@@ -173,6 +173,11 @@ class MoEDataModule(L.LightningDataModule):
         return self.dir / self.meta["tokenizer"]["dir"]
 
     def check_model(self, model_cfg) -> None:
+        """At start-up, before the model exists: the data's vocabulary and length fit the model, and prepared
+        data opens whole (a damaged shard is named here, not in the middle of Lightning's setup)."""
+        if self.cfg.kind == "prepared" and self.prepared is None:
+            self.prepare_data()
+            self.prepared = load_prepared(self.dir)
         if self.vocab_size > model_cfg.vocab_size:
             raise UserError("model.vocab_size", model_cfg.vocab_size,
                             f"set model.vocab_size={self.vocab_size} (or more; a multiple of 64 is faster on "

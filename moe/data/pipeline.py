@@ -31,6 +31,7 @@ from moe.data.formats import BENIGN, FormatSpec, check_columns, needed_columns, 
 from moe.data.packing import ConcatPacker, PadPacker
 from moe.data.sources import RawData, load_raw
 from moe.errors import UserError
+from moe.outputs import PREPARED_DATA, check_output, mark
 
 META_VERSION = 1
 # Config keys that cannot change the blocks; left out of meta.json and of fingerprints.
@@ -273,16 +274,36 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
     }
 
 
-def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
-    if out.exists():
-        if not overwrite:
-            raise UserError("output", str(out), "pick a new directory, or pass overwrite=true",
-                            problem="already exists")
+def local_inputs(input_value) -> dict[str, Path]:
+    """The local paths data_prep reads, by field name: each file or directory of `input`, a glob's matches
+    (a recursive one's whole directory), and nothing for a hub dataset's name."""
+    import glob
+
+    listed = isinstance(input_value, (list, tuple)) or OmegaConf.is_list(input_value)
+    items = [str(item) for item in (input_value if listed else [input_value]) if item is not None]
+    paths = {}
+    for i, text in enumerate(items):
+        name = "input" if len(items) == 1 else f"input[{i}]"
+        text = os.path.expanduser(text)
+        if "**" in text:
+            paths[name] = Path(text[:text.index("**")])
+        elif glob.has_magic(text):
+            paths.update({f"{name} ({match})": Path(match) for match in sorted(glob.glob(text))})
+        elif Path(text).exists():
+            paths[name] = Path(text)
+    return paths
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Put the finished `tmp` at `out`; an existing one (only ours pass check_output) goes aside first."""
+    if out.exists() and any(out.iterdir()):
         old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
         out.rename(old)
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)
     else:
+        if out.exists():
+            out.rmdir()  # empty
         tmp.rename(out)
 
 
@@ -292,10 +313,8 @@ def prepare(cfg, progress: bool = True) -> Path:
     validate_prep(cfg)
     if not cfg.output:
         raise UserError("output", cfg.output, "pass output=DIR", problem="is required")
-    out = Path(cfg.output).expanduser().absolute()
-    if out.exists() and not cfg.overwrite:
-        raise UserError("output", str(out), "pick a new directory, or pass overwrite=true",
-                        problem="already exists")
+    out = check_output("output", cfg.output, PREPARED_DATA, cfg.overwrite,
+                       {**local_inputs(cfg.input), "tokenizer": cfg.tokenizer, "cache_dir": cfg.cache_dir})
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -307,7 +326,8 @@ def prepare(cfg, progress: bool = True) -> Path:
         meta = build(cfg, tmp, work, progress)
         shutil.rmtree(work)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _publish(tmp, out, cfg.overwrite)
+        mark(tmp, PREPARED_DATA)
+        _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -107,7 +107,7 @@ def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "mode
     MoETransformer.materialize (and trn1's param_init_fn) reads values: full tensors, or experts
     [first_expert, first_expert + shape[0]). A Mixtral or DeepSeek-V3 directory is converted; a dense
     Mistral/Llama one upcycled to model_cfg's experts, routers from moe.model.init's values for `seed`."""
-    files = SafetensorsDir(path)
+    files = SafetensorsDir(path, field)
     hf_config = json.loads((Path(path) / "config.json").read_text())
     model_type = hf_config.get("model_type")
     if model_type in UPCYCLERS:

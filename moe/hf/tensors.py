@@ -64,11 +64,63 @@ def config_value(hf_config, key: str, default=None):
     return getattr(hf_config, key, default)
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def check_weights_file(path: Path, field: str) -> None:
+    """A safetensors file that holds weights, or a UserError naming what it is instead: missing, empty, a
+    git-lfs pointer (a clone made without Git LFS), or cut short (its header promises more bytes)."""
+    import struct
+
+    from moe.errors import UserError
+
+    fix = ("fetch the real weights: `git lfs install && git lfs pull` in that clone, or download the "
+           "directory again")
+    if not path.is_file():
+        raise UserError(field, str(path.parent), "point to a complete save_pretrained directory",
+                        problem=f"has no {path.name}")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(max(8, len(LFS_POINTER)))
+        if head.startswith(LFS_POINTER):
+            raise UserError(field, str(path.parent), fix, problem=f"holds a git-lfs pointer in {path.name}, "
+                            f"not weights ({size} bytes): the repository was cloned without Git LFS")
+        if size < 8:
+            raise UserError(field, str(path.parent), fix, problem=f"has a {size}-byte {path.name}: empty "
+                            "or cut short, not a safetensors file")
+        (header_len,) = struct.unpack("<Q", head[:8])
+        if header_len > size - 8:
+            raise UserError(field, str(path.parent), fix, problem=f"has a {path.name} that is not "
+                            f"safetensors or is cut short ({size} bytes; its header claims {header_len})")
+        f.seek(8)
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as err:
+            raise UserError(field, str(path.parent), fix, problem=f"has a {path.name} whose safetensors "
+                            "header does not parse: damaged") from err
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise UserError(field, str(path.parent), fix, problem=f"has a {path.name} cut short: {size} bytes of "
+                        f"the {8 + header_len + end} its header describes")
+
+
+def check_weights_dir(path: Path, field: str) -> None:
+    """Every safetensors file a save_pretrained directory names (one file, or its index's)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    names = {"model.safetensors"}
+    if index.is_file():
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    for name in sorted(names):
+        check_weights_file(path / name, field)
+
+
 class SafetensorsDir:
     """`get(key)` over a save_pretrained directory's safetensors (one file or an index), read lazily."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, field: str = "model.init_from_hf"):
         self.path = Path(path)
+        check_weights_dir(self.path, field)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             self.file_of = json.loads(index.read_text())["weight_map"]

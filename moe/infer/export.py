@@ -11,24 +11,23 @@ import shutil
 from pathlib import Path
 
 from moe.data.tokenizer import chat_template_jinja, check_vocab, load_hf_tokenizer
-from moe.errors import UserError
 from moe.model import MoETransformer
+from moe.outputs import HF_EXPORT, check_output, mark
 
 
 def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_template: str | None = None,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, reads: dict | None = None) -> Path:
     """Write a directory `AutoModelForCausalLM/AutoTokenizer.from_pretrained` load offline (Mixtral, or
     DeepSeek-V3 for an MLA model).
 
     `tokenizer`: a transformers tokenizer or a directory holding one. Refuses (ConfigError)
-    a model its transformers class cannot express before anything touches disk.
+    a model its transformers class cannot express before anything touches disk, and (UserError) an
+    `out_dir` that overlaps what was read (`reads`: field -> path), lies in a run directory, or exists
+    without being an export this product wrote (moe.outputs).
     """
     from moe.hf import to_hf
 
-    out = Path(out_dir).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise UserError("export_hf", str(out), "choose a new directory, or add overwrite=true to replace it",
-                        problem="already exists and is not empty")
+    out = check_output("export_hf", out_dir, HF_EXPORT, overwrite, reads or {})
     hf = to_hf(model)  # ConfigError for ALiBi, dense layers, shared expert, un-normalised top-k
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_hf_tokenizer(tokenizer)
@@ -46,6 +45,7 @@ def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_tem
     try:
         hf.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        mark(tmp, HF_EXPORT)
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)

@@ -76,8 +76,10 @@ def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None) -> 
     """MoETransformer (eval) from a Mixtral or DeepSeek-V3 directory; dropless routing as the checkpoint
     computes it."""
     from moe.hf import from_hf
+    from moe.hf.tensors import check_weights_dir
 
     read_hf_config(path, field)
+    check_weights_dir(Path(path).expanduser(), field)
     try:
         return from_hf(Path(path).expanduser(), moe_opt=moe_opt).eval()
     except (OSError, KeyError, RuntimeError) as err:

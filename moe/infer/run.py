@@ -6,6 +6,7 @@ directory instead. Everything a user can get wrong surfaces as a UserError.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +19,12 @@ from moe.config.schema import DEFAULT_CHAT_TEMPLATE
 from moe.config.validate import INFER_DTYPES, validate_infer
 from moe.data.formats import FormatSpec
 from moe.data.tokenizer import check_vocab, load_hf_tokenizer, template_markers
-from moe.errors import UserError
+from moe.errors import UserError, first_line
 from moe.infer.export import export_hf
 from moe.infer.generate import Generation, generate, left_pad
 from moe.infer.load import generation_eos_ids, model_from_checkpoint, model_from_hf_dir
 from moe.model import MoETransformer
+from moe.outputs import HF_EXPORT, check_output
 from moe.paths import local_path
 
 
@@ -123,17 +125,42 @@ def read_prompts(cfg) -> list[str]:
                             problem="does not exist")
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         if path.suffix == ".jsonl":
-            try:
-                prompts += [json.loads(line)["prompt"] for line in lines]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise UserError("prompts_file", cfg.prompts_file, 'write one {"prompt": "..."} object a line',
-                                problem=f"has a line without a prompt field ({err})") from err
+            for number, line in enumerate(lines, 1):
+                try:
+                    prompt = json.loads(line)["prompt"]
+                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                    raise UserError("prompts_file", cfg.prompts_file, 'write one {"prompt": "..."} object a '
+                                    "line", problem=f"has a line without a prompt field (line {number}: "
+                                    f"{first_line(err)})") from err
+                if not isinstance(prompt, str) or not prompt.strip():
+                    raise UserError("prompts_file", cfg.prompts_file, "make every prompt a non-empty string",
+                                    problem=f"has prompt {prompt!r} on line {number}, which is not text")
+                prompts.append(prompt)
         else:
             prompts += lines
     if not prompts:
         raise UserError("prompt", cfg.prompt, 'pass prompt="..." or prompts_file=FILE (or export_hf=DIR)',
                         problem="is missing: nothing to generate from")
     return prompts
+
+
+def check_output_file(output_file: str | None) -> None:
+    """output_file can be written: its parent directory is made, and a directory or an unwritable place is
+    refused before anything is generated (a finished generation is never lost to it)."""
+    if not output_file:
+        return
+    path = Path(output_file).expanduser()
+    if path.is_dir():
+        raise UserError("output_file", output_file, "name a file, e.g. out/completions.jsonl",
+                        problem="is a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError("output_file", output_file, "pick a path this user can write",
+                        problem=f"cannot be written: no directory for it ({first_line(err)})") from err
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise UserError("output_file", output_file, "pick a path this user can write",
+                        problem="cannot be written (no write permission)")
 
 
 def chat_prefix(prompt: str, template: str) -> str:
@@ -148,15 +175,22 @@ def run(cfg) -> list[dict] | Path:
 
     validate_infer(cfg)
     set_allow_pickle(cfg.allow_pickle)
+    reads = {"ckpt": None if cfg.ckpt in (None, "last") else cfg.ckpt, "hf_dir": cfg.hf_dir,
+             "tokenizer": cfg.tokenizer}
+    if cfg.export_hf:  # before loading: a refused export wastes no time and touches nothing
+        check_output("export_hf", cfg.export_hf, HF_EXPORT, cfg.overwrite, reads)
+    else:  # before loading: the prompts, and that the results can be written
+        prompts = read_prompts(cfg)
+        check_output_file(cfg.output_file)
     loaded = load(cfg)
     if cfg.export_hf:
+        reads["ckpt" if cfg.ckpt else "hf_dir"] = loaded.source  # ckpt=last resolved
         out = export_hf(loaded.model, cfg.export_hf, loaded.tokenizer, chat_template=loaded.chat_template,
-                        overwrite=cfg.overwrite)
+                        overwrite=cfg.overwrite, reads=reads)
         hf_class = "DeepseekV3ForCausalLM" if loaded.model.cfg.attention == "mla" else "MixtralForCausalLM"
         print(f"exported {loaded.source} -> {out} (config.json, model.safetensors, tokenizer); load it with "
               f"transformers.{hf_class}.from_pretrained({str(out)!r})")
         return out
-    prompts = read_prompts(cfg)
     if cfg.chat and loaded.tokenizer_template:  # e.g. a Mixtral-Instruct dir: its own [INST] template
         texts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                       add_generation_prompt=True) for p in prompts]

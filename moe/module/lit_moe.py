@@ -8,6 +8,8 @@ model, loss and optimizer groups through its own NxD module (moe/backends/neuron
 """
 from __future__ import annotations
 
+import itertools
+
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -40,6 +42,14 @@ class LitMoE(L.LightningModule):
         if not self._parallelized:
             self.backend.parallelize(self)
             self._parallelized = True
+
+    def cpu(self):
+        """Lightning's teardown moves the module to the CPU, also after a failure in setup, while the model
+        may still be on the meta device: nothing to move there, and copying out of a meta tensor would raise
+        over the failure's own error (the user would read "Cannot copy out of meta tensor")."""
+        if any(t.device.type == "meta" for t in itertools.chain(self.parameters(), self.buffers())):
+            return self
+        return super().cpu()
 
     def forward(self, input_ids: torch.Tensor) -> ModelOutput:
         return self.model(input_ids)

@@ -20,6 +20,7 @@ from moe.checkpoint.formats import PORTABLE, format_of
 from moe.checkpoint.picker import read_checkpoint, resolve_checkpoint
 from moe.checkpoint.trust import set_allow_pickle
 from moe.errors import UserError, exit_on_user_error
+from moe.outputs import check_output
 
 KEPT = ("state_dict", "hyper_parameters", "hparams_name", "global_step", "epoch", "pytorch-lightning_version")
 
@@ -35,10 +36,21 @@ def checkpoint_dir(src: str) -> Path:
     return path
 
 
-def convert(src: str, out: str) -> Path:
+def is_torch_checkpoint(path: Path) -> bool:
+    """A file torch.save wrote (a zip archive holding data.pkl): what --overwrite may replace."""
+    import zipfile
+
+    if not (path.is_file() and zipfile.is_zipfile(path)):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/data.pkl") for name in archive.namelist())
+
+
+def convert(src: str, out: str, overwrite: bool = False) -> Path:
+    out_path = check_output("OUT", out, "portable checkpoint", overwrite, {"SRC": src},
+                            ours=is_torch_checkpoint, flag="--overwrite")
     source = checkpoint_dir(src)
     ckpt = read_checkpoint(source)
-    out_path = Path(out).expanduser()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     partial = out_path.with_name(out_path.name + ".partial")
     torch.save({k: ckpt[k] for k in KEPT if k in ckpt}, partial)
@@ -53,9 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="the .ckpt file to write")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="load files whose unpickling runs code (only ones you trust)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint file")
     args = parser.parse_args(argv)
     set_allow_pickle(args.allow_pickle)
-    exit_on_user_error(convert)(args.src, args.out)
+    exit_on_user_error(convert)(args.src, args.out, args.overwrite)
 
 
 if __name__ == "__main__":

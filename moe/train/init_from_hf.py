@@ -56,6 +56,9 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
                         f"which {err.problem}") from err
     if field == "model.init_from_hf":
         adapter.check_routing(hf_config, cfg.moe_opt, arch["top_k"])
+    from moe.hf.tensors import check_weights_dir
+
+    check_weights_dir(Path(path).expanduser(), field)  # at start-up: an LFS pointer, a cut-short file
     for key, value in arch.items():
         if key not in KEEP_FROM_USER:
             cfg.model[key] = value

@@ -109,11 +109,35 @@ def composition_error(err: Exception, overrides: list[str]) -> UserError:
     field, _, value = (culprit or "overrides").lstrip("+~").partition("=")
     fix = ("check the spelling against docs/CONFIG.md (every key and preset is listed there; "
            "`python train.py --cfg job` prints the composed config)")
+    if guess := misspelt(message, field):
+        fix = f"did you mean {guess}? Else {fix}"
     for plugin, extra in PLUGIN_EXTRAS.items():
         if f"Could not find 'hydra/{plugin}" in message:
             fix = f"install the Hydra plugin: pip install -e '.[{extra}]' -c constraints.txt"
     return UserError(field, value or overrides, fix,
                      problem=f"is refused when composing the config: {message}")
+
+
+def misspelt(message: str, field: str) -> str | None:
+    """For a key or preset Hydra could not find, the closest one that exists (`trainer.max_steps`,
+    `model=tiny`), or None."""
+    from moe.errors import did_you_mean
+
+    preset = re.search(r"Could not find '([^']+)/([^'/]+)' Available options in '[^']+': ([\w ]+)", message)
+    if preset:
+        group, option, options = preset.groups()
+        guess = did_you_mean(option, options.split())
+        return f"{group}={guess}" if guess else None
+    if re.search(r"Key '[^']+' not in '\w+'", message) and "." in field:
+        from omegaconf import OmegaConf
+
+        from moe.config.schema import TrainConfig
+
+        parent, _, key = field.rpartition(".")
+        node = OmegaConf.select(OmegaConf.structured(TrainConfig), parent)
+        guess = did_you_mean(key, node.keys()) if node is not None and hasattr(node, "keys") else None
+        return f"{parent}.{guess}" if guess else None
+    return None
 
 
 def check_config(cfg: DictConfig):

@@ -1,0 +1,100 @@
+"""Directories the product writes, and the one rule for replacing them: `overwrite=true` only ever replaces
+what this product wrote, and no output may overlap what the command reads.
+
+Each command that publishes a directory (data_prep's prepared data, infer.py's Hugging Face export) writes
+a marker file into it (`.moe-output.json`, naming its kind). Before any work starts, `check_output` refuses,
+with one paragraph naming both paths:
+- an output that equals, contains or lies inside a path the command reads (its input files, a checkpoint,
+  a tokenizer, a Hugging Face directory) or a run directory;
+- an existing, non-empty output without overwrite=true;
+- with overwrite=true, an output this product did not write as that kind (no marker): the user's own
+  directory is never renamed or removed.
+Prepared-data directories written before the marker existed are recognised by their meta.json.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from moe.errors import UserError
+
+MARKER = ".moe-output.json"
+PREPARED_DATA, HF_EXPORT = "prepared data", "Hugging Face export"
+RUN_DIR_ENTRIES = ("checkpoints", ".hydra", "metrics.csv", "summary.json", "train.log")
+
+
+def mark(directory: Path, kind: str) -> None:
+    """Say in `directory` (before it is published) that this product wrote it, as `kind`."""
+    (Path(directory) / MARKER).write_text(json.dumps({"written_by": "moe", "kind": kind}) + "\n")
+
+
+def written_kind(directory: Path) -> str | None:
+    """What this product wrote `directory` as, or None (not ours, or not a directory)."""
+    directory = Path(directory)
+    try:
+        return json.loads((directory / MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:  # prepared data from before the marker: meta.json with data_prep's own keys
+        meta = json.loads((directory / "meta.json").read_text())
+        legacy = isinstance(meta, dict) and {"sources", "config", "splits"} <= set(meta)
+        return PREPARED_DATA if legacy else None
+    except (OSError, ValueError):
+        return None
+
+
+def is_run_dir(path: Path) -> bool:
+    """A training run's directory (runs/<name>): what train.py writes and resumes from."""
+    path = Path(path)
+    return path.is_dir() and any((path / entry).exists() for entry in RUN_DIR_ENTRIES)
+
+
+def overlap(out: Path, read: Path) -> str | None:
+    """How `out` overlaps `read` ("is", "holds", "lies inside"), or None."""
+    out, read = out.resolve(), read.resolve()
+    if out == read:
+        return "is"
+    if out in read.parents:
+        return "holds"
+    if read in out.parents:
+        return "lies inside"
+    return None
+
+
+def check_output(field: str, out: str | Path, kind: str, overwrite: bool,
+                 reads: dict[str, str | Path | None], ours: Callable[[Path], bool] | None = None,
+                 flag: str = "overwrite=true") -> Path:
+    """Refuse (UserError, before any work) an output that would destroy what is read or owned by the user;
+    returns the output as an absolute path. `reads`: field name -> a path this command reads (None: unset);
+    `ours`: whether an existing output is one this product wrote as `kind` (default: its marker says so);
+    `flag`: how the command spells overwrite."""
+    out = Path(out).expanduser().absolute()
+    for read_field, read in reads.items():
+        if read is None:
+            continue
+        read = Path(read).expanduser().absolute()
+        relation = overlap(out, read)
+        if relation:
+            raise UserError(field, str(out), f"write the {kind} to a directory outside {read_field}",
+                            problem=f"{relation} {read_field}={read}, which this command reads: replacing "
+                                    "it would destroy its own input")
+    for parent in (out, *out.parents):
+        if is_run_dir(parent):
+            where = "is" if parent == out else f"lies inside {parent}, which is"
+            raise UserError(field, str(out), f"write the {kind} outside the run directory, e.g. next to it",
+                            problem=f"{where} a training run directory (checkpoints, metrics, config): "
+                                    "nothing is written into a run")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return out
+    ours = (ours or (lambda path: path.is_dir() and written_kind(path) == kind))(out)
+    if not overwrite:
+        fix = (f"pick a new path, or pass {flag} to replace this {kind}" if ours
+               else f"pick a new path (not a {kind} this product wrote: {flag} will not replace it)")
+        raise UserError(field, str(out), fix, problem="already exists")
+    if not ours:
+        what = f"a directory without {MARKER}" if out.is_dir() else "a file"
+        raise UserError(field, str(out), "pick a new path, or move or delete it yourself if it is yours to "
+                        "lose", problem=f"is {what}: {flag} replaces only a {kind} this product wrote, and "
+                        "nothing of it was removed")
+    return out
