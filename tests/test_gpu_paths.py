@@ -126,3 +126,20 @@ def test_experts_use_the_grouped_gemm_under_bf16_mixed_autocast(train_here, monk
     probe = 1  # the probe's own forward call, in bf16
     assert calls.count(torch.bfloat16) == 2 * moe_layers + probe, calls
     assert torch.float32 not in calls, calls
+
+
+@pytest.mark.slow
+def test_make_gpu_check_cpu_smoke_trains_its_paths_and_prints_the_table(tmp_path):
+    """bench/gpu_check.py's CPU form, two of its paths: the table a GPU run prints, every loss falling."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--steps", "4", "--no-bench",
+                           "--only", "ddp_bf16", "fsdp2_zero3", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| ddp_bf16", "| fsdp2_zero3"))]
+    assert len(rows) == 2 and all(row.endswith("| grouped_mm | yes |") for row in rows), proc.stdout
+    assert "all 2 paths trained and their loss fell" in proc.stdout
