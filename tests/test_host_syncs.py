@@ -78,3 +78,21 @@ def test_gradient_clipping_never_syncs():
     torch.testing.assert_close(norm, want)
     for name, p in model.named_parameters():  # clipped as torch's clip_grad_norm_ would
         torch.testing.assert_close(p.grad, before[name] * (1e-3 / (want + 1e-6)), msg=name)
+
+
+def test_a_training_step_computes_the_gradient_norm_once(train_here, monkeypatch):
+    """The metrics, the spike guard and the clipping read one norm a step: each computation is a pass over
+    every gradient, a collective and a host sync."""
+    from moe.backends.base import Backend
+
+    calls = []
+    real = Backend.grad_norm
+
+    def counted(self, module):
+        calls.append(module.trainer.global_step)
+        return real(self, module)
+
+    monkeypatch.setattr(Backend, "grad_norm", counted)
+    train_here("trainer.max_steps=3", "trainer.limit_val_batches=0", "trainer.save_checkpoints=false",
+               "trainer.accumulate_grad_batches=2", "trainer.micro_batch_size=4")
+    assert calls == [0, 1, 2]

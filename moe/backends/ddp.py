@@ -64,7 +64,7 @@ class DDPBackend(Backend):
         (bf16-mixed and 16-mixed alike), and under EP the norm must cover every rank's experts."""
         from moe.parallel.grad_norm import clip_local_grads
 
-        clip_local_grads(module.parameters(), self.grad_norm(module), max_norm)
+        clip_local_grads(module.parameters(), module.grad_norm(), max_norm)
         return True
 
 

@@ -118,7 +118,7 @@ class FSDP2Backend(Backend):
         """Lightning's clipping needs every gradient on one mesh: clip by the global norm (base grad_norm)."""
         from moe.parallel.grad_norm import clip_local_grads
 
-        clip_local_grads(module.model.parameters(), self.grad_norm(module), max_norm)
+        clip_local_grads(module.model.parameters(), module.grad_norm(), max_norm)
         return True
 
 

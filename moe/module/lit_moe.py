@@ -36,6 +36,7 @@ class LitMoE(L.LightningModule):
         self._parallelized = False
         self._expert_bias = None  # moe.module.expert_bias.ExpertBiasUpdate, made at the first step
         self.pipelined = None  # moe.module.pipelined.PipelinedSteps, set by a backend that pipelines
+        self._grad_norm = None  # this step's, once computed (grad_norm)
 
     def configure_model(self) -> None:
         """Parallelise once the process group exists, before the strategy wraps the model."""
@@ -105,11 +106,16 @@ class LitMoE(L.LightningModule):
             self._expert_bias.step(lambda t: self.backend.all_reduce(self, t, "sum", stage_only=True))
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients before clipping (expert shards summed over the EP group)."""
-        return self.backend.grad_norm(self)
+        """Global L2 norm of the gradients before clipping (expert shards summed over the EP group), on the
+        CPU; computed once per optimizer step and read by the metrics, the spike guard and the clipping
+        (each computation is a pass over every gradient, a collective and a host sync)."""
+        if self._grad_norm is None:
+            self._grad_norm = self.backend.grad_norm(self)
+        return self._grad_norm
 
     # -- what the backend does around the step and in checkpoints -------------------------------------
     def on_after_backward(self) -> None:
+        self._grad_norm = None  # the gradients changed
         self.backend.after_backward(self)
 
     def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
