@@ -83,6 +83,7 @@ bench: $(STAMP) ## benchmarks side by side with their peers (figures go in docs/
 	$(PY) bench/generate.py
 	$(PY) bench/data_prep.py
 	$(PY) bench/folded_ep.py
+	$(PY) bench/train_vs_bare.py
 
 NEURON_DEVICES ?= 32
 NEURON_ARGS ?= experiment=karakuri_8x7b_trn1

@@ -5,7 +5,8 @@ with the product's defaults (bf16-mixed, clipping at 1.0, fused AdamW), as `pyth
 process: DDP, DeepSpeed ZeRO-2 with and without overlap_comm, FSDP2 at zero_stage 3 and 2, FSDP2 compiled,
 FSDP2 with its experts offloaded, and with 2 or more GPUs EP 2 and TP 2 x EP 2. It prints one markdown
 table (exit code, first and last loss, tokens/s, MFU, peak memory measured against the planner's, the
-experts' kernel), then runs bench/gpu_moe_stack.py and our MoE layer beside torchtitan's on the GPU.
+experts' kernel), then runs bench/gpu_moe_stack.py, train.py beside the bare model (DDP and FSDP2 at the
+same shape: bench/train_vs_bare.py) and our MoE layer beside torchtitan's on the GPU.
 It exits 1 if any path fails or its loss does not fall. Paths whose library is missing (DeepSpeed) and the
 torchtitan comparison are skipped with one line each.
 
@@ -215,6 +216,9 @@ def main() -> int:
     if not args.no_bench:
         smoke = ["--cpu-smoke"] if args.cpu_smoke else []
         run_bench(["bench/gpu_moe_stack.py", *smoke], args.timeout)
+        steps = ["--steps", "3" if args.cpu_smoke else "10"]
+        for path in ([[]] if args.cpu_smoke else [["--gpu"], ["--gpu", "hardware=gpu_fsdp2"]]):
+            run_bench(["bench/train_vs_bare.py", *steps, *path], args.timeout)
         if importlib.util.find_spec("torchtitan") is None:
             print("\nskipped our MoE layer beside torchtitan's: torchtitan is not importable here "
                   "(bash ../shared/gpu/wheels.sh fills .whl/ with it)")

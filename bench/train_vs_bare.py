@@ -1,0 +1,154 @@
+"""train.py beside the bare model: tokens/s and host syncs per step of the same model, batch and precision,
+through train.py's whole Lightning step and through a plain loop (issue O: within 10% on one GPU).
+
+The bare loop is what a user would write: the model (moe.model.MoETransformer, built as train.py builds it),
+the same batch from the same data, autocast in the run's precision, the chunked LM head and loss plus the
+router terms, backward, clipping at optimizer.grad_clip by one foreach norm, the fused AdamW with train.py's
+parameter groups. train.py adds what a run needs: Lightning's loop, the metrics and their reductions, the
+spike guard, the step seed. Host syncs (moe.tools.syncs) are counted over the timed steps of each and divided
+by the step count; on CUDA each is a wait for every kernel queued before it.
+
+    python bench/train_vs_bare.py                                   # tiny model on this CPU
+    python bench/train_vs_bare.py --gpu                             # moe_1b at seq 2048 on one CUDA GPU
+    python bench/train_vs_bare.py --gpu hardware=gpu_fsdp2          # the FSDP2 path (one GPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from moe.tools.syncs import counting_syncs  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_SHAPE = ("model=tiny", "data.seq_len=128", "trainer.micro_batch_size=8")
+GPU_SHAPE = ("hardware=gpu", "hardware.strategy=ddp", "parallel=single", "model=moe_1b", "data.seq_len=2048",
+             "trainer.micro_batch_size=8")
+
+
+def compose(overrides: list[str], run_dir: Path):
+    from moe.train.preflight import compose_config
+
+    common = [f"hydra.run.dir={run_dir}", "trainer.progress_bar=false", "trainer.limit_val_batches=0",
+              "trainer.save_checkpoints=false", "trainer.log_every_n_steps=10", "resume=false"]
+    cfg, _ = compose_config([*common, *overrides], str(REPO / "conf"), "train")
+    return cfg
+
+
+def through_train_py(overrides: list[str], steps: int, warmup: int) -> tuple[float, float]:
+    """(tokens/s after the first step, host syncs per step after the warm-up) of train.py itself, in this
+    process: a callback, last of the run's, counts from each timed batch's start to its end."""
+    import lightning as L
+
+    import moe.train.callbacks as callbacks
+    from moe.train.run import train
+
+    class CountStepSyncs(L.Callback):
+        def __init__(self):
+            self.syncs, self.steps, self._counting = 0, 0, None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step >= warmup:
+                self._counting = counting_syncs()
+                self._counter = self._counting.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self._counting is not None:
+                self._counting.__exit__(None, None, None)
+                self._counting = None
+                self.syncs, self.steps = self.syncs + len(self._counter.syncs), self.steps + 1
+
+    counter, build = CountStepSyncs(), callbacks.build_callbacks
+    callbacks.build_callbacks = lambda *a, **kw: [*build(*a, **kw), counter]
+    try:
+        run_dir = Path(tempfile.mkdtemp(prefix="train-vs-bare-"))
+        train(compose([*overrides, f"trainer.max_steps={warmup + steps}"], run_dir), run_dir)
+    finally:
+        callbacks.build_callbacks = build
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return summary["tokens_per_s"], counter.syncs / max(1, counter.steps)
+
+
+def bare_loop(overrides: list[str], steps: int, warmup: int) -> tuple[float, float]:
+    """The same model, batch and precision in a plain loop: (tokens/s, host syncs per step)."""
+    from moe.config.derived import precision_of
+    from moe.data import MoEDataModule
+    from moe.model.model import MoETransformer
+    from moe.module.optim import build_optimizer
+    from moe.parallel.dims import validated_dims
+    from moe.parallel.grad_norm import clip_local_grads, global_grad_norm
+
+    run_dir = Path(tempfile.mkdtemp(prefix="train-vs-bare-"))
+    cfg = compose([*overrides, f"trainer.max_steps={warmup + steps}"], run_dir)
+    dims = validated_dims(cfg)
+    device = torch.device("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
+    torch.manual_seed(cfg.seed)
+    model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed).to(device)
+    precision = precision_of(cfg)
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    optimizer = build_optimizer(model, cfg.optimizer)
+    data = MoEDataModule(cfg.data, micro_batch_size=cfg.trainer.micro_batch_size, accumulate_grad_batches=1,
+                         max_steps=warmup + steps, seed=cfg.seed, limit_val_batches=0, dims=dims)
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    tokens = cfg.trainer.micro_batch_size * cfg.data.seq_len
+
+    def step() -> None:
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        with autocast:
+            out = model(batch["input_ids"], labels_BS=batch["labels"])
+            loss = out.lm_loss + out.router_loss
+        loss.backward()
+        if cfg.optimizer.grad_clip:
+            clip_local_grads(model.parameters(), global_grad_norm(model.parameters(), [], None, device),
+                             cfg.optimizer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with counting_syncs() as counter:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return tokens * steps / seconds, len(counter.syncs) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true", help="moe_1b at seq 2048 on one CUDA GPU (DDP path)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="train.py overrides on top of the shape")
+    args = parser.parse_args()
+    if args.gpu and not torch.cuda.is_available():
+        print("error: --gpu measures a CUDA GPU and torch sees none here. Fix: run it on a GPU machine, or "
+              "drop --gpu for the CPU shape.", file=sys.stderr)
+        sys.exit(2)
+    overrides = [*(GPU_SHAPE if args.gpu else CPU_SHAPE), *args.overrides]
+    card = torch.cuda.get_device_name() if args.gpu else "CPU"
+    print(f"{card}, torch {torch.__version__}; {' '.join(overrides)}; {args.steps} steps after {args.warmup}")
+    bare, bare_syncs = bare_loop(overrides, args.steps, args.warmup)
+    ours, our_syncs = through_train_py(overrides, args.steps, args.warmup)
+    print("| path | tokens/s | host syncs / step |\n|---|---|---|")
+    print(f"| bare loop | {bare:,.0f} | {bare_syncs:.1f} |")
+    print(f"| train.py | {ours:,.0f} | {our_syncs:.1f} |")
+    print(f"train.py runs at {100 * ours / bare:.1f}% of the bare loop")
+
+
+if __name__ == "__main__":
+    main()
