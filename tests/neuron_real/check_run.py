@@ -61,7 +61,8 @@ def main(straight: Path, resumed: Path) -> int:
             if row[key] != first[step][key]:
                 problems.append(f"step {step} {key}: resumed {row[key]} vs straight {first[step][key]}")
 
-    portable = convert(str(straight), str(straight / "converted.ckpt"))
+    # beside the run, not in it: nothing is written into a run directory (moe.outputs)
+    portable = convert(str(straight), f"{straight}-converted.ckpt", overwrite=True)
     model, cfg = model_from_checkpoint(portable)
     batches = validation_batches(cfg)
     logged = float([r["val_loss"] for r in rows(straight) if r["val_loss"]][-1])
@@ -76,7 +77,7 @@ def main(straight: Path, resumed: Path) -> int:
 
         from moe.parallel.apply import moe_layers
 
-        hf_dir = export_hf(model, straight / "hf", straight / "tokenizer", overwrite=True)
+        hf_dir = export_hf(model, f"{straight}-hf", straight / "tokenizer", overwrite=True)
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
         for layer in moe_layers(model):
             layer.eval_capacity_factor = None
