@@ -96,3 +96,22 @@ def test_a_training_step_computes_the_gradient_norm_once(train_here, monkeypatch
     train_here("trainer.max_steps=3", "trainer.limit_val_batches=0", "trainer.save_checkpoints=false",
                "trainer.accumulate_grad_batches=2", "trainer.micro_batch_size=4")
     assert calls == [0, 1, 2]
+
+
+def test_a_training_step_reduces_its_statistics_once(train_here, monkeypatch):
+    """The spike guard and the metrics read one set of step means (one collective, one host sync a step);
+    a step that is not logged reads nothing more back."""
+    from moe.backends.base import Backend
+
+    sums = []
+    real = Backend.all_reduce
+
+    def counted(self, module, tensor, op, stage_only=False):
+        if op == "sum":
+            sums.append(module.trainer.global_step)
+        return real(self, module, tensor, op, stage_only)
+
+    monkeypatch.setattr(Backend, "all_reduce", counted)
+    train_here("trainer.max_steps=4", "trainer.limit_val_batches=0", "trainer.save_checkpoints=false",
+               "trainer.log_every_n_steps=10")
+    assert sums == [0, 1, 2, 3]

@@ -28,9 +28,11 @@ class StepStats:
     micro_batches: int = 0
     last_tokens_per_expert: list = field(default_factory=list)  # per MoE layer: counts [E], last forward
     last_tokens_per_forward: int = 0
+    means: dict | None = None  # the means over every rank, once computed (moe.train.metrics.step_means)
 
     def add_losses(self, loss, lm_loss=None) -> None:
         """One micro-batch's training loss and, when known, its LM loss."""
+        self.means = None
         self.sums["loss"] = self.sums["loss"] + _detached(loss)
         self.loss_count += 1
         if lm_loss is not None:
@@ -40,10 +42,12 @@ class StepStats:
     def add_loss_term(self, value) -> None:
         """A term of the training loss this rank computed without the rest of it (a pipeline stage's router
         terms): summed into the loss, counted where the micro-batch's LM loss is."""
+        self.means = None
         self.sums["loss"] = self.sums["loss"] + _detached(value)
 
     def add_routing(self, routing: list, tokens: int) -> None:
         """The RoutingStats of each MoE layer this rank ran in one micro-batch."""
+        self.means = None
         for r in routing:
             for key, value in (("aux_loss", r.aux_loss), ("z_loss", r.z_loss),
                                ("drop_fraction", r.dropped_fraction), ("max_expert_load", r.max_load),

@@ -109,12 +109,16 @@ class RunMetrics(L.Callback):
         if step - steps_done > self._start_step:  # the first step after (re)start includes warm-up
             self._timed_steps += steps_done
             self._timed_seconds += seconds
+        stats = pl_module.step_stats
+        tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
+        pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
+        if step % self.log_every and step != trainer.max_steps and step != 1:
+            stats.reset()  # nothing more read back from the device on a step that is not logged
+            return
         if pl_module.backend.norm_after_step:
             norm = pl_module.backend.grad_norm_after_step(pl_module)
             self._grad_norm = float("nan") if norm is None else norm
-        stats = pl_module.step_stats
         means = step_means(pl_module)
-        tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
         row = {
             "step": step, **means,
             "lr": optimizer_lr(trainer),
@@ -128,9 +132,6 @@ class RunMetrics(L.Callback):
         counts = self.guard.counts if self.guard else {}  # cumulative over the run
         row.update(skipped_steps=counts.get("skipped_steps", 0), spikes=counts.get("spikes", 0))
         stats.reset()
-        pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
-        if step % self.log_every and step != trainer.max_steps and step != 1:
-            return
         if trainer.is_global_zero:
             self._append(row)
             log_step(row, trainer.max_steps)
@@ -198,7 +199,10 @@ def step_means(pl_module) -> dict[str, float]:
     every MoE layer's router term at the step's mean load-balance and z-losses.
     """
     stats = pl_module.step_stats
+    if stats.means is not None:  # the guard asked first this step: one collective and host sync a step
+        return stats.means
     means = means_from_totals(pl_module.backend.all_reduce(pl_module, stats.totals(pl_module.device), "sum"))
+    stats.means = means
     if math.isnan(means["lm_loss"]) and not math.isnan(means["aux_loss"]):
         per_layer = router_loss(SimpleNamespace(aux_loss=means["aux_loss"], z_loss=means["z_loss"]),
                                 pl_module.cfg.moe_opt)
