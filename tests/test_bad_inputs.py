@@ -260,6 +260,8 @@ CONFIG_CASES = [
     (["data.split_seed=-3"], "data.split_seed", "-3", "is not a seed numpy accepts", "whole number"),
     (["parallel.overlap_comm=true"], "parallel.overlap_comm", "True", "DeepSpeed's ZeRO setting",
      "leave parallel.overlap_comm=null"),
+    (["hardware.peak_tflops=0"], "hardware.peak_tflops", "0.0", "must be positive", "MFU divides by"),
+    (["hardware.device_memory_gib=0"], "hardware.device_memory_gib", "0.0", "must be positive", "in GiB"),
     (["trainer.save_checkpoints=false", "trainer.spike_action=rollback"], "trainer.spike_action",
      "'rollback'", "writes none", "trainer.save_checkpoints=true"),
 ]

@@ -739,6 +739,12 @@ def check_planning(cfg) -> None:
           "puts the hottest expert below its balanced share")
     fixed = cfg.hardware.get("fixed_memory_gib", 0.0)
     _need(fixed >= 0, "hardware.fixed_memory_gib", fixed, "use 0 or more GiB", "is negative")
+    hw = cfg.hardware
+    _need(hw.peak_tflops > 0, "hardware.peak_tflops", hw.peak_tflops,
+          "use the device's dense peak in TFLOPS (H100 SXM bf16: 989), which MFU divides by",
+          "must be positive")
+    _need(hw.device_memory_gib > 0, "hardware.device_memory_gib", hw.device_memory_gib,
+          "use the device's memory in GiB (H100: 80)", "must be positive")
 
 
 def check_simulate(cfg) -> None:
