@@ -137,3 +137,16 @@ def test_consolidate_never_writes_over_its_source_or_a_users_file(tmp_path):
         with pytest.raises(UserError):
             convert(str(run), str(mine), overwrite=overwrite)
     assert mine.read_text() == "my own file"
+
+
+def test_report_never_replaces_a_report_md_it_did_not_write(tmp_path):
+    import subprocess
+    import sys
+
+    run = fake_run(tmp_path)
+    (run / "report.md").write_text("# My notes on exp1\nthe lr was too high\n")
+    before = snapshot(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "moe.report", str(run)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    refused(proc, "DIR=", "report.md this command did not write")
+    assert snapshot(tmp_path) == before

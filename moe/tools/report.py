@@ -259,7 +259,7 @@ def report_run(run: Run, target: float = 0.01, from_step: int = 0) -> list[Path]
 
     advice = _advise(run, target, from_step)
     written = []
-    md = [f"# Run report: {run.path}", ""]
+    md = [f"{REPORT_HEADINGS[0]}{run.path}", ""]
     if run.overrides:
         md += ["Overrides: `" + " ".join(f"{k}={v}" for k, v in run.overrides.items()) + "`", ""]
     md += [table([run], [run_row(run, advice)], [], target, link=False), "", LEGEND, ""]
@@ -314,7 +314,7 @@ def report_sweep(root: Path, runs: list[Run], target: float = 0.01, from_step: i
     common = {k: v for k, v in runs[0].overrides.items()
               if k not in keys and all(r.overrides.get(k) == v for r in runs)}
     written = []
-    md = [f"# Sweep report: {root}", "", f"{len(runs)} runs."]
+    md = [f"{REPORT_HEADINGS[1]}{root}", "", f"{len(runs)} runs."]
     if common:
         md += ["Common overrides: `" + " ".join(f"{k}={v}" for k, v in common.items()) + "`"]
     md += ["", table(runs, rows, keys, target), "", LEGEND, ""]
@@ -348,6 +348,22 @@ def report_sweep(root: Path, runs: list[Run], target: float = 0.01, from_step: i
     return [root / "report.md", *written]
 
 
+REPORT_HEADINGS = ("# Run report: ", "# Sweep report: ")
+
+
+def check_own_report(path: Path) -> None:
+    """A report.md about to be replaced is one this command wrote (its heading says so), never a user's own
+    file of that name: refused, before anything is written (moe.outputs' rule for a single file)."""
+    if not path.exists():
+        return
+    with path.open(errors="replace") as f:
+        first = f.readline()
+    if not first.startswith(REPORT_HEADINGS):
+        raise UserError("DIR", str(path.parent), f"move {path} aside (or rename it), then report again",
+                        problem=f"holds a report.md this command did not write (it starts "
+                                f"{first.strip()[:40]!r}); nothing was replaced")
+
+
 def report(directory: str | Path, target: float = 0.01, from_step: int = 0) -> list[Path]:
     """Report on a run dir or a sweep dir; returns every file written (report.md first)."""
     root = Path(directory)
@@ -358,6 +374,8 @@ def report(directory: str | Path, target: float = 0.01, from_step: int = 0) -> l
     if not paths:
         raise UserError("DIR", str(directory), "point at runs/<name> or multirun/<time> once a run has "
                         "logged a step", problem="holds no run (no metrics.csv or summary.json under it)")
+    for path in {root, *paths}:
+        check_own_report(path / "report.md")
     if paths == [root]:
         return report_run(load_run(root, root.name), target, from_step)
     runs = [load_run(p, str(p.relative_to(root))) for p in paths]
