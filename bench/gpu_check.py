@@ -217,8 +217,9 @@ def main() -> int:
         smoke = ["--cpu-smoke"] if args.cpu_smoke else []
         run_bench(["bench/gpu_moe_stack.py", *smoke], args.timeout)
         steps = ["--steps", "3" if args.cpu_smoke else "10"]
-        for path in ([[]] if args.cpu_smoke else [["--gpu"], ["--gpu", "hardware=gpu_fsdp2"]]):
-            run_bench(["bench/train_vs_bare.py", *steps, *path], args.timeout)
+        for backend in ("ddp", "fsdp2"):
+            device = [] if args.cpu_smoke else ["--gpu"]
+            run_bench(["bench/train_vs_bare.py", *steps, *device, "--backend", backend], args.timeout)
         if importlib.util.find_spec("torchtitan") is None:
             print("\nskipped our MoE layer beside torchtitan's: torchtitan is not importable here "
                   "(bash ../shared/gpu/wheels.sh fills .whl/ with it)")

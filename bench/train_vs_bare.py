@@ -10,7 +10,7 @@ by the step count; on CUDA each is a wait for every kernel queued before it.
 
     python bench/train_vs_bare.py                                   # tiny model on this CPU
     python bench/train_vs_bare.py --gpu                             # moe_1b at seq 2048 on one CUDA GPU
-    python bench/train_vs_bare.py --gpu hardware=gpu_fsdp2          # the FSDP2 path (one GPU)
+    python bench/train_vs_bare.py --gpu --backend fsdp2             # train.py through FSDP2 (one GPU)
 """
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ from moe.tools.syncs import counting_syncs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_SHAPE = ("model=tiny", "data.seq_len=128", "trainer.micro_batch_size=8")
-GPU_SHAPE = ("hardware=gpu", "hardware.strategy=ddp", "parallel=single", "model=moe_1b", "data.seq_len=2048",
-             "trainer.micro_batch_size=8")
+GPU_SHAPE = ("model=moe_1b", "data.seq_len=2048", "trainer.micro_batch_size=8")
+BACKENDS = {  # (on the CPU, on a GPU): the hardware presets train.py runs through
+    "ddp": ((), ("hardware=gpu", "hardware.strategy=ddp", "parallel=single")),
+    "fsdp2": (("hardware=cpu_fsdp2",), ("hardware=gpu_fsdp2",)),
+}
 
 
 def compose(overrides: list[str], run_dir: Path):
@@ -130,7 +133,8 @@ def bare_loop(overrides: list[str], steps: int, warmup: int) -> tuple[float, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", action="store_true", help="moe_1b at seq 2048 on one CUDA GPU (DDP path)")
+    parser.add_argument("--gpu", action="store_true", help="moe_1b at seq 2048 on one CUDA GPU")
+    parser.add_argument("--backend", choices=list(BACKENDS), default="ddp", help="train.py's path")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="train.py overrides on top of the shape")
@@ -139,7 +143,8 @@ def main() -> None:
         print("error: --gpu measures a CUDA GPU and torch sees none here. Fix: run it on a GPU machine, or "
               "drop --gpu for the CPU shape.", file=sys.stderr)
         sys.exit(2)
-    overrides = [*(GPU_SHAPE if args.gpu else CPU_SHAPE), *args.overrides]
+    hardware = BACKENDS[args.backend][1 if args.gpu else 0]
+    overrides = [*hardware, *(GPU_SHAPE if args.gpu else CPU_SHAPE), *args.overrides]
     card = torch.cuda.get_device_name() if args.gpu else "CPU"
     print(f"{card}, torch {torch.__version__}; {' '.join(overrides)}; {args.steps} steps after {args.warmup}")
     bare, bare_syncs = bare_loop(overrides, args.steps, args.warmup)
