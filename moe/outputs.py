@@ -21,7 +21,6 @@ from moe.errors import UserError
 
 MARKER = ".moe-output.json"
 PREPARED_DATA, HF_EXPORT = "prepared data", "Hugging Face export"
-RUN_DIR_ENTRIES = ("checkpoints", ".hydra", "metrics.csv", "summary.json", "train.log")
 
 
 def mark(directory: Path, kind: str) -> None:
@@ -45,9 +44,11 @@ def written_kind(directory: Path) -> str | None:
 
 
 def is_run_dir(path: Path) -> bool:
-    """A training run's directory (runs/<name>): what train.py writes and resumes from."""
+    """A training run's directory (runs/<name>): Hydra's .hydra/ beside train.py's checkpoints/ or metrics.csv
+    (names general enough on their own that a user's project directory may hold one)."""
     path = Path(path)
-    return path.is_dir() and any((path / entry).exists() for entry in RUN_DIR_ENTRIES)
+    trained = (path / "checkpoints").is_dir() or (path / "metrics.csv").is_file()
+    return trained and (path / ".hydra").is_dir()
 
 
 def overlap(out: Path, read: Path) -> str | None:

@@ -150,3 +150,16 @@ def test_report_never_replaces_a_report_md_it_did_not_write(tmp_path):
                           text=True, timeout=120)
     refused(proc, "DIR=", "report.md this command did not write")
     assert snapshot(tmp_path) == before
+
+
+def test_a_users_project_with_a_metrics_csv_is_not_taken_for_a_run(tmp_path):
+    """A run is .hydra/ beside checkpoints/ or metrics.csv; a project directory holding its own metrics.csv
+    or train.log still takes outputs below it."""
+    project = user_dir(tmp_path)
+    (project / "metrics.csv").write_text("my,own\n")
+    (project / "train.log").write_text("my own log\n")
+    out = prep(input=str(project / "corpus.txt"), output=str(project / "prepared"))
+    assert written_kind(out) == PREPARED_DATA
+    from moe.outputs import is_run_dir
+
+    assert not is_run_dir(project) and is_run_dir(fake_run(tmp_path))
