@@ -17,7 +17,7 @@ from tests.conftest import REPO
 SCRIPTS = sorted((REPO / "bench").glob("*.py"))
 
 LOAD = """
-import json, runpy, sys
+import importlib.util, json, runpy, sys
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
 clean_path = [p for p in sys.path if p not in ("", {repo!r})]
 failures = {{}}
@@ -25,11 +25,8 @@ for script, uses_moe in json.loads({scripts!r}):
     for name in [m for m in sys.modules if m == "moe" or m.startswith("moe.")]:
         del sys.modules[name]
     sys.path[:] = clean_path
-    try:
-        import moe
+    if importlib.util.find_spec("moe") is not None:
         raise SystemExit("moe is importable before the script ran: the check proves nothing")
-    except ImportError:
-        pass
     sys.path.insert(0, {bench!r})  # what `python bench/<script>.py` puts first
     try:
         runpy.run_path(script, run_name="bench_import_check")  # its imports, not its main()

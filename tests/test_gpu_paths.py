@@ -39,7 +39,7 @@ def _register_pre_backward_hook_torch_2_11(self, output):
 
 
 class FreedStorageRead(AssertionError):
-    pass
+    """Autograd read a saved tensor whose storage FSDP2 had freed."""
 
 
 def _pack(t: torch.Tensor) -> torch.Tensor:
