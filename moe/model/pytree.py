@@ -9,18 +9,11 @@ DDP's unused-parameter search flattens outputs the same way.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from torch.utils import _pytree
 
 
 def pytree_dataclass(cls):
-    """Register a dataclass as a pytree node whose children are its fields, in order (a class decorator)."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    _pytree.register_pytree_node(
-        cls,
-        lambda obj: ([getattr(obj, name) for name in names], None),
-        lambda values, _context: cls(*values),
-        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
-    )
+    """Register a dataclass as a pytree node whose children are its fields, in order (a class decorator);
+    torch's own registration (torch/utils/_pytree.py register_dataclass, in every torch admitted)."""
+    _pytree.register_dataclass(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
     return cls
