@@ -14,6 +14,8 @@ Prepared-data directories written before the marker existed are recognised by th
 from __future__ import annotations
 
 import json
+import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +43,18 @@ def written_kind(directory: Path) -> str | None:
         return PREPARED_DATA if legacy else None
     except (OSError, ValueError):
         return None
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Put the finished directory `tmp` at `out` by renames: an existing `out` (check_output lets only this
+    product's through) is renamed aside first and removed after, so `out` is never half-written."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def is_run_dir(path: Path) -> bool:

@@ -31,7 +31,7 @@ from moe.data.formats import BENIGN, FormatSpec, check_columns, needed_columns, 
 from moe.data.packing import ConcatPacker, PadPacker
 from moe.data.sources import RawData, load_raw
 from moe.errors import UserError
-from moe.outputs import PREPARED_DATA, check_output, mark
+from moe.outputs import PREPARED_DATA, check_output, mark, publish
 
 META_VERSION = 1
 # Config keys that cannot change the blocks; left out of meta.json and of fingerprints.
@@ -294,19 +294,6 @@ def local_inputs(input_value) -> dict[str, Path]:
     return paths
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Put the finished `tmp` at `out`; an existing one (only ours pass check_output) goes aside first."""
-    if out.exists() and any(out.iterdir()):
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        if out.exists():
-            out.rmdir()  # empty
-        tmp.rename(out)
-
-
 def prepare(cfg, progress: bool = True) -> Path:
     """Run data_prep for `cfg` (PrepConfig, dict or DictConfig); returns the output directory."""
     cfg = _as_prep_config(cfg)
@@ -327,7 +314,7 @@ def prepare(cfg, progress: bool = True) -> Path:
         shutil.rmtree(work)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         mark(tmp, PREPARED_DATA)
-        _publish(tmp, out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

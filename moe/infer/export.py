@@ -12,7 +12,7 @@ from pathlib import Path
 
 from moe.data.tokenizer import chat_template_jinja, check_vocab, load_hf_tokenizer
 from moe.model import MoETransformer
-from moe.outputs import HF_EXPORT, check_output, mark
+from moe.outputs import HF_EXPORT, check_output, mark, publish
 
 
 def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_template: str | None = None,
@@ -46,13 +46,7 @@ def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_tem
         hf.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         mark(tmp, HF_EXPORT)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        else:
-            tmp.rename(out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
