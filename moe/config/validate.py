@@ -733,7 +733,8 @@ def check_waits(cfg) -> None:
 
 
 def check_planning(cfg) -> None:
-    """What dry_run and simulate plan for: a skew below balance, or a negative fixed cost, means nothing."""
+    """What the plan and the run's figures rest on: a skew below balance or a negative fixed cost means
+    nothing, a device without peak FLOPS or memory divides MFU and the memory verdict by zero."""
     skew = cfg.get("routing_skew", 1.0)
     _need(skew >= 1.0, "routing_skew", skew, "use 1.0 (perfect balance) or more, e.g. the default 2.0",
           "puts the hottest expert below its balanced share")
