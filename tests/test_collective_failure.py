@@ -5,10 +5,13 @@ stops within parallel.collective_timeout_s with one paragraph naming its rank an
 
 The fault comes from moe.faults (MOE_TEST_FAULT_IN_ALL_TO_ALL): rank 1 SIGKILLs itself, or sleeps, as it
 enters its 20th all-to-all: step 3, after the step-2 checkpoint (the tiny model's 4 MoE layers make 8
-all-to-alls a step's forward).
+all-to-alls a step's forward). The stalled case also starts rank 1 late, by longer than the timeout
+(a sitecustomize.py on its PYTHONPATH sleeps in the process Lightning launches): joining is not a
+collective, so the run starts and stops only at the stall.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -28,6 +31,14 @@ def _launch(run_dir, *overrides, env=None):
     return proc, time.monotonic() - start
 
 
+def _rank_1_starts_late(where, seconds: float) -> dict:
+    """The environment that makes the rank Lightning launches (LOCAL_RANK=1) sleep `seconds` as Python starts."""
+    where.mkdir()
+    (where / "sitecustomize.py").write_text(
+        f"import os, time\nif os.environ.get('LOCAL_RANK') == '1':\n    time.sleep({seconds})\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(where), os.environ.get("PYTHONPATH")]))}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fault, timeout_s, says, relaunch", [
     ("1:20:kill", 60, "Connection", True),  # a dead peer is seen at once, whatever the timeout
@@ -36,13 +47,14 @@ def _launch(run_dir, *overrides, env=None):
 def test_a_peer_lost_mid_all_to_all_stops_the_run_and_the_relaunch_resumes(tmp_path, fault, timeout_s, says,
                                                                            relaunch):
     run_dir = tmp_path / "run"
+    late = {} if relaunch else _rank_1_starts_late(tmp_path / "late", 2 * timeout_s)
     proc, seconds = _launch(run_dir, f"parallel.collective_timeout_s={timeout_s}",
-                            env={FAULT_IN_ALL_TO_ALL_ENV: fault})
+                            env={FAULT_IN_ALL_TO_ALL_ENV: fault, **late})
     err = proc.stderr
     assert proc.returncode == COLLECTIVE_FAILED_EXIT, err[-3000:]
     assert "error: rank 0 stopped in " in err and "over ranks [0, 1]" in err and says in err, err[-3000:]
     assert "Traceback" not in err.split("error: rank 0 stopped")[1]
-    assert seconds < 60, seconds  # not the stalled rank's 120 s: the run stopped at its timeout
+    assert seconds < 75, seconds  # not the stalled rank's 120 s: the run stopped at its timeout
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert "step-000002.ckpt" in checkpoints
     assert not any(".tmp" in name or "partial" in name for name in checkpoints)

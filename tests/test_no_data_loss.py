@@ -122,7 +122,13 @@ def test_consolidate_never_writes_over_its_source_or_a_users_file(tmp_path):
     import subprocess
     import sys
 
+    from moe.checkpoint.sharded import DCP_METADATA, TRAINER_STATE
+
     run = fake_run(tmp_path)
+    sharded = run / "checkpoints" / "step-000012.ckpt"  # a checkpoint directory: what consolidate reads
+    sharded.mkdir()
+    for name in (DCP_METADATA, TRAINER_STATE):
+        (sharded / name).write_bytes(b"shards")
     before = snapshot(tmp_path)
     out = run / "checkpoints" / "last.ckpt"
     command = [sys.executable, "-m", "moe.tools.consolidate", str(run), str(out), "--overwrite"]

@@ -68,11 +68,19 @@ class Backend:
                 **{str(k): str(v) for k, v in self.cfg.hardware.env.items()}}
 
     def collective_timeout(self):
-        """parallel.collective_timeout_s as the timedelta the strategy's world group gets; every other group
-        made from now on gets it too (moe.parallel.comm.set_collective_timeout)."""
+        """The timedelta the strategy makes the world group with (long enough for every peer to start);
+        every other group made from now on waits parallel.collective_timeout_s for a peer
+        (moe.parallel.comm.set_collective_timeout), and so does the world group after the rendezvous
+        (shorten_world_timeout)."""
         from moe.parallel.comm import set_collective_timeout
 
         return set_collective_timeout(self.cfg.parallel.collective_timeout_s)
+
+    def shorten_world_timeout(self) -> None:
+        """Every peer has joined: the world group's collectives now wait parallel.collective_timeout_s."""
+        from moe.parallel.comm import apply_collective_timeout
+
+        apply_collective_timeout(self.cfg.parallel.collective_timeout_s)
 
     def apply_torch_settings(self) -> None:
         """Process-wide torch settings the hardware group asks for: hardware.allow_tf32 lets CUDA run

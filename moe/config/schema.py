@@ -125,7 +125,8 @@ class ParallelConfig:
     # DeepSpeed recommends; false where gradients must not depend on stream timing, DeepSpeed issue 5545)
     overlap_comm: Optional[bool] = None
     # how long a rank waits in a collective for a peer that stalls before the run stops (exit 3, naming the
-    # rank and the collective; a dead peer is seen at once): every process group of the run
+    # rank and the collective; a dead peer is seen at once): every process group of the run, once every
+    # rank has joined (the start-up rendezvous waits at least 30 min, moe.parallel.comm.RENDEZVOUS_TIMEOUT)
     collective_timeout_s: float = 1800.0
 
 

@@ -41,6 +41,7 @@ class LitMoE(L.LightningModule):
     def configure_model(self) -> None:
         """Parallelise once the process group exists, before the strategy wraps the model."""
         if not self._parallelized:
+            self.backend.shorten_world_timeout()
             self.backend.parallelize(self)
             self._parallelized = True
 

@@ -22,16 +22,32 @@ from moe.faults import maybe_fail_in_all_to_all
 from moe.model.sync import host_int, host_sizes, hot_rows
 
 
+# what the world group is made with: the rendezvous waits this long for every peer to join (imports on a
+# busy node, other hosts starting later), torch's own default for gloo; collectives then get
+# parallel.collective_timeout_s (apply_collective_timeout)
+RENDEZVOUS_TIMEOUT = timedelta(minutes=30)
+
+
 def set_collective_timeout(seconds: float) -> timedelta:
     """Every process group made from now on waits at most `seconds` for a peer (parallel.
     collective_timeout_s): torch gives groups made without a timeout (DeviceMesh's, DeepSpeed's,
     new_group's) distributed_c10d.default_pg_timeout (torch/distributed/distributed_c10d.py
-    `_get_default_timeout`), so that is set; the world group gets it from the Lightning strategy."""
+    `_get_default_timeout`), so that is set. Returns the timeout the strategy's world group is made
+    with: never under RENDEZVOUS_TIMEOUT, since torch's rendezvous store waits that long for the peers
+    to start; apply_collective_timeout shortens it once they all have."""
     import torch.distributed.distributed_c10d as c10d
 
-    timeout = timedelta(seconds=seconds)
-    c10d.default_pg_timeout = timeout
-    return timeout
+    c10d.default_pg_timeout = timedelta(seconds=seconds)
+    return max(c10d.default_pg_timeout, RENDEZVOUS_TIMEOUT)
+
+
+def apply_collective_timeout(seconds: float) -> None:
+    """The world group's collectives wait at most `seconds` for a peer, from now on (after the
+    rendezvous: see set_collective_timeout); torch's `_set_pg_timeout` (torch 2.9 and 2.13 alike)."""
+    if dist.is_initialized() and dist.get_backend() in ("gloo", "nccl"):
+        import torch.distributed.distributed_c10d as c10d
+
+        c10d._set_pg_timeout(timedelta(seconds=seconds), None)
 
 
 @contextlib.contextmanager

@@ -47,9 +47,11 @@ def is_torch_checkpoint(path: Path) -> bool:
 
 
 def convert(src: str, out: str, overwrite: bool = False) -> Path:
+    """SRC's checkpoint as one file at OUT. SRC is checked first: a SRC that is no checkpoint is the
+    user's first mistake, whatever OUT is."""
+    source = checkpoint_dir(src)
     out_path = check_output("OUT", out, "portable checkpoint", overwrite, {"SRC": src},
                             ours=is_torch_checkpoint, flag="--overwrite")
-    source = checkpoint_dir(src)
     ckpt = read_checkpoint(source)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     partial = out_path.with_name(out_path.name + ".partial")
