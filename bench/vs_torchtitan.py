@@ -14,8 +14,10 @@ weights (ours [E, H, 2F] gate|up and [E, F, H], theirs w1/w3 [E, F, H] and w2 [E
 + backward wall time (median of repeats), aten ops and host syncs in one forward + backward
 (moe.tools.syncs), peak memory of the step (torch's MemTracker: what the tensors would hold on a device),
 and a short training run's losses (each layer fits the same frozen random teacher from the same start).
-Ours also computes its routing statistics (load-balance and z-loss terms, per-expert counts), which
-torchtitan's forward does not.
+Ours is measured twice: as on a training step that metrics.csv does not log (no routing statistics: no loss
+term reads them here, the coefficients are 0 as torchtitan's load_balance_coeff=None), and as on a logged
+step (the drop, load and entropy numbers and the per-expert counts metrics.csv records), which torchtitan's
+forward never computes.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from moe.tools.syncs import counting_syncs  # noqa: E402
 
 
-def ours(hidden: int, width: int, experts: int, top_k: int, seed: int):
+def ours(hidden: int, width: int, experts: int, top_k: int, seed: int, monitor: bool = False):
+    """Our layer; `monitor`: as on a logged step (moe.model.moe.MoELayer.monitor)."""
     from moe.config.schema import MoEOptConfig
     from moe.model.moe import MoELayer
 
@@ -40,6 +43,7 @@ def ours(hidden: int, width: int, experts: int, top_k: int, seed: int):
     torch.manual_seed(seed)
     layer = MoELayer(hidden, width, experts, top_k, opt, init_range=0.02)
     layer.experts.use_grouped_mm = True
+    layer.monitor = monitor
     return layer.to(torch.bfloat16)
 
 
@@ -147,7 +151,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     torch.manual_seed(3)
     teacher = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, h)).to(device)
+    logged = ours(h, f, e, k, seed=0, monitor=True).to(device)
     for name, module, fresh in (("ours (moe.model.moe.MoELayer)", mine, lambda: ours(h, f, e, k, seed=0)),
+                                ("ours, a logged step (+ routing statistics)", logged,
+                                 lambda: ours(h, f, e, k, seed=0, monitor=True)),
                                 ("torchtitan 0.3.0 (models.common.moe.MoE)", titan,
                                  lambda: theirs(ours(h, f, e, k, seed=0), h, f, e, k))):
         row = measure(name, module, x, args.repeats)

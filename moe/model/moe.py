@@ -236,6 +236,13 @@ class MoELayer(nn.Module):
         self.num_groups = getattr(moe_opt, "num_groups", None)
         self.group_top_k = getattr(moe_opt, "group_top_k", None)
         self.topk_scaling_factor = getattr(moe_opt, "topk_scaling_factor", None)
+        # what the RoutingStats are read for: a loss term carries gradient where its coefficient is not 0;
+        # the expert bias reads the picks every step; `monitor` (the drop, load and entropy numbers) is on
+        # unless the training step logs none of them (moe.module.lit_moe.LitMoE.training_step)
+        balance = self.load_balancing_type == "aux_loss" and moe_opt.aux_loss_coeff != 0  # seq_aux_loss: its own
+        self.loss_terms = (balance, moe_opt.z_loss_coeff != 0)
+        self.picks_read = getattr(moe_opt, "enable_expert_bias", False)  # absent: older cfgs
+        self.monitor = True
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.stats_sum: GroupSum | None = None
         self.token_shard: TokenShard | None = None
@@ -284,11 +291,12 @@ class MoELayer(nn.Module):
         if shard is not None:
             y_TH = shard.gather(y_TH)
 
-        if generating:  # the losses and monitoring numbers would be thrown away
-            return y_TH.view_as(x_BSH), None
+        if generating or not (self.monitor or self.picks_read or any(self.loss_terms)):
+            return y_TH.view_as(x_BSH), None  # nothing would read the statistics
         probs_TE = balance_probs(scores_TE, self.score_function)
         stats = routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, self.stats_sum,
-                              grad_share=1.0 if shard is None else 1.0 / shard.size)
+                              grad_share=1.0 if shard is None else 1.0 / shard.size,
+                              losses=self.loss_terms, monitor=self.monitor)
         if self.load_balancing_type == "seq_aux_loss":  # per sequence: over the whole rows again
             if shard is not None:
                 B = x_BSH.shape[0]

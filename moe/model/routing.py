@@ -34,15 +34,17 @@ GroupSum = Callable[[torch.Tensor], torch.Tensor]
 @pytree_dataclass  # a block's output carries it: FSDP2 hooks its losses (moe.model.pytree)
 @dataclass
 class RoutingStats:
-    """One MoE layer, one forward. The losses carry grad; the rest are detached."""
+    """One MoE layer, one forward. The losses carry grad (where their coefficient is not 0); the rest
+    are detached."""
 
     aux_loss: torch.Tensor  # load-balance loss, 1.0 when balanced
     z_loss: torch.Tensor  # mean(logsumexp(logits)^2)
     tokens_per_expert_E: torch.Tensor  # long, assignments before drops, global over EP
-    dropped_fraction: torch.Tensor  # dropped assignments / all assignments
-    max_load: torch.Tensor  # largest per-expert count after drops
-    mean_load: torch.Tensor  # mean per-expert count after drops
-    entropy: torch.Tensor  # mean router entropy, nats
+    # the monitoring numbers: None in a forward that computes none (routing_stats' `monitor`)
+    dropped_fraction: torch.Tensor | None  # dropped assignments / all assignments
+    max_load: torch.Tensor | None  # largest per-expert count after drops
+    mean_load: torch.Tensor | None  # mean per-expert count after drops
+    entropy: torch.Tensor | None  # mean router entropy, nats
 
 
 def router_dtype(name: str) -> torch.dtype:
@@ -213,20 +215,20 @@ def _with_value(local: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _local_sums(logits_TE, probs_TE, idx_TK, keep_TK) -> torch.Tensor:
+def _local_sums(logits_TE, probs_TE, idx_TK, keep_TK, monitor: bool) -> torch.Tensor:
+    """[picks E, prob sums E, sum of logsumexp^2, tokens] and, with `monitor`, [kept E, entropy sum]:
+    one float64 tensor, so one all-reduce sums them over a group."""
     num_experts = probs_TE.shape[-1]
     picks_E = expert_counts(idx_TK.reshape(-1), num_experts)
-    dropped_as_E = torch.where(keep_TK, idx_TK, num_experts).reshape(-1)  # dropped: the sentinel bin E
-    kept_E = expert_counts(dropped_as_E, num_experts + 1)[:num_experts]
     probs_f = probs_TE.float()
-    scalars = torch.stack(
-        [
-            torch.special.entr(probs_f).sum(),  # entropy summed over tokens
-            torch.logsumexp(logits_TE.float(), dim=-1).square().sum(),
-            probs_f.new_tensor(float(probs_TE.shape[0])),
-        ]
-    )
-    return torch.cat([picks_E.double(), kept_E.double(), probs_f.sum(0).double(), scalars.double()])
+    parts = [picks_E.double(), probs_f.sum(0).double(),
+             torch.logsumexp(logits_TE.float(), dim=-1).square().sum().double().reshape(1),
+             picks_E.new_tensor([probs_TE.shape[0]], dtype=torch.float64)]
+    if monitor:
+        dropped_as_E = torch.where(keep_TK, idx_TK, num_experts).reshape(-1)  # dropped: the sentinel bin E
+        kept_E = expert_counts(dropped_as_E, num_experts + 1)[:num_experts]
+        parts += [kept_E.double(), torch.special.entr(probs_f).sum().double().reshape(1)]  # entropy over tokens
+    return torch.cat(parts)
 
 
 def routing_stats(
@@ -236,6 +238,8 @@ def routing_stats(
     keep_TK: torch.Tensor,
     group_sum: GroupSum | None = None,
     grad_share: float = 1.0,
+    losses: tuple[bool, bool] = (True, True),
+    monitor: bool = True,
 ) -> RoutingStats:
     """Losses and monitoring numbers for one layer, global over the EP group.
 
@@ -245,26 +249,38 @@ def routing_stats(
     averaging gradients over ranks (as DDP does) gives the global loss's gradient.
     `grad_share`: the fraction of its rank's tokens these are (1/tp when the MoE layer splits them
     over the TP group, whose router gradients are then summed): the local means' gradients scale by it.
+    `losses` (load-balance, z-loss): which carry gradient; one whose coefficient is 0 is its value
+    alone. Without `monitor` the drop and load numbers and the entropy are not computed (None): the
+    step logs none of them (moe.model.moe.MoELayer.monitor).
     """
     E = probs_TE.shape[-1]
-    sums = _local_sums(logits_TE, probs_TE, idx_TK, keep_TK)
+    sums = _local_sums(logits_TE, probs_TE, idx_TK, keep_TK, monitor)
     if group_sum is not None:
         sums = group_sum(sums)
-    picks_E, kept_E, prob_sum_E = sums[:E], sums[E : 2 * E], sums[2 * E : 3 * E]
-    entropy_sum, lse2_sum, num_tokens = sums[3 * E :]
+    picks_E, prob_sum_E = sums[:E], sums[E : 2 * E]
+    lse2_sum, num_tokens = sums[2 * E], sums[2 * E + 1]
 
     f_E = picks_E / picks_E.sum()
-    aux_value = E * torch.sum(f_E * prob_sum_E / num_tokens)
-    aux = _with_value(load_balance_loss(probs_TE.float(), idx_TK, picks_E) * grad_share, aux_value.float())
-    z = _with_value(z_loss(logits_TE) * grad_share, (lse2_sum / num_tokens).float())
+    aux = (E * torch.sum(f_E * prob_sum_E / num_tokens)).float()
+    z = (lse2_sum / num_tokens).float()
+    aux_grad, z_grad = losses
+    if aux_grad:  # the value over the group; the gradient of this rank's share
+        local = load_balance_loss(probs_TE.float(), idx_TK, picks_E) * grad_share
+        aux = local if group_sum is None and grad_share == 1.0 else _with_value(local, aux)
+    if z_grad:
+        local = z_loss(logits_TE) * grad_share
+        z = local if group_sum is None and grad_share == 1.0 else _with_value(local, z)
+    kept_E = entropy_sum = None
+    if monitor:
+        kept_E, entropy_sum = sums[2 * E + 2 : 3 * E + 2], sums[3 * E + 2]
     return RoutingStats(
         aux_loss=aux,
         z_loss=z,
         tokens_per_expert_E=picks_E.round().long(),
-        dropped_fraction=(1.0 - kept_E.sum() / picks_E.sum()).float(),
-        max_load=kept_E.max().float(),
-        mean_load=kept_E.mean().float(),
-        entropy=(entropy_sum / num_tokens).float(),
+        dropped_fraction=None if kept_E is None else (1.0 - kept_E.sum() / picks_E.sum()).float(),
+        max_load=None if kept_E is None else kept_E.max().float(),
+        mean_load=None if kept_E is None else kept_E.mean().float(),
+        entropy=None if kept_E is None else (entropy_sum / num_tokens).float(),
     )
 
 

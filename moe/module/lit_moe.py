@@ -16,8 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe.model.model import ModelOutput, MoETransformer
 from moe.module.optim import build_optimizer, build_scheduler
-from moe.module.step_stats import StepStats
-from moe.parallel.apply import clear_replays
+from moe.module.step_stats import StepStats, logs_step
+from moe.parallel.apply import clear_replays, moe_layers
 
 
 class LitMoE(L.LightningModule):
@@ -63,6 +63,8 @@ class LitMoE(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         clear_replays(self.model)
+        self.monitor_routing(logs_step(self.trainer.global_step + 1, self.cfg.trainer.log_every_n_steps,
+                                       self.trainer.max_steps))
         if self.pipelined is not None:
             return self.pipelined.training_step(self, batch)
         loss, lm, out = self.losses(batch)
@@ -70,6 +72,12 @@ class LitMoE(L.LightningModule):
         self.count_expert_picks(out.routing)
         self.log("loss", loss.detach(), prog_bar=True, logger=False, batch_size=batch["input_ids"].shape[0])
         return loss
+
+    def monitor_routing(self, on: bool) -> None:
+        """Whether the MoE layers compute their drop, load and entropy numbers: only for a step that
+        metrics.csv logs (the losses and the expert bias get what they read either way)."""
+        for layer in moe_layers(self.model):
+            layer.monitor = on
 
     def count_expert_picks(self, routing: list) -> None:
         """One micro-batch's picks per expert, for the aux-loss-free balancing (moe.module.expert_bias)."""
@@ -86,6 +94,7 @@ class LitMoE(L.LightningModule):
             super().backward(loss, *args, **kwargs)
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.monitor_routing(False)  # validation reads the LM loss alone
         if self.pipelined is not None:
             return self.pipelined.validation_step(self, batch)
         _, lm, _ = self.losses(batch)

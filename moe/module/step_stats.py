@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-ROUTING_KEYS = ("aux_loss", "z_loss", "drop_fraction", "max_expert_load", "mean_expert_load",
-                "router_entropy")
+MONITOR_KEYS = ("drop_fraction", "max_expert_load", "mean_expert_load", "router_entropy")
+ROUTING_KEYS = ("aux_loss", "z_loss") + MONITOR_KEYS
 KEYS = ("loss", "lm_loss") + ROUTING_KEYS
 
 
@@ -25,6 +25,7 @@ class StepStats:
     loss_count: int = 0  # micro-batches (pipeline: steps) whose loss this rank holds
     lm_count: int = 0  # ... whose LM loss it holds (NxD's pipeline returns the loss alone)
     routing_count: int = 0  # MoE-layer forwards this rank ran
+    monitor_count: int = 0  # ... that computed the monitoring numbers (MONITOR_KEYS)
     micro_batches: int = 0
     last_tokens_per_expert: list = field(default_factory=list)  # per MoE layer: counts [E], last forward
     last_tokens_per_forward: int = 0
@@ -52,7 +53,9 @@ class StepStats:
             for key, value in (("aux_loss", r.aux_loss), ("z_loss", r.z_loss),
                                ("drop_fraction", r.dropped_fraction), ("max_expert_load", r.max_load),
                                ("mean_expert_load", r.mean_load), ("router_entropy", r.entropy)):
-                self.sums[key] = self.sums[key] + _detached(value)
+                if value is not None:  # a forward that monitored nothing (routing_stats' `monitor`)
+                    self.sums[key] = self.sums[key] + _detached(value)
+            self.monitor_count += r.entropy is not None
         self.routing_count += len(routing)
         if routing:
             self.last_tokens_per_expert = [r.tokens_per_expert_E.detach() for r in routing]
@@ -71,7 +74,8 @@ class StepStats:
         return torch.cat([torch.stack(values), counts])
 
     def _counts(self) -> list[int]:
-        by_key = {"loss": self.loss_count, "lm_loss": self.lm_count}
+        by_key = {"loss": self.loss_count, "lm_loss": self.lm_count,
+                  **dict.fromkeys(MONITOR_KEYS, self.monitor_count)}
         return [by_key.get(k, self.routing_count) for k in KEYS]
 
     def tokens_per_expert(self) -> list[list[int]]:
@@ -80,6 +84,12 @@ class StepStats:
 
     def reset(self) -> None:
         self.__init__()
+
+
+def logs_step(step: int, log_every: int, max_steps: int) -> bool:
+    """Whether optimizer step `step` (1-based) writes a metrics.csv row: every `log_every`-th, the first and
+    the last. Its routing monitoring numbers are computed only then (moe.model.moe.MoELayer.monitor)."""
+    return step % max(1, log_every) == 0 or step in (1, max_steps)
 
 
 def means_from_totals(totals: torch.Tensor) -> dict[str, float]:

@@ -23,7 +23,7 @@ from moe.checkpoint.io import write_json_atomic
 from moe.config.size import param_breakdown
 from moe.model.loss import router_loss
 from moe.model.moe import expert_kernel
-from moe.module.step_stats import means_from_totals
+from moe.module.step_stats import logs_step, means_from_totals
 from moe.train.console import STEP_LOGGER, log_step
 
 METRIC_COLUMNS = [
@@ -112,7 +112,7 @@ class RunMetrics(L.Callback):
         stats = pl_module.step_stats
         tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
         pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
-        if step % self.log_every and step != trainer.max_steps and step != 1:
+        if not logs_step(step, self.log_every, trainer.max_steps):
             stats.reset()  # nothing more read back from the device on a step that is not logged
             return
         if pl_module.backend.norm_after_step:
