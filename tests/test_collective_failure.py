@@ -32,7 +32,7 @@ def _launch(run_dir, *overrides, env=None):
 
 
 def _rank_1_starts_late(where, seconds: float) -> dict:
-    """The environment that makes the rank Lightning launches (LOCAL_RANK=1) sleep `seconds` as Python starts."""
+    """The environment that makes the rank Lightning launches (LOCAL_RANK=1) sleep `seconds` at start-up."""
     where.mkdir()
     (where / "sitecustomize.py").write_text(
         f"import os, time\nif os.environ.get('LOCAL_RANK') == '1':\n    time.sleep({seconds})\n")

@@ -51,7 +51,8 @@ def test_a_layer_whose_statistics_nothing_reads_computes_none_and_trains_the_sam
     assert ops_off <= TORCHTITAN_OPS < ops_on
 
 
-@pytest.mark.parametrize("opt", [{}, {"load_balancing_type": "seq_aux_loss"}], ids=["aux_loss", "seq_aux_loss"])
+@pytest.mark.parametrize("opt", [{}, {"load_balancing_type": "seq_aux_loss"}],
+                         ids=["aux_loss", "seq_aux_loss"])
 def test_the_losses_alone_skip_the_monitoring_numbers_not_the_losses(opt):
     layer, moe_opt = _layer(aux=0.01, z=0.001, **opt)
     y_on, term_on, grads_on, stats_on, ops_on = _step(layer, moe_opt, monitor=True)

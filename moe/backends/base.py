@@ -149,6 +149,15 @@ class Backend:
                      else None,
                      device=self.device_of(module), source=self.initial_source())
 
+    @classmethod
+    def simulated_steps(cls, cfg, dims: ParallelDims, fake_mode) -> Steps:
+        """parallelize_steps for simulate=true's fake ranks (moe.tools.simulate), without building the
+        backend (or importing its library): the run's EP group, the load balance over the world."""
+        groups = dims.expert_groups() if dims.ep > 1 else None
+        world = cfg.moe_opt.aux_loss_group == "dp" and dims.world > 1
+        return Steps(ep_group=groups.ep if groups else None,
+                     load_balance_group=dist.group.WORLD if world else None, fake_mode=fake_mode)
+
     def parallelize(self, module) -> None:
         """moe.parallel.parallelize's one sequence with this backend's steps."""
         parallelize(module.model, self.cfg, self.dims.tp, self.parallelize_steps(module))

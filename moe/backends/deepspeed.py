@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moe.backends.base import Backend, TrainerParts
 from moe.checkpoint.trust import load_trusted
-from moe.config.derived import precision_of
+from moe.config.derived import precision, precision_of
 from moe.config.specs import REDUCE_BUCKET_ELEMENTS
 from moe.errors import UserError
 from moe.parallel.dims import ExpertGroups
@@ -51,7 +51,7 @@ ZERO_SHARDS_SUFFIX = ".zero"
 
 def deepspeed_config(cfg) -> dict:
     """The DeepSpeed config dict from the (validated) parallel, optimizer, trainer and hardware groups."""
-    p, precision = cfg.parallel, precision_of(cfg)
+    p, run = cfg.parallel, precision(cfg)
     on_gpu = cfg.hardware.accelerator == "gpu"
     config = {
         "train_micro_batch_size_per_gpu": cfg.trainer.micro_batch_size,
@@ -71,10 +71,10 @@ def deepspeed_config(cfg) -> dict:
         "steps_per_print": 10**9,  # metrics.csv is the record; keep DeepSpeed's own step log quiet
         "wall_clock_breakdown": False,
     }
-    if precision in ("16-mixed", "16-true"):  # fp16 needs dynamic loss scaling
+    if run.half == "float16":  # fp16 needs dynamic loss scaling
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
                           "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
-    elif precision in ("bf16-mixed", "bf16-true"):
+    elif run.half == "bfloat16":
         config["bf16"] = {"enabled": True}
         # gradients reduced and accumulated in fp32, as Megatron-Core (accumulate_allreduce_grads_in_fp32,
         # on with bf16) and torchtitan (FSDP2 reduce_dtype=float32) do: `communication_data_type` casts

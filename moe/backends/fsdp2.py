@@ -68,6 +68,12 @@ class FSDP2Backend(Backend):
         return fsdp2_steps(self.cfg, self.dims, self.meshes, self.mixed_precision(), self.device_of(module),
                            self.initial_source())
 
+    @classmethod
+    def simulated_steps(cls, cfg, dims, fake_mode) -> Steps:
+        """fsdp2_steps on the run's mesh, storage fake."""
+        mp_policy = cls(cfg, dims).mixed_precision()
+        return fsdp2_steps(cfg, dims, dims.meshes("cpu"), mp_policy, "cpu", None, fake_mode)
+
     def parallelize(self, module) -> None:
         """moe.parallel.parallelize's sequence on the whole model, or under pipeline parallelism on each of
         this rank's stages (moe.parallel.pipeline), which the module then trains through the schedule."""

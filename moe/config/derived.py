@@ -8,11 +8,47 @@ last two; the validator, the model, the planner and the backends read the rest.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def precision_of(cfg) -> str:
     """The Lightning precision the run trains in: trainer.precision, else the hardware's."""
     return str(cfg.trainer.precision or cfg.hardware.precision)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """trainer.precision decoded once (Lightning's names: "32-true", "bf16-mixed", "16-true", ...); dtypes
+    are torch's attribute names (import-light: `getattr(torch, name)` where torch is at hand)."""
+
+    name: str
+    half: str | None  # the run's half type, "bfloat16" or "float16"; None for a 32- or 64-bit run
+    mixed: bool  # -mixed: fp32 weights, the half type under autocast
+
+    @classmethod
+    def parse(cls, name: str) -> Precision:
+        half = "bfloat16" if name.startswith("bf16") else "float16" if name.startswith("16") else None
+        return cls(name, half, name.endswith("-mixed"))
+
+    @property
+    def param_dtype(self) -> str:
+        """The weights' dtype at rest (Lightning's; an engine may cast them, moe.config.specs)."""
+        if self.half is None:
+            return "float64" if self.name.startswith("64") else "float32"
+        return "float32" if self.mixed else self.half
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        return self.half if self.mixed else None
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per activation element: the half type's 2, else 4 (a 64-bit run is planned as fp32)."""
+        return 2 if self.half else 4
+
+
+def precision(cfg) -> Precision:
+    return Precision.parse(precision_of(cfg))
 
 
 def head_dim_of(m) -> int:
@@ -59,7 +95,7 @@ def neuron_precision(cfg) -> str:
 
 def planning(cfg) -> bool:
     """True for runs that plan a layout without launching it (dry_run, simulate)."""
-    return bool(cfg.get("dry_run", False) or cfg.get("simulate", False))
+    return bool(cfg.dry_run or cfg.simulate)
 
 
 def trainer_world(cfg) -> int:

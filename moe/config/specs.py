@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moe.config.derived import data_parallel_size, neuron_precision, precision_of
+from moe.config.derived import PP_SCHEDULES, data_parallel_size, neuron_precision, precision
 from moe.config.size import param_breakdown
 
 
@@ -62,15 +62,46 @@ class BackendSpec:
     # attention activations, selective recomputes the whole MoE layer with the core attention (NxD's
     # classes, moe/backends/neuron/nxd_config.py CHECKPOINT_CLASSES); False: moe.parallel.apply.apply_ac
     ac_wraps_moe_layer: bool = False
+    # the backend's class, "module:Class", imported only when a run builds it (moe.backends.build_backend)
+    backend: str = ""
+    # expert parallelism folded with tensor parallelism: EP groups are carved from DP x TP, and each TP
+    # rank routes its share of the tokens (moe.parallel.dims, moe.parallel.token_shard); else from DP
+    ep_folds_tp: bool = False
+    # the pipeline schedules it runs (parallel.pp_schedule); the first is its default (NxD: its own 1F1B)
+    pp_schedules: tuple[str, ...] = ("1F1B",)
+    # under pipelining each unit's unsharded fp32 gradient accumulates over the step's micro-batches
+    # (torch.distributed.pipelining: no reduce-scatter before the last, stage.py:844-847)
+    pp_accumulates_full_grads: bool = False
+    offload_experts: bool = False  # parallel.offload_experts: FSDP2's CPUOffloadPolicy on the expert units
+    overlap_comm: bool = False  # parallel.overlap_comm: DeepSpeed ZeRO's reduction on side streams
+    # why max_zero_stage is its highest, and what to use instead (the refusal's fix)
+    zero_limit: str = "{library} shards optimizer states only"
+    # the backward reduce-scatters each unit's gradients as it finishes (FSDP2 without pipelining)
+    sharded_backward: bool = False
+    # under -mixed precision the engine casts the model's weights to the half type (DeepSpeed)
+    half_weights_when_mixed: bool = False
+    # how its optimizer state is split: "none", "dtensor" (each DTensor's local shard), "zero" (ZeRO's
+    # flat partitions of the dense and the expert parameters)
+    optimizer_shards: str = "none"
+    # simulate=true runs its tensor and pipeline parallelism (torch's own; a library's cannot run there),
+    # and its communication buffers are real tensors of the simulated step (else they are added as planned)
+    simulated_model_parallel: bool = False
+    # activation elements an MLP keeps per token and width unit: gate, up, silu(gate), their product (NxD's
+    # fused MLP measures at 3, tests/neuron_real)
+    mlp_activations: int = 4
+
+    def pipeline_schedule(self, cfg) -> str:
+        """The schedule a pipelined run of this backend runs."""
+        return cfg.parallel.pp_schedule if len(self.pp_schedules) > 1 else self.pp_schedules[0]
 
     def state_bytes(self, cfg) -> StateBytes:
-        precision = precision_of(cfg)
+        run = precision(cfg)
         step = 0 if self.fused_adamw else 4
-        if precision.startswith(("32", "64")):
+        if run.half is None:
             return StateBytes(4, 4, 8, "fp32 weights, grads and AdamW moments", step=step)
-        if precision.endswith("-true"):
-            return StateBytes(2, 2, 4, f"{precision}: half-precision weights, grads and moments", step=step)
-        return StateBytes(4, 4, 8, f"{precision} autocast: fp32 weights, grads and moments", step=step)
+        if not run.mixed:
+            return StateBytes(2, 2, 4, f"{run.name}: half-precision weights, grads and moments", step=step)
+        return StateBytes(4, 4, 8, f"{run.name} autocast: fp32 weights, grads and moments", step=step)
 
     def comm_buffer_bytes(self, cfg) -> float:
         """Bytes of communication buffers held through the backward, per device."""
@@ -78,8 +109,7 @@ class BackendSpec:
 
     def activation_bytes(self, cfg) -> int:
         """Bytes per activation element: 4 for an fp32 (or fp64) run, else the half type's 2."""
-        precision = precision_of(cfg)
-        return 4 if precision.startswith(("32", "64")) else 2
+        return precision(cfg).activation_bytes
 
 
 REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (moe/backends/deepspeed.py)
@@ -88,9 +118,9 @@ REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (mo
 @dataclass(frozen=True)
 class DeepSpeedSpec(BackendSpec):
     def state_bytes(self, cfg) -> StateBytes:
-        precision = precision_of(cfg)
-        if precision.endswith("-mixed"):  # DeepSpeed keeps half weights and grads, fp32 master + moments
-            return StateBytes(2, 2, 12, f"{precision} DeepSpeed: half weights, grads; fp32 master, moments",
+        run = precision(cfg)
+        if run.mixed:  # DeepSpeed keeps half weights and grads, fp32 master + moments
+            return StateBytes(2, 2, 12, f"{run.name} DeepSpeed: half weights, grads; fp32 master, moments",
                               step=4, grads_in_step=False)
         return super().state_bytes(cfg)
 
@@ -111,7 +141,8 @@ class FSDP2Spec(BackendSpec):
     @staticmethod
     def gathers_bf16(cfg) -> bool:
         """bf16-mixed: FSDP2 gathers weights in bf16 for compute (reducing gradients in fp32); else fp32."""
-        return precision_of(cfg) == "bf16-mixed"
+        run = precision(cfg)
+        return run.mixed and run.half == "bfloat16"
 
     def comm_buffer_bytes(self, cfg) -> float:
         """Weights FSDP2 holds gathered at the backward's peak, in the compute dtype: the root unit
@@ -166,19 +197,27 @@ LIGHTNING_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mix
 SPECS: dict[str, BackendSpec] = {
     "ddp": BackendSpec(
         name="ddp", library="PyTorch DDP", max_zero_stage=0, tensor_parallel=False, pipeline_parallel=False,
-        hybrid_shard=False, precisions=LIGHTNING_PRECISIONS),
+        hybrid_shard=False, precisions=LIGHTNING_PRECISIONS, backend="moe.backends.ddp:DDPBackend"),
     "deepspeed": DeepSpeedSpec(
         name="deepspeed", library="DeepSpeed", max_zero_stage=2,  # ZeRO-3 rejects DeepSpeed's native MoE
         tensor_parallel=False, pipeline_parallel=False, hybrid_shard=False,
-        precisions=("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")),
+        precisions=("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"),
+        backend="moe.backends.deepspeed:DeepSpeedBackend", overlap_comm=True, half_weights_when_mixed=True,
+        optimizer_shards="zero",
+        zero_limit="optimizer states and gradients sharded, with expert parallelism for the experts: "
+                   "DeepSpeed ZeRO-3 does not support MoE"),
     "fsdp2": FSDP2Spec(  # FSDP2 shards weights too (ZeRO-3 class); pipelining: torch.distributed.pipelining
         name="fsdp2", library="PyTorch FSDP2 + DTensor", max_zero_stage=3, tensor_parallel=True,
         pipeline_parallel=True, hybrid_shard=True,
-        precisions=("32-true", "bf16-mixed"), weights_sharded_from=2, tp_splits_all_weights=False),
+        precisions=("32-true", "bf16-mixed"), weights_sharded_from=2, tp_splits_all_weights=False,
+        backend="moe.backends.fsdp2:FSDP2Backend", ep_folds_tp=True, pp_schedules=PP_SCHEDULES,
+        pp_accumulates_full_grads=True, offload_experts=True, sharded_backward=True,
+        optimizer_shards="dtensor", simulated_model_parallel=True),
     "neuron": NeuronSpec(  # what its expert parallelism needs: moe.config.validate.check_neuron
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
         pipeline_parallel=True, hybrid_shard=False, precisions=None,
-        fused_attention=False, fused_cross_entropy=False, fused_adamw=False, ac_wraps_moe_layer=True),
+        fused_attention=False, fused_cross_entropy=False, fused_adamw=False, ac_wraps_moe_layer=True,
+        backend="moe.backends.neuron:NeuronBackend", mlp_activations=3),
 }
 
 

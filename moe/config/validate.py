@@ -141,7 +141,7 @@ def validate_mla(m, prefix: str) -> None:
 
 def validate_groups(m, r, model_prefix: str = "model") -> None:
     """Group-limited routing needs groups that tile the experts and can hold the top_k choices."""
-    groups, chosen = getattr(r, "num_groups", None), getattr(r, "group_top_k", None)
+    groups, chosen = r.num_groups, r.group_top_k
     if groups is None:
         _need(chosen is None, "moe_opt.group_top_k", chosen,
               "set moe_opt.num_groups too, or group_top_k=null",
@@ -178,15 +178,15 @@ def validate_routing(r, prefix: str = "moe_opt") -> None:
     _need(0 <= r.jitter_eps < 1, f"{prefix}.jitter_eps", r.jitter_eps, jitter_fix, "is outside [0, 1)")
     _one_of(f"{prefix}.router_dtype", r.router_dtype, tuple(ROUTER_DTYPES), "router dtype (fp32 recommended)")
     _one_of(f"{prefix}.aux_loss_group", r.aux_loss_group, AUX_LOSS_GROUPS, "load-balance group")
-    _one_of(f"{prefix}.load_balancing_type", getattr(r, "load_balancing_type", "aux_loss"),
+    _one_of(f"{prefix}.load_balancing_type", r.load_balancing_type,
             LOAD_BALANCING_TYPES, "load-balancing type")
-    _one_of(f"{prefix}.score_function", getattr(r, "score_function", "softmax"), SCORE_FUNCTIONS,
+    _one_of(f"{prefix}.score_function", r.score_function, SCORE_FUNCTIONS,
             "score function")
-    scaling = getattr(r, "topk_scaling_factor", None)
+    scaling = r.topk_scaling_factor
     _finite_number(f"{prefix}.topk_scaling_factor", scaling, "use a positive factor such as 2.5, or null")
     _need(scaling is None or scaling > 0, f"{prefix}.topk_scaling_factor", scaling,
           "use a positive factor such as 2.5 (DeepSeek-V3), or null", "must be positive or null")
-    rate = getattr(r, "bias_update_rate", 0.0)
+    rate = r.bias_update_rate
     _finite_number(f"{prefix}.bias_update_rate", rate, "use a small positive rate such as 1e-3")
     _need(rate >= 0, f"{prefix}.bias_update_rate", rate, "use a small positive rate such as 1e-3 (Megatron's "
           "default), or moe_opt.enable_expert_bias=false", "must not be negative")
@@ -254,7 +254,7 @@ def check_backend_degrees(cfg) -> None:
 def check_pp_schedule(cfg) -> None:
     """Only the torch-native backend picks a pipeline schedule; NxD runs its own 1F1B."""
     p = cfg.parallel
-    if cfg.hardware.strategy == "fsdp2":
+    if len(spec_of(cfg).pp_schedules) > 1:
         return
     _need(p.pp_schedule == "1F1B" and p.pp_stages_per_rank in (None, 1), "parallel.pp_schedule",
           p.pp_schedule, "leave parallel.pp_schedule=1F1B and parallel.pp_stages_per_rank=null, or use the "
@@ -268,7 +268,7 @@ def check_offload(cfg) -> None:
     p = cfg.parallel
     if not p.offload_experts:
         return
-    _need(cfg.hardware.strategy == "fsdp2", "parallel.offload_experts", True,
+    _need(spec_of(cfg).offload_experts, "parallel.offload_experts", True,
           "use the torch-native backend (hardware=gpu_fsdp2 or gpu_a100_fsdp2), or "
           "parallel.offload_experts=false",
           f"is FSDP2's CPUOffloadPolicy, which {spec_of(cfg).library} does not run (DeepSpeed's own "
@@ -282,7 +282,7 @@ def check_overlap_comm(cfg) -> None:
     p = cfg.parallel
     if p.overlap_comm is None:
         return
-    _need(cfg.hardware.strategy == "deepspeed", "parallel.overlap_comm", p.overlap_comm,
+    _need(spec_of(cfg).overlap_comm, "parallel.overlap_comm", p.overlap_comm,
           "leave parallel.overlap_comm=null, or use DeepSpeed (hardware=gpu or cpu_deepspeed)",
           f"is DeepSpeed's ZeRO setting, which {spec_of(cfg).library} does not have")
 
@@ -314,7 +314,7 @@ def check_ep(cfg) -> None:
           f"use an ep that divides model.num_experts={m.num_experts}",
           f"does not divide num_experts={m.num_experts}")
     dp = data_parallel_size(cfg)
-    if cfg.hardware.strategy == "fsdp2":  # EP folded with TP (moe.parallel.dims)
+    if spec_of(cfg).ep_folds_tp:  # EP folded with TP (moe.parallel.dims)
         _check_folded_ep(cfg, dp)
         return
     least = p.tp * p.pp * p.ep
@@ -393,11 +393,9 @@ def check_zero_stage(cfg) -> None:
         return
     if spec.max_zero_stage == 0:
         fix = "use hardware=cpu_deepspeed (or gpu) for ZeRO sharding, or parallel.zero_stage=0"
-    elif spec.name == "deepspeed":
-        fix = (f"use parallel.zero_stage={spec.max_zero_stage} (optimizer states and gradients sharded) with "
-               "expert parallelism for the experts: DeepSpeed ZeRO-3 does not support MoE")
     else:
-        fix = f"use parallel.zero_stage={spec.max_zero_stage} ({spec.library} shards optimizer states only)"
+        why = spec.zero_limit.format(library=spec.library)
+        fix = f"use parallel.zero_stage={spec.max_zero_stage} ({why})"
     raise ConfigError("parallel.zero_stage", p.zero_stage, fix,
                       problem=f"is not available with {spec.library} (hardware={hw.name})")
 
@@ -522,8 +520,6 @@ def check_neuron(cfg) -> None:
 
     Lines are src/neuronx_distributed/ at v2.28.0; docs/TRAINIUM.md explains each choice.
     """
-    if cfg.hardware.strategy != "neuron":
-        return
     p, m, r, t = cfg.parallel, cfg.model, cfg.moe_opt, cfg.trainer
     _need(t.devices >= 2 or planning(cfg), "trainer.devices", t.devices,
           "use 2 or more NeuronCores per node (a trn1.2xlarge has 2, a trn1.32xlarge 32)",
@@ -640,8 +636,6 @@ def check_neuron_expert_parallel(cfg) -> None:
 
 def check_fsdp2(cfg) -> None:
     """What the torch-native backend (moe/backends/fsdp2.py) does not do, refused with what to use."""
-    if cfg.hardware.strategy != "fsdp2":
-        return
     p, m = cfg.parallel, cfg.model
     dp = data_parallel_size(cfg)
     _need(p.zero_stage >= 2 or dp == 1, "parallel.zero_stage", p.zero_stage,
@@ -735,10 +729,10 @@ def check_waits(cfg) -> None:
 def check_planning(cfg) -> None:
     """What the plan and the run's figures rest on: a skew below balance or a negative fixed cost means
     nothing, a device without peak FLOPS or memory divides MFU and the memory verdict by zero."""
-    skew = cfg.get("routing_skew", 1.0)
+    skew = cfg.routing_skew
     _need(skew >= 1.0, "routing_skew", skew, "use 1.0 (perfect balance) or more, e.g. the default 2.0",
           "puts the hottest expert below its balanced share")
-    fixed = cfg.hardware.get("fixed_memory_gib", 0.0)
+    fixed = cfg.hardware.fixed_memory_gib
     _need(fixed >= 0, "hardware.fixed_memory_gib", fixed, "use 0 or more GiB", "is negative")
     hw = cfg.hardware
     _need(hw.peak_tflops > 0, "hardware.peak_tflops", hw.peak_tflops,
@@ -750,10 +744,10 @@ def check_planning(cfg) -> None:
 
 def check_simulate(cfg) -> None:
     """simulate=true runs the torch model's own code path for one rank (moe/tools/simulate.py)."""
-    if not cfg.get("simulate", False):
+    if not cfg.simulate:
         return
     p, world = cfg.parallel, world_of(cfg)
-    if (p.tp > 1 or p.pp > 1) and spec_of(cfg).name != "fsdp2":
+    if (p.tp > 1 or p.pp > 1) and not spec_of(cfg).simulated_model_parallel:
         raise ConfigError("simulate", True,
                           "use dry_run=true for this layout's plan (make test-neuron measures trn1's at "
                           "reduced width, docs/TRAINIUM.md), or the torch-native backend for TP and PP "
@@ -831,6 +825,17 @@ def check_finite(cfg) -> None:
     walk(OmegaConf.to_container(node, resolve=False), "")  # interpolations: their targets are checked
 
 
+# the rules one backend adds, by hardware.strategy (its spec, moe.config.specs, says what it can do; these
+# say what its library refuses, with the fix)
+BACKEND_RULES = {"neuron": check_neuron, "fsdp2": check_fsdp2}
+
+
+def check_backend_rules(cfg) -> None:
+    rules = BACKEND_RULES.get(cfg.hardware.strategy)
+    if rules is not None:
+        rules(cfg)
+
+
 RULES = [  # in order: keys and numbers, counts, then the hardware, then divisibility of the layout, the rest
     check_known_keys, check_finite, check_seeds,
     check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_pp_schedule,
@@ -840,7 +845,7 @@ RULES = [  # in order: keys and numbers, counts, then the hardware, then divisib
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
-    check_neuron, check_fsdp2, check_hf_start, check_planning, check_simulate, check_waits,
+    check_backend_rules, check_hf_start, check_planning, check_simulate, check_waits,
 ]
 
 

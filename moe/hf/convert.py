@@ -112,7 +112,7 @@ def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "mode
     model_type = hf_config.get("model_type")
     if model_type in UPCYCLERS:
         adapter = DenseUpcycle(model_cfg.num_experts, model_cfg.top_k,
-                               getattr(model_cfg, "upcycle_granularity", 1), seed)
+                               model_cfg.upcycle_granularity, seed)
     else:
         adapter = converter_for(model_type)
     read = adapter.reader(model_cfg, hf_config)

@@ -144,12 +144,12 @@ class Mixtral(ExportAdapter):
         for key, default, what in (("score_function", "softmax", "scores experts with a sigmoid"),
                                    ("num_groups", None, "limits each token to groups of experts"),
                                    ("topk_scaling_factor", None, "scales the top-k weights")):
-            value = getattr(moe_opt, key, default)
+            value = getattr(moe_opt, key)
             if value != default:
                 raise ConfigError(f"moe_opt.{key}", value,
                                   f"export a model trained with moe_opt.{key}={default}",
                                   f"{what}, which Mixtral's softmax top-k router cannot express")
-        if getattr(moe_opt, "enable_expert_bias", False):
+        if moe_opt.enable_expert_bias:
             raise ConfigError("moe_opt.enable_expert_bias", True,
                               "export a model trained without the expert bias "
                               "(moe_opt.enable_expert_bias=false)",

@@ -231,24 +231,24 @@ class MoELayer(nn.Module):
         self.normalize_top_k = moe_opt.normalize_top_k
         self.normalize_after_drop = (moe_opt.normalize_after_drop
                                      and normalizes(moe_opt.normalize_top_k, top_k))
-        self.load_balancing_type = getattr(moe_opt, "load_balancing_type", "aux_loss")  # absent: older cfgs
-        self.score_function = getattr(moe_opt, "score_function", "softmax")
-        self.num_groups = getattr(moe_opt, "num_groups", None)
-        self.group_top_k = getattr(moe_opt, "group_top_k", None)
-        self.topk_scaling_factor = getattr(moe_opt, "topk_scaling_factor", None)
+        self.load_balancing_type = moe_opt.load_balancing_type
+        self.score_function = moe_opt.score_function
+        self.num_groups, self.group_top_k = moe_opt.num_groups, moe_opt.group_top_k
+        self.topk_scaling_factor = moe_opt.topk_scaling_factor
         # what the RoutingStats are read for: a loss term carries gradient where its coefficient is not 0;
         # the expert bias reads the picks every step; `monitor` (the drop, load and entropy numbers) is on
         # unless the training step logs none of them (moe.module.lit_moe.LitMoE.training_step)
-        balance = self.load_balancing_type == "aux_loss" and moe_opt.aux_loss_coeff != 0  # seq_aux_loss: its own
+        # (seq_aux_loss computes its own loss)
+        balance = self.load_balancing_type == "aux_loss" and moe_opt.aux_loss_coeff != 0
         self.loss_terms = (balance, moe_opt.z_loss_coeff != 0)
-        self.picks_read = getattr(moe_opt, "enable_expert_bias", False)  # absent: older cfgs
+        self.picks_read = moe_opt.enable_expert_bias
         self.monitor = True
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.stats_sum: GroupSum | None = None
         self.token_shard: TokenShard | None = None
 
         self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps,
-                             expert_bias=getattr(moe_opt, "enable_expert_bias", False))  # absent: older cfgs
+                             expert_bias=moe_opt.enable_expert_bias)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.shared_expert = None
         if shared_expert_intermediate_size > 0:

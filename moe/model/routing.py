@@ -227,7 +227,8 @@ def _local_sums(logits_TE, probs_TE, idx_TK, keep_TK, monitor: bool) -> torch.Te
     if monitor:
         dropped_as_E = torch.where(keep_TK, idx_TK, num_experts).reshape(-1)  # dropped: the sentinel bin E
         kept_E = expert_counts(dropped_as_E, num_experts + 1)[:num_experts]
-        parts += [kept_E.double(), torch.special.entr(probs_f).sum().double().reshape(1)]  # entropy over tokens
+        entropy_sum = torch.special.entr(probs_f).sum()  # over the tokens
+        parts += [kept_E.double(), entropy_sum.double().reshape(1)]
     return torch.cat(parts)
 
 

@@ -81,7 +81,7 @@ class LitMoE(L.LightningModule):
 
     def count_expert_picks(self, routing: list) -> None:
         """One micro-batch's picks per expert, for the aux-loss-free balancing (moe.module.expert_bias)."""
-        if getattr(self.cfg.moe_opt, "enable_expert_bias", False):  # absent in older checkpoints' configs
+        if self.cfg.moe_opt.enable_expert_bias:
             if self._expert_bias is None:
                 from moe.module.expert_bias import ExpertBiasUpdate
 

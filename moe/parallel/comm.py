@@ -21,7 +21,6 @@ from moe.errors import CollectiveFailed
 from moe.faults import maybe_fail_in_all_to_all
 from moe.model.sync import host_int, host_sizes, hot_rows
 
-
 # what the world group is made with: the rendezvous waits this long for every peer to join (imports on a
 # busy node, other hosts starting later), torch's own default for gloo; collectives then get
 # parallel.collective_timeout_s (apply_collective_timeout)

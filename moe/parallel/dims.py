@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe.config.derived import data_parallel_size, stages_per_rank, world_of
+from moe.config.specs import spec_of
 from moe.config.validate import validate
 
 
@@ -122,10 +123,9 @@ class ParallelDims:
             devices_per_node=cfg.hardware.devices_per_node, micro_batch_size=t.micro_batch_size,
             accumulate_grad_batches=t.accumulate_grad_batches, seq_len=cfg.data.seq_len,
             num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts,
-            hybrid_shard_degree=p.hybrid_shard_degree, ep_folds_tp=cfg.hardware.strategy == "fsdp2",
-            # configs saved before pipelining on the torch-native backend have neither key
-            pp_schedule=p.get("pp_schedule", "1F1B"),
-            pp_stages_per_rank=stages_per_rank(p.get("pp_schedule", "1F1B"), p.get("pp_stages_per_rank")),
+            hybrid_shard_degree=p.hybrid_shard_degree, ep_folds_tp=spec_of(cfg).ep_folds_tp,
+            pp_schedule=p.pp_schedule,
+            pp_stages_per_rank=stages_per_rank(p.pp_schedule, p.pp_stages_per_rank),
         )
 
     # -- which dimensions are on ----------------------------------------------------------------------

@@ -77,7 +77,7 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
         attn = split(3 * h + latents, m.num_heads * (2 * qk_dim + 2 * v_dim)) + scores
     else:
         attn = split(3 * h, (h + 2 * m.num_kv_heads * qk_dim) + h) + scores
-    swiglu = 3 if spec_of(cfg).name == "neuron" else 4  # NxD's MLPs measure at 3F (tests/neuron_real)
+    swiglu = spec_of(cfg).mlp_activations
     dense = split(h, swiglu * Fd)
     routed = m.top_k * cf * (2 * h + swiglu * F) * hot_rank_load(cfg)
     router = 8 * m.num_experts / e  # fp32 logits and probabilities
@@ -106,11 +106,10 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     tokens = s * b
     microbatches = p.pipeline_microbatches or cfg.trainer.accumulate_grad_batches
     in_flight = 1.0
-    if p.pp > 1 and spec_of(cfg).name == "fsdp2":  # torch.distributed.pipelining's schedule
-        per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
-        in_flight = pipeline_in_flight(p.pp_schedule, p.pp, per_rank, microbatches)
-    elif p.pp > 1:  # NxD's 1F1B
-        in_flight = min(p.pp, microbatches)
+    schedule = spec_of(cfg).pipeline_schedule(cfg)  # torch.distributed.pipelining's, or NxD's 1F1B
+    if p.pp > 1:
+        per_rank = stages_per_rank(schedule, p.pp_stages_per_rank)
+        in_flight = pipeline_in_flight(schedule, p.pp, per_rank, microbatches)
     if spec_of(cfg).fused_cross_entropy:  # a chunk's fp32 logits and softmax, the head's fp32 gradient
         logits = 2 * min(tokens, CE_CHUNK_TOKENS) * m.vocab_size * 4 + m.vocab_size * m.hidden_size * 4
     else:
@@ -121,7 +120,6 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     if sp:
         note += ", sequence parallel"
     if p.pp > 1:
-        schedule = p.pp_schedule if spec_of(cfg).name == "fsdp2" else "1F1B"
         note += f", {schedule} keeps {in_flight:g} micro-batch(es) on the first stage"
     first = (kept * in_flight + recompute) * tokens * e
     last = (kept + recompute) * tokens * e + logits
@@ -135,7 +133,7 @@ def hot_rank_load(cfg) -> float:
     m, p = cfg.model, cfg.parallel
     if cfg.moe_opt.capacity_factor is not None or p.ep == 1:
         return 1.0
-    return hottest_rank_load(m.num_experts // p.ep, cfg.get("routing_skew", 1.0))
+    return hottest_rank_load(m.num_experts // p.ep, cfg.routing_skew)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -289,9 +287,7 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
     on_device = expert - offloaded
     params = sharded(non_expert, on_device, weights_from) * pb
     grads = sharded(non_expert, on_device, 2) * gb
-    if pp > 1 and spec.name == "fsdp2":
-        # torch's pipelining accumulates each unit's unsharded fp32 gradient over the step's micro-batches
-        # (no reduce-scatter before the last, stage.py:844-847); offloaded experts reduce every one
+    if pp > 1 and spec.pp_accumulates_full_grads:  # offloaded experts reduce every micro-batch
         grads = (non_expert + on_device) * 4
     optimizer = sharded(non_expert, on_device, 1) * ob
     step = sharded(non_expert, on_device, 1) * bytes_.step
@@ -313,8 +309,8 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
         capacity=float(cfg.hardware.device_memory_gib),
         precision_note=f"{bytes_.note} ({pb}+{gb}+{ob} bytes/param)",
         activation_note=act_note, sharding_note=sharding_note,
-        fixed=float(cfg.hardware.get("fixed_memory_gib", 0.0)),
-        sharded_backward=spec.name == "fsdp2" and pp == 1,
+        fixed=float(cfg.hardware.fixed_memory_gib),
+        sharded_backward=spec.sharded_backward and pp == 1,
         host_per_node=host / GIB, host_capacity=cfg.hardware.host_memory_gib,
     )
 

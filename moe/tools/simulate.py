@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe.config.derived import precision_of
+from moe.config.derived import precision, precision_of
 from moe.config.specs import spec_of
 from moe.model.sync import assumed_skew
 from moe.parallel.dims import ParallelDims
@@ -93,14 +93,10 @@ def _default_dtype(dtype: torch.dtype):
 
 def _param_dtype_and_autocast(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     """(dtype of the weights on the device, autocast dtype or None), as the backend trains."""
-    precision = precision_of(cfg)
-    half = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-    if precision.endswith("-true") and not precision.startswith(("32", "64")):
-        return half, None
-    if precision.endswith("-mixed"):
-        weights = half if cfg.hardware.strategy == "deepspeed" else torch.float32  # DeepSpeed casts the model
-        return weights, half
-    return torch.float32, None
+    run = precision(cfg)
+    weights = run.half if run.mixed and spec_of(cfg).half_weights_when_mixed else run.param_dtype
+    autocast = run.autocast_dtype
+    return getattr(torch, weights), None if autocast is None else getattr(torch, autocast)
 
 
 def _local_shard_optimizer(optimizer, model) -> _Optimizer:
@@ -137,7 +133,6 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     param_dtype, autocast = _param_dtype_and_autocast(cfg)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
     try:
-        fsdp2 = spec_of(cfg).name == "fsdp2"
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # meta parameters become fake ones
         pipeline = None
         if dims.pp > 1:  # this rank's stages, built on meta, parallelised and scheduled by the training code
@@ -159,7 +154,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
                 rows = rows * cfg.trainer.accumulate_grad_batches // pipeline.n_microbatches
             tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.data.seq_len))
         # FSDP2's tracker follows one forward per module a step: a pipeline runs one per micro-batch
-        fsdp_tracker = fsdp2 and pipeline is None
+        fsdp_tracker = spec_of(cfg).sharded_backward and pipeline is None  # FSDP2 units: its own tracker
         tracker = (_device_peak_tracker(root, optimizer.optimizer) if fsdp_tracker else
                    _device_peak_tracker(modules=pipeline is None))
         if fsdp_tracker:
@@ -167,7 +162,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         else:
             masters = [part for part, _ in optimizer.partitions or []]  # DeepSpeed's fp32 master partitions
             tracker.track_external(model, optimizer.optimizer, tokens, *masters)  # made outside the tracker
-        with fake_mode, tracker, assumed_skew(cfg.get("routing_skew", 1.0)):
+        with fake_mode, tracker, assumed_skew(cfg.routing_skew):
             for step in range(2):  # the first step creates the optimizer state; the second has it all
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                     if pipeline is not None:
@@ -199,7 +194,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         breakdown["Total"] += plan.memory.fixed
     # DeepSpeed's engine does not run here: its buckets are added as planned (FSDP2's gathered weights
     # are real tensors of the simulated step, counted by the tracker)
-    if plan.memory.comm and spec_of(cfg).name == "deepspeed":
+    if plan.memory.comm and not spec_of(cfg).simulated_model_parallel:
         breakdown[COMM] = plan.memory.comm
         breakdown["Total"] += plan.memory.comm
     result = Simulation(
@@ -221,20 +216,10 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
 
 
 def _steps(cfg, dims: ParallelDims, fake_mode):
-    """The backend's parallelize steps (moe.parallel.parallelize) on the fake ranks: fsdp2's on the run's
-    mesh; DDP's and DeepSpeed's expert parallelism over the run's EP group, the load balance over the
-    world; storage fake."""
-    from moe.parallel.parallelize import Steps
+    """The backend's parallelize steps (moe.parallel.parallelize) on the fake ranks, storage fake."""
+    from moe.backends import backend_class
 
-    if spec_of(cfg).name == "fsdp2":
-        from moe.backends.fsdp2 import FSDP2Backend, fsdp2_steps
-
-        mp_policy = FSDP2Backend(cfg, dims).mixed_precision()
-        return fsdp2_steps(cfg, dims, dims.meshes("cpu"), mp_policy, "cpu", None, fake_mode)
-    groups = dims.expert_groups() if dims.ep > 1 else None
-    world = cfg.moe_opt.aux_loss_group == "dp" and dims.world > 1
-    return Steps(ep_group=groups.ep if groups else None,
-                 load_balance_group=dist.group.WORLD if world else None, fake_mode=fake_mode)
+    return backend_class(cfg).simulated_steps(cfg, dims, fake_mode)
 
 
 def _pipeline(cfg, dims: ParallelDims, fake_mode):
@@ -381,9 +366,10 @@ class _Optimizer:
 
 
 def _optimizer(cfg, dims, model, param_dtype, build_optimizer) -> _Optimizer:
-    if spec_of(cfg).name == "fsdp2":
+    shards = spec_of(cfg).optimizer_shards
+    if shards == "dtensor":
         return _local_shard_optimizer(build_optimizer(model, cfg.optimizer), model)
-    if spec_of(cfg).name != "deepspeed" or (cfg.parallel.zero_stage < 1 and param_dtype == torch.float32):
+    if shards != "zero" or (cfg.parallel.zero_stage < 1 and param_dtype == torch.float32):
         return _Optimizer(build_optimizer(model, cfg.optimizer), model)
     dense_shard, expert_shard = _zero_shards(cfg, dims)
     dense = [p for p in model.parameters() if not getattr(p, "is_expert", False)]

@@ -46,26 +46,33 @@ def check_environment(cfg: DictConfig) -> None:
 
 
 def check_accelerator(cfg: DictConfig) -> None:
-    if cfg.hardware.accelerator == "neuron":
-        from moe.backends.neuron import INSTALL_HINT, NOT_INSTALLED
+    """What hardware.accelerator needs installed or attached (none for the CPU)."""
+    check = ACCELERATOR_CHECKS.get(cfg.hardware.accelerator)
+    if check is not None:
+        check(cfg)
 
-        missing = [p for p in ("neuronx_distributed", "torch_xla") if not installed(p)]
-        if missing:
-            raise ConfigError("hardware", cfg.hardware.name, INSTALL_HINT,
-                              problem=f"{NOT_INSTALLED} (no module {', '.join(missing)})")
-        return
-    if cfg.hardware.accelerator == "torch_neuron":
-        from moe.backends.torch_neuron import MODULE
 
-        if not installed(MODULE):
-            raise ConfigError("hardware", cfg.hardware.name,
-                              "run it on trn2 instances with TorchNeuron installed (Neuron SDK 2.29+, native "
-                              "PyTorch), or use hardware=cpu_fsdp2 here (the same backend on the CPU); "
-                              "dry_run=true or simulate=true plan the trn2 run on this machine",
-                              problem=f"needs TorchNeuron ({MODULE}), which is not installed")
-        return
-    if cfg.hardware.accelerator != "gpu":
-        return
+def _check_nxd(cfg: DictConfig) -> None:
+    from moe.backends.neuron import INSTALL_HINT, NOT_INSTALLED
+
+    missing = [p for p in ("neuronx_distributed", "torch_xla") if not installed(p)]
+    if missing:
+        raise ConfigError("hardware", cfg.hardware.name, INSTALL_HINT,
+                          problem=f"{NOT_INSTALLED} (no module {', '.join(missing)})")
+
+
+def _check_torch_neuron(cfg: DictConfig) -> None:
+    from moe.backends.torch_neuron import MODULE
+
+    if not installed(MODULE):
+        raise ConfigError("hardware", cfg.hardware.name,
+                          "run it on trn2 instances with TorchNeuron installed (Neuron SDK 2.29+, native "
+                          "PyTorch), or use hardware=cpu_fsdp2 here (the same backend on the CPU); "
+                          "dry_run=true or simulate=true plan the trn2 run on this machine",
+                          problem=f"needs TorchNeuron ({MODULE}), which is not installed")
+
+
+def _check_cuda(cfg: DictConfig) -> None:
     import torch
 
     if not torch.cuda.is_available():
@@ -75,6 +82,9 @@ def check_accelerator(cfg: DictConfig) -> None:
                           "run it on the GPU nodes (with a CUDA build of torch), or use hardware=cpu here; "
                           "dry_run=true or simulate=true plan the GPU run on this machine",
                           problem=f"needs CUDA GPUs, and {why}")
+
+
+ACCELERATOR_CHECKS = {"neuron": _check_nxd, "torch_neuron": _check_torch_neuron, "gpu": _check_cuda}
 
 
 def check_wandb_key(name: str) -> None:

@@ -41,7 +41,7 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
         return None
     try:
         if field == "model.upcycle_from_hf":
-            g = cfg.model.get("upcycle_granularity", 1)
+            g = cfg.model.upcycle_granularity
             upcycler = DenseUpcycle(cfg.model.num_experts, cfg.model.top_k, g,
                                     granularity_field="model.upcycle_granularity")
             arch = asdict(upcycler.model_config(read_dense_config(path)))
