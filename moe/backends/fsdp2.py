@@ -162,8 +162,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy on our mesh (ParallelDims.meshes) with our sharded checkpoints.
 
     Lightning builds a 2-D (data_parallel, tensor_parallel) mesh and saves DCP with its own layout;
-    here the mesh has the EP and HSDP dims too, and checkpoints are canonical (moe/train/
-    sharded_checkpoint.py), restored after setup straight into the live shards.
+    here the mesh has the EP and HSDP dims too, and checkpoints are canonical (moe/checkpoint/
+    sharded.py), restored after setup straight into the live shards.
     """
 
     def __init__(self, backend: FSDP2Backend, **kwargs):

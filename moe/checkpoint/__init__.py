@@ -8,7 +8,8 @@
     nxd.py         neuronx-distributed's files and how each tensor is split over its ranks (trn1)
     picker.py      the one picker: what to resume from, what infer.py / export / consolidation read
     lightning_io.py  Lightning's CheckpointIO over io.py, a thin adapter
-    faults.py      a fault injector for tests (a kill half-way through a save), environment-driven
+    trust.py       weights-only loading; files that need unpickling only with allow_pickle
+(The kill-mid-save fault injector the tests use is moe/faults.py.)
 
 Imports run down: io <- formats (nxd, sharded) <- picker <- lightning_io; nothing here imports the
 training loop or a backend.

@@ -9,7 +9,6 @@ through these, so every format is detected, verified and read the same way every
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from moe.checkpoint import nxd, sharded
 from moe.checkpoint.formats import FORMATS, PORTABLE, candidates, format_of, load, step_hint
 from moe.checkpoint.io import CorruptCheckpoint, check_zip_crc, meta_path
 from moe.errors import UserError
+from moe.ranks import is_rank_zero
 
 LAST = "last.ckpt"
 
@@ -37,10 +37,6 @@ def verify_checkpoint(path: str | Path, deep: bool = False) -> int | None:
 def resolved_name(path: Path) -> str:
     """` (-> step-000300.ckpt)` for a link such as last.ckpt, else nothing: says which step a name means."""
     return f" (-> {Path(path).resolve().name})" if Path(path).is_symlink() else ""
-
-
-def is_rank_zero() -> bool:
-    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
 
 
 def find_resume_checkpoint(ckpt_dir: str | Path, step: int | None = None, quiet: bool = False) -> Path | None:

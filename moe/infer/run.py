@@ -20,6 +20,7 @@ from moe.config.validate import INFER_DTYPES, validate_infer
 from moe.data.formats import FormatSpec
 from moe.data.tokenizer import check_vocab, load_hf_tokenizer, template_markers
 from moe.errors import UserError, first_line
+from moe.hf.registry import exporter_for
 from moe.infer.export import export_hf
 from moe.infer.generate import Generation, generate, left_pad
 from moe.infer.load import generation_eos_ids, model_from_checkpoint, model_from_hf_dir
@@ -187,7 +188,7 @@ def run(cfg) -> list[dict] | Path:
         reads["ckpt" if cfg.ckpt else "hf_dir"] = loaded.source  # ckpt=last resolved
         out = export_hf(loaded.model, cfg.export_hf, loaded.tokenizer, chat_template=loaded.chat_template,
                         overwrite=cfg.overwrite, reads=reads)
-        hf_class = "DeepseekV3ForCausalLM" if loaded.model.cfg.attention == "mla" else "MixtralForCausalLM"
+        hf_class = exporter_for(loaded.model.cfg).hf_class  # the registry's family for its attention
         print(f"exported {loaded.source} -> {out} (config.json, model.safetensors, tokenizer); load it with "
               f"transformers.{hf_class}.from_pretrained({str(out)!r})")
         return out

@@ -151,7 +151,8 @@ def check_config(cfg: DictConfig):
 def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     """What Hydra would trip over or overwrite: a run dir that cannot be created, and a resume that
     train() would refuse (Hydra rewrites the existing run's .hydra/ and train.log before the task)."""
-    from moe.checkpoint.picker import check_resume_compatible, find_resume_checkpoint, is_rank_zero
+    from moe.checkpoint.picker import check_resume_compatible, find_resume_checkpoint
+    from moe.ranks import is_rank_zero
 
     existing = run_dir
     while not existing.exists() and existing != existing.parent:

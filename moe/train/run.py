@@ -57,7 +57,7 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path:
 
 
 def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) -> Path:
-    from moe.checkpoint.picker import is_rank_zero
+    from moe.ranks import is_rank_zero
     from moe.train.console import say
     from moe.train.run_lock import RunLock
 

@@ -28,7 +28,7 @@ def checkpoint_classes(policy: str) -> list[type] | None:
 
 
 def nxd_config_kwargs(cfg, dims, param_init_fn) -> dict:
-    """Everything neuronx_distributed_config takes, for a validated config and its Layout."""
+    """Everything neuronx_distributed_config takes, for a validated config and its ParallelDims."""
     from neuronx_distributed.parallel_layers import mappings
 
     from moe.backends.neuron.causal_lm import StageBlock, nxd_lm_loss
