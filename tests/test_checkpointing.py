@@ -273,3 +273,35 @@ def test_a_checkpoint_with_the_shared_experts_older_names_still_loads(tmp_path):
     dcp.load(as_saved, checkpoint_id=str(sharded), no_dist=True)
     for name, value in model.state_dict().items():
         assert torch.equal(live[MODEL_KEY][name], value), name
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "no_sidecar"])
+def test_a_zero_partition_is_verified_with_its_checkpoint(tmp_path, damage):
+    """DeepSpeed's ZeRO partitions beside a portable file are part of its format: each is written atomically
+    with a sidecar, and a damaged one makes the checkpoint corrupt (resume falls back past it). One an older
+    version wrote without a sidecar is checked by its zip CRC-32s."""
+    from moe.checkpoint.formats import save_zero_partition, zero_partitions_dir
+    from moe.checkpoint.io import atomic_torch_save
+
+    path = tmp_path / f"step-000004-{damage}.ckpt"
+    partition = {"optimizer": {"state": {0: {"exp_avg": torch.arange(4096.0)}}}, "layout": {"world": 2}}
+    for rank in (0, 1):
+        save_zero_partition(partition, path, rank)
+    atomic_torch_save({"state_dict": {}, "global_step": 4, "loops": {}}, path)
+    assert verify_checkpoint(path) == 4
+    shard = zero_partitions_dir(path) / "rank_00001.pt"
+    data = bytearray(shard.read_bytes())
+    if damage == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+    else:
+        at = data.find(b"\x00\x00\x80\x3f")  # inside the tensor's bytes: 1.0 in float32
+        data[at + 3] ^= 0xFF
+        shard.write_bytes(data)
+        if damage == "no_sidecar":
+            meta_path(shard).unlink()
+    again = path.with_name(path.name.replace(".ckpt", "-again.ckpt"))  # not the cached verdict
+    for file in (path, meta_path(path)):
+        again.with_name(file.name.replace(path.name, again.name)).write_bytes(file.read_bytes())
+    zero_partitions_dir(path).rename(zero_partitions_dir(again))
+    with pytest.raises(CorruptCheckpoint, match="ZeRO partition"):
+        verify_checkpoint(again)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -39,14 +38,13 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moe.backends.base import Backend, TrainerParts
+from moe.checkpoint.formats import save_zero_partition, zero_partitions_dir
 from moe.checkpoint.trust import load_trusted
 from moe.config.derived import precision, precision_of
 from moe.config.specs import REDUCE_BUCKET_ELEMENTS
 from moe.errors import UserError
 from moe.parallel.dims import ExpertGroups
 from moe.parallel.expert_grads import expert_params
-
-ZERO_SHARDS_SUFFIX = ".zero"
 
 
 def deepspeed_config(cfg) -> dict:
@@ -207,12 +205,7 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
             save_sharded(filepath, self.lightning_module, [], checkpoint_mesh(self.root_device.type),
                          {**rest, "optimizer_states": []}, self.is_global_zero, per_rank=partition)
             return
-        shards = zero_shards_dir(filepath)
-        shards.mkdir(parents=True, exist_ok=True)
-        shard = shards / f"rank_{self.global_rank:05d}.pt"
-        tmp = shard.with_name(shard.name + ".tmp")  # a kill mid-write never leaves half a shard
-        torch.save(partition, tmp)
-        os.replace(tmp, shard)
+        save_zero_partition(partition, filepath, self.global_rank)  # atomic, with its sidecar
         checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
         checkpoint["optimizer_states"] = []  # they are the per-rank partitions in <file>.zero/
         if self.is_global_zero:
@@ -222,7 +215,7 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
     def remove_checkpoint(self, filepath) -> None:
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
-            shutil.rmtree(zero_shards_dir(Path(filepath)), ignore_errors=True)
+            shutil.rmtree(zero_partitions_dir(Path(filepath)), ignore_errors=True)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         from moe.checkpoint.sharded import (
@@ -241,7 +234,7 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         self._loaded_from = path  # a file, or a sharded directory read whole (ep=1 holds every expert)
         self._partition_file = (rank_file(path, self.global_rank) if path.is_dir()
-                                else zero_shards_dir(path) / f"rank_{self.global_rank:05d}.pt")
+                                else zero_partitions_dir(path) / f"rank_{self.global_rank:05d}.pt")
         return self.checkpoint_io.load_checkpoint(path)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
@@ -283,13 +276,6 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
         return {"world_size": self.world_size, "ep": self.ep,
                 "zero_stage": self.config["zero_optimization"]["stage"], "global_step": global_step}
 
-
-def zero_shards_dir(filepath: Path) -> Path:
-    """`<file>.zero/` beside the checkpoint file; last.ckpt, a link, shares its target's."""
-    filepath = Path(filepath)
-    if filepath.is_symlink():
-        filepath = filepath.resolve()
-    return filepath.with_name(filepath.name + ZERO_SHARDS_SUFFIX)
 
 
 _ENGINE_CLASS = None

@@ -33,6 +33,7 @@ from moe.checkpoint import nxd, sharded
 from moe.checkpoint.io import (
     SIDECAR_FIELDS,
     CorruptCheckpoint,
+    atomic_torch_save,
     check_zip_crc,
     file_sha256,
     meta_path,
@@ -68,6 +69,12 @@ def step_hint(path: Path) -> int:
     return int(match.group(1)) if match else sys.maxsize
 
 
+def recency(path: Path) -> tuple[int, bool]:
+    """The one order of checkpoints, newest last: by step (step_hint), a `last*` link after the file it
+    names at the same step (the picker, every format's `newest`)."""
+    return step_hint(path), path.name.startswith("last")
+
+
 def candidates(checkpoints_dir: Path) -> list[Path]:
     """Checkpoints in `checkpoints_dir`; a link (last.ckpt) is left out when its target is among them."""
     if not checkpoints_dir.is_dir():
@@ -97,11 +104,30 @@ class Format:
 
     def newest(self, checkpoints_dir: Path) -> Path | None:
         mine = [p for p in candidates(Path(checkpoints_dir)) if self.detect(p) and self.complete(p)]
-        return max(mine, key=lambda p: (step_hint(p), p.name.startswith("last")), default=None)
+        return max(mine, key=recency, default=None)
+
+
+ZERO_PARTITIONS_SUFFIX = ".zero"
+
+
+def zero_partitions_dir(path: Path) -> Path:
+    """`<file>.zero/` beside a portable checkpoint: DeepSpeed's per-rank ZeRO optimizer partitions
+    (`rank_NNNNN.pt`, each written atomically with its sidecar); last.ckpt, a link, shares its target's."""
+    path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    return path.with_name(path.name + ZERO_PARTITIONS_SUFFIX)
+
+
+def save_zero_partition(partition: dict, path: Path, rank: int) -> None:
+    """This rank's ZeRO partition of the portable checkpoint `path`, written before the file itself (whose
+    sidecar then marks the whole checkpoint complete)."""
+    atomic_torch_save(partition, zero_partitions_dir(path) / f"rank_{rank:05d}.pt")
 
 
 class Portable(Format):
-    """One file, as Lightning's checkpoint dict; `last.ckpt` is a link to the newest one."""
+    """One file, as Lightning's checkpoint dict; `last.ckpt` is a link to the newest one. DeepSpeed without EP
+    adds its ranks' ZeRO partitions in `<file>.zero/` (zero_partitions_dir), which verify checks too."""
 
     name = "portable file"
 
@@ -134,6 +160,7 @@ class Portable(Format):
             if file_sha256(path) != record["sha256"]:
                 raise CorruptCheckpoint("does not match the sha256 recorded when it was written "
                                         "(corrupt)")
+            Portable._verify_partitions(path)
             return record["global_step"]
         check_zip_crc(path)
         try:
@@ -147,6 +174,23 @@ class Portable(Format):
         if not lightning:
             raise CorruptCheckpoint("is not a Lightning checkpoint (no state_dict/global_step)")
         return int(ckpt["global_step"])
+
+    @staticmethod
+    def _verify_partitions(path: Path) -> None:
+        """Each ZeRO partition beside the file against its sidecar (one an older version wrote, without a
+        sidecar, by the CRC-32s inside it)."""
+        for partition in sorted(zero_partitions_dir(path).glob("rank_*.pt")):
+            meta = meta_path(partition)
+            if not meta.exists():
+                try:
+                    check_zip_crc(partition)
+                except CorruptCheckpoint as err:
+                    raise CorruptCheckpoint(f"has a ZeRO partition ({partition.name}) that {err}") from err
+                continue
+            record = read_record(meta, SIDECAR_FIELDS)
+            if partition.stat().st_size != record["bytes"] or file_sha256(partition) != record["sha256"]:
+                raise CorruptCheckpoint(f"has a ZeRO partition that does not match its record "
+                                        f"({partition.name}: truncated or corrupt)")
 
     def read(self, path: Path) -> dict:
         """weights_only (tensors and plain containers, no code runs): train.py's files allow it; another

@@ -151,13 +151,6 @@ def is_complete(checkpoint_dir: Path) -> bool:
     return (Path(checkpoint_dir) / DONE).is_file() and (Path(checkpoint_dir) / USER_CONTENT).is_file()
 
 
-def newest_complete(checkpoints_dir: Path) -> Path | None:
-    """The complete NxD checkpoint of the highest step in a run's checkpoints/ folder, if any."""
-    found = [p for p in Path(checkpoints_dir).glob("*.ckpt") if p.is_dir() and is_complete(p)]
-    return max(found, key=lambda p: int(load_trusted(p / USER_CONTENT)["global_step"]),
-               default=None)
-
-
 def read_checkpoint(checkpoint_dir: Path) -> dict:
     """The checkpoint as one Lightning checkpoint dict with full (unsharded) tensors."""
     checkpoint_dir = Path(checkpoint_dir)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from moe.checkpoint import nxd, sharded
-from moe.checkpoint.formats import FORMATS, PORTABLE, candidates, format_of, load, step_hint
+from moe.checkpoint.formats import FORMATS, PORTABLE, candidates, format_of, load, recency, step_hint
 from moe.checkpoint.io import CorruptCheckpoint, check_zip_crc, meta_path
 from moe.errors import UserError
 from moe.ranks import is_rank_zero
@@ -65,7 +65,7 @@ def find_resume_checkpoint(ckpt_dir: str | Path, step: int | None = None, quiet:
         if steps[path] == sys.maxsize:  # no sidecar and no step in the name: load it to learn the step
             steps[path] = check(path)
             verified.add(path)
-    ranked = sorted(steps, key=lambda p: (steps[p], p.name.startswith("last")), reverse=True)
+    ranked = sorted(steps, key=lambda p: (steps[p], recency(p)[1]), reverse=True)  # recency, loaded steps
     for path in ranked:
         if steps[path] < 0 or (step is not None and steps[path] != step):
             continue
@@ -86,7 +86,7 @@ def newest_checkpoint(checkpoints_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run's checkpoints/ folder, in any format (what reads it
     verifies it)."""
     found = filter(None, (f.newest(Path(checkpoints_dir)) for f in FORMATS))
-    return max(found, key=lambda p: (step_hint(p), p.name.startswith("last")), default=None)
+    return max(found, key=recency, default=None)
 
 
 # -- what a user names: infer.py's ckpt=, consolidate's SRC ----------------------------------------
