@@ -136,7 +136,10 @@ def test_cpu_deepspeed_matches_single_process(tmp_path, tmp_path_factory, reques
     assert ckpt["state_dict"]["model.layers.0.ffn.experts.gate_up"].shape[0] == 8  # read whole: all experts
     target = last.resolve()  # last.ckpt links to the newest step; its ZeRO partitions sit beside that
     partitions = last / "per_rank" if last.is_dir() else target.with_name(target.name + ".zero")
-    assert sorted(p.name for p in partitions.iterdir()) == ["rank_00000.pt", "rank_00001.pt"]  # ZeRO state
+    assert sorted(p.name for p in partitions.glob("*.pt")) == ["rank_00000.pt", "rank_00001.pt"]  # ZeRO state
+    if not last.is_dir():  # the portable format's partitions: each with its sidecar, verified with the file
+        assert {p.name for p in partitions.glob("*.meta.json")} == {"rank_00000.pt.meta.json",
+                                                                   "rank_00001.pt.meta.json"}
     assert last.is_dir() == ("parallel=ep2" in parallel)  # EP: each rank wrote its experts (sharded)
 
 
