@@ -5,6 +5,23 @@ schedule moe.module.optim's; how the model is spread over devices is the backend
 (moe/backends), which parallelises it in `configure_model` and handles what is special about
 its gradients and checkpoints through the hooks below. The Neuron backend trains the same
 model, loss and optimizer groups through its own NxD module (moe/backends/neuron/module.py).
+
+One optimizer step, in the order Lightning runs it (each line: where it lives):
+
+    1. seed            StepSeed.on_train_batch_start: torch reseeded per micro-batch (router jitter)
+    2. forward         training_step: routing statistics only where read (monitor_routing, logs_step),
+                       the model's loss (moe.model.loss: CE + router terms), StepStats.add; a pipelined
+                       model runs steps 2-3 of every micro-batch inside the schedule (PipelinedSteps)
+    3. backward        backward (Lightning's, DDP/FSDP2/DeepSpeed reduce as their strategies do), then
+                       on_after_backward -> Backend.after_backward (DDP with EP: the expert gradients over
+                       expert-DP; 16-mixed: unscale); steps 1-3 repeat for accumulate_grad_batches
+    4. grad norm       RunMetrics.on_before_optimizer_step -> grad_norm (once a step: metrics, guard, clip)
+    5. guard           SpikeGuard.on_before_optimizer_step: a spike skips the update or rolls back
+    6. clip            clip_gradients -> Backend.clip_gradients (the global norm), else Lightning's
+    7. step            optimizer_step: AdamW, the LR schedule, then the expert bias update (aux-loss-free)
+    8. metrics         RunMetrics.on_train_batch_end: on a logged step, one reduce of StepStats over the
+                       ranks and a metrics.csv row; else nothing read back
+    9. checkpoint      StepCheckpoint / PreemptionCheckpoint.on_train_batch_end (atomic, moe.checkpoint)
 """
 from __future__ import annotations
 
