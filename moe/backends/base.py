@@ -116,7 +116,7 @@ class Backend:
     def sharded_checkpoints(self) -> bool:
         """Each rank writes its own experts into a checkpoint directory (moe/checkpoint/sharded.py)
         under expert parallelism; without it every rank holds every expert and one file is written."""
-        return self.dims.ep > 1
+        return self.dims.ep_enabled
 
     def val_micro_batches(self) -> int:
         """Micro-batches in one validation batch: 1, the module evaluates one micro-batch at a time; under
@@ -124,7 +124,7 @@ class Backend:
         accumulate_grad_batches), which the pipeline evaluates in one run as it trains them (NxD's
         run_eval splits the batch it gets, pipeline/model.py:1074-1077, with the schedule built for them,
         :691-693)."""
-        if self.dims.pp == 1:
+        if not self.dims.pp_enabled:
             return 1
         return self.cfg.parallel.pipeline_microbatches or self.dims.accumulate_grad_batches
 
@@ -141,10 +141,10 @@ class Backend:
     def parallelize_steps(self, module) -> Steps:
         """Which steps of moe.parallel.parallelize apply: expert parallelism over the EP group, the
         load-balance group, and this rank's storage on the strategy's device."""
-        if self.dims.ep > 1:
+        if self.dims.ep_enabled:
             self.expert_groups = self.make_expert_groups()
         world = dist.is_initialized() and dist.get_world_size() > 1
-        return Steps(ep_group=self.expert_groups.ep if self.dims.ep > 1 else None,
+        return Steps(ep_group=self.expert_groups.ep if self.dims.ep_enabled else None,
                      load_balance_group=dist.group.WORLD if self.cfg.moe_opt.aux_loss_group == "dp" and world
                      else None,
                      device=self.device_of(module), source=self.initial_source())
@@ -153,7 +153,7 @@ class Backend:
     def simulated_steps(cls, cfg, dims: ParallelDims, fake_mode) -> Steps:
         """parallelize_steps for simulate=true's fake ranks (moe.tools.simulate), without building the
         backend (or importing its library): the run's EP group, the load balance over the world."""
-        groups = dims.expert_groups() if dims.ep > 1 else None
+        groups = dims.expert_groups() if dims.ep_enabled else None
         world = cfg.moe_opt.aux_loss_group == "dp" and dims.world > 1
         return Steps(ep_group=groups.ep if groups else None,
                      load_balance_group=dist.group.WORLD if world else None, fake_mode=fake_mode)

@@ -63,7 +63,7 @@ class FSDP2Backend(Backend):
         return MixedPrecisionPolicy()
 
     def parallelize_steps(self, module) -> Steps:
-        if self.dims.ep > 1:
+        if self.dims.ep_enabled:
             self.expert_groups = ExpertGroups(ep=self.meshes.ep.get_group(), expert_dp=None)
         return fsdp2_steps(self.cfg, self.dims, self.meshes, self.mixed_precision(), self.device_of(module),
                            self.initial_source())
@@ -77,7 +77,7 @@ class FSDP2Backend(Backend):
     def parallelize(self, module) -> None:
         """moe.parallel.parallelize's sequence on the whole model, or under pipeline parallelism on each of
         this rank's stages (moe.parallel.pipeline), which the module then trains through the schedule."""
-        if self.dims.pp == 1:
+        if not self.dims.pp_enabled:
             return super().parallelize(module)
         from moe.module.pipelined import PipelinedSteps
         from moe.parallel.parallelize import parallelize
@@ -92,15 +92,15 @@ class FSDP2Backend(Backend):
     def val_micro_batches(self) -> int:
         """A validation batch is a training step's rows, cut into the same micro-batches (the stages' shapes
         are given once, moe.parallel.pipeline.stage_tensors)."""
-        return self.dims.accumulate_grad_batches if self.dims.pp > 1 else 1
+        return self.dims.accumulate_grad_batches if self.dims.pp_enabled else 1
 
     def stage_group(self):
-        return self.meshes.tokens.get_group() if self.dims.pp > 1 else None
+        return self.meshes.tokens.get_group() if self.dims.pp_enabled else None
 
     def grad_norm(self, module) -> torch.Tensor:
         """The base norm over this stage's gradients, then over the stages (each holds other layers)."""
         norm = super().grad_norm(module)
-        if self.dims.pp == 1:
+        if not self.dims.pp_enabled:
             return norm
         import torch.distributed as dist
 
@@ -141,9 +141,9 @@ def fsdp2_steps(cfg, dims, meshes, mp_policy, device, source, fake_mode=None) ->
     shard = partial(apply_fsdp, meshes=meshes, expert_divide_factor=dims.dp,
                     reshard_after_forward=dims.zero_stage >= 3, mp_policy=mp_policy,
                     sum_only=cfg.hardware.backend == "gloo", offload_experts=cfg.parallel.offload_experts)
-    return Steps(ep_group=meshes.ep.get_group() if dims.ep > 1 else None,
+    return Steps(ep_group=meshes.ep.get_group() if dims.ep_enabled else None,
                  token_group=meshes.tp.get_group() if dims.moe_token_split > 1 else None,
-                 tp_mesh=meshes.tp if dims.tp > 1 else None, sequence_parallel=dims.sequence_parallel,
+                 tp_mesh=meshes.tp if dims.tp_enabled else None, sequence_parallel=dims.sequence_parallel,
                  load_balance_group=_load_balance_group(cfg, dims, meshes),
                  shard=shard, device=device, source=source, fake_mode=fake_mode)
 
@@ -153,7 +153,7 @@ def _load_balance_group(cfg, dims, meshes):
     or, when it is smaller, the TP group's (the ranks splitting one micro-batch); None: this rank's."""
     if cfg.moe_opt.aux_loss_group == "dp" and dims.world > 1:
         return meshes.tokens.get_group()
-    if dims.tp > 1 and dims.tp > dims.ep:
+    if dims.tp_enabled and dims.tp > dims.ep:
         return meshes.tp.get_group()
     return None  # apply_ep's EP group (whole TP groups), or one rank
 

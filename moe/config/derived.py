@@ -159,6 +159,17 @@ def pipeline_in_flight(schedule: str, pp: int, per_rank: int, n: int) -> float:
     return min(warmup + 1, n * per_rank) / per_rank
 
 
+def layers_per_stage(num_layers: int, pp: int) -> int:
+    """Layers on one pp rank (all its stages together)."""
+    return math.ceil(num_layers / pp)
+
+
+def expert_dp_size(dp: int, tp: int, ep: int, ep_folds_tp: bool) -> int:
+    """Ranks holding the same experts: dp / ep (the 16-GPU recipe's "DP 2" at EP 8), dp * tp / ep when
+    EP folds TP (torchtitan's efsdp)."""
+    return dp * tp // ep if ep_folds_tp else dp // ep
+
+
 def hottest_rank_load(experts_here: int, skew: float) -> float:
     """Rows a rank holding `experts_here` experts receives when one of them is the hottest, at `skew` times
     its share (routing_skew), over a balanced rank's: the planner's and the simulation's one assumption."""

@@ -8,10 +8,16 @@ only when a run builds them.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from moe.config.derived import PP_SCHEDULES, data_parallel_size, neuron_precision, precision
+from moe.config.derived import (
+    PP_SCHEDULES,
+    data_parallel_size,
+    expert_dp_size,
+    layers_per_stage,
+    neuron_precision,
+    precision,
+)
 from moe.config.size import param_breakdown
 
 
@@ -159,14 +165,15 @@ class FSDP2Spec(BackendSpec):
         rest_of_moe = attention + (bd.routers + bd.shared_experts) / n_moe if n_moe else 0
         dense_block = attention + bd.dense_mlp / n_dense / p.tp if n_dense else 0
         block = max(rest_of_moe + experts, dense_block)
-        layers = math.ceil(m.num_layers / p.pp)
+        layers = layers_per_stage(m.num_layers, p.pp)
         kept = layers if p.zero_stage == 2 or p.pp > 1 else min(2, layers)
         kept_experts = min(2, layers) if p.offload_experts else kept
         gathered = kept * block
         copied_in = 0.0
         if p.offload_experts:  # each block's fp32 expert shard is copied in before its all-gather
             gathered = kept * max(rest_of_moe, dense_block) + kept_experts * experts
-            copied_in = experts * 4 / max(1, data_parallel_size(cfg) * p.tp // p.ep)  # expert-dp
+            expert_dp = expert_dp_size(data_parallel_size(cfg), p.tp, p.ep, self.ep_folds_tp)
+            copied_in = experts * 4 / max(1, expert_dp)
         return (bd.embedding + bd.lm_head + bd.final_norm + gathered) * compute + block * 4 + copied_in
 
 

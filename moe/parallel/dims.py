@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe.config.derived import data_parallel_size, stages_per_rank, world_of
+from moe.config.derived import data_parallel_size, expert_dp_size, layers_per_stage, stages_per_rank, world_of
 from moe.config.specs import spec_of
 from moe.config.validate import validate
 
@@ -148,9 +148,7 @@ class ParallelDims:
     # -- degrees and batch arithmetic -------------------------------------------------------------------
     @property
     def expert_dp(self) -> int:
-        """Ranks holding the same experts: dp / ep (the 16-GPU recipe's "DP 2" at EP 8), dp * tp / ep when
-        EP folds TP (torchtitan's efsdp)."""
-        return self.dp * self.tp // self.ep if self.ep_folds_tp else self.dp // self.ep
+        return expert_dp_size(self.dp, self.tp, self.ep, self.ep_folds_tp)
 
     @property
     def moe_token_split(self) -> int:
@@ -176,8 +174,7 @@ class ParallelDims:
 
     @property
     def layers_per_stage(self) -> int:
-        """Layers on one pp rank (all its stages together)."""
-        return math.ceil(self.num_layers / self.pp)
+        return layers_per_stage(self.num_layers, self.pp)
 
     # -- pipeline stages (the torch-native backend; NxD places its own) ---------------------------------
     @property

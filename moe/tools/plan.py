@@ -10,7 +10,6 @@ fragmentation, communication buffers and compiler scratch space come on top.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from moe.config.derived import (
@@ -19,6 +18,7 @@ from moe.config.derived import (
     hottest_rank_load,
     is_moe_layer,
     launch_overrides,
+    layers_per_stage,
     pipeline_in_flight,
     stages_per_rank,
     trainer_world,
@@ -98,8 +98,7 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
             return attn - scores + (moe_selective if is_moe else dense)
         return attn + ffn
 
-    layers_per_stage = math.ceil(m.num_layers / p.pp)
-    stage = range(layers_per_stage)  # the first stage; stages are alike up to the MoE pattern
+    stage = range(layers_per_stage(m.num_layers, p.pp))  # the first stage; the others alike but for MoE
     kept = sum(layer(i) for i in stage)
     recompute = max((attn + (moe if is_moe_layer(i, m) else dense)) - layer(i)
                     for i in stage)  # one checkpointed layer is live again during backward

@@ -135,7 +135,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     try:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # meta parameters become fake ones
         pipeline = None
-        if dims.pp > 1:  # this rank's stages, built on meta, parallelised and scheduled by the training code
+        if dims.pp_enabled:  # this rank's stages, built on meta, parallelised and scheduled as training does
             with _default_dtype(param_dtype):
                 pipeline = _pipeline(cfg, dims, fake_mode)
             model, root = StageParts(pipeline.parts), pipeline.parts[0]

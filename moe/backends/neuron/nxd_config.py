@@ -37,7 +37,7 @@ def nxd_config_kwargs(cfg, dims, param_init_fn) -> dict:
     zero1 = p.zero_stage == 1
     master = NEURON_PRECISION[neuron_precision(cfg)]["master_weights"] and zero1
     pipeline_config = None
-    if dims.pp > 1:  # NxDPPModel's arguments (src/neuronx_distributed/pipeline/model.py:75-114)
+    if dims.pp_enabled:  # NxDPPModel's arguments (src/neuronx_distributed/pipeline/model.py:75-114)
         pipeline_config = {
             "transformer_layer_cls": StageBlock,
             "num_microbatches": p.pipeline_microbatches or dims.accumulate_grad_batches,
