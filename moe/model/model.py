@@ -75,7 +75,7 @@ class Block(nn.Module):
 @dataclass
 class ModelOutput:
     logits_BSV: torch.Tensor | None  # None when forward was given labels: the loss is lm_loss
-    routing: list[RoutingStats]  # one per MoE layer, in layer order (empty when generating)
+    routing: list[RoutingStats]  # one per MoE layer, in layer order (empty when generating or unread)
     router_loss: torch.Tensor | float  # what training adds to the LM loss (moe.model.loss.router_loss_sum)
     aux_loss: torch.Tensor  # mean over MoE layers, for logging (0 when none)
     z_loss: torch.Tensor
