@@ -42,7 +42,9 @@ def test_an_expert_piece_sits_at_its_global_expert_index():
 
 
 def _dims(world, tp=1, ep=1, hybrid=None, per_node=None):
-    cfg = OmegaConf.create({
+    from moe.config.upgrade import with_schema_defaults
+
+    cfg = with_schema_defaults({
         "parallel": {"tp": tp, "pp": 1, "ep": ep, "dp": None, "sequence_parallel": False, "zero_stage": 3,
                      "hybrid_shard_degree": hybrid},
         "trainer": {"devices": world, "num_nodes": 1, "micro_batch_size": 1, "accumulate_grad_batches": 1},
