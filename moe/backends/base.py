@@ -143,10 +143,8 @@ class Backend:
         load-balance group, and this rank's storage on the strategy's device."""
         if self.dims.ep_enabled:
             self.expert_groups = self.make_expert_groups()
-        world = dist.is_initialized() and dist.get_world_size() > 1
         return Steps(ep_group=self.expert_groups.ep if self.dims.ep_enabled else None,
-                     load_balance_group=dist.group.WORLD if self.cfg.moe_opt.aux_loss_group == "dp" and world
-                     else None,
+                     load_balance_group=_load_balance_group(self.cfg),
                      device=self.device_of(module), source=self.initial_source())
 
     @classmethod
@@ -154,9 +152,8 @@ class Backend:
         """parallelize_steps for simulate=true's fake ranks (moe.tools.simulate), without building the
         backend (or importing its library): the run's EP group, the load balance over the world."""
         groups = dims.expert_groups() if dims.ep_enabled else None
-        world = cfg.moe_opt.aux_loss_group == "dp" and dims.world > 1
-        return Steps(ep_group=groups.ep if groups else None,
-                     load_balance_group=dist.group.WORLD if world else None, fake_mode=fake_mode)
+        return Steps(ep_group=groups.ep if groups else None, load_balance_group=_load_balance_group(cfg),
+                     fake_mode=fake_mode)
 
     def parallelize(self, module) -> None:
         """moe.parallel.parallelize's one sequence with this backend's steps."""
@@ -238,3 +235,10 @@ class Backend:
             from moe.parallel.expert_state import slice_local_optimizer_states
 
             slice_local_optimizer_states(module, checkpoint, self.expert_groups.ep)
+
+
+def _load_balance_group(cfg):
+    """Whose tokens the routing statistics cover: every rank's (moe_opt.aux_loss_group=dp, WORLD), else the
+    EP group's (apply_ep's) or this rank's: None."""
+    world = dist.is_initialized() and dist.get_world_size() > 1
+    return dist.group.WORLD if cfg.moe_opt.aux_loss_group == "dp" and world else None

@@ -38,7 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moe.backends.base import Backend, TrainerParts
-from moe.checkpoint.formats import save_zero_partition, zero_partitions_dir
+from moe.checkpoint.formats import save_zero_partition, zero_partition_file, zero_partitions_dir
 from moe.checkpoint.trust import load_trusted
 from moe.config.derived import precision, precision_of
 from moe.config.specs import REDUCE_BUCKET_ELEMENTS
@@ -234,7 +234,7 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         self._loaded_from = path  # a file, or a sharded directory read whole (ep=1 holds every expert)
         self._partition_file = (rank_file(path, self.global_rank) if path.is_dir()
-                                else zero_partitions_dir(path) / f"rank_{self.global_rank:05d}.pt")
+                                else zero_partition_file(path, self.global_rank))
         return self.checkpoint_io.load_checkpoint(path)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

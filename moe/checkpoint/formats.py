@@ -69,10 +69,10 @@ def step_hint(path: Path) -> int:
     return int(match.group(1)) if match else sys.maxsize
 
 
-def recency(path: Path) -> tuple[int, bool]:
-    """The one order of checkpoints, newest last: by step (step_hint), a `last*` link after the file it
-    names at the same step (the picker, every format's `newest`)."""
-    return step_hint(path), path.name.startswith("last")
+def recency(path: Path, step: int | None = None) -> tuple[int, bool]:
+    """The one order of checkpoints, newest last: by step (`step`, once read, else step_hint), a `last*`
+    link after the file it names at the same step (the picker, every format's `newest`)."""
+    return step_hint(path) if step is None else step, path.name.startswith("last")
 
 
 def candidates(checkpoints_dir: Path) -> list[Path]:
@@ -119,10 +119,15 @@ def zero_partitions_dir(path: Path) -> Path:
     return path.with_name(path.name + ZERO_PARTITIONS_SUFFIX)
 
 
+def zero_partition_file(path: Path, rank: int) -> Path:
+    """A rank's ZeRO partition of the portable checkpoint `path`."""
+    return zero_partitions_dir(path) / f"rank_{rank:05d}.pt"
+
+
 def save_zero_partition(partition: dict, path: Path, rank: int) -> None:
     """This rank's ZeRO partition of the portable checkpoint `path`, written before the file itself (whose
     sidecar then marks the whole checkpoint complete)."""
-    atomic_torch_save(partition, zero_partitions_dir(path) / f"rank_{rank:05d}.pt")
+    atomic_torch_save(partition, zero_partition_file(path, rank))
 
 
 class Portable(Format):
@@ -150,16 +155,8 @@ class Portable(Format):
     @staticmethod
     def _verify(path: Path) -> int | None:
         """The sidecar's size and sha256, else the zip CRC-32s and a full load."""
-        meta = meta_path(path)
-        if meta.exists():
-            record = read_record(meta, SIDECAR_FIELDS)  # a damaged sidecar: refused like the file
-            size = path.stat().st_size
-            if size != record["bytes"]:
-                raise CorruptCheckpoint(f"is {size} bytes but was written as {record['bytes']} "
-                                        "(truncated)")
-            if file_sha256(path) != record["sha256"]:
-                raise CorruptCheckpoint("does not match the sha256 recorded when it was written "
-                                        "(corrupt)")
+        if meta_path(path).exists():
+            record = Portable._check_sidecar(path)
             Portable._verify_partitions(path)
             return record["global_step"]
         check_zip_crc(path)
@@ -176,21 +173,28 @@ class Portable(Format):
         return int(ckpt["global_step"])
 
     @staticmethod
+    def _check_sidecar(path: Path) -> dict:
+        """The file's size and sha256 against its sidecar; returns the sidecar's record."""
+        record = read_record(meta_path(path), SIDECAR_FIELDS)  # a damaged sidecar: refused like the file
+        size = path.stat().st_size
+        if size != record["bytes"]:
+            raise CorruptCheckpoint(f"is {size} bytes but was written as {record['bytes']} (truncated)")
+        if file_sha256(path) != record["sha256"]:
+            raise CorruptCheckpoint("does not match the sha256 recorded when it was written (corrupt)")
+        return record
+
+    @staticmethod
     def _verify_partitions(path: Path) -> None:
         """Each ZeRO partition beside the file against its sidecar (one an older version wrote, without a
         sidecar, by the CRC-32s inside it)."""
         for partition in sorted(zero_partitions_dir(path).glob("rank_*.pt")):
-            meta = meta_path(partition)
-            if not meta.exists():
-                try:
+            try:
+                if meta_path(partition).exists():
+                    Portable._check_sidecar(partition)
+                else:
                     check_zip_crc(partition)
-                except CorruptCheckpoint as err:
-                    raise CorruptCheckpoint(f"has a ZeRO partition ({partition.name}) that {err}") from err
-                continue
-            record = read_record(meta, SIDECAR_FIELDS)
-            if partition.stat().st_size != record["bytes"] or file_sha256(partition) != record["sha256"]:
-                raise CorruptCheckpoint(f"has a ZeRO partition that does not match its record "
-                                        f"({partition.name}: truncated or corrupt)")
+            except CorruptCheckpoint as err:
+                raise CorruptCheckpoint(f"has a ZeRO partition ({partition.name}) that {err}") from err
 
     def read(self, path: Path) -> dict:
         """weights_only (tensors and plain containers, no code runs): train.py's files allow it; another

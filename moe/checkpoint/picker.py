@@ -65,7 +65,7 @@ def find_resume_checkpoint(ckpt_dir: str | Path, step: int | None = None, quiet:
         if steps[path] == sys.maxsize:  # no sidecar and no step in the name: load it to learn the step
             steps[path] = check(path)
             verified.add(path)
-    ranked = sorted(steps, key=lambda p: (steps[p], recency(p)[1]), reverse=True)  # recency, loaded steps
+    ranked = sorted(steps, key=lambda p: recency(p, steps[p]), reverse=True)
     for path in ranked:
         if steps[path] < 0 or (step is not None and steps[path] != step):
             continue

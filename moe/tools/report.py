@@ -28,6 +28,7 @@ from moe.tools.advisor import WHAT_IF_FACTORS, Advice, RoutingLog, advise, routi
 RUN_FILES = ("metrics.csv", "summary.json")
 CF_KEY = "moe_opt.capacity_factor"
 SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "tensorboard", "wandb", "lightning_logs"}
+REPORT_HEADINGS = ("# Run report: ", "# Sweep report: ")  # report.md first lines (check_own_report)
 
 
 @dataclass
@@ -346,9 +347,6 @@ def report_sweep(root: Path, runs: list[Run], target: float = 0.01, from_step: i
     for run in runs:
         written += report_run(run, target, from_step)
     return [root / "report.md", *written]
-
-
-REPORT_HEADINGS = ("# Run report: ", "# Sweep report: ")
 
 
 def check_own_report(path: Path) -> None:
