@@ -177,6 +177,16 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._device_mesh = self.backend.meshes.world
         self.lightning_module._device_mesh = self._device_mesh
 
+    def model_to_device(self) -> None:
+        """Everything to the device but the experts offloaded to host memory
+        (moe.parallel.fsdp.experts_held_back)."""
+        if not self.backend.cfg.parallel.offload_experts:
+            return super().model_to_device()
+        from moe.parallel.fsdp import experts_held_back
+
+        with experts_held_back(self.model):
+            super().model_to_device()
+
     @property
     def distributed_sampler_kwargs(self) -> dict:
         dp = self.backend.meshes.dp

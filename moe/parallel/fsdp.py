@@ -12,6 +12,9 @@ torchtitan sets the divide factor.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -73,3 +76,25 @@ def _one_rank_copy_divides() -> bool:
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     return "world_size > 1" in inspect.getsource(_fsdp_collectives.foreach_reduce)
+
+
+@contextlib.contextmanager
+def experts_held_back(model: nn.Module) -> Iterator[None]:
+    """Every MoE layer's experts out of the module tree for the duration: what moves the model to its device
+    leaves the experts that apply_fsdp(offload_experts=True) keeps in host memory where they are.
+
+    Lightning's ModelParallelStrategy moves the whole model after configure_model
+    (lightning/pytorch/strategies/model_parallel.py:180, model_to_device); on a GPU that move reaches the
+    pinned expert shards and stops the run (H100, torch 2.11: "_apply(): Couldn't swap FSDPExperts.gate_up"),
+    and were it to succeed the experts would no longer be offloaded. Each experts module is an FSDP unit of
+    its own, so its parent's unit re-points only its own shards after the move (FSDPModule._apply)."""
+    held = [(parent, name, child) for parent in model.modules()
+            for name, child in parent.named_children() if isinstance(child, Experts)]
+    for parent, name, _ in held:
+        parent._modules[name] = None
+    try:
+        yield
+    finally:
+        for parent, name, child in held:
+            parent._modules[name] = child
+
