@@ -2,7 +2,8 @@
 
 Budgets (issue L): at most one per MoE layer forward under expert parallelism (the all-to-all split sizes
 dropless, the group's capacity with one), none when activation checkpointing recomputes the layer (it
-reuses the forward's), none on the dropless path in one process, none in gradient clipping.
+reuses the forward's), none in one process (dropless or with a capacity: the dropped assignments sort past
+the experts' slices, so the kept count is never read), none in gradient clipping.
 """
 from __future__ import annotations
 
@@ -57,9 +58,23 @@ def test_an_expert_parallel_moe_forward_syncs_once_and_its_recomputation_never(c
         assert backward == 0  # full checkpointing recomputes each layer with its forward's values
 
 
-def test_the_dropless_one_process_path_never_syncs():
-    model = _model(MoEOptConfig(capacity_factor=None, eval_capacity_factor=None), policy="full")
+@pytest.mark.parametrize("capacity", [None, 0.5], ids=["dropless", "capacity"])
+def test_the_one_process_path_never_syncs(capacity):
+    from moe.model.moe import MoELayer
+
+    model = _model(MoEOptConfig(capacity_factor=capacity, eval_capacity_factor=capacity), policy="full")
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        layer.monitor = True
     assert _step_syncs(model, backward=True) == (0, 0)
+    assert all(m.experts.kernel == "grouped_mm" for m in layers)
+    dropped = [float(s.dropped_fraction) for s in _routing(model)]
+    assert (min(dropped) > 0) == (capacity is not None)
+
+
+def _routing(model):
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    return model(ids[:, :-1], labels_BS=ids[:, 1:]).routing
 
 
 def test_gradient_clipping_never_syncs():

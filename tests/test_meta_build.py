@@ -67,10 +67,10 @@ def count_host_reads(monkeypatch) -> list[str]:
     return reads
 
 
-@pytest.mark.parametrize("capacity_factor,expected", [(None, 0), (1.0, 1)], ids=["dropless", "capacity"])
-def test_local_moe_layer_reads_nothing_back_dropless_and_once_with_capacity(monkeypatch, capacity_factor,
-                                                                           expected):
-    """Under FakeTensorMode any other host read (.item, .tolist, bincount, boolean masks) raises."""
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity"])
+def test_local_moe_layer_reads_nothing_back(monkeypatch, capacity_factor):
+    """Under FakeTensorMode any other host read (.item, .tolist, bincount, boolean masks) raises; with a
+    capacity the dropped assignments sort past the experts' slices, so not even the kept count is read."""
     from moe.model.moe import MoELayer
 
     reads = count_host_reads(monkeypatch)
@@ -87,7 +87,7 @@ def test_local_moe_layer_reads_nothing_back_dropless_and_once_with_capacity(monk
         x = torch.randn(2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
         y, stats = layer(x)
         (y.float().square().sum() + stats.aux_loss + stats.z_loss).backward()
-    assert len(reads) == expected, reads
+    assert reads == []
 
 
 @pytest.mark.parametrize("allow", [True, False])

@@ -113,8 +113,9 @@ def test_dispatch_order_sorts_kept_assignments_by_expert():
     keep = apply_capacity(IDX, W, 3, capacity=2, drop_policy="position").flatten()
     order, counts = dispatch_order(IDX.flatten(), 3, keep)
     assert counts.tolist() == [2, 2, 1]
-    # flat ids t*k+j: expert 0 -> 0 (t0), 2 (t1); expert 1 -> 1 (t0), 5 (t2); expert 2 -> 3 (t1)
-    assert order.tolist() == [0, 2, 1, 5, 3]
+    # flat ids t*k+j: expert 0 -> 0 (t0), 2 (t1); expert 1 -> 1 (t0), 5 (t2); expert 2 -> 3 (t1); then the
+    # dropped ones in token order, past every expert's slice (nothing read back to count them)
+    assert order.tolist() == [0, 2, 1, 5, 3, 4, 6, 7]
     order_all, counts_all = dispatch_order(IDX.flatten(), 3)
     assert counts_all.tolist() == [4, 3, 1] and order_all.tolist() == [0, 2, 4, 7, 1, 5, 6, 3]
 
@@ -180,25 +181,28 @@ def test_row_moves_match_plain_indexing_with_drops():
     idx = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0], [2, 0]])
     w = torch.rand(T, K, generator=gen)
     keep = apply_capacity(idx, w, E, capacity=2, drop_policy="position")
-    order, _ = dispatch_order(idx.flatten(), E, keep.flatten())
-    pos = inverse_index(order, T * K)
-    assert (pos == order.numel()).sum() == (~keep).sum()  # dropped assignments point at the zero row
+    order, counts = dispatch_order(idx.flatten(), E, keep.flatten())
+    pos = inverse_index(order, T * K, keep.flatten())
+    kept = int(counts.sum())
+    assert (pos == order.numel()).sum() == (~keep).sum() > 0  # dropped assignments point at the zero row
 
     x = torch.randn(T, H, generator=gen)
     y_M = torch.randn(order.numel(), H, generator=gen)
+    y_M[kept:] = float("nan")  # the experts leave the dropped rows undefined: nothing may read them
     g_M, g_T = torch.randn(order.numel(), H, generator=gen), torch.randn(T, H, generator=gen)
 
     def run(use_moves):
         xs, ys, ws = x.clone().requires_grad_(), y_M.clone().requires_grad_(), w.clone().requires_grad_()
         if use_moves:
-            rows = sort_rows(xs, order, pos, K)
-            out = combine(ys, ws, order, pos)
+            rows = sort_rows(xs, order, pos, K, drops=True)[:kept]
+            out = combine(ys, ws, order, pos, drops=True)
+            ((sort_rows(xs, order, pos, K, drops=True) * g_M).sum() + (out * g_T).sum()).backward()
         else:
-            token = order // K
+            token = order[:kept] // K
             rows = xs.index_select(0, token)
-            out = torch.zeros(T, H).index_add(0, token, ys * ws.flatten()[order].unsqueeze(-1))
-        ((rows * g_M).sum() + (out * g_T).sum()).backward()
-        return rows, out, xs.grad, ys.grad, ws.grad
+            out = torch.zeros(T, H).index_add(0, token, ys[:kept] * ws.flatten()[order[:kept]].unsqueeze(-1))
+            ((rows * g_M[:kept]).sum() + (out * g_T).sum()).backward()
+        return rows, out, xs.grad, ys.grad[:kept], ws.grad
 
     for a, b in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(a, b)

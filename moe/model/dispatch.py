@@ -74,18 +74,23 @@ class TokenShard(Protocol):
 
 @dataclass
 class Sorted:
-    """Kept assignments in expert order: order_M indexes the flat [N] picks, pos_N is its inverse."""
+    """Assignments in expert order: order_M indexes the flat [N] picks, pos_N is its inverse (dropped
+    assignments, after every expert's slice, at the zero row: `drops`)."""
 
     order_M: torch.Tensor
     pos_N: torch.Tensor
+    drops: bool = False
 
 
 def sort_by_expert(x_TH, idx_TK, keep_TK, num_experts) -> Dispatched:
-    """(token rows of the kept assignments in expert order [M, H], kept rows per expert [E], Sorted)."""
+    """(token rows in expert order [M, H], kept rows per expert [E], Sorted). With drops the rows are all N
+    assignments', the dropped ones after the experts' slices: no host sync for the kept count."""
     keep_N = None if keep_TK is None else keep_TK.reshape(-1)
     order_M, counts_E = dispatch_order(idx_TK.reshape(-1), num_experts, keep_N)
-    pos_N = inverse_index(order_M, idx_TK.numel())
-    return Dispatched(sort_rows(x_TH, order_M, pos_N, idx_TK.shape[1]), counts_E, Sorted(order_M, pos_N))
+    pos_N = inverse_index(order_M, idx_TK.numel(), keep_N)
+    drops = keep_N is not None
+    rows_MH = sort_rows(x_TH, order_M, pos_N, idx_TK.shape[1], drops)
+    return Dispatched(rows_MH, counts_E, Sorted(order_M, pos_N, drops))
 
 
 class LocalDispatcher:
@@ -99,4 +104,4 @@ class LocalDispatcher:
         return sort_by_expert(x_TH, idx_TK, keep_TK, num_experts)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, ctx: Sorted) -> torch.Tensor:
-        return combine_rows(y_MH, weights_TK, ctx.order_M, ctx.pos_N)
+        return combine_rows(y_MH, weights_TK, ctx.order_M, ctx.pos_N, ctx.drops)

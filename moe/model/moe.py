@@ -168,7 +168,8 @@ class Experts(nn.Module):
     def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor | list[int]) -> torch.Tensor:
         """Rows sorted by expert, expert e owning the next counts_E[e] rows -> outputs [M, H]. counts_E is a
         long tensor, or Python ints where the dispatcher knows them (fixed buffers): then the per-expert
-        loop reads nothing back from the device."""
+        loop reads nothing back from the device. Rows after the last expert's (dropped assignments) are
+        in no expert: their outputs are undefined (grouped GEMM) or zero (loop), and nobody reads them."""
         autocast = autocast_dtype(x_MH.device)  # bf16-mixed: the experts' matmuls run in bf16
         dtype = autocast or x_MH.dtype
         use_gmm = self.use_grouped_mm
@@ -187,8 +188,9 @@ class Experts(nn.Module):
             h_MF = swiglu(torch._grouped_mm(x_MH.to(dtype), self.gate_up.to(dtype), offs=offs_E))
             return torch._grouped_mm(h_MF, self.down.to(dtype), offs=offs_E)
         sizes = counts_E if isinstance(counts_E, list) else host_sizes(counts_E, x_MH.shape[0])  # one sync
-        xs = x_MH.split(sizes)
-        return torch.cat([swiglu(x @ self.gate_up[e]) @ self.down[e] for e, x in enumerate(xs)])
+        *xs, rest = x_MH.split([*sizes, x_MH.shape[0] - sum(sizes)])
+        ys = [swiglu(x @ self.gate_up[e]) @ self.down[e] for e, x in enumerate(xs)]
+        return torch.cat([*ys, rest.new_zeros(rest.shape[0], self.down.shape[-1], dtype=ys[0].dtype)])
 
     def shard(self, first: int, count: int) -> None:
         """Keep experts [first, first+count) only (expert parallelism)."""

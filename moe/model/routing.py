@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from moe.config.schema import normalizes
 from moe.config.validate import ROUTER_DTYPES
 from moe.model.pytree import pytree_dataclass
-from moe.model.sync import host_int
 
 # Sums a statistics tensor over a process group (identity in one process).
 GroupSum = Callable[[torch.Tensor], torch.Tensor]
@@ -129,20 +128,17 @@ def expert_counts(expert_N: torch.Tensor, num_bins: int) -> torch.Tensor:
 def dispatch_order(
     expert_N: torch.Tensor, num_experts: int, keep_N: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept assignments sorted by expert (stable, so token order within an expert).
+    """Assignments sorted by expert (stable, so token order within an expert).
 
-    Returns (order_M, counts_E): order_M indexes the flat [N] assignments, counts_E is
-    how many kept assignments each expert got (the contiguous slice sizes). Dropless, every
-    assignment is kept and nothing is read back; with drops, the kept count is (one sync).
+    Returns (order_N, counts_E): order_N indexes the flat [N] assignments, counts_E is how many kept
+    assignments each expert got (the contiguous slice sizes). Dropped assignments (keep_N False) sort after
+    every kept one, past sum(counts_E), where the experts' grouped GEMM ignores them (elements beyond its
+    last offset, torch.nn.functional.grouped_mm): the kept count is never read back to the host.
     """
-    if keep_N is None:
-        return torch.argsort(expert_N, stable=True), expert_counts(expert_N, num_experts)
-    # Dropped assignments get the sentinel expert E, sort to the end and are cut off.
-    expert_N = torch.where(keep_N, expert_N, num_experts)
-    order_N = torch.argsort(expert_N, stable=True)
-    counts_E = expert_counts(expert_N, num_experts + 1)[:num_experts]
-    kept = host_int(counts_E.sum(), expert_N.numel())  # fake tensors: assume no drops
-    return order_N[:kept], counts_E
+    if keep_N is not None:  # dropped: the sentinel expert E, last in the order and in no expert's slice
+        expert_N = torch.where(keep_N, expert_N, num_experts)
+    counts_E = expert_counts(expert_N, num_experts + (keep_N is not None))[:num_experts]
+    return torch.argsort(expert_N, stable=True), counts_E
 
 
 def apply_capacity(
@@ -291,11 +287,12 @@ def routing_stats(
 # and index_add are scatter-adds, which are several times slower on CPU.
 
 
-def inverse_index(index_M: torch.Tensor, n: int) -> torch.Tensor:
-    """pos_n with pos_n[index_M[m]] = m; entries nobody maps to get M (the zero row)."""
+def inverse_index(index_M: torch.Tensor, n: int, keep_N: torch.Tensor | None = None) -> torch.Tensor:
+    """pos_n with pos_n[index_M[m]] = m; entries nobody maps to, and those `keep_N` drops, get M (the zero
+    row)."""
     pos_n = torch.full((n,), index_M.numel(), dtype=torch.long, device=index_M.device)
     pos_n[index_M] = torch.arange(index_M.numel(), device=index_M.device)
-    return pos_n
+    return pos_n if keep_N is None else pos_n.masked_fill(~keep_N, index_M.numel())
 
 
 def _take(x: torch.Tensor, index: torch.Tensor, pad: bool = False) -> torch.Tensor:
@@ -307,36 +304,42 @@ def _take(x: torch.Tensor, index: torch.Tensor, pad: bool = False) -> torch.Tens
 
 class _MoveRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, index, back, pad):
+    def forward(ctx, x, index, back, pad, pad_back):
         ctx.save_for_backward(back)
-        ctx.pad = pad
+        ctx.pad_back = pad_back
         return _take(x, index, pad)
 
     @staticmethod
     def backward(ctx, grad):
         (back,) = ctx.saved_tensors
-        return _take(grad, back, ctx.pad), None, None, None
+        return _take(grad, back, ctx.pad_back), None, None, None, None
 
 
-def move_rows(x: torch.Tensor, index: torch.Tensor, back: torch.Tensor, pad: bool = False) -> torch.Tensor:
+def move_rows(x: torch.Tensor, index: torch.Tensor, back: torch.Tensor, pad: bool = False,
+              pad_back: bool | None = None) -> torch.Tensor:
     """x[index] (index == len(x) gives a zero row) whose gradient is grad[back].
 
     `back` must be the inverse map (e.g. `inverse_index(index, len(x))`): every row of x
     appears at most once in `index`, and the rows it does not cover get zero gradient. `pad`: either
-    map may point one past the end whatever the lengths (a fixed buffer's dropped or empty slots).
+    map may point one past the end whatever the lengths (a fixed buffer's dropped or empty slots);
+    `pad_back`: the backward's map alone may (default: as `pad`).
     """
-    return _MoveRows.apply(x, index, back, pad)
+    return _MoveRows.apply(x, index, back, pad, pad if pad_back is None else pad_back)
 
 
-def sort_rows(x_TH: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Token rows for the kept assignments, in expert order -> [M, H]."""
+def sort_rows(x_TH: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor, top_k: int,
+              drops: bool = False) -> torch.Tensor:
+    """Token rows for the assignments, in expert order -> [M, H]. `drops`: pos_N points dropped assignments
+    at the zero row (their rows, past every expert's slice, get no gradient)."""
     x_NH = x_TH.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, x_TH.shape[-1])  # backward: sum over k
-    return move_rows(x_NH, order_M, pos_N)
+    return move_rows(x_NH, order_M, pos_N, pad_back=drops)
 
 
-def combine(y_MH: torch.Tensor, weights_TK: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor):
-    """Weighted sum of each token's expert outputs -> [T, H]; dropped assignments add zero."""
-    return weighted_sum(move_rows(y_MH, pos_N, order_M), weights_TK)
+def combine(y_MH: torch.Tensor, weights_TK: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor,
+            drops: bool = False):
+    """Weighted sum of each token's expert outputs -> [T, H]; dropped assignments (pos_N at the zero row)
+    add zero, whatever the experts left in their rows."""
+    return weighted_sum(move_rows(y_MH, pos_N, order_M, pad=drops, pad_back=False), weights_TK)
 
 
 def weighted_sum(y_NH: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:

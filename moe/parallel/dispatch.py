@@ -80,7 +80,7 @@ class AllToAllDispatcher:
         if isinstance(ctx, _Exchanged):
             y_RH = move_rows(y_MH, ctx.arrival_R, ctx.by_expert_R)  # back to arrival order
             y_MH = exchange_rows(y_RH, ctx.recv_splits, ctx.sent_splits, self.group)
-            return combine_rows(y_MH, weights_TK, ctx.sorted.order_M, ctx.sorted.pos_N)
+            return combine_rows(y_MH, weights_TK, ctx.sorted.order_M, ctx.sorted.pos_N, ctx.sorted.drops)
         E_local, C = y_MH.shape[0] // (self.ep * ctx.capacity), ctx.capacity
         y_XH = y_MH.view(E_local, self.ep, C, -1).transpose(0, 1).reshape(self.ep * E_local * C, -1)
         splits = even_splits(y_XH.shape[0], self.group)
