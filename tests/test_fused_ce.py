@@ -56,3 +56,34 @@ def test_the_models_labels_path_trains_as_the_logits_path(tied):
     torch.testing.assert_close(fused.lm_loss, want, rtol=0, atol=1e-6)
     for (name, _), a, b in zip(model.named_parameters(), got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_half_precision_head_takes_its_weight_gradient_on_the_matrix_units(monkeypatch):
+    """A bf16 head on CUDA takes its weight gradient as a bf16 product with an fp32 result (aten::mm's
+    out_dtype, whose kernel is CUDA's alone), not as an fp32 SIMT GEMM: the branch runs here on the meta
+    device, whose shapes and dtypes are CUDA's, in this torch (the floor's: its CUDA kernel is registered)."""
+    import moe.model.fused_ce as fused_ce
+
+    one = torch.empty(1, 1, device="meta", dtype=torch.bfloat16)
+    try:
+        torch.mm(one, one, out_dtype=torch.float32)
+    except TypeError:  # torch 2.9: the meta kernel takes no out_dtype; its CUDA build registers the CUDA one
+        if torch.version.cuda:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
+        pytest.skip(f"torch {torch.__version__}'s meta mm takes no out_dtype")
+    monkeypatch.setattr(fused_ce, "OUT_DTYPE_MM_DEVICES", ("meta",))
+    calls = []
+    mm = torch.mm
+
+    def spy(a, b, **kw):
+        calls.append((a.dtype, b.dtype, kw))
+        return mm(a, b, **kw)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    h = torch.empty(2048, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(33, 16, device="meta", requires_grad=True)
+    labels = torch.zeros(2048, dtype=torch.long, device="meta")
+    loss = fused_ce._LinearCrossEntropy.apply(h, w.to(torch.bfloat16), labels, 1024)  # as a bf16 model's head
+    grad_w = torch.autograd.grad(loss, w)[0]
+    assert calls == [(torch.bfloat16, torch.bfloat16, {"out_dtype": torch.float32})] * 2
+    assert grad_w.dtype == torch.float32 and grad_w.shape == w.shape

@@ -19,6 +19,7 @@ import torch
 from moe.model.loss import IGNORE_INDEX
 
 CE_CHUNK_TOKENS = 1024  # tokens per chunk: [1024, vocab] fp32 logits at a time (128 MiB at 32k)
+OUT_DTYPE_MM_DEVICES = ("cuda",)  # where aten::mm takes out_dtype (bf16 inputs, fp32 result; torch >= 2.8)
 
 
 def linear_cross_entropy(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor,
@@ -52,11 +53,31 @@ def _chunk_losses(h_CH, weight_VH, labels_C, valid_C, want_grad: bool):
     return loss, grad_CV
 
 
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's where it is on (bf16-mixed), else the weight's."""
+    kind = hidden.device.type
+    autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    return torch.get_autocast_dtype(kind) if autocast else weight.dtype
+
+
+def _add_weight_grad(grad_w: torch.Tensor, grad_CV: torch.Tensor, h_CH: torch.Tensor,
+                     dtype: torch.dtype) -> None:
+    """grad_w (fp32) += grad_CV.T @ h_CH. On CUDA, in half precision: on the tensor cores in `dtype` with an
+    fp32 result (aten::mm's out_dtype, CUDA only); an fp32 product there is a SIMT GEMM unless TF32 is on
+    (H100, torch 2.11: cutlass_80_simt_sgemm, 17% of bench/gpu_moe_stack.py's step, its --profile). On the
+    CPU, in fp32 as before (no matrix units to gain, and bf16 GEMMs are slower than fp32 on most hosts)."""
+    if grad_w.device.type in OUT_DTYPE_MM_DEVICES and dtype != torch.float32:
+        grad_w += torch.mm(grad_CV.T.to(dtype), h_CH.to(dtype), out_dtype=torch.float32)
+    else:
+        grad_w.addmm_(grad_CV.T, h_CH.float())
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, chunk_size):
         safe_N, valid_f, count = _targets(labels_N)
         ctx.weight_dtype = weight_VH.dtype
+        matmul_dtype = _matmul_dtype(hidden_NH, weight_VH)
         total = hidden_NH.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if ctx.needs_input_grad[1] else None
@@ -68,7 +89,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[rows] = (grad_CV.to(weight_VH.dtype) @ weight_VH).to(hidden_NH.dtype)
             if grad_w is not None:
-                grad_w.addmm_(grad_CV.T, h_CH.float())
+                _add_weight_grad(grad_w, grad_CV, h_CH, matmul_dtype)
         scale = 1.0 / count.to(torch.float32)
         ctx.save_for_backward(grad_h, grad_w, scale)
         return total * scale
