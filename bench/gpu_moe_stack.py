@@ -4,6 +4,8 @@ FP8 (torchao's float8 training) as an option. docs/BENCHMARKS.md records the fig
 
     .venv/bin/python bench/gpu_moe_stack.py                      # on a CUDA GPU
     .venv/bin/python bench/gpu_moe_stack.py --fp8                # + torchao float8 linears (sm89+, torchao)
+    .venv/bin/python bench/gpu_moe_stack.py --compile            # + each block compiled (moe.parallel.apply)
+    .venv/bin/python bench/gpu_moe_stack.py --profile prof.txt   # + one step's kernels, by device time
     .venv/bin/python bench/gpu_moe_stack.py --cpu-smoke          # a tiny shape on the CPU: checks the script
 
 The stack is moe.model.MoETransformer with Mixtral 8x7B's block (hidden 4096, 8 experts of 14336, top-2,
@@ -53,7 +55,38 @@ def build(args, device):
         from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(model, module_filter_fn=lambda m, name: "attn" in name)
+    if args.compile:  # regional compile as model.compile=true does it: each block, the MoE layers eager
+        from moe.parallel.apply import apply_compile
+
+        apply_compile(model)
     return model, cfg
+
+
+def train_step(model, ids, optimizer) -> None:
+    out = model(ids[:, :-1], labels_BS=ids[:, 1:])
+    (out.lm_loss + out.router_loss).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def profile(model, cfg, args, device, path: Path) -> None:
+    """One step (natural routing) under torch.profiler: its kernels and ops by device time, to `path`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    seq = 32 if args.cpu_smoke else args.seq_len
+    ids = torch.randint(0, cfg.vocab_size, (args.micro_batch, seq + 1), device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    train_step(model, ids, optimizer)  # warm-up
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        train_step(model, ids, optimizer)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+    print(f"profile of one step: {path}")
 
 
 def tokens_per_s(model, cfg, args, device, balanced: bool) -> float:
@@ -70,10 +103,7 @@ def tokens_per_s(model, cfg, args, device, balanced: bool) -> float:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            out = model(ids[:, :-1], labels_BS=ids[:, 1:])
-            (out.lm_loss + out.router_loss).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(model, ids, optimizer)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if step >= args.warmup:
@@ -97,6 +127,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--fp8", action="store_true", help="torchao float8 training, attention linears")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block, MoE layers eager")
+    parser.add_argument("--profile", type=Path, default=None, help="write one step's profile table here")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU (no figures)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.cpu_smoke:
@@ -116,13 +148,15 @@ def main() -> None:
     flops_per_token = 6 * sizes.active + 12 * cfg.num_layers * cfg.hidden_size * seq
     print(f"{name}: {cfg.num_layers} Mixtral-shaped blocks, {sizes.total / 1e9:.2f}B parameters "
           f"({sizes.active / 1e9:.2f}B active), micro-batch {args.micro_batch} x {seq}, bf16"
-          + (", fp8 attention linears" if args.fp8 else ""))
+          + (", fp8 attention linears" if args.fp8 else "") + (", blocks compiled" if args.compile else ""))
     print("| routing | tokens/s | MFU |")
     print("|---|---|---|")
     for label, balanced in (("natural (the router's own picks)", False), ("forced balance", True)):
         rate = tokens_per_s(model, cfg, args, device, balanced)
         mfu = f"{100 * rate * flops_per_token / (peak * 1e12):.1f}%" if peak else "- (pass --peak-tflops)"
         print(f"| {label} | {rate:,.0f} | {mfu} |")
+    if args.profile:
+        profile(model, cfg, args, device, args.profile)
 
 
 if __name__ == "__main__":
