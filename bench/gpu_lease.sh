@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# make gpu-check and the GPU benches sized to one short GPU lease (about 9 minutes on one H100, 2026-11-26):
+# each stage in priority order under its own limit, the whole under BUDGET seconds, the output in
+# $OUT/all.log, the runs' logs and metrics in $OUT/runs.tgz, one step's profile in $OUT/prof_stack.txt.
+# Carried wheels (bash ../shared/gpu/wheels.sh fills .whl/) are installed first where present.
+#     OUT=/tmp/out BUDGET=560 bash bench/gpu_lease.sh
+set -u
+T0=$(date +%s); BUDGET=${BUDGET:-560}; OUT=${OUT:-/tmp/gpu-lease}
+mkdir -p "$OUT" /tmp/gc
+LOG=$OUT/all.log
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+stage() {  # stage NAME SECONDS COMMAND...: run it if time is left, its output into the log and on screen
+  local name=$1 want=$2; shift 2
+  local l; l=$(left)
+  if (( l < 25 )); then echo "=== SKIP $name: ${l}s left" | tee -a "$LOG"; return; fi
+  (( want > l - 5 )) && want=$(( l - 5 ))
+  echo "=== $name (limit ${want}s, ${l}s left): $*" | tee -a "$LOG"
+  local s; s=$(date +%s)
+  timeout -k 5 "$want" "$@" 2>&1 | grep -v "Warning\|warn(" | tee -a "$LOG"
+  echo "--- $name rc=${PIPESTATUS[0]} in $(( $(date +%s) - s ))s" | tee -a "$LOG"
+  tar czf "$OUT/runs.tgz" -C /tmp gc 2>/dev/null
+}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
+python3 -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'lightning', lightning.__version__)" | tee -a "$LOG"
+GC="python3 bench/gpu_check.py --no-bench --steps 20"
+# 1. the step target's rows, each alone on the card, and train.py beside the bare loop
+stage check_ddp_fsdp2 200 $GC --timeout 150 --out /tmp/gc/a --only ddp_bf16 fsdp2_zero3
+stage bare_ddp 110 python3 bench/train_vs_bare.py --gpu --backend ddp --steps 10
+stage bare_fsdp2 110 python3 bench/train_vs_bare.py --gpu --backend fsdp2 --steps 10
+# 2. the layer beside torchtitan's, both shapes, then the stack with one step's profile
+stage layer_mixtral 90 python3 bench/vs_torchtitan.py --device cuda --repeats 10 --steps 12 \
+  --hidden 4096 --width 14336 --experts 8 --top-k 2 --tokens 16384
+stage layer_fine 80 python3 bench/vs_torchtitan.py --device cuda --repeats 10 --steps 12 \
+  --hidden 2048 --width 1408 --experts 64 --top-k 6 --tokens 16384
+stage stack 90 python3 bench/gpu_moe_stack.py --profile "$OUT/prof_stack.txt"
+# 3. the other paths: do they train? two at a time on the card (their tokens/s are not timings)
+pairs() {
+  trap 'kill $(jobs -p) 2>/dev/null' TERM
+  $GC --timeout 140 --out /tmp/gc/b1 --only deepspeed_zero2_overlap > /tmp/gc/b1.out 2>&1 &
+  $GC --timeout 140 --out /tmp/gc/b2 --only fsdp2_offload_experts > /tmp/gc/b2.out 2>&1 &
+  wait; cat /tmp/gc/b1.out /tmp/gc/b2.out
+  $GC --timeout 140 --micro-batch 4 --out /tmp/gc/b3 --only deepspeed_zero2 > /tmp/gc/b3.out 2>&1 &
+  $GC --timeout 140 --micro-batch 4 --out /tmp/gc/b4 --only fsdp2_zero2 > /tmp/gc/b4.out 2>&1 &
+  wait; cat /tmp/gc/b3.out /tmp/gc/b4.out
+}
+export -f pairs; export GC
+stage check_pairs 300 bash -c pairs
+# 4. compiled: the path alone, then the stack
+stage check_compile 170 $GC --timeout 160 --out /tmp/gc/c --only fsdp2_compile
+stage stack_compile 120 python3 bench/gpu_moe_stack.py --compile
+echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
+grep -h "^|\|rc=\|SKIP\|^train.py runs\|FAILED\|failed:" "$LOG"
