@@ -51,8 +51,9 @@ pairs() {
 }
 export -f pairs; export GC
 stage check_pairs 300 bash -c pairs
-# 4. compiled: the path alone, then the stack
+# 4. compiled: the path alone, then the stack with its MoE layers compiled too, and without
 stage check_compile 170 $GC --timeout 160 --out /tmp/gc/c --only fsdp2_compile
+stage stack_compile_all 150 python3 bench/gpu_moe_stack.py --compile all
 stage stack_compile 120 python3 bench/gpu_moe_stack.py --compile
 echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
 grep -h "^|\|rc=\|SKIP\|^train.py runs\|FAILED\|failed:" "$LOG"

@@ -5,6 +5,7 @@ FP8 (torchao's float8 training) as an option. docs/BENCHMARKS.md records the fig
     .venv/bin/python bench/gpu_moe_stack.py                      # on a CUDA GPU
     .venv/bin/python bench/gpu_moe_stack.py --fp8                # + torchao float8 linears (sm89+, torchao)
     .venv/bin/python bench/gpu_moe_stack.py --compile            # + each block compiled (moe.parallel.apply)
+    .venv/bin/python bench/gpu_moe_stack.py --compile all        # + the MoE layers compiled with their block
     .venv/bin/python bench/gpu_moe_stack.py --profile prof.txt   # + one step's kernels, by device time
     .venv/bin/python bench/gpu_moe_stack.py --cpu-smoke          # a tiny shape on the CPU: checks the script
 
@@ -55,10 +56,13 @@ def build(args, device):
         from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(model, module_filter_fn=lambda m, name: "attn" in name)
-    if args.compile:  # regional compile as model.compile=true does it: each block, the MoE layers eager
+    if args.compile == "blocks":  # regional compile as model.compile=true does it: the MoE layers eager
         from moe.parallel.apply import apply_compile
 
         apply_compile(model)
+    elif args.compile == "all":  # the MoE layers too: in one process their shapes no longer depend on routing
+        for block in model.layers:
+            block.compile()
     return model, cfg
 
 
@@ -127,7 +131,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--fp8", action="store_true", help="torchao float8 training, attention linears")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block, MoE layers eager")
+    parser.add_argument("--compile", nargs="?", const="blocks", choices=["blocks", "all"], default=None,
+                        help="torch.compile each block (blocks: the MoE layers eager, as model.compile; all)")
     parser.add_argument("--profile", type=Path, default=None, help="write one step's profile table here")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU (no figures)")
     args = parser.parse_args()
@@ -148,7 +153,7 @@ def main() -> None:
     flops_per_token = 6 * sizes.active + 12 * cfg.num_layers * cfg.hidden_size * seq
     print(f"{name}: {cfg.num_layers} Mixtral-shaped blocks, {sizes.total / 1e9:.2f}B parameters "
           f"({sizes.active / 1e9:.2f}B active), micro-batch {args.micro_batch} x {seq}, bf16"
-          + (", fp8 attention linears" if args.fp8 else "") + (", blocks compiled" if args.compile else ""))
+          + (", fp8 attention linears" if args.fp8 else "") + (f", compiled: {args.compile}" if args.compile else ""))
     print("| routing | tokens/s | MFU |")
     print("|---|---|---|")
     for label, balanced in (("natural (the router's own picks)", False), ("forced balance", True)):
