@@ -153,7 +153,8 @@ def main() -> None:
     flops_per_token = 6 * sizes.active + 12 * cfg.num_layers * cfg.hidden_size * seq
     print(f"{name}: {cfg.num_layers} Mixtral-shaped blocks, {sizes.total / 1e9:.2f}B parameters "
           f"({sizes.active / 1e9:.2f}B active), micro-batch {args.micro_batch} x {seq}, bf16"
-          + (", fp8 attention linears" if args.fp8 else "") + (f", compiled: {args.compile}" if args.compile else ""))
+          + (", fp8 attention linears" if args.fp8 else "")
+          + (f", compiled: {args.compile}" if args.compile else ""))
     print("| routing | tokens/s | MFU |")
     print("|---|---|---|")
     for label, balanced in (("natural (the router's own picks)", False), ("forced balance", True)):
