@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from moe.model.loss import IGNORE_INDEX
+from moe.model.moe import autocast_dtype
 
 CE_CHUNK_TOKENS = 1024  # tokens per chunk: [1024, vocab] fp32 logits at a time (128 MiB at 32k)
 OUT_DTYPE_MM_DEVICES = ("cuda",)  # where aten::mm takes out_dtype (bf16 inputs, fp32 result; torch >= 2.8)
@@ -53,13 +54,6 @@ def _chunk_losses(h_CH, weight_VH, labels_C, valid_C, want_grad: bool):
     return loss, grad_CV
 
 
-def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype the head's matmuls run in: autocast's where it is on (bf16-mixed), else the weight's."""
-    kind = hidden.device.type
-    autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
-    return torch.get_autocast_dtype(kind) if autocast else weight.dtype
-
-
 def _add_weight_grad(grad_w: torch.Tensor, grad_CV: torch.Tensor, h_CH: torch.Tensor,
                      dtype: torch.dtype) -> None:
     """grad_w (fp32) += grad_CV.T @ h_CH. On CUDA, in half precision: on the tensor cores in `dtype` with an
@@ -77,7 +71,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden_NH, weight_VH, labels_N, chunk_size):
         safe_N, valid_f, count = _targets(labels_N)
         ctx.weight_dtype = weight_VH.dtype
-        matmul_dtype = _matmul_dtype(hidden_NH, weight_VH)
+        matmul_dtype = autocast_dtype(hidden_NH.device) or weight_VH.dtype  # as the head's matmuls run
         total = hidden_NH.new_zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if ctx.needs_input_grad[1] else None

@@ -141,8 +141,9 @@ def _probe_grouped_mm(device, dtype) -> bool:
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype autocast runs matmuls in on `device` here, or None where autocast is off."""
-    if torch.is_autocast_enabled(device.type):
+    """The dtype autocast runs matmuls in on `device` here, or None where autocast is off (or does not exist,
+    as on the meta device)."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
 
