@@ -46,7 +46,7 @@ def compose(overrides: list[str], run_dir: Path):
     return cfg
 
 
-def through_train_py(overrides: list[str], steps: int, warmup: int) -> tuple[float, float]:
+def through_train_py(overrides: list[str], steps: int, warmup: int) -> tuple[float, int]:
     """(tokens/s over the timed steps, host syncs of the counted step) of train.py itself, in this process:
     a callback, last of the run's, counts the step after the warm-up and times the steps after that."""
     import lightning as L
@@ -91,7 +91,7 @@ def synchronized_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def bare_loop(overrides: list[str], steps: int, warmup: int) -> tuple[float, float]:
+def bare_loop(overrides: list[str], steps: int, warmup: int) -> tuple[float, int]:
     """The same model, batch and precision in a plain loop: (tokens/s over the timed steps, host syncs of the
     counted step)."""
     from moe.config.derived import precision_of
