@@ -280,14 +280,17 @@ def test_a_zero_partition_is_verified_with_its_checkpoint(tmp_path, damage):
     """DeepSpeed's ZeRO partitions beside a portable file are part of its format: each is written atomically
     with a sidecar, and a damaged one makes the checkpoint corrupt (resume falls back past it). One an older
     version wrote without a sidecar is checked by its zip CRC-32s."""
-    from moe.checkpoint.formats import save_zero_partition, zero_partitions_dir
-    from moe.checkpoint.io import atomic_torch_save
+    from moe.checkpoint.formats import PORTABLE, Live, zero_partitions_dir
 
     path = tmp_path / f"step-000004-{damage}.ckpt"
     partition = {"optimizer": {"state": {0: {"exp_avg": torch.arange(4096.0)}}}, "layout": {"world": 2}}
-    for rank in (0, 1):
-        save_zero_partition(partition, path, rank)
-    atomic_torch_save({"state_dict": {}, "global_step": 4, "loops": {}}, path)
+    for rank in (1, 0):  # the format's collective save, one rank after the other (its barriers: no-ops)
+        live = Live(module=None, optimizers=[], dims=None, device_type="cpu", rank=rank,
+                    is_global_zero=rank == 0, barrier=lambda: None, writes=PORTABLE, per_rank=partition)
+        PORTABLE.save(live, {"state_dict": {}, "global_step": 4, "loops": {}, "optimizer_states": []}, path)
+        assert path.exists() == (rank == 0)  # the file, whose sidecar marks it complete, comes last
+    assert sorted(p.name for p in zero_partitions_dir(path).iterdir()) == [
+        "rank_00000.pt", "rank_00000.pt.meta.json", "rank_00001.pt", "rank_00001.pt.meta.json"]
     assert verify_checkpoint(path) == 4
     shard = zero_partitions_dir(path) / "rank_00001.pt"
     data = bytearray(shard.read_bytes())
@@ -305,3 +308,30 @@ def test_a_zero_partition_is_verified_with_its_checkpoint(tmp_path, damage):
     zero_partitions_dir(path).rename(zero_partitions_dir(again))
     with pytest.raises(CorruptCheckpoint, match="ZeRO partition"):
         verify_checkpoint(again)
+
+
+def test_checkpoints_are_written_only_through_the_formats():
+    """Every backend declares a format the repository writes, and no code outside moe/checkpoint writes or
+    loads a checkpoint itself (the strategies call the declared format: moe.backends.checkpoints)."""
+    import re
+    from pathlib import Path
+
+    from moe.checkpoint.formats import BY_KEY, DEEPSPEED
+    from moe.config.specs import SPECS
+
+    for spec in SPECS.values():
+        for ep in (1, 2):
+            assert BY_KEY[spec.checkpoint_format(ep)] is not DEEPSPEED, spec.name  # read-only format
+    repo = Path(__file__).resolve().parents[1]
+    writes = re.compile(r"\b(torch\.save|dcp\.save|dcp\.load|atomic_torch_save|save_sharded|load_sharded|"
+                        r"(?<!super\(\)\.)(?<!Strategy\.)(save|load)_checkpoint)\(")  # not a strategy's own
+    found = []
+    for path in sorted((repo / "moe").rglob("*.py")):
+        relative = path.relative_to(repo).as_posix()
+        if relative.startswith("moe/checkpoint/") or relative == "moe/faults.py":  # faults: sizes a buffer
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if writes.search(code) and not re.search(r"\bdef (save|load)_checkpoint\(", code):
+                found.append(f"{relative}:{number}: {line.strip()}")
+    assert not found, "write and load checkpoints through moe.checkpoint.formats:\n" + "\n".join(found)

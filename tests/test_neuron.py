@@ -668,7 +668,7 @@ def test_trn1_checkpoints_generate_convert_and_export(trn1_run, tmp_path):
     """infer.py reads the run's newest NxD checkpoint; convert_nxd writes the same weights as one
     portable .ckpt; export_hf from it gives a Mixtral directory holding those weights."""
     from moe.checkpoint.nxd import read_checkpoint
-    from moe.checkpoint.picker import resolve_checkpoint
+    from moe.checkpoint.picker import resolve_checkpoint, verify_checkpoint
     from moe.hf import from_hf
     from moe.infer.load import model_from_checkpoint
 
@@ -682,6 +682,7 @@ def test_trn1_checkpoints_generate_convert_and_export(trn1_run, tmp_path):
     portable = tmp_path / "trn1.ckpt"
     proc = subprocess_module("moe.tools.convert_nxd", str(trn1_run), str(portable))
     assert proc.returncode == 0 and "(step 6)" in proc.stdout, proc.stderr[-2000:]
+    assert verify_checkpoint(portable, deep=True) == 6  # written by the portable format, with its sidecar
     model, _ = model_from_checkpoint(portable)
     shards = read_checkpoint(newest)["state_dict"]
     for name, value in model.state_dict().items():

@@ -113,10 +113,11 @@ class Backend:
         return trainer.strategy.root_device if trainer is not None else torch.device("cpu")
 
     @property
-    def sharded_checkpoints(self) -> bool:
-        """Each rank writes its own experts into a checkpoint directory (moe/checkpoint/sharded.py)
-        under expert parallelism; without it every rank holds every expert and one file is written."""
-        return self.dims.ep_enabled
+    def checkpoint_format(self):
+        """The format its checkpoints are written in (moe.checkpoint.formats), as its spec declares."""
+        from moe.checkpoint.formats import BY_KEY
+
+        return BY_KEY[self.spec.checkpoint_format(self.dims.ep)]
 
     def val_micro_batches(self) -> int:
         """Micro-batches in one validation batch: 1, the module evaluates one micro-batch at a time; under
@@ -209,9 +210,9 @@ class Backend:
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def on_save_checkpoint(self, module, checkpoint: dict) -> None:
-        """Make `checkpoint` portable: every expert in it whatever ep was (collective over the EP group),
-        unless each rank writes its own shard (sharded_checkpoints)."""
-        if self.expert_groups is not None and not self.sharded_checkpoints:
+        """Every expert in `checkpoint` whatever ep was (collective over the EP group), where the format
+        holds each tensor whole (a portable file); a sharded one has each rank write its own."""
+        if self.expert_groups is not None and self.checkpoint_format.whole_tensors:
             from moe.parallel.expert_state import gather_full_experts
 
             gather_full_experts(module, checkpoint, self.expert_groups.ep, self.dims.ep)

@@ -1,7 +1,8 @@
 """Plain PyTorch: a process per device, DDP over the hardware's backend (gloo on CPU); one device: no DDP.
 
-Checkpoints under expert parallelism are sharded (moe/checkpoint/sharded.py): each rank
-writes its own experts with torch.distributed.checkpoint; no rank gathers them all.
+Checkpoints (moe.checkpoint.formats, as the spec declares): one portable file; under expert parallelism
+a sharded directory, each rank writing its own experts (no rank gathers them all), saved and loaded
+collectively by ShardedDDPStrategy (moe.backends.checkpoints).
 
 Expert parallelism under DDP: DDP is told to ignore expert parameters
 (`_ddp_params_and_buffers_to_ignore`, read when DDP wraps the module), and after the backward
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from moe.backends.base import Backend, TrainerParts
+from moe.backends.checkpoints import FormatCheckpoints
 from moe.config.derived import precision_of
 
 
@@ -25,9 +27,9 @@ class DDPBackend(Backend):
 
     def trainer_parts(self) -> TrainerParts:
         world, backend = self.dims.world, self.cfg.hardware.backend
-        if self.sharded_checkpoints:
-            strategy = ShardedDDPStrategy(self.dims, process_group_backend=backend,
-                                          timeout=self.collective_timeout())
+        if not self.checkpoint_format.whole_tensors:
+            strategy = ShardedDDPStrategy(checkpoint_format=self.checkpoint_format, dims=self.dims,
+                                          process_group_backend=backend, timeout=self.collective_timeout())
         else:
             strategy = (DDPStrategy(process_group_backend=backend, timeout=self.collective_timeout())
                         if world > 1 else "auto")
@@ -68,7 +70,7 @@ class DDPBackend(Backend):
         return True
 
 
-class ShardedDDPStrategy(DDPStrategy):
+class ShardedDDPStrategy(FormatCheckpoints, DDPStrategy):
     """DDPStrategy whose checkpoints are sharded directories (collective save and load on every rank).
 
     Lightning's own DCP path (ModelParallelStrategy) needs DTensor modules; ours keeps plain tensors
@@ -76,39 +78,6 @@ class ShardedDDPStrategy(DDPStrategy):
     restored after setup, once the optimizer exists, straight into the live tensors.
     """
 
-    def __init__(self, dims, **kwargs):
-        super().__init__(**kwargs)
-        self.dims = dims
-        self._from_file = False  # the checkpoint being restored is a portable file, not a directory
-
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True
-
-    def mesh(self):
-        from moe.checkpoint.sharded import checkpoint_mesh
-
-        return checkpoint_mesh(self.root_device.type)
-
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        from moe.checkpoint.sharded import save_sharded
-
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(self.broadcast(str(filepath)), self.lightning_module, list(self.optimizers), self.mesh(),
-                     rest, self.is_global_zero)
-
-    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        from moe.checkpoint.sharded import is_sharded_checkpoint, load_sharded
-
-        if not is_sharded_checkpoint(checkpoint_path):  # a portable file (every expert): sliced on load
-            self._from_file = True
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        return load_sharded(checkpoint_path, self.lightning_module, list(self.optimizers), self.mesh())
-
-    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        if self._from_file:
-            super().load_model_state_dict(checkpoint, strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        if self._from_file:
-            super().load_optimizer_state_dict(checkpoint)

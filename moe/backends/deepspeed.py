@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 from pathlib import Path
 
 import torch
@@ -38,7 +37,9 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moe.backends.base import Backend, TrainerParts
-from moe.checkpoint.formats import save_zero_partition, zero_partition_file, zero_partitions_dir
+from moe.backends.checkpoints import FormatCheckpoints
+from moe.checkpoint.formats import PORTABLE, format_of, in_place
+from moe.checkpoint.formats import DeepSpeed as DeepSpeedDirectory
 from moe.checkpoint.trust import load_trusted
 from moe.config.derived import precision, precision_of
 from moe.config.specs import REDUCE_BUCKET_ELEMENTS
@@ -102,6 +103,7 @@ class DeepSpeedBackend(Backend):
                             "(or pip install -e '.[gpu]'), or use hardware=cpu",
                             problem="needs the deepspeed package, which is not installed") from err
         self.strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg), dims=dims,
+                                             checkpoint_format=self.checkpoint_format,
                                              process_group_backend=cfg.hardware.backend,
                                              logging_level=logging.WARNING, timeout=self.collective_timeout())
 
@@ -152,15 +154,11 @@ def zero_partition_globals():
     return LossScaler, ZeroStageEnum, fragment_address
 
 
-class MoEDeepSpeedStrategy(DeepSpeedStrategy):
-    """DeepSpeedStrategy + MoE-aware engine, portable checkpoints with per-rank ZeRO partitions, CPU."""
+class MoEDeepSpeedStrategy(FormatCheckpoints, DeepSpeedStrategy):
+    """DeepSpeedStrategy + MoE-aware engine, our checkpoint formats with per-rank ZeRO partitions, CPU."""
 
     strategy_name = "moe_deepspeed"
-
-    def __init__(self, *args, dims=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.dims = dims
-        self.ep = dims.ep if dims is not None else 1
+    optimizer_in_checkpoint = False  # each rank's ZeRO partition holds it (Live.per_rank)
 
     # -- CPU support (Lightning's checks assume CUDA) ----------------------------------------
     def setup_environment(self) -> None:
@@ -193,57 +191,32 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
         engine._configure_python_gc()
         return engine, engine.optimizer
 
-    # -- checkpoints: one portable file + per-rank optimizer partitions -----------------------
+    # -- checkpoints: the spec's format, with each rank's ZeRO optimizer partition beside it ------------
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        filepath = Path(self.broadcast(str(filepath)))
         partition = {"optimizer": self.deepspeed_engine.optimizer.state_dict(),
                      "layout": self._layout(checkpoint.get("global_step"))}
-        if self.ep > 1:  # a sharded directory: each rank its experts and its partition
-            from moe.checkpoint.sharded import checkpoint_mesh, save_sharded
-
-            rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            save_sharded(filepath, self.lightning_module, [], checkpoint_mesh(self.root_device.type),
-                         {**rest, "optimizer_states": []}, self.is_global_zero, per_rank=partition)
-            return
-        save_zero_partition(partition, filepath, self.global_rank)  # atomic, with its sidecar
-        checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
-        checkpoint["optimizer_states"] = []  # they are the per-rank partitions in <file>.zero/
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        self.barrier("moe_deepspeed_save")
-
-    def remove_checkpoint(self, filepath) -> None:
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            shutil.rmtree(zero_partitions_dir(Path(filepath)), ignore_errors=True)
+        checkpoint = {**checkpoint, "optimizer_states": []}  # they are the per-rank partitions
+        path = Path(self.broadcast(str(filepath)))
+        self.checkpoint_format.save(self.checkpoint_live(per_rank=partition), checkpoint, path)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        from moe.checkpoint.sharded import (
-            checkpoint_mesh,
-            is_sharded_checkpoint,
-            load_sharded,
-            rank_file,
-        )
-
+        """A DeepSpeed directory (Lightning's own DeepSpeedStrategy wrote it) through DeepSpeed's engine;
+        ours through its format, this rank's partition found beside it."""
         path = Path(checkpoint_path)
-        if is_sharded_checkpoint(path) and self.ep > 1:  # weights resharded into the live tensors
-            self._loaded_from, self._partition_file = path, rank_file(path, self.global_rank)
-            mesh = checkpoint_mesh(self.root_device.type)
-            return load_sharded(path, self.lightning_module, [], mesh)
-        if path.is_dir() and not is_sharded_checkpoint(path):  # a DeepSpeed-native checkpoint directory
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        self._loaded_from = path  # a file, or a sharded directory read whole (ep=1 holds every expert)
-        self._partition_file = (rank_file(path, self.global_rank) if path.is_dir()
-                                else zero_partition_file(path, self.global_rank))
-        return self.checkpoint_io.load_checkpoint(path)
+        found = format_of(path)
+        if isinstance(found, DeepSpeedDirectory):
+            return DeepSpeedStrategy.load_checkpoint(self, checkpoint_path, weights_only)
+        self._loaded_from = path
+        self._partition_file = (found or PORTABLE).partition_file(path, self.global_rank)
+        return super().load_checkpoint(path, weights_only)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         """Weights (already in place from a sharded directory), then this rank's optimizer partition
         when the layout matches."""
         path = getattr(self, "_loaded_from", None)
         if path is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        if checkpoint["state_dict"]:
+            return DeepSpeedStrategy.load_model_state_dict(self, checkpoint, strict=strict)
+        if not in_place(checkpoint):
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         optimizer = self.deepspeed_engine.optimizer
         if optimizer is None or self.lightning_module.trainer.state.fn != "fit":
@@ -273,7 +246,7 @@ class MoEDeepSpeedStrategy(DeepSpeedStrategy):
 
     def _layout(self, global_step) -> dict:
         """What a saved optimizer partition must match to be loaded as it is."""
-        return {"world_size": self.world_size, "ep": self.ep,
+        return {"world_size": self.world_size, "ep": self.dims.ep,
                 "zero_stage": self.config["zero_optimization"]["stage"], "global_step": global_step}
 
 

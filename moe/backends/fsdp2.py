@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from moe.backends.base import Backend, TrainerParts
+from moe.backends.checkpoints import FormatCheckpoints
 from moe.config.derived import precision_of
 from moe.parallel.dims import ExpertGroups
 from moe.parallel.parallelize import Steps
@@ -47,10 +48,6 @@ class FSDP2Backend(Backend):
         return TrainerParts(accelerator=accelerator, strategy=strategy,
                             precision=precision_of(self.cfg), plugins=[],
                             overrides={})
-
-    @property
-    def sharded_checkpoints(self) -> bool:
-        return True
 
     def mixed_precision(self):
         """FSDP2's policy: bf16-mixed gathers weights in bf16 for compute and reduces gradients in fp32."""
@@ -158,17 +155,18 @@ def _load_balance_group(cfg, dims, meshes):
     return None  # apply_ep's EP group (whole TP groups), or one rank
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(FormatCheckpoints, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy on our mesh (ParallelDims.meshes) with our sharded checkpoints.
 
     Lightning builds a 2-D (data_parallel, tensor_parallel) mesh and saves DCP with its own layout;
     here the mesh has the EP and HSDP dims too, and checkpoints are canonical (moe/checkpoint/
-    sharded.py), restored after setup straight into the live shards.
+    sharded.py, through moe.backends.checkpoints), restored after setup straight into the live shards.
     """
 
     def __init__(self, backend: FSDP2Backend, **kwargs):
         dims = backend.dims
-        super().__init__(data_parallel_size=dims.dp, tensor_parallel_size=dims.tp, **kwargs)
+        super().__init__(checkpoint_format=backend.checkpoint_format, dims=dims, data_parallel_size=dims.dp,
+                         tensor_parallel_size=dims.tp, **kwargs)
         self.backend = backend
 
     def setup_environment(self) -> None:
@@ -192,22 +190,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         dp = self.backend.meshes.dp
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
-    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        from moe.checkpoint.sharded import checkpoint_mesh, save_sharded
-
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(self.broadcast(str(filepath)), self.lightning_module, list(self.optimizers),
-                     checkpoint_mesh(self.root_device.type), rest, self.is_global_zero)
-
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        from moe.checkpoint.sharded import checkpoint_mesh, is_sharded_checkpoint, load_sharded
+        """A checkpoint read whole (a portable file) goes into this rank's shards here: Lightning's
+        ModelParallelStrategy loads nothing after load_checkpoint."""
+        from moe.checkpoint.formats import in_place
 
-        path = self.broadcast(str(checkpoint_path))
-        if is_sharded_checkpoint(path):
-            return load_sharded(path, self.lightning_module, list(self.optimizers),
-                                checkpoint_mesh(self.root_device.type))
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if in_place(checkpoint):
+            return checkpoint
         from moe.parallel.placement import load_full_checkpoint
 
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         load_full_checkpoint(self.lightning_module, list(self.optimizers), checkpoint)
         return {**checkpoint, "state_dict": {}, "optimizer_states": [{}] * len(self.optimizers)}

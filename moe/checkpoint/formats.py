@@ -1,4 +1,4 @@
-"""The on-disk checkpoint formats, one class each, with the same four verbs.
+"""The on-disk checkpoint formats, one class each: every checkpoint is written and read through one of them.
 
     detect(path)        is `path` a checkpoint of this format
     verify(path, deep)  its global_step (None where it records none) if it can be trusted, else
@@ -10,6 +10,14 @@
     newest(dir)         the newest complete checkpoint of this format in a run's checkpoints/ folder
                         (by the step its sidecar or name gives; cheap: no checksum is computed, what
                         reads it verifies it)
+    save(live, ckpt, path)  collective, in a training run: every rank writes its part (atomic: a torn save
+                        is never taken for a checkpoint)
+    load(live, path)    collective: Lightning's checkpoint dict; a format the run writes itself fills the
+                        live tensors in place and returns an empty `state_dict` (`in_place`)
+    remove(path)        delete it with everything beside it (sidecar, ZeRO partitions)
+
+Each backend declares the format it writes (moe.config.specs.BackendSpec.checkpoint_formats, by `key`);
+its Lightning strategy saves and loads through it (moe.backends.checkpoints.FormatCheckpoints).
 
     Portable   a torch.save file `step-N.ckpt` with a `.meta.json` sidecar (moe.checkpoint.io): one
                process, DDP without EP, DeepSpeed without EP (its ZeRO partitions in `<file>.zero/`)
@@ -26,18 +34,24 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from moe.checkpoint import nxd, sharded
 from moe.checkpoint.io import (
     SIDECAR_FIELDS,
+    TMP_SUFFIX,
     CorruptCheckpoint,
     atomic_torch_save,
     check_zip_crc,
     file_sha256,
     meta_path,
     read_record,
+    remove,
 )
 from moe.checkpoint.trust import PickleRefused, check_weights_only, load_trusted
 from moe.errors import first_line
@@ -84,10 +98,42 @@ def candidates(checkpoints_dir: Path) -> list[Path]:
     return [p for p in found if not (p.is_symlink() and p.resolve() in targets)]
 
 
+@dataclass
+class Live:
+    """This rank's side of a collective save or load in a training run (built by the strategy,
+    moe.backends.checkpoints.FormatCheckpoints)."""
+
+    module: Any  # the LightningModule
+    optimizers: list  # the torch optimizers whose state the checkpoint holds ([]: the backend keeps its own)
+    dims: Any  # moe.parallel.dims.ParallelDims: the checkpoint mesh of every rank
+    device_type: str
+    rank: int
+    is_global_zero: bool
+    barrier: Callable[[], None]
+    writes: Format  # the format this run writes: one it loads in place
+    per_rank: dict | None = None  # this rank's own state beside the checkpoint (DeepSpeed's ZeRO partition)
+
+    def mesh(self):
+        return self.dims.checkpoint_mesh(self.device_type)
+
+
+def in_place(checkpoint: dict) -> bool:
+    """Whether a loaded checkpoint's weights are already in the live tensors (its state_dict is empty)."""
+    return not checkpoint["state_dict"]
+
+
+def lightning_state(checkpoint: dict) -> dict:
+    """What a checkpoint holds besides the weights and the optimizer states (loops, callbacks, step...)."""
+    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+
+
 class Format:
     """What every format shares: `newest` ranks this format's complete candidates by step."""
 
-    name = ""
+    name = ""  # for messages
+    key = ""  # what a backend's spec names it by (BackendSpec.checkpoint_formats)
+    # each tensor whole in it: a rank holding a slice (its experts) gathers the rest before a save
+    whole_tensors = False
 
     def detect(self, path: Path) -> bool:
         raise NotImplementedError
@@ -105,6 +151,26 @@ class Format:
     def newest(self, checkpoints_dir: Path) -> Path | None:
         mine = [p for p in candidates(Path(checkpoints_dir)) if self.detect(p) and self.complete(p)]
         return max(mine, key=recency, default=None)
+
+    def save(self, live: Live, checkpoint: dict, path: Path) -> None:
+        raise NotImplementedError(f"this repository reads a {self.name} but does not write one")
+
+    def load(self, live: Live, path: Path) -> dict:
+        """Read whole on every rank; the strategy puts it into its layout (moe.backends.checkpoints)."""
+        return self.read(path)
+
+    def partition_file(self, path: Path, rank: int) -> Path:
+        """Where `rank`'s own state lies in it (Live.per_rank: DeepSpeed's ZeRO partition)."""
+        raise NotImplementedError(f"a {self.name} holds no per-rank state of this repository")
+
+    def remove(self, path: Path) -> None:
+        """Delete it and its sidecar; a link (last.ckpt) only the link."""
+        path = Path(path)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            remove(path)
+        remove(meta_path(path))
 
 
 ZERO_PARTITIONS_SUFFIX = ".zero"
@@ -124,20 +190,53 @@ def zero_partition_file(path: Path, rank: int) -> Path:
     return zero_partitions_dir(path) / f"rank_{rank:05d}.pt"
 
 
-def save_zero_partition(partition: dict, path: Path, rank: int) -> None:
-    """This rank's ZeRO partition of the portable checkpoint `path`, written before the file itself (whose
-    sidecar then marks the whole checkpoint complete)."""
-    atomic_torch_save(partition, zero_partition_file(path, rank))
-
-
 class Portable(Format):
     """One file, as Lightning's checkpoint dict; `last.ckpt` is a link to the newest one. DeepSpeed without EP
     adds its ranks' ZeRO partitions in `<file>.zero/` (zero_partitions_dir), which verify checks too."""
 
     name = "portable file"
+    key = "portable"
+    whole_tensors = True
+
+    def __init__(self) -> None:
+        self._cleaned: set[Path] = set()  # folders whose stale temporary files are gone
 
     def detect(self, path: Path) -> bool:
         return Path(path).is_file()
+
+    def write(self, checkpoint: dict, path: Path) -> None:
+        """One process writes the file: temporary name, fsync, rename, sha256 sidecar (moe.checkpoint.io)."""
+        atomic_torch_save(checkpoint, path)
+
+    def write_in_run(self, checkpoint: dict, path: Path) -> None:
+        """`write` into a run's checkpoints/ folder, the first time removing there the temporary files of
+        saves killed in an earlier launch."""
+        path = Path(path)
+        if path.parent not in self._cleaned:
+            for stale in path.parent.glob(f"*{TMP_SUFFIX}"):
+                remove(stale)
+            self._cleaned.add(path.parent)
+        self.write(checkpoint, path)
+
+    def save(self, live: Live, checkpoint: dict, path: Path) -> None:
+        """Every rank's ZeRO partition (live.per_rank) first, then rank 0's file, whose sidecar marks the
+        whole checkpoint complete."""
+        if live.per_rank is not None:
+            atomic_torch_save(live.per_rank, self.partition_file(path, live.rank))
+            live.barrier()
+        if live.is_global_zero:
+            self.write_in_run(checkpoint, path)
+        live.barrier()
+
+    def partition_file(self, path: Path, rank: int) -> Path:
+        return zero_partition_file(path, rank)
+
+    def remove(self, path: Path) -> None:
+        """The file, its sidecar and its ZeRO partitions (a link: the link only)."""
+        partitions = None if Path(path).is_symlink() else zero_partitions_dir(path)
+        super().remove(path)
+        if partitions is not None:
+            shutil.rmtree(partitions, ignore_errors=True)
 
     def verify(self, path: Path, deep: bool = False) -> int | None:
         path = Path(path)
@@ -210,6 +309,7 @@ class Sharded(Format):
     renamed into place when every rank had; per-rank manifests hold each file's size and sha256."""
 
     name = "sharded directory"
+    key = "sharded"
 
     def detect(self, path: Path) -> bool:
         path = Path(path)
@@ -229,11 +329,26 @@ class Sharded(Format):
     def read(self, path: Path) -> dict:
         return sharded.read_full_checkpoint(path)
 
+    def save(self, live: Live, checkpoint: dict, path: Path) -> None:
+        sharded.save_sharded(path, live.module, live.optimizers, live.mesh(), lightning_state(checkpoint),
+                             live.is_global_zero, per_rank=live.per_rank)
+
+    def load(self, live: Live, path: Path) -> dict:
+        """A run that writes this format reads every rank's pieces into its live tensors, resharded to its
+        layout; any other reads it whole."""
+        if live.writes is not self:
+            return self.read(path)
+        return sharded.load_sharded(path, live.module, live.optimizers, live.mesh())
+
+    def partition_file(self, path: Path, rank: int) -> Path:
+        return sharded.rank_file(path, rank)
+
 
 class NxD(Format):
     """neuronx-distributed's directory (moe.checkpoint.nxd), complete once every rank wrote `done`."""
 
     name = "neuronx-distributed directory"
+    key = "nxd"
 
     def detect(self, path: Path) -> bool:
         path = Path(path)
@@ -251,6 +366,53 @@ class NxD(Format):
     def read(self, path: Path) -> dict:
         return nxd.read_checkpoint(path)
 
+    # Written and loaded by neuronx-distributed itself, collectively (its ranks, its asynchronous writer):
+    # trainer/checkpoint.py save_checkpoint (:654) and load_checkpoint (:838), v2.28.0, as NxD Training
+    # does (nlp_overrides.py:535-640). The tag is the checkpoint's name, the directory its folder.
+    def __init__(self, keep: int = 1, zero1: bool = False) -> None:
+        """How a run writes it (the trn1 strategy's own instance): NxD keeps the newest `keep` checkpoints
+        of the folder; `zero1` when its optimizer is ZeRO-1."""
+        self.keep, self.zero1 = keep, zero1
+
+    def save(self, live: Live | None, checkpoint: dict, path: Path) -> None:
+        """`checkpoint`'s weights, its one optimizer state and the rest (user_content.pt), every rank its
+        shards (NxD knows the ranks); `done` once every rank has finished."""
+        from neuronx_distributed import save_checkpoint
+
+        path = Path(path)
+        save_checkpoint(str(path.parent), tag=path.name, model=checkpoint["state_dict"],
+                        optimizer=checkpoint["optimizer_states"][0], user_content=lightning_state(checkpoint),
+                        use_xser=False,  # plain torch.save files: moe.checkpoint.nxd reads them without NxD
+                        num_kept_ckpts=self.keep, async_save=True, zero1_optimizer=self.zero1)
+
+    def load(self, live: Live | None, path: Path) -> dict:
+        """Lightning's part (user_content.pt); the weights and the optimizer state load into the live
+        objects after (load_weights, load_optimizer)."""
+        from neuronx_distributed import load_checkpoint
+
+        path = Path(path)
+        rest = load_checkpoint(str(path.parent), tag=path.name)
+        return {**rest, "state_dict": {}, "optimizer_states": [{}]}  # Lightning checks both keys exist
+
+    def load_weights(self, path: Path, model, strict: bool = True) -> None:
+        from neuronx_distributed import load_checkpoint
+
+        path = Path(path)
+        load_checkpoint(str(path.parent), tag=path.name, model=model, strict=strict)
+
+    def load_optimizer(self, path: Path, optimizer) -> None:
+        from neuronx_distributed import load_checkpoint
+
+        path = Path(path)
+        load_checkpoint(str(path.parent), tag=path.name, optimizer=optimizer)
+
+    @staticmethod
+    def finalize() -> None:
+        """Wait for an asynchronous save still running, so it gets its `done` file."""
+        from neuronx_distributed import finalize_checkpoint
+
+        finalize_checkpoint()
+
 
 class DeepSpeed(Format):
     """DeepSpeed's own directory, as Lightning's DeepSpeedStrategy saves it (`latest` names the tag
@@ -258,6 +420,7 @@ class DeepSpeed(Format):
     consolidation (lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)."""
 
     name = "DeepSpeed directory"
+    key = "deepspeed"
     MODEL_STATES = "mp_rank_00_model_states.pt"
 
     def detect(self, path: Path) -> bool:
@@ -285,8 +448,9 @@ class DeepSpeed(Format):
             return load_trusted(out, map_location="cpu")
 
 
-PORTABLE = Portable()
-FORMATS: list[Format] = [Sharded(), NxD(), DeepSpeed(), PORTABLE]
+PORTABLE, SHARDED, NXD, DEEPSPEED = Portable(), Sharded(), NxD(), DeepSpeed()
+FORMATS: list[Format] = [SHARDED, NXD, DEEPSPEED, PORTABLE]
+BY_KEY: dict[str, Format] = {f.key: f for f in FORMATS}
 
 
 def format_of(path: Path) -> Format | None:

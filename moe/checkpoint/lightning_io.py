@@ -1,9 +1,9 @@
-"""Lightning's CheckpointIO over moe.checkpoint: atomic saves with a sidecar, any format loaded.
+"""Lightning's CheckpointIO over moe.checkpoint.formats, for the strategies that write one file from one
+process (one device; DDP without expert parallelism): a thin adapter.
 
-A thin adapter: saving is moe.checkpoint.io.atomic_torch_save (temporary file, fsync, rename, sha256
-sidecar), loading a file is weights-only (moe.checkpoint.trust: whatever `weights_only` Lightning
-passes), loading a sharded directory reads it whole (a resume where this rank holds every expert:
-one process, or ep=1).
+Saving is the portable format's write (temporary file, fsync, rename, sha256 sidecar); loading reads
+whatever format is on disk whole (weights-only: moe.checkpoint.trust, whatever `weights_only` Lightning
+passes): a resume where this rank holds every expert; removing is the format's.
 """
 from __future__ import annotations
 
@@ -12,40 +12,23 @@ from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from moe.checkpoint.formats import Sharded
-from moe.checkpoint.io import TMP_SUFFIX, atomic_torch_save, meta_path, remove
-from moe.checkpoint.trust import load_trusted
-from moe.model.mlp import upgraded
+from moe.checkpoint.formats import PORTABLE, format_of
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning CheckpointIO: temp file, fsync, rename, sha256 sidecar; removes sidecars with files."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._cleaned: set[Path] = set()
+    """Lightning CheckpointIO: the portable format's atomic write; any format read whole; the format's
+    remove (a file with its sidecar)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO does not take storage_options")
-        path = Path(path)
-        if path.parent not in self._cleaned:  # temp files of saves killed in an earlier launch
-            for stale in path.parent.glob(f"*{TMP_SUFFIX}"):
-                remove(stale)
-            self._cleaned.add(path.parent)
-        atomic_torch_save(checkpoint, path)
+        PORTABLE.write_in_run(checkpoint, Path(path))
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
-        sharded = Sharded()
-        if sharded.detect(path):
-            return sharded.read(path)
-        checkpoint = load_trusted(path, map_location=map_location)
-        checkpoint["state_dict"] = upgraded(checkpoint["state_dict"])  # older parameter names
-        return checkpoint
+        return (format_of(Path(path)) or PORTABLE).read(Path(path))
 
     def remove_checkpoint(self, path) -> None:
-        super().remove_checkpoint(path)
-        remove(meta_path(path))
+        (format_of(Path(path)) or PORTABLE).remove(Path(path))
 
 
 def with_atomic_io(plugins: list, strategy: Any = None) -> list:

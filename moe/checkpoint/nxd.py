@@ -9,7 +9,7 @@ model/dp_rank_00_tp_rank_TT_pp_rank_PP.pt (one per tensor- and pipeline-parallel
 expert-data-parallel group, :793-808: every file holds the dense tensors and that EP rank's
 experts), optim/..., user_content.pt (rank 0) and, once every rank has finished, `done`
 (:175-238). Our tags are the checkpoint names (`step-000100.ckpt`), so a checkpoint is a directory.
-Files are plain torch.save (moe.backends.neuron.strategy saves with use_xser=False).
+Files are plain torch.save (moe.checkpoint.formats.NxD saves with use_xser=False).
 
 A parameter's `Split` is (dim, groups): the full tensor is cut along `dim` into consecutive groups
 (e.g. [q | k | v] rows of the fused qkv weight, [gate | up] columns of an expert), each group is

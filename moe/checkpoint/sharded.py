@@ -57,25 +57,6 @@ MODEL_KEY, OPTIMIZER_KEY = "model", "optim"
 PARAM_GROUPS = "optimizer_param_groups"  # in trainer_state.pt: each optimizer's groups, params by name
 
 
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and (path / DCP_METADATA).is_file() and (path / TRAINER_STATE).is_file()
-
-
-_MESHES: dict = {}
-
-
-def checkpoint_mesh(device_type: str):
-    """A 1-D DeviceMesh of every rank, on which the canonical DTensors of a save or load are declared.
-    Collective the first time (every rank builds it, at its first save or load), cached after."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if device_type not in _MESHES:
-        _MESHES[device_type] = init_device_mesh(device_type, (dist.get_world_size(),),
-                                                mesh_dim_names=("checkpoint",))
-    return _MESHES[device_type]
-
-
 def rank_file(path: str | Path, rank: int) -> Path:
     """A rank's own file in a sharded checkpoint (DeepSpeed: its ZeRO optimizer partition)."""
     return Path(path) / "per_rank" / f"rank_{rank:05d}.pt"

@@ -95,6 +95,13 @@ class BackendSpec:
     # activation elements an MLP keeps per token and width unit: gate, up, silu(gate), their product (NxD's
     # fused MLP measures at 3, tests/neuron_real)
     mlp_activations: int = 4
+    # the checkpoint format it writes (moe.checkpoint.formats, by key) without and with expert parallelism:
+    # one portable file holds every expert; under EP a sharded directory, each rank writing its own experts
+    checkpoint_formats: tuple[str, str] = ("portable", "sharded")
+
+    def checkpoint_format(self, ep: int) -> str:
+        """The key of the format a run with `ep` expert-parallel ranks writes."""
+        return self.checkpoint_formats[ep > 1]
 
     def pipeline_schedule(self, cfg) -> str:
         """The schedule a pipelined run of this backend runs."""
@@ -219,12 +226,12 @@ SPECS: dict[str, BackendSpec] = {
         precisions=("32-true", "bf16-mixed"), weights_sharded_from=2, tp_splits_all_weights=False,
         backend="moe.backends.fsdp2:FSDP2Backend", ep_folds_tp=True, pp_schedules=PP_SCHEDULES,
         pp_accumulates_full_grads=True, offload_experts=True, sharded_backward=True,
-        optimizer_shards="dtensor", simulated_model_parallel=True),
+        optimizer_shards="dtensor", simulated_model_parallel=True, checkpoint_formats=("sharded", "sharded")),
     "neuron": NeuronSpec(  # what its expert parallelism needs: moe.config.validate.check_neuron
         name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
         pipeline_parallel=True, hybrid_shard=False, precisions=None,
         fused_attention=False, fused_cross_entropy=False, fused_adamw=False, ac_wraps_moe_layer=True,
-        backend="moe.backends.neuron:NeuronBackend", mlp_activations=3),
+        backend="moe.backends.neuron:NeuronBackend", mlp_activations=3, checkpoint_formats=("nxd", "nxd")),
 }
 
 

@@ -21,7 +21,8 @@ One optimizer step, in the order Lightning runs it (each line: where it lives):
     7. step            optimizer_step: AdamW, the LR schedule, then the expert bias update (aux-loss-free)
     8. metrics         RunMetrics.on_train_batch_end: on a logged step, one reduce of StepStats over the
                        ranks and a metrics.csv row; else nothing read back
-    9. checkpoint      StepCheckpoint / PreemptionCheckpoint.on_train_batch_end (atomic, moe.checkpoint)
+    9. checkpoint      StepCheckpoint / PreemptionCheckpoint.on_train_batch_end: the format the backend
+                       declares saves it (moe.checkpoint.formats, atomic; moe.backends.checkpoints)
 """
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ consecutive ranks (one node's GPUs), expert-DP groups are `ep` apart (across nod
 MoE recipe lays out 2 nodes.
 
 Once the default process group exists, `expert_groups()` makes the EP and expert-DP groups (DDP and
-DeepSpeed with EP) and `meshes(device_type)` the torch-native backend's DeviceMesh (fsdp2), each
-collectively and once.
+DeepSpeed with EP), `meshes(device_type)` the torch-native backend's DeviceMesh (fsdp2) and
+`checkpoint_mesh(device_type)` the 1-D mesh a sharded checkpoint is written on, each collectively and once.
 """
 from __future__ import annotations
 
@@ -293,6 +293,16 @@ class ParallelDims:
                                            ep=sparse["ep"], tp=world["tp"], dp=dp, tokens=tokens,
                                            pp=world["pp"])
         return self._built["meshes"]
+
+    def checkpoint_mesh(self, device_type: str):
+        """A 1-D DeviceMesh of every rank, on which a sharded checkpoint declares its canonical DTensors
+        (moe.checkpoint.sharded). Collective the first time (every rank, at its first save or load)."""
+        if "checkpoint_mesh" not in self._built:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._built["checkpoint_mesh"] = init_device_mesh(device_type, (self.world,),
+                                                              mesh_dim_names=("checkpoint",))
+        return self._built["checkpoint_mesh"]
 
     def _flattened_meshes(self, device_type: str) -> Meshes:
         """The same views on torch without DeviceMesh._unflatten (2.9, trn1's and older GPU images'): one mesh

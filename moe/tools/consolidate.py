@@ -2,8 +2,9 @@
 
 SRC is a checkpoint directory (sharded, moe/checkpoint/sharded.py; neuronx-distributed's, trn1;
 DeepSpeed's) or a run dir (its newest complete checkpoint, moe.checkpoint.picker). OUT is the
-single-file Lightning checkpoint: full tensors under `state_dict` (`model.<name>`), the run's
-config under `hyper_parameters`, its step, so `infer.py ckpt=OUT`
+single-file Lightning checkpoint, written by the portable format (atomic, with its `.meta.json` sidecar):
+full tensors under `state_dict` (`model.<name>`), the run's config under `hyper_parameters`, its step,
+so `infer.py ckpt=OUT`
 generates and `export_hf=DIR` exports from it on any machine. infer.py also reads SRC directly;
 this file is for copying a model off the cluster without its shard files. The optimizer state
 stays behind: OUT is not for resuming. `python -m moe.tools.convert_nxd` is the same command.
@@ -13,8 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-
-import torch
 
 from moe.checkpoint.formats import PORTABLE, format_of
 from moe.checkpoint.picker import read_checkpoint, resolve_checkpoint
@@ -53,10 +52,7 @@ def convert(src: str, out: str, overwrite: bool = False) -> Path:
     out_path = check_output("OUT", out, "portable checkpoint", overwrite, {"SRC": src},
                             ours=is_torch_checkpoint, flag="--overwrite")
     ckpt = read_checkpoint(source)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    partial = out_path.with_name(out_path.name + ".partial")
-    torch.save({k: ckpt[k] for k in KEPT if k in ckpt}, partial)
-    partial.replace(out_path)  # never a half-written OUT
+    PORTABLE.write({k: ckpt[k] for k in KEPT if k in ckpt}, out_path)  # atomic, with its sha256 sidecar
     print(f"{source} (step {ckpt['global_step']}) -> {out_path}")
     return out_path
 

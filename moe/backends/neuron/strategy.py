@@ -2,12 +2,12 @@
 
 Read against neuronx-distributed v2.28.0 (src/neuronx_distributed/lightning/) and Lightning 2.5:
 
-- Checkpoints go through NxD's own `save_checkpoint`/`load_checkpoint` (trainer/checkpoint.py:654,
-  :838), as NxD Training does (nlp_overrides.py:535-640), not through NeuronCheckpointIO: that
-  one names files without the expert-parallel rank and, with ZeRO-1 off, writes DP rank 0 only
-  (parallel_layers/checkpointing.py:70-142). A checkpoint is a directory `<name>.ckpt/` holding
-  model/, optim/ and user_content.pt (the rest of Lightning's checkpoint), complete once NxD has
-  written its `done` file; saves are asynchronous and NxD keeps the newest
+- Checkpoints are the NxD format (moe.checkpoint.formats.NxD): NxD's own `save_checkpoint`/
+  `load_checkpoint` (trainer/checkpoint.py:654, :838), as NxD Training does (nlp_overrides.py:535-640),
+  not NeuronCheckpointIO: that one names files without the expert-parallel rank and, with ZeRO-1
+  off, writes DP rank 0 only (parallel_layers/checkpointing.py:70-142). A checkpoint is a directory
+  `<name>.ckpt/` holding model/, optim/ and user_content.pt (the rest of Lightning's checkpoint),
+  complete once NxD has written its `done` file; saves are asynchronous and NxD keeps the newest
   trainer.keep_last_checkpoints of them. Nothing is saved while neuron_parallel_compile extracts
   graphs.
 - fp32 master weights under expert parallelism: NxD's expert-parallel ZeRO-1 builds its state_dict from
@@ -25,58 +25,51 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import neuronx_distributed as nxd
 import torch
 from lightning.pytorch.trainer import call
 from neuronx_distributed.lightning import NeuronXLAPrecisionPlugin, NeuronXLAStrategy
 
 from moe.backends.neuron.env import extracting_graphs
+from moe.checkpoint.formats import NxD
 from moe.checkpoint.nxd import optimizer_shard
 
 MASTER_WEIGHTS = "moe_master_weights"  # our key in an expert-parallel ZeRO-1 optimizer file
 
 
 class MoENeuronStrategy(NeuronXLAStrategy):
-    def __init__(self, nxd_config: dict, keep_checkpoints: int, use_xser: bool = False):
+    def __init__(self, nxd_config: dict, keep_checkpoints: int):
         super().__init__(nxd_config=nxd_config)
-        self.keep_checkpoints, self.use_xser = keep_checkpoints, use_xser
+        self.checkpoint_format = NxD(keep=keep_checkpoints,
+                                     zero1=nxd_config["optimizer_config"]["zero_one_enabled"])
         self._loading: Path | None = None
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         if extracting_graphs():
             return
-        path = Path(filepath)
-        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        zero1 = self.nxd_config["optimizer_config"]["zero_one_enabled"]
         optimizer_state = checkpoint["optimizer_states"][0]
         if parts := self._master_weight_parts(self.optimizers[0]):
             master = [[shard.data for shard in shards(part)] for part in parts]
             optimizer_state = {**optimizer_state, MASTER_WEIGHTS: master}
-        nxd.save_checkpoint(str(path.parent), tag=path.name, model=checkpoint["state_dict"],
-                            optimizer=optimizer_state, user_content=rest,
-                            use_xser=self.use_xser, num_kept_ckpts=self.keep_checkpoints, async_save=True,
-                            zero1_optimizer=zero1)
+        checkpoint = {**checkpoint, "optimizer_states": [optimizer_state]}
+        self.checkpoint_format.save(None, checkpoint, Path(filepath))
 
     def remove_checkpoint(self, filepath) -> None:
-        """NxD keeps the newest `keep_checkpoints` (num_kept_ckpts) itself."""
+        """NxD keeps the newest `keep_checkpoints` (num_kept_ckpts, the format's `keep`) itself."""
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         """Lightning's part of the checkpoint; weights and optimizer state load into the live objects
         below."""
-        path = self._loading = Path(checkpoint_path)
-        rest = nxd.load_checkpoint(str(path.parent), tag=path.name)
-        return {**rest, "state_dict": {}, "optimizer_states": [{}]}  # Lightning checks both keys exist
+        self._loading = Path(checkpoint_path)
+        return self.checkpoint_format.load(None, self._loading)
 
     def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
-        model = self.lightning_module.model
-        nxd.load_checkpoint(str(self._loading.parent), tag=self._loading.name, model=model,
-                            strict=strict)
+        self.checkpoint_format.load_weights(self._loading, self.lightning_module.model, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: dict) -> None:
         from neuronx_distributed.parallel_layers import parallel_state as ps
 
         for optimizer in self.optimizers:
-            nxd.load_checkpoint(str(self._loading.parent), tag=self._loading.name, optimizer=optimizer)
+            self.checkpoint_format.load_optimizer(self._loading, optimizer)
             if parts := self._master_weight_parts(optimizer):
                 ranks = (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(),
                          ps.get_pipeline_model_parallel_rank())
@@ -94,7 +87,7 @@ class MoENeuronStrategy(NeuronXLAStrategy):
         return parts if len(parts) == 2 else []
 
     def teardown(self) -> None:
-        nxd.finalize_checkpoint()  # an asynchronous save still running gets its `done` file
+        self.checkpoint_format.finalize()  # an asynchronous save still running gets its `done` file
         super().teardown()
 
 
