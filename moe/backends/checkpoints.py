@@ -16,6 +16,8 @@ from moe.checkpoint.formats import PORTABLE, Format, Live, format_of, in_place
 
 
 class FormatCheckpoints:
+    """Lightning strategy mixin: save / load / remove through moe.checkpoint.formats (module docstring)."""
+
     # the checkpoint holds the torch optimizers' state (False: the backend saves its own, Live.per_rank)
     optimizer_in_checkpoint = True
 
