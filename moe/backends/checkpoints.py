@@ -2,7 +2,7 @@
 declares (BackendSpec.checkpoint_formats), loaded by the format found on disk.
 
 Mixed in before the Lightning strategy class (DDP with EP, FSDP2, DeepSpeed). No strategy chooses or
-detects a format itself: a save is `format.save`, a load `format_of(path).load`, both collective. A
+detects a format itself: a save is `format.save`, a load `format_at(path).load`, both collective. A
 format the run writes itself loads in place (every rank reads its pieces into the live tensors); any
 other is read whole, and the strategy's layout takes its part of it: Lightning's load plus the
 backend's expert slicing (moe.backends.base.Backend.on_load_checkpoint), FSDP2's placement into its
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe.checkpoint.formats import PORTABLE, Format, Live, format_of, in_place
+from moe.checkpoint.formats import Format, Live, format_at, in_place
 
 
 class FormatCheckpoints:
@@ -38,11 +38,11 @@ class FormatCheckpoints:
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         path = Path(self.broadcast(str(checkpoint_path)))
-        return (format_of(path) or PORTABLE).load(self.checkpoint_live(), path)
+        return format_at(path).load(self.checkpoint_live(), path)
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            (format_of(Path(filepath)) or PORTABLE).remove(Path(filepath))
+            format_at(Path(filepath)).remove(Path(filepath))
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if not in_place(checkpoint):

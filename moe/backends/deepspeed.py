@@ -38,8 +38,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moe.backends.base import Backend, TrainerParts
 from moe.backends.checkpoints import FormatCheckpoints
-from moe.checkpoint.formats import PORTABLE, format_of, in_place
 from moe.checkpoint.formats import DeepSpeed as DeepSpeedDirectory
+from moe.checkpoint.formats import format_at, in_place
 from moe.checkpoint.trust import load_trusted
 from moe.config.derived import precision, precision_of
 from moe.config.specs import REDUCE_BUCKET_ELEMENTS
@@ -203,11 +203,11 @@ class MoEDeepSpeedStrategy(FormatCheckpoints, DeepSpeedStrategy):
         """A DeepSpeed directory (Lightning's own DeepSpeedStrategy wrote it) through DeepSpeed's engine;
         ours through its format, this rank's partition found beside it."""
         path = Path(checkpoint_path)
-        found = format_of(path)
+        found = format_at(path)
         if isinstance(found, DeepSpeedDirectory):
             return DeepSpeedStrategy.load_checkpoint(self, checkpoint_path, weights_only)
         self._loaded_from = path
-        self._partition_file = (found or PORTABLE).partition_file(path, self.global_rank)
+        self._partition_file = found.partition_file(path, self.global_rank)
         return super().load_checkpoint(path, weights_only)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

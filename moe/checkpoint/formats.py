@@ -456,3 +456,9 @@ BY_KEY: dict[str, Format] = {f.key: f for f in FORMATS}
 def format_of(path: Path) -> Format | None:
     """The format of `path`, or None when it is none of them."""
     return next((f for f in FORMATS if f.detect(Path(path))), None)
+
+
+def format_at(path: Path) -> Format:
+    """The format to read, load or remove `path` with: its own, else the portable file's (whose reading
+    says what is wrong with a missing or foreign file)."""
+    return format_of(path) or PORTABLE

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from moe.checkpoint.formats import PORTABLE, format_of
+from moe.checkpoint.formats import PORTABLE, format_at
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -25,10 +25,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         PORTABLE.write_in_run(checkpoint, Path(path))
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict[str, Any]:
-        return (format_of(Path(path)) or PORTABLE).read(Path(path))
+        return format_at(Path(path)).read(Path(path))
 
     def remove_checkpoint(self, path) -> None:
-        (format_of(Path(path)) or PORTABLE).remove(Path(path))
+        format_at(Path(path)).remove(Path(path))
 
 
 def with_atomic_io(plugins: list, strategy: Any = None) -> list:
