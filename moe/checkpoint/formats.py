@@ -367,8 +367,9 @@ class NxD(Format):
         return nxd.read_checkpoint(path)
 
     # Written and loaded by neuronx-distributed itself, collectively (its ranks, its asynchronous writer):
-    # trainer/checkpoint.py save_checkpoint (:654) and load_checkpoint (:838), v2.28.0, as NxD Training
-    # does (nlp_overrides.py:535-640). The tag is the checkpoint's name, the directory its folder.
+    # trainer/checkpoint.py save_checkpoint (:654), load_checkpoint (:838), finalize_checkpoint (:970),
+    # v2.28.0, as NxD Training does (nlp_overrides.py:535-640). The tag is the checkpoint's name, the
+    # directory its folder.
     def __init__(self, keep: int = 1, zero1: bool = False) -> None:
         """How a run writes it (the trn1 strategy's own instance): NxD keeps the newest `keep` checkpoints
         of the folder; `zero1` when its optimizer is ZeRO-1."""
