@@ -4,7 +4,7 @@ FP8 (torchao's float8 training) as an option. docs/BENCHMARKS.md records the fig
 
     .venv/bin/python bench/gpu_moe_stack.py                      # on a CUDA GPU
     .venv/bin/python bench/gpu_moe_stack.py --fp8                # + torchao float8 linears (sm89+, torchao)
-    .venv/bin/python bench/gpu_moe_stack.py --compile            # + each block compiled (moe.parallel.apply)
+    .venv/bin/python bench/gpu_moe_stack.py --compile            # + compiled as model.compile=true does
     .venv/bin/python bench/gpu_moe_stack.py --compile all        # + the MoE layers compiled with their block
     .venv/bin/python bench/gpu_moe_stack.py --profile prof.txt   # + one step's kernels, by device time
     .venv/bin/python bench/gpu_moe_stack.py --cpu-smoke          # a tiny shape on the CPU: checks the script
@@ -56,7 +56,7 @@ def build(args, device):
         from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(model, module_filter_fn=lambda m, name: "attn" in name)
-    if args.compile == "blocks":  # regional compile as model.compile=true does it: the MoE layers eager
+    if args.compile == "blocks":  # model.compile=true: the blocks, the MoE regions around the experts
         from moe.parallel.apply import apply_compile
 
         apply_compile(model)
@@ -132,7 +132,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--fp8", action="store_true", help="torchao float8 training, attention linears")
     parser.add_argument("--compile", nargs="?", const="blocks", choices=["blocks", "all"], default=None,
-                        help="torch.compile each block (blocks: the MoE layers eager, as model.compile; all)")
+                        help="torch.compile each block (blocks: as model.compile=true, the MoE layers' "
+                             "routing, dispatch, combine and SwiGLU as regions; all: the MoE layers with "
+                             "their blocks)")
     parser.add_argument("--profile", type=Path, default=None, help="write one step's profile table here")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU (no figures)")
     args = parser.parse_args()

@@ -12,8 +12,12 @@ torch._grouped_mm, dropless, one process, bf16 weights (torchtitan's experts com
 weights; ours in the weights' dtype; our router in fp32, theirs in the weights'). Same expert and router
 weights (ours [E, H, 2F] gate|up and [E, F, H], theirs w1/w3 [E, F, H] and w2 [E, H, F]). Columns: forward
 + backward wall time (median of repeats), aten ops and host syncs in one forward + backward
-(moe.tools.syncs), peak memory of the step (torch's MemTracker: what the tensors would hold on a device),
+(moe.tools.syncs), the GPU kernels it launches (torch.profiler; on a GPU only), peak memory of the step
+(torch's MemTracker on the CPU, what the tensors would hold on a device; the allocator's peak on a GPU),
 and a short training run's losses (each layer fits the same frozen random teacher from the same start).
+`--compile` compiles both: ours as model.compile=true does (MoELayer.compile_regions), torchtitan's whole
+layer fullgraph, as it compiles its blocks; dispatch modes do not trace, so ops, syncs and the CPU's peak are
+not counted then.
 Ours is measured twice: as on a training step that metrics.csv does not log (no routing statistics: no loss
 term reads them here, the coefficients are 0 as torchtitan's load_balance_coeff=None), and as on a logged
 step (the drop, load and entropy numbers and the per-expert counts metrics.csv records), which torchtitan's
@@ -34,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from moe.tools.syncs import counting_syncs  # noqa: E402
 
 
-def ours(hidden: int, width: int, experts: int, top_k: int, seed: int, monitor: bool = False):
-    """Our layer; `monitor`: as on a logged step (moe.model.moe.MoELayer.monitor)."""
+def ours(hidden: int, width: int, experts: int, top_k: int, seed: int, monitor: bool = False,
+         compiled: bool = False):
+    """Our layer; `monitor`: as on a logged step (moe.model.moe.MoELayer.monitor); `compiled`: its regions
+    compiled as model.compile=true compiles them (MoELayer.compile_regions)."""
     from moe.config.schema import MoEOptConfig
     from moe.model.moe import MoELayer
 
@@ -44,11 +50,14 @@ def ours(hidden: int, width: int, experts: int, top_k: int, seed: int, monitor: 
     layer = MoELayer(hidden, width, experts, top_k, opt, init_range=0.02)
     layer.experts.use_grouped_mm = True
     layer.monitor = monitor
+    if compiled:
+        layer.compile_regions()
     return layer.to(torch.bfloat16)
 
 
-def theirs(layer, hidden: int, width: int, experts: int, top_k: int):
-    """torchtitan's MoE holding `layer`'s weights."""
+def theirs(layer, hidden: int, width: int, experts: int, top_k: int, compiled: bool = False):
+    """torchtitan's MoE holding `layer`'s weights; `compiled`: fullgraph, as torchtitan compiles each block
+    (torchtitan/distributed/compile.py:70)."""
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
     from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
@@ -69,6 +78,8 @@ def theirs(layer, hidden: int, width: int, experts: int, top_k: int):
         inner.w3_EFD.copy_(gate_up[:, :, width:].transpose(1, 2))
         inner.w2_EDF.copy_(down.transpose(1, 2))
         moe.router.gate.weight.copy_(layer.router.weight.detach())
+    if compiled:
+        moe.compile(fullgraph=True)
     return moe
 
 
@@ -77,7 +88,9 @@ def run(module, x):
     return out[0] if isinstance(out, tuple) else out
 
 
-def measure(name, module, x, repeats: int) -> dict:
+def measure(name, module, x, repeats: int, compiled: bool = False) -> dict:
+    """`compiled`: the op counter and the CPU's MemTracker are dispatch modes, under which dynamo does not
+    trace: the ops, syncs and the CPU's peak are left out ("-")."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     cuda = x.device.type == "cuda"
@@ -94,9 +107,15 @@ def measure(name, module, x, repeats: int) -> dict:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    with counting_syncs() as counter:
-        step()
-    if cuda:  # what the card's allocator held at the step's peak, the weights and their gradients included
+    kernels = device_kernels(step) if cuda else "-"
+    ops = syncs = "-"
+    if not compiled:  # (fullgraph code under a dispatch mode raises)
+        with counting_syncs() as counter:
+            step()
+        ops, syncs = counter.ops, len(counter.syncs)
+    if compiled and not cuda:
+        peak = float("nan")
+    elif cuda:  # what the card's allocator held at the step's peak, the weights and their gradients included
         torch.cuda.reset_peak_memory_stats()
         step()
         peak = torch.cuda.max_memory_allocated()
@@ -106,8 +125,18 @@ def measure(name, module, x, repeats: int) -> dict:
         with tracker:
             step()
         peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
-    return {"name": name, "ms": 1e3 * statistics.median(times), "ops": counter.ops,
-            "syncs": len(counter.syncs), "peak_mib": peak / 2**20}
+    return {"name": name, "ms": 1e3 * statistics.median(times), "ops": ops, "syncs": syncs,
+            "kernels": kernels, "peak_mib": peak / 2**20}
+
+
+def device_kernels(step) -> int:
+    """GPU kernels one forward + backward launches (torch.profiler): what fusion saves, eager or compiled."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+    return sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
 
 
 def fit(module, teacher, steps: int, tokens: int, hidden: int, device) -> list[float]:
@@ -136,31 +165,41 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (make gpu-check)")
+    parser.add_argument("--compile", action="store_true",
+                        help="both compiled: ours as model.compile=true does, torchtitan's fullgraph as its "
+                             "blocks (ops, syncs and the CPU's peak not counted: their trackers run eager)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     h, f, e, k, device = args.hidden, args.width, args.experts, args.top_k, torch.device(args.device)
-    mine = ours(h, f, e, k, seed=0).to(device)
-    titan = theirs(mine, h, f, e, k).to(device)
+    c = args.compile
+    mine = ours(h, f, e, k, seed=0, compiled=c).to(device)
+    titan = theirs(mine, h, f, e, k, compiled=c).to(device)
     x = torch.randn(1, args.tokens, h, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
     with torch.no_grad():
         diff = (run(mine, x).float() - run(titan, x).float()).abs().max().item()
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{card}, torch {torch.__version__}; shapes: hidden {h}, expert width {f}, {e} experts top-{k}, "
-          f"{args.tokens} tokens, bf16; outputs differ by {diff:.2e} at most (the routers' dtypes)")
-    print("| layer | fwd+bwd ms | aten ops | host syncs | peak MiB | loss at step 1 / 10 / last |")
-    print("|---|---|---|---|---|---|")
+          f"{args.tokens} tokens, bf16{', both compiled' if c else ''}; outputs differ by {diff:.2e} at most "
+          "(the routers' dtypes)")
+    columns = ("layer", "fwd+bwd ms", "aten ops", "host syncs", "GPU kernels", "peak MiB",
+               "loss at step 1 / 10 / last")
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
     torch.manual_seed(3)
     teacher = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, h)).to(device)
-    logged = ours(h, f, e, k, seed=0, monitor=True).to(device)
-    for name, module, fresh in (("ours (moe.model.moe.MoELayer)", mine, lambda: ours(h, f, e, k, seed=0)),
+    logged = ours(h, f, e, k, seed=0, monitor=True, compiled=c).to(device)
+    for name, module, fresh in (("ours (moe.model.moe.MoELayer)", mine,
+                                 lambda: ours(h, f, e, k, 0, compiled=c)),
                                 ("ours, a logged step (+ routing statistics)", logged,
-                                 lambda: ours(h, f, e, k, seed=0, monitor=True)),
+                                 lambda: ours(h, f, e, k, 0, monitor=True, compiled=c)),
                                 ("torchtitan 0.3.0 (models.common.moe.MoE)", titan,
-                                 lambda: theirs(ours(h, f, e, k, seed=0), h, f, e, k))):
-        row = measure(name, module, x, args.repeats)
+                                 lambda: theirs(ours(h, f, e, k, seed=0), h, f, e, k, compiled=c))):
+        row = measure(name, module, x, args.repeats, compiled=c)
         losses = fit(fresh().to(device), teacher, args.steps, args.tokens // 4, h, device)
-        print(f"| {row['name']} | {row['ms']:.1f} | {row['ops']} | {row['syncs']} | {row['peak_mib']:.1f} | "
-              f"{losses[0]:.4f} / {losses[9]:.4f} / {losses[-1]:.4f} |")
+        peak = "-" if row["peak_mib"] != row["peak_mib"] else f"{row['peak_mib']:.1f}"  # NaN: not measured
+        cells = (row["name"], f"{row['ms']:.1f}", row["ops"], row["syncs"], row["kernels"], peak,
+                 f"{losses[0]:.4f} / {losses[9]:.4f} / {losses[-1]:.4f}")
+        print("| " + " | ".join(map(str, cells)) + " |")
 
 
 if __name__ == "__main__":

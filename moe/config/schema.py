@@ -50,7 +50,7 @@ class ModelConfig:
     qk_nope_head_dim: Optional[int] = None  # key/query dims without position; DeepSeek-V3: 128
     qk_rope_head_dim: Optional[int] = None  # the decoupled RoPE dims, one key head shared; DeepSeek-V3: 64
     v_head_dim: Optional[int] = None  # DeepSeek-V3: 128
-    compile: bool = False  # torch.compile the blocks
+    compile: bool = False  # torch.compile the blocks and the MoE layers' regions (apply_compile)
     init_from_hf: Optional[str] = None  # Mixtral-format directory to start from
     upcycle_from_hf: Optional[str] = None  # dense Mistral/Llama directory: every expert a copy of its MLP
     upcycle_granularity: int = 1  # > 1: fine-grained upcycling, each expert a 1/g slice of the dense MLP

@@ -12,15 +12,22 @@ one contiguous buffer, each expert multiplies its slice (one `torch._grouped_mm`
 build supports it, else a loop over the slices), and each token sums its k weighted
 outputs. Row moves are gathers both ways (`routing.move_rows`), never scatter-adds, and
 no [T, E, C] one-hot tensors are built.
+
+The forward is three steps: `MoELayer.route` (scores, top-k, capacity, dispatch), the experts,
+`MoELayer.finish` (combine, routing statistics). With model.compile=true (`compile_regions`) the
+two around the experts run compiled, fullgraph, where they hold no collective.
 """
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from moe.config.schema import normalizes
 from moe.model.dispatch import Dispatcher, LocalDispatcher, TokenShard
@@ -158,6 +165,7 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.use_grouped_mm: bool | None = None  # None: use it where grouped_mm_works()
         self.kernel: str | None = None  # what the last forward ran: "grouped_mm" or "loop" (summary.json)
+        self.compiled_activation = False  # the grouped GEMMs' SwiGLU compiled (MoELayer.compile_regions)
         self.mark_expert(first=0)
 
     def mark_expert(self, first: int):
@@ -186,7 +194,8 @@ class Experts(nn.Module):
                 offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
             # under autocast in its dtype, as the per-expert matmuls below would run (the cast weights are
             # what autocast's matmuls make too)
-            h_MF = swiglu(torch._grouped_mm(x_MH.to(dtype), self.gate_up.to(dtype), offs=offs_E))
+            activation = region(swiglu, self.compiled_activation)  # compiled: one fused kernel each way
+            h_MF = activation(torch._grouped_mm(x_MH.to(dtype), self.gate_up.to(dtype), offs=offs_E))
             return torch._grouped_mm(h_MF, self.down.to(dtype), offs=offs_E)
         sizes = counts_E if isinstance(counts_E, list) else host_sizes(counts_E, x_MH.shape[0])  # one sync
         *xs, rest = x_MH.split([*sizes, x_MH.shape[0] - sum(sizes)])
@@ -249,6 +258,7 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.stats_sum: GroupSum | None = None
         self.token_shard: TokenShard | None = None
+        self.compiled_regions = False  # compile_regions() (model.compile=true)
 
         self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps,
                              expert_bias=moe_opt.enable_expert_bias)
@@ -269,7 +279,33 @@ class MoELayer(nn.Module):
             shard = None  # (generation): every rank routes every token
         if shard is not None:
             x_TH = shard.split(x_TH)
+        cf = None if generating else self.capacity_factor if self.training else self.eval_capacity_factor
+        capacity = expert_capacity(x_TH.shape[0], self.num_experts, self.top_k, cf, self.min_capacity)
+        capacity = self.dispatcher.agree_capacity(capacity, x_TH.device)
+        want_stats = not generating and (self.monitor or self.picks_read or any(self.loss_terms))
 
+        compiled = self.compiled_regions and not generating  # generation's shapes change every token
+        route, finish = region(MoELayer.route, compiled), region(MoELayer.finish, compiled)
+        routed = route(self, x_TH, capacity)
+        y_MH = self.experts(routed.rows_MH, routed.counts_E)  # eager: its own FSDP unit, its grouped GEMM
+        y_TH, stats = finish(self, y_MH, x_TH, routed, shard, x_BSH.shape[0], want_stats)
+        return y_TH.view_as(x_BSH), stats
+
+    def compile_regions(self) -> bool:
+        """torch.compile (fullgraph) what runs before and after the experts, where both are pure tensor code:
+        every expert in this process (no all-to-all, whose split sizes are read on the host), no token split
+        over TP and no statistics all-reduce. The experts stay eager (under FSDP2 they are their own unit,
+        whose hooks a compiled region would have to trace), but for their SwiGLU between the two grouped GEMMs
+        (unless activation checkpointing wraps them: a recomputation would run it eager). Returns whether it
+        compiled the regions."""
+        if isinstance(self.experts, Experts):
+            self.experts.compiled_activation = True
+        local = isinstance(self.dispatcher, LocalDispatcher)
+        self.compiled_regions = local and self.token_shard is None and self.stats_sum is None
+        return self.compiled_regions
+
+    def route(self, x_TH: torch.Tensor, capacity: int | None) -> Routed:
+        """Scores, top-k, the capacity cut and the dispatch: the experts' rows and how to bring them back."""
         # 1. route: fp32 scores over all E experts (the router is replicated under EP)
         logits_TE = self.router(x_TH)
         scores_TE = router_probs(logits_TE, self.router.dtype, self.score_function)
@@ -278,33 +314,59 @@ class MoELayer(nn.Module):
                                            self.num_groups, self.group_top_k, self.topk_scaling_factor)
 
         # 2. capacity: which assignments fit (all of them when dropless)
-        cf = None if generating else self.capacity_factor if self.training else self.eval_capacity_factor
-        capacity = expert_capacity(x_TH.shape[0], self.num_experts, self.top_k, cf, self.min_capacity)
-        capacity = self.dispatcher.agree_capacity(capacity, x_TH.device)
         keep_TK = apply_capacity(idx_TK, weights_TK, self.num_experts, capacity, self.drop_policy)
         if self.normalize_after_drop and capacity is not None:
             weights_TK = F.normalize(weights_TK * keep_TK, p=1.0, dim=-1)  # NxD's eps: all dropped -> 0
 
-        # 3. dispatch -> experts -> combine
-        rows_MH, counts, ctx = self.dispatcher.dispatch(
+        # 3. dispatch: the rows of the experts held here, in expert order
+        rows_MH, counts_E, ctx = self.dispatcher.dispatch(
             x_TH, idx_TK, None if capacity is None else keep_TK, capacity, self.num_experts)
-        y_TH = self.dispatcher.combine(self.experts(rows_MH, counts), weights_TK, ctx)
+        return Routed(rows_MH, counts_E, ctx, logits_TE, scores_TE, weights_TK, idx_TK, keep_TK)
+
+    def finish(self, y_MH: torch.Tensor, x_TH: torch.Tensor, routed: Routed, shard: TokenShard | None,
+               num_sequences: int, want_stats: bool) -> tuple[torch.Tensor, RoutingStats | None]:
+        """The experts' outputs (plus the shared expert's) back in token order, then the statistics."""
+        y_TH = self.dispatcher.combine(y_MH, routed.weights_TK, routed.ctx)
         if self.shared_expert is not None:
             y_TH = y_TH + self.shared_expert(x_TH)
         if shard is not None:
             y_TH = shard.gather(y_TH)
-
-        if generating or not (self.monitor or self.picks_read or any(self.loss_terms)):
-            return y_TH.view_as(x_BSH), None  # nothing would read the statistics
-        probs_TE = balance_probs(scores_TE, self.score_function)
-        stats = routing_stats(logits_TE, probs_TE, idx_TK, keep_TK, self.stats_sum,
+        if not want_stats:
+            return y_TH, None  # nothing would read the statistics
+        probs_TE, idx_TK = balance_probs(routed.scores_TE, self.score_function), routed.idx_TK
+        stats = routing_stats(routed.logits_TE, probs_TE, idx_TK, routed.keep_TK, self.stats_sum,
                               grad_share=1.0 if shard is None else 1.0 / shard.size,
                               losses=self.loss_terms, monitor=self.monitor)
         if self.load_balancing_type == "seq_aux_loss":  # per sequence: over the whole rows again
             if shard is not None:
-                B = x_BSH.shape[0]
-                probs_TE, idx_TK = shard.whole_sequences(probs_TE, B), shard.whole_sequences(idx_TK, B)
-            stats.aux_loss = sequence_load_balance_loss(probs_TE.float(), idx_TK, x_BSH.shape[0])
+                probs_TE = shard.whole_sequences(probs_TE, num_sequences)
+                idx_TK = shard.whole_sequences(idx_TK, num_sequences)
+            stats.aux_loss = sequence_load_balance_loss(probs_TE.float(), idx_TK, num_sequences)
         elif self.load_balancing_type == "none":
             stats.aux_loss = torch.zeros_like(stats.aux_loss)
-        return y_TH.view_as(x_BSH), stats
+        return y_TH, stats
+
+
+class Routed(NamedTuple):
+    """What `MoELayer.route` hands to the experts and to `MoELayer.finish`."""
+
+    rows_MH: torch.Tensor  # the experts' rows, sorted by expert
+    counts_E: torch.Tensor | list[int]  # rows per local expert
+    ctx: Any  # the dispatcher's return ticket
+    logits_TE: torch.Tensor
+    scores_TE: torch.Tensor
+    weights_TK: torch.Tensor
+    idx_TK: torch.Tensor
+    keep_TK: torch.Tensor
+
+
+def region(fn: Callable, compiled: bool) -> Callable:
+    """`fn` compiled where `compiled`, else itself. Eager under a dispatch mode too (a memory tracker, an op
+    counter, fake tensors): dynamo refuses to trace under one, and such a mode is there to see every op."""
+    return _compiled(fn) if compiled and not is_in_torch_dispatch_mode() else fn
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """`fn` compiled once for every layer (fullgraph: a graph break is an error, not a silent fallback)."""
+    return torch.compile(fn, fullgraph=True)

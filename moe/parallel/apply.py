@@ -149,24 +149,30 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
 def apply_compile(model: nn.Module) -> nn.Module:
     """torch.compile each block in place (`Module.compile`, so parameter names stay unchanged).
 
-    Left eager: MoE layers (their dispatch has data-dependent shapes that would recompile, and
-    fp32 `torch._grouped_mm` has no traceable kernel) and anything inside a CheckpointWrapper
-    (torch recomputes checkpointed code with dynamo disabled, so a compiled forward would not
-    match its recomputation). With `selective` AC the rest of each block is compiled.
+    A block's MoE layer is a break in its block's graph and compiles its own regions instead
+    (`MoELayer.compile_regions`, fullgraph): the routing and dispatch before the experts, the combine and
+    routing statistics after them, and the SwiGLU between the experts' grouped GEMMs. The experts stay eager
+    (under FSDP2 they are their own unit, and fp32 `torch._grouped_mm` has no traceable kernel); so does
+    the whole layer under expert parallelism, a token split over TP or a statistics all-reduce (their
+    collectives and host-read sizes). Anything inside a CheckpointWrapper stays eager (torch recomputes
+    checkpointed code with dynamo disabled, so a compiled forward would not match its recomputation):
+    with `selective` AC the rest of each block is compiled.
     """
-    for layer in moe_layers(model):
-        layer.forward = torch.compiler.disable(layer.forward)
     eager = 0
     for block in model.layers:
         if isinstance(block, CheckpointWrapper):
             eager += 1
-        else:
-            block.compile()
+            continue
+        for layer in moe_layers(block):
+            layer.forward = torch.compiler.disable(layer.forward)
+            layer.compile_regions()
+        block.compile()
     if eager:
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(f"model.compile=true compiles nothing in the {eager} of {len(model.layers)} blocks "
                        "that activation checkpointing wraps whole (parallel.activation_checkpointing=full, "
                        "every_n or moe_only): they run eager. parallel.activation_checkpointing=selective "
-                       "compiles each block's projections and norms; the MoE layers stay eager either way.")
+                       "compiles each block's projections and norms and its MoE layer's routing and combine; "
+                       "the experts' grouped GEMMs stay eager either way.")
     return model
