@@ -6,7 +6,7 @@ process: DDP, DeepSpeed ZeRO-2 with and without overlap_comm, FSDP2 at zero_stag
 FSDP2 with its experts offloaded, and with 2 or more GPUs EP 2 and TP 2 x EP 2. It prints one markdown
 table (exit code, first and last loss, tokens/s, MFU, peak memory measured against the planner's, the
 experts' kernel), then runs bench/gpu_moe_stack.py, train.py beside the bare model (DDP and FSDP2 at the
-same shape: bench/train_vs_bare.py) and our MoE layer beside torchtitan's on the GPU.
+same shape: bench/train_vs_bare.py) and our MoE layer beside torchtitan's on the GPU, eager and compiled.
 It exits 1 if any path fails or its loss does not fall. Paths whose library is missing (DeepSpeed) and the
 torchtitan comparison are skipped with one line each.
 
@@ -224,9 +224,10 @@ def main() -> int:
             print("\nskipped our MoE layer beside torchtitan's: torchtitan is not importable here "
                   "(bash ../shared/gpu/wheels.sh fills .whl/ with it)")
         else:
+            device = "cpu" if args.cpu_smoke else "cuda"
             for shape in LAYER_SMOKE if args.cpu_smoke else LAYER_SHAPES:
-                device = "cpu" if args.cpu_smoke else "cuda"
-                run_bench(["bench/vs_torchtitan.py", "--device", device, *shape], args.timeout)
+                for compiled in ([], ["--compile"]):  # eager, then both compiled as model.compile=true
+                    run_bench(["bench/vs_torchtitan.py", "--device", device, *shape, *compiled], args.timeout)
     print(f"\nruns and logs: {out}")
     if failed:
         print(f"FAILED: {', '.join(failed)} (exit non-zero, or the loss did not fall)")
