@@ -39,13 +39,8 @@ stage layer_mixtral 90 python3 bench/vs_torchtitan.py --device cuda --repeats 10
 stage layer_fine 80 python3 bench/vs_torchtitan.py --device cuda --repeats 10 --steps 12 \
   --hidden 2048 --width 1408 --experts 64 --top-k 6 --tokens 16384
 stage stack 90 python3 bench/gpu_moe_stack.py --profile "$OUT/prof_stack.txt"
-# 3. compiled as model.compile=true compiles (the MoE layers' regions too): the stack, then the layer beside
-#    torchtitan's compiled
+# 3. the stack compiled as model.compile=true compiles it (the MoE layers' regions too)
 stage stack_compile 120 python3 bench/gpu_moe_stack.py --compile
-stage layer_mixtral_compiled 120 python3 bench/vs_torchtitan.py --device cuda --compile --repeats 10 --steps 12 \
-  --hidden 4096 --width 14336 --experts 8 --top-k 2 --tokens 16384
-stage layer_fine_compiled 110 python3 bench/vs_torchtitan.py --device cuda --compile --repeats 10 --steps 12 \
-  --hidden 2048 --width 1408 --experts 64 --top-k 6 --tokens 16384
 # 4. the other paths: do they train? two at a time on the card (their tokens/s are not timings)
 pairs() {
   trap 'kill $(jobs -p) 2>/dev/null' TERM
@@ -58,7 +53,12 @@ pairs() {
 }
 export -f pairs; export GC
 stage check_pairs 300 bash -c pairs
-# 5. the compiled path alone, then the stack with whole blocks compiled (the MoE layers traced whole)
+# 5. the layer beside torchtitan's, both compiled
+stage layer_mixtral_compiled 120 python3 bench/vs_torchtitan.py --device cuda --compile --repeats 10 --steps 12 \
+  --hidden 4096 --width 14336 --experts 8 --top-k 2 --tokens 16384
+stage layer_fine_compiled 110 python3 bench/vs_torchtitan.py --device cuda --compile --repeats 10 --steps 12 \
+  --hidden 2048 --width 1408 --experts 64 --top-k 6 --tokens 16384
+# 6. the compiled path alone, then the stack with whole blocks compiled (the MoE layers traced whole)
 stage check_compile 170 $GC --timeout 160 --out /tmp/gc/c --only fsdp2_compile
 stage stack_compile_all 150 python3 bench/gpu_moe_stack.py --compile all
 echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"

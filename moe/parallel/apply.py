@@ -152,11 +152,11 @@ def apply_compile(model: nn.Module) -> nn.Module:
     A block's MoE layer is a break in its block's graph and compiles its own regions instead
     (`MoELayer.compile_regions`, fullgraph): the routing and dispatch before the experts, the combine and
     routing statistics after them, and the SwiGLU between the experts' grouped GEMMs. The experts stay eager
-    (under FSDP2 they are their own unit, and fp32 `torch._grouped_mm` has no traceable kernel); so does
-    the whole layer under expert parallelism, a token split over TP or a statistics all-reduce (their
-    collectives and host-read sizes). Anything inside a CheckpointWrapper stays eager (torch recomputes
-    checkpointed code with dynamo disabled, so a compiled forward would not match its recomputation):
-    with `selective` AC the rest of each block is compiled.
+    (under FSDP2 they are their own unit, and fp32 `torch._grouped_mm` has no traceable kernel); so do the
+    routing and combine under expert parallelism, a token split over TP or a statistics all-reduce (their
+    collectives and host-read sizes; the SwiGLU still compiles). Anything inside a CheckpointWrapper stays
+    eager (torch recomputes checkpointed code with dynamo disabled, so a compiled forward would not match its
+    recomputation): with `selective` AC the rest of each block is compiled.
     """
     eager = 0
     for block in model.layers:
