@@ -113,12 +113,12 @@ def measure(name, module, x, repeats: int, compiled: bool = False) -> dict:
         with counting_syncs() as counter:
             step()
         ops, syncs = counter.ops, len(counter.syncs)
-    if compiled and not cuda:
-        peak = float("nan")
-    elif cuda:  # what the card's allocator held at the step's peak, the weights and their gradients included
+    if cuda:  # what the card's allocator held at the step's peak, the weights and their gradients included
         torch.cuda.reset_peak_memory_stats()
         step()
         peak = torch.cuda.max_memory_allocated()
+    elif compiled:  # MemTracker is a dispatch mode too
+        peak = None
     else:
         tracker = MemTracker()
         tracker.track_external(module, x)
@@ -126,7 +126,7 @@ def measure(name, module, x, repeats: int, compiled: bool = False) -> dict:
             step()
         peak = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     return {"name": name, "ms": 1e3 * statistics.median(times), "ops": ops, "syncs": syncs,
-            "kernels": kernels, "peak_mib": peak / 2**20}
+            "kernels": kernels, "peak_mib": "-" if peak is None else f"{peak / 2**20:.1f}"}
 
 
 def device_kernels(step) -> int:
@@ -196,8 +196,7 @@ def main() -> None:
                                  lambda: theirs(ours(h, f, e, k, seed=0), h, f, e, k, compiled=c))):
         row = measure(name, module, x, args.repeats, compiled=c)
         losses = fit(fresh().to(device), teacher, args.steps, args.tokens // 4, h, device)
-        peak = "-" if row["peak_mib"] != row["peak_mib"] else f"{row['peak_mib']:.1f}"  # NaN: not measured
-        cells = (row["name"], f"{row['ms']:.1f}", row["ops"], row["syncs"], row["kernels"], peak,
+        cells = (row["name"], f"{row['ms']:.1f}", row["ops"], row["syncs"], row["kernels"], row["peak_mib"],
                  f"{losses[0]:.4f} / {losses[9]:.4f} / {losses[-1]:.4f}")
         print("| " + " | ".join(map(str, cells)) + " |")
 
