@@ -70,7 +70,7 @@ def _rank(rank: int, steps: int) -> dict:
             torch.distributed.barrier()
             start = time.perf_counter()
             out = model(ids[:, :-1], labels_BS=ids[:, 1:])
-            (out.lm_loss + out.router_loss).backward()
+            out.loss.backward()
             torch.distributed.barrier()
             if step:
                 times[name].append(time.perf_counter() - start)

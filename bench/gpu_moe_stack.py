@@ -68,7 +68,7 @@ def build(args, device):
 
 def train_step(model, ids, optimizer) -> None:
     out = model(ids[:, :-1], labels_BS=ids[:, 1:])
-    (out.lm_loss + out.router_loss).backward()
+    out.loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -70,7 +70,7 @@ def our_step(model, opt, ids, split):
     t0 = time.perf_counter()
     labels = F.pad(ids[:, 1:], (0, 1), value=-100)
     out = model(ids, labels_BS=labels)
-    loss = out.lm_loss + out.router_loss
+    loss = out.loss
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()

@@ -122,7 +122,7 @@ def bare_loop(overrides: list[str], steps: int, warmup: int) -> tuple[float, int
         batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         with autocast:
             out = model(batch["input_ids"], labels_BS=batch["labels"])
-            loss = out.lm_loss + out.router_loss
+            loss = out.loss
         loss.backward()
         if cfg.optimizer.grad_clip:
             clip_local_grads(model.parameters(), global_grad_norm(model.parameters(), [], None, device),

@@ -8,3 +8,12 @@ import os
 
 def is_rank_zero() -> bool:
     return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+
+
+def trainer_of(module):
+    """The Trainer a LightningModule is attached to, or None: Lightning's `module.trainer` raises where
+    there is none (a module built for a test, or restored before fit)."""
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None

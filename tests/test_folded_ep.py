@@ -42,7 +42,7 @@ def _batches(dp: int) -> list[torch.Tensor]:
 
 def _loss(model, ids):
     out = model(ids[:, :-1], labels_BS=ids[:, 1:])
-    return out.lm_loss + out.router_loss
+    return out.loss
 
 
 def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:

@@ -36,7 +36,7 @@ def _step_syncs(model, *, backward: bool) -> tuple[int, int]:
         out = model(ids[:, :-1], labels_BS=ids[:, 1:])
     with counting_syncs() as backward_syncs:
         if backward:
-            (out.lm_loss + out.router_loss).backward()
+            out.loss.backward()
     return len(forward.syncs), len(backward_syncs.syncs)
 
 

@@ -16,7 +16,9 @@ def test_loss_is_ce_plus_coefficients_times_router_losses_of_every_layer():
     module = single_process_module(cfg)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16))
     batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
-    loss, lm_loss, out = module.losses(batch)
+    out = module.model(batch["input_ids"], labels_BS=batch["labels"])
+    loss, lm_loss = out.loss, out.lm_loss
+    assert module.micro_batch_loss(batch)[0] == loss
     assert len(out.routing) == 2
     expected = lm_loss + sum(0.5 * r.aux_loss + 0.25 * r.z_loss for r in out.routing)
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)

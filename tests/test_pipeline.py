@@ -75,7 +75,7 @@ def test_two_stages_in_one_process_give_the_whole_models_loss_and_every_gradient
     ids = torch.randint(0, 64, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
     whole = MoETransformer(cfg.model, cfg.moe_opt, init_seed=5)
     out = whole(ids[:, :-1], labels_BS=ids[:, 1:])
-    ((out.lm_loss + out.router_loss) / 2).backward()  # one of 2 micro-batches
+    (out.loss / 2).backward()  # one of 2 micro-batches
     first = PipelineStageModel(cfg.model, cfg.moe_opt, 5, range(0, 2), first=True, last=False)
     last = PipelineStageModel(cfg.model, cfg.moe_opt, 5, range(2, 4), first=False, last=True)
     first.loss_scale = last.loss_scale = 0.5
@@ -187,7 +187,7 @@ def _one_process(dp: int, n: int) -> dict:
         for i in range(n):
             batch = torch.cat([ids[d * ROWS + i * rows: d * ROWS + (i + 1) * rows] for d in range(dp)])
             out = model(batch[:, :-1], labels_BS=batch[:, 1:])
-            ((out.lm_loss + out.router_loss) / n).backward()
+            (out.loss / n).backward()
             step.append(out.lm_loss.item())
         losses.append(step)
         grads = grads or {name: p.grad.detach().clone() for name, p in model.named_parameters()}

@@ -1,6 +1,6 @@
 """The loss-spike and NaN guard on injected spikes: warn, skip, rollback (also across a crash), non-finite.
 
-Runs `moe.training.train` in-process on a tiny model; the spike is injected by scaling the loss of
+Runs `moe.train.run.train` in-process on a tiny model; the spike is injected by scaling the loss of
 chosen optimizer steps (a real spike: the loss and every gradient of that step are 50x).
 """
 import csv
@@ -32,28 +32,27 @@ def config(*overrides):
 
 
 class Injector:
-    """Patches LitMoE.losses: loss x factor on chosen steps; records parameters at each step's forward.
+    """Patches LitMoE.micro_batch_loss: loss x factor on chosen steps; records parameters at each step's
+    forward.
 
     `crash_on_replay=N`: raise once when step N comes round again after a later step (after a rollback).
     """
 
     def __init__(self, monkeypatch, steps: dict[int, float], crash_on_replay: int | None = None):
         self.steps, self.crash_on_replay, self.params = steps, crash_on_replay, {}
-        original = LitMoE.losses
+        original = LitMoE.micro_batch_loss
         injector = self
 
-        def losses(module, batch):
-            loss, lm_loss, out = original(module, batch)
-            if not module.training:
-                return loss, lm_loss, out
+        def micro_batch_loss(module, batch):
+            loss, lm_loss, routing = original(module, batch)
             step = module.trainer.global_step + 1
             if step == injector.crash_on_replay and max(injector.params, default=0) > step:
                 injector.crash_on_replay = None
                 raise RuntimeError("injected crash")
             injector.params[step] = torch.cat([p.detach().flatten() for p in module.model.parameters()])
-            return loss * injector.steps.get(step, 1.0), lm_loss, out
+            return loss * injector.steps.get(step, 1.0), lm_loss, routing
 
-        monkeypatch.setattr(LitMoE, "losses", losses)
+        monkeypatch.setattr(LitMoE, "micro_batch_loss", micro_batch_loss)
 
     def updated(self, step: int) -> bool:
         """Did the update of `step` change the parameters (seen at the next step's forward)?"""

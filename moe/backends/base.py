@@ -3,12 +3,13 @@
 A `Backend` is built once per run from the config and the run's ParallelDims. It gives Lightning's
 Trainer its strategy, precision and plugins, builds the LightningModule, parallelises the model
 once the process group exists (`parallelize`, called from `LitMoE.configure_model`), and answers
-what the module and the callbacks ask while training: the expert-parallel groups, gradient
-handling around the optimizer step, the gradient norm, and what checkpoints must hold. Each
-method's default is what plain PyTorch (DDP or one process) needs; DeepSpeed and Neuron override.
+what the step asks (moe.module.train_step: each micro-batch's gradient sync, the gradients' sync and
+norm, clipping, a skipped update, collectives) and what checkpoints must hold. Each method's default
+is what plain PyTorch (DDP or one process) needs; the other backends override.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from moe.config.specs import SPECS, BackendSpec
 from moe.parallel.dims import ExpertGroups, ParallelDims
 from moe.parallel.parallelize import Steps, parallelize
+from moe.ranks import trainer_of
 
 
 @dataclass
@@ -29,7 +31,6 @@ class TrainerParts:
     strategy: Any  # a Lightning Strategy instance or a registry name such as "auto"
     precision: str | None  # None when a plugin sets it (Neuron)
     plugins: list
-    overrides: dict  # Trainer arguments this backend must set itself (Neuron: accumulation, clipping)
 
 
 class Backend:
@@ -87,13 +88,13 @@ class Backend:
         fp32 matmuls on TF32 tensor cores (torch.set_float32_matmul_precision "high"), else full fp32."""
         torch.set_float32_matmul_precision("high" if self.cfg.hardware.allow_tf32 else "highest")
 
-    def build_module(self, resuming: bool = False):
+    def build_module(self, resuming: bool = False, guard=None):
         """The LightningModule that trains `moe.model.MoETransformer` on this backend, built on the meta
         device: `parallelize` gives each rank storage and values for its own shard only."""
         from moe.module import LitMoE
 
         self._resuming = resuming
-        return LitMoE(self.cfg, backend=self, on_meta=True)
+        return LitMoE(self.cfg, backend=self, on_meta=True, guard=guard)
 
     def initial_source(self):
         """Where `materialize` takes values from: model.init_from_hf's (or upcycle_from_hf's) files on a
@@ -109,7 +110,7 @@ class Backend:
     @staticmethod
     def device_of(module) -> torch.device:
         """Where this rank's parameters live: the strategy's device once a Trainer holds the module."""
-        trainer = module._trainer
+        trainer = trainer_of(module)
         return trainer.strategy.root_device if trainer is not None else torch.device("cpu")
 
     @property
@@ -130,10 +131,9 @@ class Backend:
         return self.cfg.parallel.pipeline_microbatches or self.dims.accumulate_grad_batches
 
     def checkpoint_options(self) -> dict:
-        """How ModelCheckpoint keeps checkpoints: the newest keep_last_checkpoints steps, and last.ckpt,
-        a link to the newest of them (a file or a sharded directory), not a second save."""
-        return {"save_last": "link",
-                "save_top_k": self.cfg.trainer.keep_last_checkpoints}
+        """How moe.train.step_checkpoint.StepCheckpoint keeps checkpoints: the newest keep_last_checkpoints
+        steps, and last.ckpt, a link to the newest of them (a file or a sharded directory)."""
+        return {"keep": self.cfg.trainer.keep_last_checkpoints, "link_last": True}
 
     # -- the model, once the process group exists ----------------------------------------------
     def make_expert_groups(self) -> ExpertGroups:
@@ -160,16 +160,24 @@ class Backend:
         """moe.parallel.parallelize's one sequence with this backend's steps."""
         parallelize(module.model, self.cfg, self.dims.tp, self.parallelize_steps(module))
 
-    # -- around the optimizer step ------------------------------------------------------------------
+    # -- inside the optimizer step (moe.module.train_step) ---------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Called on the optimizer before the LR schedule is built (DeepSpeed: expert param groups)."""
 
-    def after_backward(self, module) -> None:
-        """After each micro-batch's backward (DDP with EP: reduce expert gradients on the last one)."""
+    def micro_batch_sync(self, module, last: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-batch's forward and backward (`last`: the step's last): where the library reduces
+        gradients in the backward, only the last one's should (DDP, DeepSpeed). Nothing here."""
+        return contextlib.nullcontext()
 
-    def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
-        """Clip to `max_norm` and return True, or return False to let Lightning clip as usual."""
-        return False
+    def sync_grads(self, module) -> None:
+        """After the step's last backward: what the library leaves to us (DDP with EP: the expert gradients
+        over expert-DP; 16-mixed: the gradients unscaled)."""
+
+    def clip_gradients(self, module, norm: torch.Tensor, max_norm: float) -> None:
+        """Scale every gradient by max_norm / `norm` (the global norm, grad_norm's) where it is larger."""
+        from moe.parallel.grad_norm import clip_local_grads
+
+        clip_local_grads(module.model.parameters(), norm, max_norm)
 
     def grad_norm(self, module) -> torch.Tensor:
         """Global L2 norm of `param.grad` before clipping, on the CPU: expert parts summed over the EP

@@ -10,12 +10,15 @@ of an optimizer step's last micro-batch their gradients are summed over the expe
 and divided by the data-parallel world size: the same average over ranks that DDP gives
 dense parameters (DeepSpeed does the same sum and division itself). Clipping then uses the
 global norm (dense + every expert of the EP group), so every rank scales by the same factor
-and replicas stay identical; the backend clips under every precision, never Lightning's plugin.
+and replicas stay identical; the step clips under every precision (Backend.clip_gradients).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from moe.backends.base import Backend, TrainerParts
 from moe.backends.checkpoints import FormatCheckpoints
@@ -34,24 +37,39 @@ class DDPBackend(Backend):
             strategy = (DDPStrategy(process_group_backend=backend, timeout=self.collective_timeout())
                         if world > 1 else "auto")
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=strategy,
-                            precision=precision_of(self.cfg), plugins=[],
-                            overrides={})
+                            precision=precision_of(self.cfg), plugins=[])
 
     def parallelize(self, module) -> None:
         super().parallelize(module)
-        if self.expert_groups is not None:  # experts: reduced over expert-DP by after_backward, not by DDP
+        if self.expert_groups is not None:  # experts: reduced over expert-DP by sync_grads, not by DDP
             from moe.parallel.expert_grads import expert_param_names
 
             module._ddp_params_and_buffers_to_ignore = expert_param_names(module)
 
-    def after_backward(self, module) -> None:
-        """On a step's last micro-batch: expert gradients summed over expert-DP, then, under 16-mixed with an
-        optimizer that unscales inside its step (the fused AdamW), the gradients unscaled here: Lightning
-        leaves them scaled for such an optimizer (plugins/precision/amp.py optimizer_step), and the norm the
-        metrics, the guard and the clipping read must be the true one. GradScaler.step then knows they are
-        (torch/amp/grad_scaler.py: an UNSCALED optimizer gets no grad_scale, still its found_inf)."""
-        if module.trainer.fit_loop.epoch_loop._should_accumulate():
+    @contextlib.contextmanager
+    def micro_batch_sync(self, module, last: bool):
+        """DDP all-reduces in the backward of the step's last micro-batch only: `require_backward_grad_sync`
+        (what `no_sync` toggles) is on for that backward alone. Lightning runs the whole training_step inside
+        DDP's forward, whose end readies the reducer for a backward whenever the flag is on
+        (nn/parallel/distributed.py _post_forward): left on after the step (as `no_sync` leaves it), the next
+        step's first micro-batch would all-reduce too. Lightning's manual backward readies it for the last
+        one (strategies/ddp.py pre_backward)."""
+        ddp = module.trainer.strategy.model
+        if not isinstance(ddp, DistributedDataParallel):  # one process: nothing to reduce
+            yield
             return
+        ddp.require_backward_grad_sync = last
+        try:
+            yield
+        finally:
+            ddp.require_backward_grad_sync = False
+
+    def sync_grads(self, module) -> None:
+        """Expert gradients summed over expert-DP, then, under 16-mixed with an optimizer that unscales inside
+        its step (the fused AdamW), the gradients unscaled here: Lightning leaves them scaled for such an
+        optimizer (plugins/precision/amp.py optimizer_step), and the norm the guard, the clipping and the
+        metrics read must be the true one. GradScaler.step then knows they are (torch/amp/grad_scaler.py:
+        an UNSCALED optimizer gets no grad_scale, still its found_inf)."""
         if self.expert_groups is not None:
             from moe.parallel.expert_grads import expert_params, reduce_expert_grads
 
@@ -60,14 +78,6 @@ class DDPBackend(Backend):
         optimizer = module.trainer.optimizers[0]
         if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
             scaler.unscale_(optimizer)
-
-    def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
-        """Always by the global norm, never Lightning's: its AMP plugin refuses to clip for the fused AdamW
-        (bf16-mixed and 16-mixed alike), and under EP the norm must cover every rank's experts."""
-        from moe.parallel.grad_norm import clip_local_grads
-
-        clip_local_grads(module.parameters(), module.grad_norm(), max_norm)
-        return True
 
 
 class ShardedDDPStrategy(FormatCheckpoints, DDPStrategy):

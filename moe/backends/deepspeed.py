@@ -11,7 +11,8 @@ plus what our MoE layer needs from DeepSpeed:
 - DeepSpeed treats a model as MoE only when it holds its own `deepspeed.moe.layer.MoE`;
   `_ExpertAwareEngine` also counts models whose parameters are marked as experts, which
   switches on the expert-DP gradient reduction, ZeRO's expert partitions and expert-aware
-  grad norms. Its fp32 clipping (ZeRO off) uses the true global norm.
+  grad norms. With ZeRO off in fp32 the step computes the global norm and clips, as on DDP
+  (`steps_plainly`).
 - Checkpoints: without expert parallelism one file (written by rank 0) plus each rank's ZeRO
   optimizer partition in `<file>.zero/`; with it a sharded directory (moe/checkpoint/sharded.py:
   each rank writes its own experts, no rank gathers them) with each rank's partition in
@@ -19,17 +20,21 @@ plus what our MoE layer needs from DeepSpeed:
   exactly; otherwise only the weights are restored, resharded (with a warning), and the fp32
   masters are refreshed from them.
 - CPU: Lightning refuses a non-CUDA accelerator; three overrides (`setup_environment`,
-  `setup_distributed`, the device rank in `_setup_model_and_optimizer`) make ZeRO-1/2 train
+  `setup_distributed`, the device rank in `_setup_model_and_optimizer`) make ZeRO-0/1/2 train
   on CPU processes over gloo, for tests.
 
-Gradient accumulation is Lightning's `trainer.accumulate_grad_batches`, which Lightning
-writes into the DeepSpeed config as `gradient_accumulation_steps` (it refuses the key in a
-user config). `import deepspeed` happens only inside the builder.
+Gradient accumulation is the step's (moe.module.train_step, under Lightning's manual optimization):
+Lightning writes `gradient_accumulation_steps: 1` into the DeepSpeed config, the step divides each
+micro-batch's loss by their count once and marks the last one as the accumulation boundary
+(`micro_batch_sync`, DeepSpeedEngine.set_gradient_accumulation_boundary), so ZeRO reduces the summed
+gradients once and `engine.step()` updates once a step. `import deepspeed` happens only inside the builder.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -48,13 +53,20 @@ from moe.parallel.dims import ExpertGroups
 from moe.parallel.expert_grads import expert_params
 
 
+def steps_plainly(cfg) -> bool:
+    """ZeRO off, fp32: DeepSpeed's optimizer is the torch one over whole gradients in `param.grad`, and the
+    step (moe.module.train_step) computes their global norm and clips as on DDP. DeepSpeed's own fp32
+    clipping would average each rank's local norm instead of taking the whole model's."""
+    return cfg.parallel.zero_stage == 0 and precision(cfg).half is None
+
+
 def deepspeed_config(cfg) -> dict:
     """The DeepSpeed config dict from the (validated) parallel, optimizer, trainer and hardware groups."""
     p, run = cfg.parallel, precision(cfg)
     on_gpu = cfg.hardware.accelerator == "gpu"
     config = {
         "train_micro_batch_size_per_gpu": cfg.trainer.micro_batch_size,
-        "gradient_clipping": float(cfg.optimizer.grad_clip or 0.0),
+        "gradient_clipping": 0.0 if steps_plainly(cfg) else float(cfg.optimizer.grad_clip or 0.0),
         "zero_allow_untested_optimizer": True,  # our torch AdamW, not DeepSpeed's fused Adam (no op build)
         "zero_optimization": {
             "stage": p.zero_stage,
@@ -91,11 +103,12 @@ class DeepSpeedBackend(Backend):
     """ZeRO-1/2 and expert parallelism carved from data parallelism, through DeepSpeed's engine."""
 
     name = "deepspeed"
-    norm_after_step = True  # DeepSpeed computes the norm inside engine.step(), over its own partitions
     reduces_expert_grads = True  # DeepSpeed all-reduces expert grads over the expert-DP group itself
 
     def __init__(self, cfg, dims):
         super().__init__(cfg, dims)
+        # ZeRO or half precision: DeepSpeed computes the norm inside engine.step(), over its own partitions
+        self.norm_after_step = not steps_plainly(cfg)
         try:
             import deepspeed  # noqa: F401
         except ImportError as err:
@@ -109,18 +122,17 @@ class DeepSpeedBackend(Backend):
 
     def trainer_parts(self) -> TrainerParts:
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=self.strategy,
-                            precision=precision_of(self.cfg), plugins=[],
-                            overrides={})
+                            precision=precision_of(self.cfg), plugins=[])
 
     def make_expert_groups(self) -> ExpertGroups:
         """DeepSpeed's own EP / expert-DP groups, laid out as moe.parallel.dims's (consecutive EP ranks)."""
         from deepspeed.utils import groups
 
-        name = f"ep_size_{self.dims.ep}"
-        if name not in groups._get_expert_parallel_group_dict():
-            groups._create_expert_and_data_parallel(self.dims.ep)  # collective: every rank makes them all
-        return ExpertGroups(groups._get_expert_parallel_group(name),
-                            groups._get_expert_data_parallel_group(name))
+        name = f"ep_size_{self.dims.ep}"  # DeepSpeed's expert groups have no public API (utils/groups.py):
+        if name not in groups._get_expert_parallel_group_dict():  # private: no public registry
+            groups._create_expert_and_data_parallel(self.dims.ep)  # private: collective, every rank makes all
+        ep = groups._get_expert_parallel_group(name)  # private: no public getter
+        return ExpertGroups(ep, groups._get_expert_data_parallel_group(name))  # private: no public getter
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Mark expert params for DeepSpeed and give them their own ('moe') param groups, in place."""
@@ -136,6 +148,17 @@ class DeepSpeedBackend(Backend):
         for group in groups:
             if group["params"]:
                 optimizer.add_param_group(group)
+
+    def micro_batch_sync(self, module, last: bool):
+        """ZeRO reduces the gradients (and `engine.step()` updates) at the step's last micro-batch only."""
+        self.strategy.deepspeed_engine.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
+    def clip_gradients(self, module, norm, max_norm: float) -> None:
+        """DeepSpeed clips inside `engine.step()` (the config's gradient_clipping, by the norm it computes),
+        except when it steps plainly: then the global norm, as DDP."""
+        if not self.norm_after_step:
+            super().clip_gradients(module, norm, max_norm)
 
     def grad_norm_after_step(self, module) -> float | None:
         """The global grad norm DeepSpeed computed in its last step (before clipping), or None."""
@@ -160,6 +183,10 @@ class MoEDeepSpeedStrategy(FormatCheckpoints, DeepSpeedStrategy):
     strategy_name = "moe_deepspeed"
     optimizer_in_checkpoint = False  # each rank's ZeRO partition holds it (Live.per_rank)
 
+    def __init__(self, *args, timeout=None, **kwargs):
+        super().__init__(*args, timeout=timeout, **kwargs)
+        self.collective_timeout = timeout  # the world group's, for the CPU set-up (setup_distributed)
+
     # -- CPU support (Lightning's checks assume CUDA) ----------------------------------------
     def setup_environment(self) -> None:
         if self.root_device.type == "cuda":
@@ -167,15 +194,23 @@ class MoEDeepSpeedStrategy(FormatCheckpoints, DeepSpeedStrategy):
         DDPStrategy.setup_environment(self)  # skips the CUDA-only accelerator check
 
     def setup_distributed(self) -> None:
+        """On CPU: Lightning's steps (lightning/pytorch/strategies/deepspeed.py _init_deepspeed_distributed,
+        2.6) through public calls, without its check of a CUDA device index."""
+        import deepspeed
         from lightning.fabric.utilities.seed import reset_seed
 
         if self.root_device.type == "cuda":
             return super().setup_distributed()
-        reset_seed()  # the device-index check does not apply to CPU processes
+        reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        env = self.cluster_environment
+        os.environ.update(MASTER_ADDR=env.main_address, MASTER_PORT=str(env.main_port),
+                          RANK=str(self.global_rank), WORLD_SIZE=str(self.world_size),
+                          LOCAL_RANK=str(self.local_rank))
+        deepspeed.init_distributed(self.process_group_backend, distributed_port=env.main_port,
+                                   timeout=self.collective_timeout)
 
-    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):  # private: the engine's class
         """deepspeed.initialize's non-pipeline path, with the MoE-aware engine and a CPU device rank."""
         import deepspeed
         from deepspeed.runtime.config import DeepSpeedConfig
@@ -188,7 +223,6 @@ class MoEDeepSpeedStrategy(FormatCheckpoints, DeepSpeedStrategy):
             model_parameters=[p for p in model.parameters() if p.requires_grad], lr_scheduler=lr_scheduler,
             dist_init_required=False, config=self.config, config_class=config_class,
         )
-        engine._configure_python_gc()
         return engine, engine.optimizer
 
     # -- checkpoints: the spec's format, with each rank's ZeRO optimizer partition beside it ------------
@@ -265,40 +299,11 @@ def expert_aware_engine_class():
     from moe.model.moe import MoELayer
 
     class _ExpertAwareEngine(DeepSpeedEngine):
-        def _configure_distributed_model(self, model):
-            super()._configure_distributed_model(model)
+        def _configure_distributed_model(self, model):  # private: where DeepSpeed decides a model is MoE
+            super()._configure_distributed_model(model)  # private: (engine.py, isinstance of its own MoE)
             if not self.has_moe_layers and any(is_moe_param(p) for p in model.parameters()):
                 self.has_moe_layers = True
                 self.num_experts = [m.num_experts for m in model.modules() if isinstance(m, MoELayer)]
-
-        def _full_grad_norm(self) -> torch.Tensor:
-            """Norm of every gradient of the model: dense, plus each expert shard of the EP group once."""
-            import torch.distributed as dist
-
-            params = [p for p in self.module.parameters() if p.grad is not None]
-            dense = sum((p.grad.float().pow(2).sum() for p in params if not is_moe_param(p)), torch.zeros(()))
-            expert = sum((p.grad.float().pow(2).sum() for p in params if is_moe_param(p)), torch.zeros(()))
-            dense, expert = dense.to(self.device), expert.to(self.device)
-            names = {p.group_name for p in params if is_moe_param(p)}
-            if names:
-                dist.all_reduce(expert, group=self.expert_parallel_group[names.pop()])
-            return (dense + expert).sqrt()
-
-        def clip_fp32_gradients(self):
-            """ZeRO off, fp32: clip with the whole model's norm (DeepSpeed averages local norms instead)."""
-            total = self._full_grad_norm()
-            coef = torch.clamp(self.gradient_clipping() / (total + 1e-6), max=1.0)
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.dtype))
-            self._global_grad_norm = total
-
-        def _take_model_step(self, lr_kwargs):
-            """ZeRO off, fp32, no clipping: still record the grad norm for metrics.csv."""
-            plain = not (self.zero_optimization() or self.fp16_enabled() or self.bfloat16_enabled())
-            if plain and self.gradient_clipping() <= 0.0:
-                self._global_grad_norm = self._full_grad_norm()
-            return super()._take_model_step(lr_kwargs)
 
     _ENGINE_CLASS = _ExpertAwareEngine
     return _ENGINE_CLASS

@@ -10,7 +10,7 @@ tensor parallelism (moe.parallel.tensor_parallel), activation checkpointing, com
 ParallelDims.meshes's. Under TP, EP is folded with it: each MoE layer splits its tokens over the TP
 group and dispatches them over an EP group of consecutive ranks (moe.parallel.token_shard), so no
 expert matmul runs twice; the routers' and shared experts' gradients are summed over TP after the
-last backward of a step (`after_backward`).
+last backward of a step (`sync_grads`).
 
 parallel.zero_stage says how FSDP2 shards: 3 frees each block's gathered weights after its forward
 (gathers them again for the backward), 2 keeps them until the backward (more memory, one all-gather
@@ -46,8 +46,7 @@ class FSDP2Backend(Backend):
 
             accelerator = TorchNeuronAccelerator()
         return TrainerParts(accelerator=accelerator, strategy=strategy,
-                            precision=precision_of(self.cfg), plugins=[],
-                            overrides={})
+                            precision=precision_of(self.cfg), plugins=[])
 
     def mixed_precision(self):
         """FSDP2's policy: bf16-mixed gathers weights in bf16 for compute and reduces gradients in fp32."""
@@ -76,7 +75,7 @@ class FSDP2Backend(Backend):
         this rank's stages (moe.parallel.pipeline), which the module then trains through the schedule."""
         if not self.dims.pp_enabled:
             return super().parallelize(module)
-        from moe.module.pipelined import PipelinedSteps
+        from moe.module.pipelined import PipelineSchedule
         from moe.parallel.parallelize import parallelize
         from moe.parallel.pipeline import StageParts, build_pipeline
 
@@ -84,7 +83,7 @@ class FSDP2Backend(Backend):
         pipeline = build_pipeline(self.cfg, self.dims, self.meshes,
                                   lambda part: parallelize(part, self.cfg, self.dims.tp, steps), steps.device)
         module.model = StageParts(pipeline.parts)
-        module.pipelined = PipelinedSteps(pipeline)
+        module.schedule = PipelineSchedule(pipeline)
 
     def val_micro_batches(self) -> int:
         """A validation batch is a training step's rows, cut into the same micro-batches (the stages' shapes
@@ -105,24 +104,17 @@ class FSDP2Backend(Backend):
         dist.all_reduce(squares, group=self.meshes.pp.get_group())
         return squares.sqrt().cpu()
 
-    def after_backward(self, module) -> None:
-        """On a step's last micro-batch: the routers' and shared experts' gradients (with sequence
+    def sync_grads(self, module) -> None:
+        """After the step's last backward: the routers' and shared experts' gradients (with sequence
         parallelism also the norms' and the LM head's) summed over TP: each TP rank's cover its share of
         the tokens."""
-        if self.dims.moe_token_split == 1 or module.trainer.fit_loop.epoch_loop._should_accumulate():
+        if self.dims.moe_token_split == 1:
             return
         from moe.parallel.comm import sum_grads
         from moe.parallel.token_shard import partial_params
 
         params = partial_params(module.model, self.dims.sequence_parallel)
         sum_grads(params, self.meshes.tp.get_group())
-
-    def clip_gradients(self, module, optimizer, max_norm: float) -> bool:
-        """Lightning's clipping needs every gradient on one mesh: clip by the global norm (base grad_norm)."""
-        from moe.parallel.grad_norm import clip_local_grads
-
-        clip_local_grads(module.model.parameters(), module.grad_norm(), max_norm)
-        return True
 
 
 def fsdp2_steps(cfg, dims, meshes, mp_policy, device, source, fake_mode=None) -> Steps:
@@ -158,22 +150,22 @@ def _load_balance_group(cfg, dims, meshes):
 class FSDP2Strategy(FormatCheckpoints, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy on our mesh (ParallelDims.meshes) with our sharded checkpoints.
 
-    Lightning builds a 2-D (data_parallel, tensor_parallel) mesh and saves DCP with its own layout;
-    here the mesh has the EP and HSDP dims too, and checkpoints are canonical (moe/checkpoint/
-    sharded.py, through moe.backends.checkpoints), restored after setup straight into the live shards.
+    Lightning builds a 2-D (data_parallel, tensor_parallel) mesh over every rank and saves DCP with its own
+    layout; the run's mesh has the PP, EP and HSDP dims too (`backend.meshes`, what everything here reads),
+    and checkpoints are canonical (moe/checkpoint/sharded.py, through moe.backends.checkpoints), restored
+    after setup straight into the live shards.
     """
 
     def __init__(self, backend: FSDP2Backend, **kwargs):
-        dims = backend.dims
-        super().__init__(checkpoint_format=backend.checkpoint_format, dims=dims, data_parallel_size=dims.dp,
-                         tensor_parallel_size=dims.tp, **kwargs)
+        dims = backend.dims  # Lightning's mesh (world / tp, tp) is valid on every layout; nothing reads it
+        super().__init__(checkpoint_format=backend.checkpoint_format, dims=dims,
+                         data_parallel_size=dims.world // dims.tp, tensor_parallel_size=dims.tp, **kwargs)
         self.backend = backend
 
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        """Lightning's (the process group, its mesh), then the run's mesh."""
+        super().setup_environment()
         self.backend.meshes = self.backend.dims.meshes(self.root_device.type)
-        self._device_mesh = self.backend.meshes.world
-        self.lightning_module._device_mesh = self._device_mesh
 
     def model_to_device(self) -> None:
         """Everything to the device but the experts offloaded to host memory

@@ -5,7 +5,10 @@ from raw input at start-up into a cache keyed by the config, the tokenizer and t
 files (size, mtime), so it yields exactly the blocks data_prep.py would write, and later
 runs open the cache instantly. Cache root: $MOE_DATA_CACHE, else ~/.cache/moe/data.
 
-Batches: `input_ids` [B, seq_len] and `labels` [B, seq_len] (next tokens, -100 where no loss).
+Training batches are optimizer steps: a rank's `micro_batch_size x accumulate_grad_batches` rows, its
+micro-batches in order (the step cuts them, moe.module.train_step); validation batches are
+`val_micro_batches` micro-batches. Each holds `input_ids` [rows, seq_len] and `labels` [rows, seq_len]
+(next tokens, -100 where no loss).
 """
 from __future__ import annotations
 
@@ -241,9 +244,11 @@ class MoEDataModule(L.LightningDataModule):
         return self.dims.dp_rank(trainer.global_rank), self.dims.dp
 
     def train_sampler(self) -> StreamSampler:
-        return StreamSampler(len(self.prepared.splits["train"]), self.micro_batch_size,
-                             total=self.max_steps * self.accumulate, seed=self.seed, shuffle=self.cfg.shuffle,
-                             dp_rank=self.dp_rank, dp_size=self.dp_size, start=self.resume_micro_batches)
+        """A step's rows at a time: the stream's micro-batches k*A .. k*A+A-1 of this rank are step k's."""
+        return StreamSampler(len(self.prepared.splits["train"]), self.micro_batch_size * self.accumulate,
+                             total=self.max_steps, seed=self.seed, shuffle=self.cfg.shuffle,
+                             dp_rank=self.dp_rank, dp_size=self.dp_size,
+                             start=self.resume_micro_batches // self.accumulate)
 
     def _loader(self, blocks: PackedBlocks, sampler) -> DataLoader:
         workers = self.cfg.num_workers

@@ -82,6 +82,11 @@ class ModelOutput:
     kv_cache: list[KVCache] | None = None
     lm_loss: torch.Tensor | None = None  # forward(labels_BS=...): mean CE, from moe.model.fused_ce
 
+    @property
+    def loss(self) -> torch.Tensor:
+        """The training objective: the LM loss plus every MoE layer's router terms (forward with labels)."""
+        return self.lm_loss + self.router_loss
+
 
 @runtime_checkable
 class SequenceShard(Protocol):

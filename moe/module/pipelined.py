@@ -1,12 +1,9 @@
-"""LitMoE's training and validation steps when the model is pipelined (moe.parallel.pipeline).
+"""A pipelined model's part of the step (moe.parallel.pipeline): the schedule runs every micro-batch.
 
-Lightning still drives the step: it hands over one micro-batch at a time and steps the optimizer after
-`accumulate_grad_batches` of them (clipping, the spike guard, the metrics and the step checkpoints run
-as usual). The micro-batches are gathered here until the step's last one, then the schedule runs the
-forward and backward of all of them at once; Lightning's own backward of what training_step returns
-has nothing left to do (LitMoE.backward). The step statistics are sums and counts
-(moe.module.step_stats): each stage adds its own MoE layers' routing and router terms, the last stage
-the LM losses and their count.
+The step (moe.module.train_step) hands the step's micro-batches to `forward_backward`, where the schedule
+runs the forward and backward of all of them at once, in its own order. The step statistics are sums and
+counts (moe.module.step_stats): each stage adds its own MoE layers' routing and router terms, the last
+stage the LM losses and their count.
 """
 from __future__ import annotations
 
@@ -16,19 +13,14 @@ from moe.module.step_stats import StepStats
 from moe.parallel.pipeline import Pipeline
 
 
-class PipelinedSteps:
+class PipelineSchedule:
     def __init__(self, pipeline: Pipeline):
         self.pipeline = pipeline
-        self.pending: list[dict] = []  # the micro-batches of the step being gathered
 
-    def training_step(self, module, batch: dict) -> torch.Tensor:
-        """The step's mean LM loss on its last micro-batch where the last stage is, else 0 (Lightning takes
-        no None from a distributed training_step; its backward of the value does nothing)."""
-        self.pending.append(batch)
-        if module.trainer.fit_loop._should_accumulate():
-            return torch.zeros(())
-        ids, labels = (torch.cat([b[k] for b in self.pending]) for k in ("input_ids", "labels"))
-        self.pending.clear()
+    def forward_backward(self, module, micro_batches: list[dict]) -> torch.Tensor:
+        """Every micro-batch's forward and backward through the schedule; the step's mean LM loss where the
+        last stage is, else 0."""
+        ids, labels = (torch.cat([b[k] for b in micro_batches]) for k in ("input_ids", "labels"))
         self.pipeline.train(ids, labels)
         return self._record(module, ids.numel() // self.pipeline.n_microbatches)
 

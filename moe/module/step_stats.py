@@ -10,9 +10,14 @@ is synchronised once a step, not once a micro-batch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
+
+from moe.config.size import param_breakdown
+from moe.model.loss import router_loss
 
 MONITOR_KEYS = ("drop_fraction", "max_expert_load", "mean_expert_load", "router_entropy")
 ROUTING_KEYS = ("aux_loss", "z_loss") + MONITOR_KEYS
@@ -29,7 +34,7 @@ class StepStats:
     micro_batches: int = 0
     last_tokens_per_expert: list = field(default_factory=list)  # per MoE layer: counts [E], last forward
     last_tokens_per_forward: int = 0
-    means: dict | None = None  # the means over every rank, once computed (moe.train.metrics.step_means)
+    means: dict | None = None  # the means over every rank, once computed (step_means)
 
     def add_losses(self, loss, lm_loss=None) -> None:
         """One micro-batch's training loss and, when known, its LM loss."""
@@ -98,6 +103,25 @@ def means_from_totals(totals: torch.Tensor) -> dict[str, float]:
     sums, counts = values[: len(KEYS)], values[len(KEYS):]
     return {k: total / count if count else float("nan")
             for k, total, count in zip(KEYS, sums, counts, strict=True)}
+
+
+def step_means(module) -> dict[str, float]:
+    """This step's losses and routing statistics, averaged over every rank (one sum-reduce, once a step: the
+    spike guard and metrics.csv share it).
+
+    Where no rank reported the LM loss (NxD's pipeline returns the loss alone), it is the loss less
+    every MoE layer's router term at the step's mean load-balance and z-losses.
+    """
+    stats = module.step_stats
+    if stats.means is not None:
+        return stats.means
+    means = means_from_totals(module.backend.all_reduce(module, stats.totals(module.device), "sum"))
+    stats.means = means
+    if math.isnan(means["lm_loss"]) and not math.isnan(means["aux_loss"]):
+        per_layer = router_loss(SimpleNamespace(aux_loss=means["aux_loss"], z_loss=means["z_loss"]),
+                                module.cfg.moe_opt)
+        means["lm_loss"] = means["loss"] - param_breakdown(module.cfg.model).num_moe_layers * per_layer
+    return means
 
 
 def _detached(value):

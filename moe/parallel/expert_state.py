@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moe.errors import ConfigError
+from moe.ranks import trainer_of
 
 
 def _expert_entries(lit_module) -> dict[str, torch.nn.Parameter]:
@@ -42,7 +43,8 @@ def _torch_optimizer_expert_states(lit_module, opt_state: dict):
     """
     if not (isinstance(opt_state, dict) and "state" in opt_state and "param_groups" in opt_state):
         return
-    optimizers = lit_module.trainer.optimizers if lit_module._trainer is not None else []
+    trainer = trainer_of(lit_module)
+    optimizers = trainer.optimizers if trainer is not None else []
     if len(optimizers) != 1:
         return
     params = [p for group in optimizers[0].param_groups for p in group["params"]]

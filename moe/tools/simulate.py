@@ -168,8 +168,8 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
                     if pipeline is not None:
                         _pipeline_step(pipeline, dims.pp_rank(rank), tokens)
                     else:
-                        out = model(tokens, labels_BS=tokens)  # as LitMoE.losses: the chunked LM head + CE
-                        (out.lm_loss + out.router_loss).backward()
+                        out = model(tokens, labels_BS=tokens)  # as LitMoE.micro_batch_loss: chunked head + CE
+                        out.loss.backward()
                 optimizer.step()
                 if step == 0:
                     tracker.reset_mod_stats()

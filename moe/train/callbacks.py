@@ -1,9 +1,10 @@
 """The Trainer's callbacks and loggers: the run's own (always on), then the ones the config adds.
 
-Always: RunMetrics (metrics.csv, summary.json), SpikeGuard, StepSeed, StepCheckpoint,
-PreemptionCheckpoint and, when trainer.progress_bar and stdout is a terminal, a progress bar over
-optimizer steps. Then every node of `callbacks.<name>` and `logger.<name>`,
-instantiated by Hydra from its `_target_` (lightning-hydra-template style):
+Always: RunMetrics (metrics.csv, summary.json), SpikeGuard (its ledger and state; the step asks it),
+StepCheckpoint, PreemptionCheckpoint and, when trainer.progress_bar and stdout is a terminal, a progress
+bar over optimizer steps: the periphery, after each step (moe.module.train_step). Then every
+node of `callbacks.<name>` and `logger.<name>`, instantiated by Hydra from its `_target_`
+(lightning-hydra-template style):
 
     python train.py logger=wandb                       # conf/logger/wandb.yaml
     python train.py callbacks=lr_monitor               # conf/callbacks/lr_monitor.yaml
@@ -22,15 +23,13 @@ from moe.errors import UserError, first_line
 from moe.parallel.dims import ParallelDims
 
 
-def build_callbacks(cfg, run_dir: Path, dims: ParallelDims, backend, fresh: bool = False) -> list:
+def build_callbacks(cfg, run_dir: Path, dims: ParallelDims, backend, guard) -> list:
+    """guard: the run's moe.train.guard.SpikeGuard, which the module's step asks too."""
     from moe.train.console import StepProgressBar, bar_shown
-    from moe.train.guard import SpikeGuard
     from moe.train.metrics import RunMetrics
     from moe.train.preemption import PreemptionCheckpoint
-    from moe.train.seed import StepSeed
     from moe.train.step_checkpoint import StepCheckpoint
 
-    guard = SpikeGuard.from_config(cfg, run_dir, fresh=fresh)
     callbacks = [
         RunMetrics(
             run_dir, log_every_n_steps=cfg.trainer.log_every_n_steps, tokens_per_step=dims.tokens_per_step,
@@ -38,18 +37,13 @@ def build_callbacks(cfg, run_dir: Path, dims: ParallelDims, backend, fresh: bool
             peak_flops_total=cfg.hardware.peak_tflops * 1e12 * dims.world,
             key_config=key_config(cfg, dims), guard=guard,
         ),
-        guard,  # after RunMetrics: it reads the grads first
-        StepSeed(cfg.seed),
+        guard,
     ]
     if cfg.trainer.save_checkpoints:
         callbacks += [
-            StepCheckpoint(  # ModelCheckpoint that also saves the final step
-                dirpath=run_dir / "checkpoints", filename="step-{step:06d}", auto_insert_metric_name=False,
-                every_n_train_steps=cfg.trainer.checkpoint_every_n_steps, monitor="step", mode="max",
-                enable_version_counter=False,  # a step re-saved after a resume overwrites, never step-N-v1
-                **backend.checkpoint_options(),
-            ),
-            PreemptionCheckpoint(backend),  # after StepCheckpoint: saves the step unless it just did
+            steps := StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every_n_steps,
+                                    **backend.checkpoint_options()),
+            PreemptionCheckpoint(backend, steps),  # saves the step through StepCheckpoint unless it just did
         ]
     if bar_shown(cfg.trainer.progress_bar):
         callbacks.append(StepProgressBar(leave=True))

@@ -85,21 +85,11 @@ def log_step(row: dict, max_steps: int) -> None:
 
 
 class StepProgressBar(RichProgressBar):
-    """Rich's bar over optimizer steps: `step 40/300`, resumed runs starting where they left off."""
+    """Rich's bar over optimizer steps (a training batch is one, moe.module.train_step): `step 40/300`,
+    resumed runs starting where they left off."""
 
-    @property
-    def total_train_batches(self) -> int | float:
-        return self.trainer.max_steps if self.trainer.max_steps > 0 else super().total_train_batches
-
-    def _get_train_description(self, current_epoch: int) -> str:
+    def _get_train_description(self, current_epoch: int) -> str:  # private: Rich's bar names it nowhere else
         return "step"
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self.is_disabled and self.train_progress_bar_id is None:
-            self._initialize_train_progress_bar_id()  # Lightning's does the same on a mid-epoch resume
-        self._update(self.train_progress_bar_id, trainer.global_step)
-        self._update_metrics(trainer, pl_module)
-        self.refresh()
 
 
 class _DropAdvert(logging.Filter):
@@ -111,10 +101,8 @@ class _DropAdvert(logging.Filter):
 
 def quiet_known_noise() -> None:
     """Lines that tell a cluster user nothing: Lightning's litlogger tip, torch 2.13's deprecation
-    of `isinstance(treespec, LeafSpec)` raised from inside Lightning's own _pytree.py, and
-    ModelCheckpoint's warning that the checkpoint directory is not empty (it is: this is a resume)."""
+    of `isinstance(treespec, LeafSpec)` raised from inside Lightning's own _pytree.py."""
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropAdvert) for f in rank_zero.filters):  # train() may run many times
         rank_zero.addFilter(_DropAdvert())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")

@@ -1,15 +1,17 @@
 """Loss-spike and NaN guard: a step with a non-finite loss or gradient, or a loss far above its
 running mean, is counted, logged and, as configured, skipped or rolled back.
 
-Decided once per optimizer step in `on_before_optimizer_step`, from the step's loss averaged
-over micro-batches and ranks and the global gradient norm, so every rank decides the same.
+Decided once per optimizer step by `skips`, which the step calls (moe.module.train_step) after the
+gradients are synchronised, from the step's loss averaged over micro-batches and ranks and the global
+gradient norm, so every rank decides the same. As a callback it keeps what lives beside the step: the
+rollback ledger at the run's start, its state in every checkpoint, the step last saved.
 Skipping an update sets every gradient to None: AdamW then leaves parameters and moments
 untouched (no weight decay either); the step counter, the schedule and the data stream move
 on as if the step had run, so the data order of later steps never changes.
 
 Rollback (PaLM's recipe): the spike step M and every step since the last checkpoint N are
 recorded in `<run_dir>/rollbacks.json`, `RollbackRequested` unwinds `Trainer.fit`, and
-`moe.training.train` fits again from checkpoint N; steps N+1..M then consume their batches
+`moe.train.run.train` fits again from checkpoint N; steps N+1..M then consume their batches
 without updating. The ledger outlives a crash, so a relaunch honours it too.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ import lightning as L
 
 from moe.checkpoint.io import write_json_atomic
 from moe.errors import UserError
-from moe.train.metrics import step_means
+from moe.module.step_stats import step_means
 
 LEDGER = "rollbacks.json"
 COUNT_KEYS = ("skipped_steps", "spikes", "nonfinite_steps", "rollbacks")
@@ -96,28 +98,28 @@ class SpikeGuard(L.Callback):
         self.counts["rollbacks"] += len(later)
 
     # -- the decision, once per optimizer step -------------------------------------------------
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        step = trainer.global_step + 1  # the step about to be taken
+    def skips(self, step: int, pl_module, grad_norm) -> bool:
+        """Whether optimizer step `step` (1-based) leaves the weights as they are (the caller then skips
+        the update); a rollback raises RollbackRequested, too many non-finite steps in a row a UserError."""
+        trainer = pl_module.trainer
         if step in self.skip_steps:
-            self._skip(pl_module, f"step {step}: update skipped (rolled back past a loss spike)", trainer)
-            return
+            return self._skip(f"step {step}: update skipped (rolled back past a loss spike)", trainer)
         loss = step_means(pl_module)["loss"]
-        if self.skip_nonfinite and not (math.isfinite(loss) and math.isfinite(float(pl_module.grad_norm()))):
+        if self.skip_nonfinite and not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
             self.counts["nonfinite_steps"] += 1
             self.nonfinite_in_a_row += 1
             if self.max_nonfinite and self.nonfinite_in_a_row >= self.max_nonfinite:
                 raise self.diverged(step, trainer)
-            self._skip(pl_module, f"step {step}: non-finite loss or gradient (loss={loss}); update skipped",
-                       trainer)
-            return
+            return self._skip(f"step {step}: non-finite loss or gradient (loss={loss}); update skipped",
+                              trainer)
         self.nonfinite_in_a_row = 0
         if self.factor and len(self.losses) == self.window and math.isfinite(loss):
             mean = sum(self.losses) / len(self.losses)
             if loss > self.factor * mean:
-                self._spike(trainer, pl_module, step, loss, mean)
-                return  # a spike never enters the running mean
+                return self._spike(trainer, step, loss, mean)  # a spike never enters the running mean
         if math.isfinite(loss):
             self.losses.append(loss)
+        return False
 
     def diverged(self, step: int, trainer) -> UserError:
         """Every rank sees the same reduced loss, so all stop at once; no checkpoint of this state."""
@@ -130,7 +132,7 @@ class SpikeGuard(L.Callback):
                                  "non-finite loss or gradient, so the run stopped (nothing was learned "
                                  "since)")
 
-    def _spike(self, trainer, pl_module, step: int, loss: float, mean: float) -> None:
+    def _spike(self, trainer, step: int, loss: float, mean: float) -> bool:
         self.counts["spikes"] += 1
         what = f"step {step}: loss {loss:.4f} > {self.factor:g} x running mean {mean:.4f} (loss spike)"
         action = self.action
@@ -140,24 +142,24 @@ class SpikeGuard(L.Callback):
         if action == "warn":
             _say(trainer, f"{what}; kept (trainer.spike_action=warn)")
             self.losses.append(loss)
-        elif action == "skip":
-            self._skip(pl_module, f"{what}; update skipped", trainer)
-        else:
-            from_step = self._last_saved_step
-            if trainer.is_global_zero:
-                events = read_ledger(self.run_dir)
-                events.append({"spike_step": step, "from_step": from_step or 0, "loss": loss,
-                               "running_mean": mean})
-                write_json_atomic(self.run_dir / LEDGER, {"rollbacks": events})
-            trainer.strategy.barrier("spike_rollback")
-            err = RollbackRequested(step, from_step)
-            _say(trainer, f"{what}; {err}")
-            raise err
+            return False
+        if action == "skip":
+            return self._skip(f"{what}; update skipped", trainer)
+        from_step = self._last_saved_step
+        if trainer.is_global_zero:
+            events = read_ledger(self.run_dir)
+            events.append({"spike_step": step, "from_step": from_step or 0, "loss": loss,
+                           "running_mean": mean})
+            write_json_atomic(self.run_dir / LEDGER, {"rollbacks": events})
+        trainer.strategy.barrier("spike_rollback")
+        err = RollbackRequested(step, from_step)
+        _say(trainer, f"{what}; {err}")
+        raise err
 
-    def _skip(self, pl_module, message: str, trainer) -> None:
-        pl_module.backend.skip_update(pl_module)
+    def _skip(self, message: str, trainer) -> bool:
         self.counts["skipped_steps"] += 1
         _say(trainer, message)
+        return True
 
 
 def _say(trainer, message: str) -> None:

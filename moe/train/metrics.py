@@ -14,16 +14,13 @@ import os
 import resource
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
 import torch
 
 from moe.checkpoint.io import write_json_atomic
-from moe.config.size import param_breakdown
-from moe.model.loss import router_loss
 from moe.model.moe import expert_kernel
-from moe.module.step_stats import logs_step, means_from_totals
+from moe.module.step_stats import means_from_totals
 from moe.train.console import STEP_LOGGER, log_step
 
 METRIC_COLUMNS = [
@@ -63,7 +60,6 @@ class RunMetrics(L.Callback):
         self.flops_per_token = flops_per_token
         self.peak_flops_total = peak_flops_total
         self.key_config = key_config
-        self._grad_norm = float("nan")
         self._last_step = 0
         self._last_time = 0.0
         self._timed_steps = 0
@@ -93,15 +89,10 @@ class RunMetrics(L.Callback):
         with self.metrics_path.open("a", newline="") as f:
             csv.DictWriter(f, fieldnames=METRIC_COLUMNS).writerow(row)
 
-    # -- per step ---------------------------------------------------------------------------
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if not pl_module.backend.norm_after_step:
-            self._grad_norm = float(pl_module.grad_norm())
-
+    # -- per step: the row of the step TrainStep just took (moe.module.train_step) -----------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self._last_step:
-            return  # still accumulating micro-batches of this optimizer step
-        step = trainer.global_step
+        record = pl_module.train_step.last
+        step = record.step
         now = time.perf_counter()
         seconds = now - self._last_time
         steps_done = step - self._last_step
@@ -112,17 +103,12 @@ class RunMetrics(L.Callback):
         stats = pl_module.step_stats
         tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
         pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
-        if not logs_step(step, self.log_every, trainer.max_steps):
-            stats.reset()  # nothing more read back from the device on a step that is not logged
-            return
-        if pl_module.backend.norm_after_step:
-            norm = pl_module.backend.grad_norm_after_step(pl_module)
-            self._grad_norm = float("nan") if norm is None else norm
-        means = step_means(pl_module)
+        if not record.logged:
+            return  # nothing read back from the device on a step that is not logged
         row = {
-            "step": step, **means,
+            "step": step, **record.means,
             "lr": optimizer_lr(trainer),
-            "grad_norm": self._grad_norm,
+            "grad_norm": record.grad_norm,
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * self.flops_per_token / self.peak_flops_total,
             "val_loss": "",
@@ -131,7 +117,6 @@ class RunMetrics(L.Callback):
         }
         counts = self.guard.counts if self.guard else {}  # cumulative over the run
         row.update(skipped_steps=counts.get("skipped_steps", 0), spikes=counts.get("spikes", 0))
-        stats.reset()
         if trainer.is_global_zero:
             self._append(row)
             log_step(row, trainer.max_steps)
@@ -190,24 +175,6 @@ class RunMetrics(L.Callback):
             "peak_memory_mib": peak_mib,
             "config": self.key_config,
         }
-
-
-def step_means(pl_module) -> dict[str, float]:
-    """This step's losses and routing statistics, averaged over every rank (one sum-reduce).
-
-    Where no rank reported the LM loss (NxD's pipeline returns the loss alone), it is the loss less
-    every MoE layer's router term at the step's mean load-balance and z-losses.
-    """
-    stats = pl_module.step_stats
-    if stats.means is not None:  # the guard asked first this step: one collective and host sync a step
-        return stats.means
-    means = means_from_totals(pl_module.backend.all_reduce(pl_module, stats.totals(pl_module.device), "sum"))
-    stats.means = means
-    if math.isnan(means["lm_loss"]) and not math.isnan(means["aux_loss"]):
-        per_layer = router_loss(SimpleNamespace(aux_loss=means["aux_loss"], z_loss=means["z_loss"]),
-                                pl_module.cfg.moe_opt)
-        means["lm_loss"] = means["loss"] - param_breakdown(pl_module.cfg.model).num_moe_layers * per_layer
-    return means
 
 
 def optimizer_lr(trainer) -> float:

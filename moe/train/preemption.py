@@ -45,11 +45,12 @@ class Preempted(Exception):  # noqa: N818  (names what happened, as KeyboardInte
 class PreemptionCheckpoint(Callback):
     """Turns SIGTERM / SIGUSR1 into a checkpoint at the next optimizer step and a `Preempted` exit."""
 
-    def __init__(self, backend):
-        self.backend, self.received, self._previous, self._step_seen = backend, 0, {}, None
+    def __init__(self, backend, step_checkpoint):
+        """step_checkpoint: the run's moe.train.step_checkpoint.StepCheckpoint, which saves the step."""
+        self.backend, self.step_checkpoint, self.received, self._previous = backend, step_checkpoint, 0, {}
         self._stop: Preempted | None = None
 
-    def _handle(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
             os.write(2, b"second SIGINT: stopping now, without a checkpoint (the newest one saved is whole); "
                         b"relaunch the same command to resume from it\n")
@@ -57,15 +58,11 @@ class PreemptionCheckpoint(Callback):
         self.received = signum
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._step_seen = trainer.global_step
         for signum in SIGNALS:  # replaces Lightning's handlers (registered when fit started)
-            self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self._step_seen:
-            return  # accumulating micro-batches: not a step boundary
-        self._step_seen = trainer.global_step
-        self._stop_if_signalled(trainer, pl_module)
+        self._stop_if_signalled(trainer, pl_module)  # a training batch is an optimizer step
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         maybe_signal_in_validation(batch_idx)
@@ -83,11 +80,7 @@ class PreemptionCheckpoint(Callback):
             signum = int(self.backend.all_reduce(pl_module, torch.tensor([signum]), "max").item())
         if not signum:
             return
-        checkpoint = trainer.checkpoint_callback
-        if checkpoint is not None and checkpoint._last_global_step_saved != trainer.global_step:
-            candidates = checkpoint._monitor_candidates(trainer)
-            checkpoint._save_topk_checkpoint(trainer, candidates)
-            checkpoint._save_last_checkpoint(trainer, candidates)
+        self.step_checkpoint.save(trainer)  # unless this step was just saved
         if signum == signal.SIGUSR1 and trainer.is_global_zero and os.environ.get("SLURM_JOB_ID"):
             requeue()
         self._stop = Preempted(signum, trainer.global_step)

@@ -78,7 +78,7 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) 
     from moe.data.tokenizer import copy_tokenizer_files
     from moe.train.callbacks import build_callbacks, build_loggers
     from moe.train.console import bar_shown, configure_output
-    from moe.train.guard import RollbackRequested
+    from moe.train.guard import RollbackRequested, SpikeGuard
     from moe.train.preemption import Preempted
 
     configure_output(cfg.trainer.progress_bar)  # moe/train/console.py: one line each, a line per step
@@ -105,24 +105,23 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) 
         datamodule.check_model(cfg.model)
         if not locks and is_rank_zero():  # the checks that need no run dir have passed: the run starts
             locks.append(RunLock(run_dir, cfg.lock_wait_s))
-        module = backend.build_module(resuming=bool(resume_from))
+        guard = SpikeGuard.from_config(cfg, run_dir, fresh=not cfg.resume and not rolled_back)
+        module = backend.build_module(resuming=bool(resume_from), guard=guard)
         parts = backend.trainer_parts()
         trainer = L.Trainer(**dict(
             accelerator=parts.accelerator, strategy=parts.strategy, precision=parts.precision,
             plugins=with_atomic_io(parts.plugins, parts.strategy) or None,
             devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
-            max_steps=cfg.trainer.max_steps, accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
-            gradient_clip_val=cfg.optimizer.grad_clip or None, gradient_clip_algorithm="norm",
-            val_check_interval=cfg.trainer.val_check_interval * cfg.trainer.accumulate_grad_batches,
+            max_steps=cfg.trainer.max_steps,  # a batch is a step's rows: the step accumulates and clips
+            val_check_interval=cfg.trainer.val_check_interval,
             check_val_every_n_epoch=None, limit_val_batches=cfg.trainer.limit_val_batches,
             num_sanity_val_steps=0, use_distributed_sampler=False,
             logger=build_loggers(cfg) or False,
-            callbacks=build_callbacks(cfg, run_dir, dims, backend,
-                                      fresh=not cfg.resume and not rolled_back),
+            callbacks=build_callbacks(cfg, run_dir, dims, backend, guard),
             default_root_dir=str(run_dir), enable_progress_bar=bar_shown(cfg.trainer.progress_bar),
-            enable_checkpointing=cfg.trainer.save_checkpoints,
+            enable_checkpointing=False,  # the run's own StepCheckpoint (moe.train.step_checkpoint), if any
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,
-        ) | parts.overrides)  # Neuron: manual optimization, NxD accumulates and clips
+        ))
         if trainer.is_global_zero:
             copy_tokenizer_files(datamodule.tokenizer_dir, run_dir / "tokenizer")  # all inference needs
             if resume_from:

@@ -1,7 +1,13 @@
-"""StepCheckpoint: Lightning's ModelCheckpoint at optimizer-step boundaries, `last.ckpt` an atomic link.
+"""StepCheckpoint: the run's checkpoints, at optimizer steps, through Lightning's public save.
 
-What it writes goes through the strategy's CheckpointIO (moe.checkpoint.lightning_io, or a backend's
-own); what a relaunch resumes from is moe.checkpoint.picker's choice.
+Every `checkpoint_every_n_steps` steps, at the run's end and when pre-emption asks (`save`), each rank calls
+`trainer.save_checkpoint(checkpoints/step-NNNNNN.ckpt)`: the strategy writes the format its backend declares
+(moe.checkpoint.formats, atomic, through moe.backends.checkpoints or moe.checkpoint.lightning_io). Then the
+newest `keep` are kept (the format removes the rest: sidecars and ZeRO partitions with the file) and
+`last.ckpt` is pointed at the newest, atomically. What a relaunch resumes from is moe.checkpoint.picker's
+choice. Lightning's ModelCheckpoint is not used: under manual optimization (moe.module.train_step) it saves
+through a path written for one test model and warns at every save (callbacks/model_checkpoint.py
+on_train_batch_end, Lightning 2.6).
 """
 from __future__ import annotations
 
@@ -9,55 +15,68 @@ import os
 import shutil
 from pathlib import Path
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 
+from moe.checkpoint.formats import candidates, step_hint
 from moe.checkpoint.io import META_SUFFIX, TMP_SUFFIX, fsync_dir, remove
 
+LAST = "last.ckpt"
 
-class StepCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint, saving only at optimizer-step boundaries, and the final step too.
 
-    Two Lightning 2.6 behaviours break an exact resume with gradient accumulation:
-    - `_last_global_step_saved` is not restored, so a run resumed at step N (N a multiple of
-      every_n_train_steps) saves step N again after its first micro-batch, mid-accumulation: that
-      checkpoint drops the accumulated gradient, and resuming from it replays a different step.
-      Here a batch end that did not complete an optimizer step never saves.
-    - With a monitor set, the save of an epoch's last batch waits for a validation pass that, with
-      `check_val_every_n_epoch=None`, may never come: a finished run's last.ckpt would stop short
-      of max_steps. Here the run's end saves whatever step was not saved yet.
-    """
+def step_name(step: int) -> str:
+    return f"step-{step:06d}.ckpt"
+
+
+class StepCheckpoint(Callback):
+    """`keep`: the newest steps kept (None: every one, or the format prunes itself, NxD); `link_last`:
+    whether last.ckpt names the newest."""
+
+    def __init__(self, dirpath: str | Path, every_n_steps: int, keep: int | None, link_last: bool):
+        self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
+        self.keep, self.link_last = keep, link_last
+        self.saved_step: int | None = None  # the step whose checkpoint this run saved or resumed from
 
     def on_train_start(self, trainer, pl_module) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._step_seen = trainer.global_step
-
-    @staticmethod
-    def _link_checkpoint(trainer, filepath: str, linkpath: str) -> None:
-        """Point `last.ckpt` at the newest step atomically: a new link renamed over the old one.
-        Lightning's own (model_checkpoint.py:610-622) removes the old link first, and a kill between
-        the two would leave no last.ckpt."""
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            link = Path(linkpath)
-            if link.is_dir() and not link.is_symlink():  # a sharded last.ckpt saved as a directory
-                shutil.rmtree(link)
-            remove(link.with_name(link.name + META_SUFFIX))  # a full copy's sidecar (older runs)
-            tmp = link.with_name(link.name + ".link" + TMP_SUFFIX)
-            remove(tmp)
-            os.symlink(os.path.relpath(filepath, link.parent), tmp)
-            os.replace(tmp, link)
-            fsync_dir(link.parent)
-        trainer.strategy.barrier()
+        self.saved_step = trainer.global_step if trainer.ckpt_path else None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == getattr(self, "_step_seen", None):
-            return  # accumulating micro-batches: no optimizer step ended here
-        self._step_seen = trainer.global_step
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.every_n_steps > 0 and trainer.global_step % self.every_n_steps == 0:
+            self.save(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        done = self._last_global_step_saved == trainer.global_step
-        if not done and not self._should_skip_saving_checkpoint(trainer):
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
-        super().on_train_end(trainer, pl_module)
+        self.save(trainer)  # the final step, unless it was just saved
+
+    def save(self, trainer) -> None:
+        """Checkpoint the step just taken (collective; once per step)."""
+        step = trainer.global_step
+        if self.saved_step == step:
+            return
+        path = self.dirpath / step_name(step)
+        trainer.save_checkpoint(path)
+        self.saved_step = step
+        if trainer.is_global_zero:
+            if self.link_last:
+                link_atomically(path, self.dirpath / LAST)
+            if self.keep is not None and self.keep >= 0:
+                self._remove_older(trainer, keep=max(self.keep, 1))
+        trainer.strategy.barrier("step_checkpoint")
+
+    def _remove_older(self, trainer, keep: int) -> None:
+        """All but the newest `keep` step checkpoints of the folder (this run's, and an earlier run's it
+        resumed), removed with what belongs to each (the strategy's format)."""
+        steps = sorted((p for p in candidates(self.dirpath) if p.name.startswith("step-")), key=step_hint)
+        for path in steps[:-keep]:
+            trainer.strategy.remove_checkpoint(path)
+
+
+def link_atomically(target: Path, link: Path) -> None:
+    """Point `link` at `target` with a new link renamed over the old one: a kill in between leaves the
+    old link (Lightning's own removes it first, model_checkpoint.py:610-622)."""
+    if link.is_dir() and not link.is_symlink():  # a sharded last.ckpt saved as a directory (older runs)
+        shutil.rmtree(link)
+    remove(link.with_name(link.name + META_SUFFIX))  # a full copy's sidecar (older runs)
+    tmp = link.with_name(link.name + ".link" + TMP_SUFFIX)
+    remove(tmp)
+    os.symlink(os.path.relpath(target, link.parent), tmp)
+    os.replace(tmp, link)
+    fsync_dir(link.parent)

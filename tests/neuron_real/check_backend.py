@@ -109,14 +109,14 @@ def reference_step(ref, stats: GroupStats, data: list[dict], micro: int) -> list
         for r, rank_data in enumerate(data):
             for m, mb in enumerate(micro_batches(rank_data, micro)):
                 stats.current = (r, m)
-                ref.losses(mb)
+                ref.micro_batch_loss(mb)
     stats.recording = False
     losses = []
     for r, rank_data in enumerate(data):
         losses.append([])
         for m, mb in enumerate(micro_batches(rank_data, micro)):
             stats.current = (r, m)
-            loss = ref.losses(mb)[0]
+            loss = ref.micro_batch_loss(mb)[0]
             (loss / (micro * dp)).backward()
             losses[-1].append(loss.detach())
     return losses
@@ -224,7 +224,7 @@ def check_validation(module, ref, cfg, dp: int, dp_rank: int, pp: int, last_stag
         else:
             got = torch.stack([module.model(mb["input_ids"], mb["labels"])[1]
                                for mb in micro_batches(data, micro)]).mean()
-        want = torch.stack([ref.losses(mb)[1] for mb in micro_batches(data, micro)]).mean()
+        want = torch.stack([ref.micro_batch_loss(mb)[1] for mb in micro_batches(data, micro)]).mean()
     if last_stage:
         close("validation loss", got, want)
     module.model.train()

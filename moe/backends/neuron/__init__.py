@@ -12,8 +12,8 @@ unless hardware=trn1 runs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import warnings
 
 import torch
 
@@ -53,15 +53,10 @@ class NeuronBackend(Backend):
 
         keep = self.cfg.trainer.keep_last_checkpoints
         strategy = MoENeuronStrategy(self.nxd_config(), keep_checkpoints=keep)
-        # the optimizer steps inside training_step, so a checkpoint holds the weights after the step,
-        # which is what resuming needs; Lightning's warning about it is noise here
-        warnings.filterwarnings("ignore", "Using ModelCheckpoint with manual optimization")
         # accelerator "auto": the strategy brings NxD's accelerator; Lightning refuses both
-        # (trainer/connectors/accelerator_connector.py). Manual optimization: NxD's optimizer
-        # accumulates and clips, so Lightning's accumulation and clipping stay off.
+        # (trainer/connectors/accelerator_connector.py). NxD's optimizer clips inside its step.
         return TrainerParts(accelerator="auto", strategy=strategy, precision=None,
-                            plugins=[NeuronPrecision()],
-                            overrides={"accumulate_grad_batches": 1, "gradient_clip_val": None})
+                            plugins=[NeuronPrecision()])
 
     def nxd_config(self) -> dict:
         """neuronx_distributed_config's result, made once: the strategy and the module share it."""
@@ -85,22 +80,22 @@ class NeuronBackend(Backend):
             self._source = self.initial_source() or random_init(self.cfg)
         return self._source(name, shape, first_expert)
 
-    def build_module(self, resuming: bool = False):
+    def build_module(self, resuming: bool = False, guard=None):
         """NxD builds the model in the module's setup, each rank its own shard (initial_values)."""
         from moe.backends.neuron.module import NeuronLitMoE
 
         self._resuming = resuming
-        return NeuronLitMoE(self.cfg, self.nxd_config(), backend=self)
+        return NeuronLitMoE(self.cfg, self.nxd_config(), backend=self, guard=guard)
 
     def checkpoint_options(self) -> dict:
         """No last.ckpt copy: NxD keeps the newest keep_last_checkpoints tags, resume takes the newest."""
-        return {"save_last": False, "save_top_k": -1}
+        return {"keep": None, "link_last": False}
 
     def parallelize(self, module) -> None:
         """NxD parallelises while it builds the model (layers.build_model)."""
 
     # -- numbers every rank must agree on, reduced on the XLA device --------------------------------
-    def all_reduce(self, module, tensor: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, module, tensor: torch.Tensor, op: str, stage_only: bool = False) -> torch.Tensor:
         """xm.all_reduce over every rank on the device: NxD's strategy.reduce takes sum and mean only
         and puts a CPU tensor through the xla process group (lightning/strategy.py:159-199)."""
         import torch_xla.core.xla_model as xm
@@ -115,6 +110,13 @@ class NeuronBackend(Backend):
         local = torch.stack(squares).sum() if squares else torch.zeros((), device=module.device)
         return self.all_reduce(module, local.reshape(1), "sum")[0].sqrt()
 
+    def micro_batch_sync(self, module, last: bool):
+        """Each micro-batch's forward and backward is one XLA graph: executed when it ends (xm.mark_step)."""
+        return _marked_step()
+
+    def clip_gradients(self, module, norm, max_norm: float) -> None:
+        """NxD's optimizer clips inside its step (optimizer_config max_grad_norm; ZeRO-1: its max_norm)."""
+
     def grad_norm_after_step(self, module) -> float | None:
         norm = module.optimizers().grad_norm  # NxDOptimizer.grad_norm (trainer/optimizer.py:26-28)
         return None if norm is None else float(norm)
@@ -125,6 +127,14 @@ class NeuronBackend(Backend):
     def take_skip(self) -> bool:
         skip, self._skip = self._skip, False
         return skip
+
+
+@contextlib.contextmanager
+def _marked_step():
+    yield
+    import torch_xla.core.xla_model as xm
+
+    xm.mark_step()
 
 
 def _import_nxd(cfg) -> None:

@@ -5,14 +5,14 @@ by NxD in `setup` (NeuronLTModule.setup -> initialize_parallel_model, src/neuron
 lightning/module.py:103-112, v2.28.0); the loss is moe.model.loss's; the optimizer groups are
 moe.module.optim's, over this rank's parameters, under NxD's optimizer wrapper (ZeRO-1, clipping).
 
-Manual optimization, as NxD requires (its precision plugin never runs a closure): one micro-batch
-per training_step; its backward; every `accumulate_grad_batches`-th one the optimizer steps. With
-pipeline parallelism NxD runs forward and backward of every micro-batch of a step in
-`run_train`, which takes the whole step's batch on the CPU (lightning/strategy.py:151-153) and
-returns the loss on the last stage only, None on the others (pipeline/model.py:1974-2000); the
-micro-batches are gathered here until the step is complete. Metrics are sums and counts
-(moe.module.step_stats), so a stage without the loss simply counts none; with the pipeline the LM
-loss is not returned separately, and metrics.csv derives it from the loss and the router terms.
+Manual optimization, as NxD requires (its precision plugin never runs a closure), and as every backend
+trains: training_step is the one optimizer step of moe.module.train_step over a step's rows. With
+pipeline parallelism NxD runs forward and backward of every micro-batch of a step in `run_train`
+(`NxDPipelineSchedule`), which takes the whole step's batch on the CPU (lightning/strategy.py:151-153)
+and returns the loss on the last stage only, None on the others (pipeline/model.py:1974-2000).
+Metrics are sums and counts (moe.module.step_stats), so a stage without the loss simply counts none;
+with the pipeline the LM loss is not returned separately, and metrics.csv derives it from the loss and
+the router terms.
 """
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ from moe.backends.neuron.causal_lm import pop_routing
 from moe.backends.neuron.layers import build_model
 from moe.module.optim import build_scheduler, param_groups
 from moe.module.step_stats import StepStats
+from moe.module.train_step import TrainStep
 
 
 class NeuronLitMoE(NeuronLTModule):
-    def __init__(self, cfg: DictConfig, nxd_config: dict, backend):
+    def __init__(self, cfg: DictConfig, nxd_config: dict, backend, guard=None):
         container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
         run_cfg = OmegaConf.create(container)
         super().__init__(
@@ -42,7 +43,11 @@ class NeuronLitMoE(NeuronLTModule):
         self.cfg, self.backend = run_cfg, backend
         self.step_stats, self.val_stats = StepStats(), StepStats()
         self.pp = backend.dims.pp
-        self._pending: list[dict] = []  # pipeline: the micro-batches of the step being gathered
+        self.schedule = NxDPipelineSchedule() if self.pp > 1 else None
+        self.expert_bias = None  # no aux-loss-free balancing on trn1 (moe.config.validate.check_neuron)
+        t = run_cfg.trainer
+        self.train_step = TrainStep(self, seed=run_cfg.seed, grad_clip=0.0, log_every=t.log_every_n_steps,
+                                    max_steps=t.max_steps, guard=guard)  # NxD's optimizer clips
 
     def configure_optimizers(self):
         """moe.module.optim's groups over this rank's parameters, NxD's optimizer, our schedule."""
@@ -71,36 +76,23 @@ class NeuronLitMoE(NeuronLTModule):
                                  strict=True):
                 group["lr"] = lr
 
-    def training_step(self, batch: dict, batch_idx: int):
+    def training_step(self, rows: dict, batch_idx: int):
+        """One optimizer step over this rank's rows of it (moe.module.train_step)."""
         xm.mark_step()
-        if self.pp > 1:
-            self._pending.append(batch)
-            if len(self._pending) < self.grad_accum_steps:
-                return None
-            ids, labels = (torch.cat([b[k] for b in self._pending]) for k in ("input_ids", "labels"))
-            self._pending.clear()
-            loss = self.model.run_train(input_ids=ids, labels=labels)  # None off the last stage
-            if loss is not None:
-                self.step_stats.add_losses(loss)
-            tokens_per_micro_batch = ids.numel() // self.grad_accum_steps
-            self.step_stats.add_routing(pop_routing(self.model.modules()), tokens_per_micro_batch)
-            self._optimizer_step()
-            return loss
-        loss, lm = self.model(batch["input_ids"], batch["labels"])
-        (loss / self.grad_accum_steps).backward()
-        self.step_stats.add(loss=loss, lm_loss=lm, routing=pop_routing(self.model.modules()),
-                            tokens=batch["input_ids"].numel())
-        if (batch_idx + 1) % self.grad_accum_steps == 0:
-            self._optimizer_step()
-        xm.mark_step()
-        return loss
+        trainer = self.trainer
+        return self.train_step(rows, step=trainer.global_step + 1, rank=trainer.global_rank,
+                               micro_batch_size=self.train_batch_size)
 
-    def _optimizer_step(self) -> None:
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        optimizer.step()  # moe.backends.neuron.strategy.NeuronPrecision fires on_before_optimizer_step first
-        optimizer.zero_grad()
-        scheduler.step()
-        xm.mark_step()
+    def micro_batch_loss(self, batch: dict):
+        """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch (NxDCausalLM's)."""
+        loss, lm = self.model(batch["input_ids"], batch["labels"])
+        return loss, lm, pop_routing(self.model.modules())
+
+    def monitor_routing(self, on: bool) -> None:
+        """NxD's MoE layers compute their statistics on every forward (moe/backends/neuron/moe_layer.py)."""
+
+    def count_expert_picks(self, routing: list) -> None:
+        """No aux-loss-free balancing on trn1."""
 
     def validation_step(self, batch: dict, batch_idx: int):
         """LM loss (router terms are not computed in eval); metrics sum it over ranks. With pipeline
@@ -114,5 +106,15 @@ class NeuronLitMoE(NeuronLTModule):
             self.val_stats.add_losses(lm, lm)
         return lm
 
-    def grad_norm(self) -> torch.Tensor:
-        return self.backend.grad_norm(self)
+
+
+class NxDPipelineSchedule:
+    """NxD's pipeline runs every micro-batch of the step in `run_train` (pipeline/model.py:1974-2000)."""
+
+    def forward_backward(self, module, micro_batches: list[dict]):
+        ids, labels = (torch.cat([b[k] for b in micro_batches]) for k in ("input_ids", "labels"))
+        loss = module.model.run_train(input_ids=ids, labels=labels)  # None off the last stage
+        if loss is not None:
+            module.step_stats.add_losses(loss)
+        module.step_stats.add_routing(pop_routing(module.model.modules()), ids.numel() // len(micro_batches))
+        return loss.detach() if loss is not None else torch.zeros(())

@@ -16,17 +16,16 @@ Read against neuronx-distributed v2.28.0 (src/neuronx_distributed/lightning/) an
   zero_redundancy_optimizer.py:501-508 at v2.9.0), so a resumed run would
   restart them from the bf16 weights. They are saved under MASTER_WEIGHTS in each rank's optimizer
   file and copied back into the shards after NxD's load: the run continues as it would have.
-- The precision plugin: NxD's optimizer_step calls optimizer.step() and never the closure, so
-  Lightning never fires `on_before_optimizer_step` (lightning/precision_plugin.py:18-26 against
-  Lightning's Precision._after_closure): our spike guard and metrics would never run. Ours fires
-  the hooks, then steps, or skips the update when the guard said so.
+- The precision plugin: NxD's optimizer_step calls optimizer.step() and never the closure
+  (lightning/precision_plugin.py:18-26); ours skips the update when the spike guard said so (the step,
+  moe.module.train_step, asked it before), then ends the step's XLA graph.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from lightning.pytorch.trainer import call
+import torch_xla.core.xla_model as xm
 from neuronx_distributed.lightning import NeuronXLAPrecisionPlugin, NeuronXLAStrategy
 
 from moe.backends.neuron.env import extracting_graphs
@@ -107,16 +106,14 @@ def shards(zero1) -> list:
 
 
 class NeuronPrecision(NeuronXLAPrecisionPlugin):
-    """NxD's plugin, plus Lightning's `on_before_optimizer_step` hooks before the step
-    (Lightning's Precision._after_closure, plugins/precision/precision.py), and a skipped update
-    when the backend was told to skip this step (moe.train.guard)."""
+    """NxD's plugin, with a skipped update when the backend was told to skip this step (moe.train.guard),
+    and the optimizer step's XLA graph executed at its end."""
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         closure()  # manual optimization: Lightning's do-nothing closure
-        trainer = model.trainer
-        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         if model.backend.take_skip():
             optimizer.zero_grad()
             return None
-        return optimizer.step()
+        result = optimizer.step()
+        xm.mark_step()
+        return result

@@ -1,0 +1,124 @@
+"""One optimizer step, in one method: `TrainStep.__call__`, which every backend runs.
+
+LitMoE and NeuronLitMoE train under Lightning's manual optimization: Lightning hands `training_step`
+one step's rows (moe.data.datamodule: `micro_batch_size x accumulate_grad_batches` per rank), and the
+step below does the rest, top to bottom, as torchtitan's `train_step` does:
+
+    zero_grad -> per micro-batch: seed, forward, loss, backward -> the gradients synchronised -> their norm
+    (once) -> the spike guard's decision -> clip -> optimizer step -> expert-bias update -> LR step -> the
+    step's numbers for metrics.csv
+
+What differs by hardware is a method of the backend (moe.backends.base.Backend): `micro_batch_sync` (DDP
+holds its all-reduce until the last micro-batch, DeepSpeed its reduction), `sync_grads` (what the
+library leaves to us: experts over expert-DP, partial gradients over TP, AMP's unscale), `grad_norm`,
+`clip_gradients`, `skip_update`, `all_reduce`. A pipelined model runs every micro-batch's forward and
+backward inside its schedule (`module.schedule`, moe.module.pipelined). Checkpoints, pre-emption, the
+progress bar and metrics.csv's row are callbacks after the step (moe.train.callbacks): the periphery.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moe.module.step_stats import logs_step, step_means
+from moe.parallel.apply import clear_replays
+
+
+@dataclass
+class StepRecord:
+    """What metrics.csv's row of a step reads (moe.train.metrics.RunMetrics)."""
+
+    step: int  # 1-based: the optimizer step just taken
+    logged: bool  # whether metrics.csv gets a row: then `means` and `grad_norm` were read back
+    means: dict | None = None  # losses and routing statistics averaged over every rank
+    grad_norm: float = math.nan  # before clipping (DeepSpeed, NxD: the one their optimizer computed)
+    skipped: bool = False  # the spike guard left the weights as they were
+
+
+def step_seed(seed: int, rank: int, step: int, micro: int) -> int:
+    """torch's seed before micro-batch `micro` of step `step` (0-based) on `rank`.
+
+    Router jitter draws from torch's global generator; whatever else draws from it (a data loader
+    starting, validation) differs between a resumed and an uninterrupted run. Seeding per micro-batch
+    makes each step's noise a function of where it is in the run, so a resume replays it exactly without
+    saving generator states (fairseq seeds per update the same way)."""
+    digest = hashlib.blake2b(f"{seed}/{rank}/{step}/{micro}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def micro_batches(rows: dict, size: int) -> list[dict]:
+    """A step's rows cut into its micro-batches of `size` rows, in order."""
+    pieces = {key: value.split(size) for key, value in rows.items()}
+    return [dict(zip(pieces, parts, strict=True)) for parts in zip(*pieces.values(), strict=True)]
+
+
+class TrainStep:
+    """The optimizer step of `module` (LitMoE or NeuronLitMoE) on its backend.
+
+    The module gives the pieces: `micro_batch_loss(batch) -> (loss, lm_loss, routing)`, `schedule` (a
+    pipeline's, else None), `step_stats`, `count_expert_picks` and `expert_bias`, `monitor_routing`; the
+    guard (moe.train.guard.SpikeGuard, None: no guard) decides whether the update is taken.
+    """
+
+    def __init__(self, module, *, seed: int, grad_clip: float, log_every: int, max_steps: int, guard=None):
+        self.module, self.backend = module, module.backend
+        self.seed, self.grad_clip, self.guard = seed, float(grad_clip or 0.0), guard
+        self.log_every, self.max_steps = log_every, max_steps
+        self.last: StepRecord | None = None
+
+    def __call__(self, rows: dict, *, step: int, rank: int, micro_batch_size: int) -> torch.Tensor:
+        """Optimizer step `step` (1-based) on this rank's rows; returns the step's mean loss (detached)."""
+        module, backend = self.module, self.backend
+        optimizer, scheduler = module.optimizers(), module.lr_schedulers()
+        logged = logs_step(step, self.log_every, self.max_steps)
+        module.step_stats.reset()
+        module.monitor_routing(logged)  # the drop, load and entropy numbers only where metrics.csv reads them
+        optimizer.zero_grad()
+
+        # 1. forward and backward of every micro-batch (a pipeline's schedule runs them all at once)
+        batches = micro_batches(rows, micro_batch_size)
+        if module.schedule is not None:
+            torch.manual_seed(step_seed(self.seed, rank, step - 1, 0))
+            loss = module.schedule.forward_backward(module, batches)
+        else:
+            losses = []
+            for i, batch in enumerate(batches):
+                torch.manual_seed(step_seed(self.seed, rank, step - 1, i))  # router jitter replays on resume
+                clear_replays(module.model)
+                with backend.micro_batch_sync(module, last=i == len(batches) - 1):
+                    loss, lm_loss, routing = module.micro_batch_loss(batch)
+                    module.manual_backward(loss / len(batches))
+                module.step_stats.add(loss=loss, lm_loss=lm_loss, routing=routing,
+                                      tokens=batch["input_ids"].numel())
+                module.count_expert_picks(routing)
+                losses.append(loss.detach())
+            loss = torch.stack(losses).mean()
+
+        # 2. the gradients: synchronised where the library leaves it to us, their global norm once
+        backend.sync_grads(module)
+        norm = backend.grad_norm(module)
+
+        # 3. the spike guard decides from the step's loss over every rank and the norm; else clip
+        skipped = self.guard is not None and self.guard.skips(step, module, norm)
+        if skipped:
+            backend.skip_update(module)
+        elif self.grad_clip > 0:
+            backend.clip_gradients(module, norm, self.grad_clip)
+
+        # 4. the update: weights, then the routers' expert bias, then the learning rate
+        optimizer.step()
+        if module.expert_bias is not None:  # every rank of the stage holds these layers
+            module.expert_bias.step(lambda t: backend.all_reduce(module, t, "sum", stage_only=True))
+        scheduler.step()
+
+        # 5. the step's numbers for metrics.csv: read back from the device only on a logged step
+        self.last = StepRecord(step=step, logged=logged, skipped=skipped)
+        if logged:
+            self.last.means = step_means(module)
+            after = backend.grad_norm_after_step(module) if backend.norm_after_step else None
+            self.last.grad_norm = float(norm) if not backend.norm_after_step else (
+                math.nan if after is None else after)
+        return loss

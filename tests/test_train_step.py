@@ -1,0 +1,39 @@
+"""The optimizer step (moe.module.train_step): a step's rows cut into its micro-batches in order, and
+accumulation that equals one larger batch (each micro-batch's loss divided once by their count)."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from moe.module.train_step import micro_batches
+
+EXACT = ("moe_opt=dropless", "moe_opt.aux_loss_coeff=0", "moe_opt.z_loss_coeff=0", "trainer.max_steps=3",
+         "trainer.limit_val_batches=0", "trainer.save_checkpoints=false", "optimizer.grad_clip=0.5")
+
+
+def test_a_steps_rows_are_cut_into_its_micro_batches_in_order():
+    rows = {"input_ids": torch.arange(12).reshape(6, 2), "labels": -torch.arange(12).reshape(6, 2)}
+    parts = micro_batches(rows, 2)
+    assert [p["input_ids"][:, 0].tolist() for p in parts] == [[0, 2], [4, 6], [8, 10]]
+    assert all(torch.equal(p["labels"], -p["input_ids"]) for p in parts)
+
+
+def _metrics(run_dir) -> list[dict]:
+    with (run_dir / "metrics.csv").open(newline="") as f:
+        return [r for r in csv.DictReader(f) if r["loss"]]
+
+
+def test_two_micro_batches_of_4_step_as_one_batch_of_8(train_here, tmp_path):
+    """Without router terms (their statistics are per forward) and dropless, the mean of 2 micro-batch losses
+    is the loss of their 8 rows: same losses, gradient norms (clipped at 0.5) and so the same updates."""
+    one = train_here(*EXACT, "trainer.micro_batch_size=8", run_dir=tmp_path / "one")
+    two = train_here(*EXACT, "trainer.micro_batch_size=4", "trainer.accumulate_grad_batches=2",
+                     run_dir=tmp_path / "two")
+    got, want = _metrics(two), _metrics(one)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == ["1", "2", "3"]
+    for a, b in zip(got, want, strict=True):
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), abs=2e-5)
+        assert float(a["grad_norm"]) == pytest.approx(float(b["grad_norm"]), rel=1e-4)
+        assert float(b["grad_norm"]) > 0.5  # the clipping acted on every step
