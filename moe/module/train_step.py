@@ -118,7 +118,6 @@ class TrainStep:
         self.last = StepRecord(step=step, logged=logged, skipped=skipped)
         if logged:
             self.last.means = step_means(module)
-            after = backend.grad_norm_after_step(module) if backend.norm_after_step else None
-            self.last.grad_norm = float(norm) if not backend.norm_after_step else (
-                math.nan if after is None else after)
+            logged_norm = backend.grad_norm_after_step(module) if backend.norm_after_step else float(norm)
+            self.last.grad_norm = math.nan if logged_norm is None else logged_norm
         return loss
