@@ -51,8 +51,9 @@ test-floor: ## every backend's parity tests, bf16 and the GPU emulations on the 
 	@VENV=$(FLOOR_VENV) bash tests/floor/setup.sh
 	$(FLOOR_VENV)/bin/python -m pytest -q -m '' $(FLOOR_TESTS) $(ARGS)
 
-GPU_PYTHON ?= python3
-gpu-check: ## on CUDA GPUs, from a checkout (no venv): every GPU path trains 30 steps of moe_1b at seq 2048, one table, then the GPU benches; ARGS=--cpu-smoke here
+# the venv's Python where there is one, else the image's
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check: ## on CUDA GPUs, from a checkout (the venv's Python if any, else python3): every GPU path trains 30 steps of moe_1b at seq 2048, one table, then the GPU benches; ARGS=--cpu-smoke here
 	$(GPU_PYTHON) bench/gpu_check.py $(ARGS)
 
 smoke: $(STAMP) ## 20-step CPU run plus dry runs of the trn1, gpu (DeepSpeed), gpu_fsdp2 (pipelined too) and trn2 presets

@@ -10,9 +10,9 @@ entry point wrapped in `exit_on_user_error`) so the matrix stays fast; the comma
 and one end-to-end case per entry point run the real scripts in a subprocess.
 """
 import contextlib
-import errno
 import io
-import os
+import json
+import resource
 import shutil
 from pathlib import Path
 
@@ -439,18 +439,26 @@ def test_infer_refuses_a_corrupt_checkpoint_without_its_sidecar(tmp_path):
     assert f"error: ckpt='{ckpt}' fails the CRC-32 of its record" in proc.stderr and "Fix: " in proc.stderr
 
 
-def test_disk_full_while_saving_a_checkpoint(tmp_path, monkeypatch):
-    """ENOSPC half-way through a save: one paragraph, the temporary file removed, no summary.json."""
-    def full_disk(obj, f, *args, **kwargs):
-        f.write(b"PK" + bytes(1000))
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+@contextlib.contextmanager
+def file_size_limit(size: int):
+    """Writes past `size` bytes fail as on a full disk (RLIMIT_FSIZE: EFBIG; Python ignores SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
-    monkeypatch.setattr(torch, "save", full_disk)
+
+def test_disk_full_while_saving_a_checkpoint(tmp_path):
+    """A real write failing half-way through a save (a file-size limit below one checkpoint): one paragraph,
+    the temporary file removed, no summary.json (it was torch's `RuntimeError: ... unexpected pos`)."""
     run_dir = tmp_path / "run"
-    code, err = run_train(run_dir, "trainer.max_steps=2", "model.num_layers=1", "trainer.progress_bar=false")
+    with file_size_limit(2 * 2**20):
+        code, err = run_train(run_dir, "trainer.max_steps=2", "model.num_layers=1")
     assert code == 2 and "Traceback" not in err, err
     ckpt = run_dir / "checkpoints" / "step-000002.ckpt"
-    assert (f"error: checkpoint='{ckpt}' could not be written (No space left on device); its temporary "
+    assert (f"error: checkpoint='{ckpt}' could not be written (File too large); its temporary "
             "file was removed. Fix: free space") in err
     assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "summary.json").exists()
     assert not list((run_dir / "checkpoints").iterdir())
@@ -619,6 +627,21 @@ def test_init_from_a_safetensors_file_cut_short(tmp_path):
     (hf / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     code, err = run_train(tmp_path / "run", f"model.init_from_hf={hf}")
     assert_user_error(code, err, "model.init_from_hf", repr(str(hf)), "git lfs pull", "cut short")
+
+
+def test_init_from_a_dir_whose_config_says_more_experts_than_its_weights_hold(tmp_path):
+    """config.json with 16 experts beside weights of 8: refused at start-up, before any run dir, naming the
+    tensor and both shapes (it was a traceback from the model's materialisation, mid-run)."""
+    hf = hf_dir_with(tmp_path, None)
+    config = json.loads((hf / "config.json").read_text())
+    experts, hidden = config["num_local_experts"], config["hidden_size"]
+    (hf / "config.json").write_text(json.dumps({**config, "num_local_experts": 2 * experts}))
+    code, err = run_train(tmp_path / "run", f"model.init_from_hf={hf}")
+    assert_user_error(code, err, "model.init_from_hf", repr(str(hf)),
+                      "use the config.json saved with these weights",
+                      f"holds our layers.0.ffn.router.weight as ({experts}, {hidden}), where its config.json "
+                      f"implies ({2 * experts}, {hidden})")
+    assert not (tmp_path / "run").exists()
 
 
 def test_infer_from_an_hf_dir_whose_weights_file_is_empty(tmp_path):

@@ -48,3 +48,14 @@ def test_every_bench_script_loads_from_a_checkout_without_the_package_installed(
     assert proc.returncode == 0, proc.stderr[-3000:]
     failures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(SCRIPTS) >= 11 and failures == {}, failures
+
+
+def test_make_gpu_check_runs_the_venvs_python_where_there_is_one(tmp_path):
+    """A fresh clone's `make gpu-check ARGS=--cpu-smoke` runs on the venv `make setup` made (the system
+    python3 may have no torch); without a venv, the image's python3."""
+    for venv, python in ((REPO / ".venv", ".venv/bin/python"), (tmp_path / "none", "python3")):
+        command = ["make", "-n", "--no-print-directory", "-C", str(REPO), "gpu-check", f"VENV={venv}",
+                   "ARGS=--cpu-smoke"]
+        said = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        assert said.split()[:3] == [str(venv / "bin/python") if venv.exists() else python,
+                                    "bench/gpu_check.py", "--cpu-smoke"]

@@ -74,6 +74,18 @@ def test_generation_from_a_checkpoint_matches_the_generator(ckpt, tmp_path, caps
     assert "=== [0] Once upon a time" in printed and "9 new tokens" in printed and "tokens/s" in printed
 
 
+def test_generation_stops_at_the_models_context_and_says_so(ckpt, capsys):
+    """max_position_embeddings=128: a prompt of n tokens gets 128 - n new ones, not max_new_tokens=100000
+    (which ran past the context for minutes); a prompt that fills the context alone is refused."""
+    results = run(icfg(ckpt=str(ckpt), prompt="Once upon a time", max_new_tokens=100000, stop_at_eos=False))
+    n = results[0]["prompt_tokens"]
+    assert results[0]["new_tokens"] == 128 - n
+    assert f"note: max_new_tokens=100000 capped to {128 - n}" in capsys.readouterr().err
+    with pytest.raises(UserError, match="prompt='2.. tokens' leaves no room to generate in "
+                                        "model.max_position_embeddings=128"):
+        run(icfg(ckpt=str(ckpt), prompt="time " * 200, max_new_tokens=4))
+
+
 def test_chat_template_batches_and_seeds(ckpt, tmp_path):
     prompts = tmp_path / "p.jsonl"
     rows = ['{"prompt": "What is 2 plus 3?"}', '{"prompt": "Tom"}', "", '{"prompt": "A longer prompt, here"}']

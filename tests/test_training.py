@@ -89,9 +89,17 @@ def test_relaunch_after_a_kill_resumes_and_ends_at_the_same_step(tmp_path):
 
 
 @pytest.mark.slow  # two processes
-def test_two_process_ddp_run(train_run):
-    run_dir, _ = train_run("parallel=dp2", "trainer.devices=2", "trainer.max_steps=20",
-                           "trainer.micro_batch_size=4", "trainer.val_check_interval=10", timeout=600)
+def test_two_process_ddp_run(train_run, tmp_path):
+    """Also: the val_loss Lightning's loggers and callbacks get is metrics.csv's, the mean over both ranks."""
+    probe = tmp_path / "val_loss"
+    run_dir, proc = train_run("parallel=dp2", "trainer.devices=2", "trainer.max_steps=20",
+                              "trainer.micro_batch_size=4", "trainer.val_check_interval=10",
+                              "+callbacks.val_probe._target_=tests._val_probe.ValLossProbe",
+                              f"+callbacks.val_probe.path={probe}", timeout=600)
+    logged = [json.loads(probe.with_name(f"val_loss.{rank}.json").read_text()) for rank in (0, 1)]
+    in_csv = [float(r["val_loss"]) for r in rows(run_dir) if r["val_loss"]]
+    assert len(in_csv) == 2 and logged[0] == logged[1] == pytest.approx(in_csv, abs=1e-6)
+    assert "sync_dist=True" not in proc.stderr + proc.stdout  # Lightning's warning about a rank's own value
     train = train_rows(run_dir)
     assert [int(r["step"]) for r in train] == list(range(1, 21))
     assert float(train[-1]["loss"]) < float(train[0]["loss"])

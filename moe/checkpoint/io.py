@@ -30,15 +30,21 @@ class CorruptCheckpoint(Exception):
 
 
 class _HashingWriter:
-    """File wrapper that hashes what torch.save streams through it."""
+    """File wrapper that hashes what torch.save streams through it, and keeps the OSError a write raised
+    (torch's zip writer turns it into `RuntimeError: ... unexpected pos`)."""
 
     def __init__(self, f):
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.sha.update(data)
         self.size += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -85,7 +91,12 @@ def atomic_torch_save(obj: Any, path: str | Path) -> dict:
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
-            torch.save(obj, writer)
+            try:
+                torch.save(obj, writer)
+            except RuntimeError as err:
+                if writer.error is None:
+                    raise
+                raise writer.error from err  # the file system's refusal, not torch's position check
             f.flush()
             os.fsync(f.fileno())
         record = {"sha256": writer.sha.hexdigest(), "bytes": writer.size, "global_step": step}
@@ -96,7 +107,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> dict:
             f.flush()
             os.fsync(f.fileno())
         os.replace(meta_tmp, meta)
-    except OSError as err:  # ENOSPC, EDQUOT, EACCES, EROFS...: leave nothing that fills the disk further
+    except OSError as err:  # ENOSPC, EDQUOT, EFBIG, EACCES, EROFS: leave nothing that fills the disk further
         remove(tmp)
         remove(meta_tmp)
         raise unwritable(path, err) from err

@@ -119,9 +119,16 @@ def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "mode
 
     def source(name: str, shape, first_expert: int | None) -> torch.Tensor:
         experts = None if first_expert is None else range(first_expert, first_expert + shape[0])
-        value = read(name, files.get, experts)
+        fix = ("use the config.json saved with these weights (save_pretrained writes both), or weights "
+               "saved for this config.json")
+        try:
+            value = read(name, files.get, experts)
+        except KeyError as err:
+            raise UserError(field, str(path), fix, problem=f"has no tensor {err.args[0]} for our {name}, "
+                            "which its config.json implies") from None
         if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"{path}: {name} is {tuple(value.shape)}, the model expects {tuple(shape)}")
+            raise UserError(field, str(path), fix, problem=f"holds our {name} as {tuple(value.shape)}, where "
+                            f"its config.json implies {tuple(shape)}")
         return check_finite(name, value, path, field)
 
     return source
@@ -151,6 +158,9 @@ def read_hf_config(path: str | Path, field: str):
     return config
 
 
+LEGACY_ROPE_KEYS = {"rope_theta", "rope_scaling", "partial_rotary_factor"}
+
+
 def warn_unknown_keys(config, path) -> list[str]:
     """Keys of config.json its transformers config class does not define (a typo, or another model's
     option): nothing reads them, so the model built is the one the known keys describe. Said in one line
@@ -160,6 +170,8 @@ def warn_unknown_keys(config, path) -> list[str]:
     from transformers import PretrainedConfig
 
     known = set(inspect.signature(type(config).__init__).parameters) | set(PretrainedConfig().to_dict())
+    if hasattr(config, "rope_parameters"):  # transformers 5 reads 4.x's RoPE keys into rope_parameters
+        known |= LEGACY_ROPE_KEYS  # (modeling_rope_utils.py:776-786 at 5.24; our export writes rope_theta)
     unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)
     if unknown:
         print(f"warning: {Path(path) / 'config.json'} has keys {config.model_type} does not define, ignored: "

@@ -199,11 +199,6 @@ def run(cfg) -> list[dict] | Path:
         texts = [chat_prefix(p, loaded.chat_template) if cfg.chat else p for p in prompts]
     rendered = cfg.chat and loaded.tokenizer_template
     results, runs = generate_texts(loaded, texts, cfg, add_special_tokens=not rendered)
-    longest = max(r["prompt_tokens"] + r["new_tokens"] for r in results)
-    limit = loaded.model.cfg.max_position_embeddings
-    if longest > limit:
-        print(f"note: {longest} tokens exceed model.max_position_embeddings={limit}; the model never saw "
-              "positions that far in training", file=sys.stderr)
     for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
         print(f"=== [{i}] {prompt}\n{res['completion']}")
     total, seconds = sum(g.num_new_tokens for g in runs), sum(g.seconds for g in runs)
@@ -215,6 +210,22 @@ def run(cfg) -> list[dict] | Path:
     if cfg.output_file:
         Path(cfg.output_file).write_text("".join(json.dumps(r) + "\n" for r in results))
     return results
+
+
+def new_tokens_that_fit(max_new_tokens: int, prompt_tokens: int, context: int) -> int:
+    """max_new_tokens, capped (with a one-line note) so the prompt and its continuation stay within the
+    model's context (model.max_position_embeddings): past it the positions are ones the model never had.
+    A prompt that alone fills the context is refused."""
+    if prompt_tokens >= context:
+        raise UserError("prompt", f"{prompt_tokens} tokens", f"shorten the prompt below {context} tokens, or "
+                        "use a model with a longer context (model.max_position_embeddings)",
+                        problem=f"leaves no room to generate in model.max_position_embeddings={context}")
+    fits = context - prompt_tokens
+    if max_new_tokens > fits:
+        print(f"note: max_new_tokens={max_new_tokens} capped to {fits}: a prompt of {prompt_tokens} tokens "
+              f"plus {fits} new fill model.max_position_embeddings={context}, the model's context",
+              file=sys.stderr)
+    return min(max_new_tokens, fits)
 
 
 def generate_texts(loaded: Loaded, texts: list[str], cfg,
@@ -236,7 +247,8 @@ def generate_texts(loaded: Loaded, texts: list[str], cfg,
                 raise UserError("prompt", text, "give a prompt with at least one token", problem="is empty")
         ids_BS, mask_BS = left_pad(encoded, pad_id)
         out: Generation = generate(
-            model, ids_BS, mask_BS, max_new_tokens=cfg.max_new_tokens,
+            model, ids_BS, mask_BS, max_new_tokens=new_tokens_that_fit(cfg.max_new_tokens, ids_BS.shape[1],
+                                                                        model.cfg.max_position_embeddings),
             temperature=0.0 if greedy else cfg.temperature,
             top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=loaded.eos_ids if cfg.stop_at_eos else None,
             pad_token_id=pad_id, generator=gen, use_cache=cfg.use_cache, vocab_limit=len(tok))

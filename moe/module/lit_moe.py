@@ -10,6 +10,7 @@ groups and step through its own NxD module (moe/backends/neuron/module.py).
 from __future__ import annotations
 
 import itertools
+import math
 
 import lightning as L
 import torch
@@ -17,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe.model.model import ModelOutput, MoETransformer
 from moe.module.optim import build_optimizer, build_scheduler
-from moe.module.step_stats import StepStats
+from moe.module.step_stats import StepStats, validation_loss
 from moe.module.train_step import TrainStep
 from moe.parallel.apply import moe_layers
 from moe.ranks import trainer_of
@@ -38,6 +39,7 @@ class LitMoE(L.LightningModule):
         with torch.device("meta" if on_meta else "cpu"):
             self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)
         self.step_stats, self.val_stats = StepStats(), StepStats()
+        self.val_loss = float("nan")  # the last validation pass's, over every rank
         self._parallelized = False
         self.expert_bias = None  # moe.module.expert_bias.ExpertBiasUpdate, made at the first step
         self.schedule = None  # moe.module.pipelined.PipelineSchedule, set by a backend that pipelines
@@ -96,9 +98,16 @@ class LitMoE(L.LightningModule):
         if self.schedule is not None:
             return self.schedule.validation_step(self, batch)
         out = self.model(batch["input_ids"], labels_BS=batch["labels"])
-        self.val_stats.add_losses(out.lm_loss, out.lm_loss)  # RunMetrics sums it over ranks for metrics.csv
-        self.log("val_loss", out.lm_loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.val_stats.add_losses(out.lm_loss, out.lm_loss)  # summed over every rank at the pass's end
         return out.lm_loss
+
+    def on_validation_epoch_end(self) -> None:
+        """`val_loss` for the progress bar, loggers and callbacks (EarlyStopping): the mean over every
+        rank's batches, as metrics.csv has it. It is the same on every rank, so Lightning's mean over ranks
+        (sync_dist, without which it warns in a multi-process run) keeps it."""
+        self.val_loss = validation_loss(self)
+        if not math.isnan(self.val_loss):
+            self.log("val_loss", self.val_loss, prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):
         optimizer = build_optimizer(self.model, self.cfg.optimizer)

@@ -124,5 +124,13 @@ def step_means(module) -> dict[str, float]:
     return means
 
 
+def validation_loss(module) -> float:
+    """The LM loss over every rank's batches of the validation pass just run (one sum-reduce, every rank
+    takes part), NaN where no rank holds one; the pass's sums start anew."""
+    totals = module.backend.all_reduce(module, module.val_stats.totals(module.device), "sum")
+    module.val_stats.reset()
+    return means_from_totals(totals)["lm_loss"]
+
+
 def _detached(value):
     return value.detach().float() if torch.is_tensor(value) else float(value)

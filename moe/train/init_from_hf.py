@@ -62,6 +62,8 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
     for key, value in arch.items():
         if key not in KEEP_FROM_USER:
             cfg.model[key] = value
+    if field == "model.init_from_hf":
+        check_weights_fit_config(cfg, Path(path).expanduser(), field)
     if not (Path(path) / "tokenizer.json").is_file():
         return None  # the data module still checks that the data's ids fit model.vocab_size
     data_tok = _data_tokenizer_dir(cfg.data)
@@ -71,6 +73,24 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
     if data_tok is not None:
         _check_same_ids(data_tok, Path(path), cfg.data)
     return None
+
+
+def check_weights_fit_config(cfg: DictConfig, path: Path, field: str) -> None:
+    """At start-up, before a run dir exists: the final norm and the routers of the first and last MoE layer
+    read from DIR's safetensors in the shapes its config.json implies, so weights saved for another config
+    (another expert count, width or depth) are refused here, not mid-run. Small tensors only."""
+    import torch
+
+    from moe.hf import tensor_source
+    from moe.model import MoETransformer
+
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in
+                  MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed).named_parameters()}
+    routers = [name for name in shapes if name.endswith("router.weight")]
+    source = tensor_source(path, cfg.model, cfg.seed, field)
+    for name in dict.fromkeys(["norm.weight", *routers[:1], *routers[-1:]]):
+        source(name, shapes[name], None)
 
 
 def _data_tokenizer_dir(data) -> Path | None:

@@ -20,7 +20,6 @@ import torch
 
 from moe.checkpoint.io import write_json_atomic
 from moe.model.moe import expert_kernel
-from moe.module.step_stats import means_from_totals
 from moe.train.console import STEP_LOGGER, log_step
 
 METRIC_COLUMNS = [
@@ -125,15 +124,12 @@ class RunMetrics(L.Callback):
                 logger.log_metrics(numeric, step=step)
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        """The LM loss over every rank's validation batches (all ranks take part in the sum)."""
-        stats = pl_module.val_stats
-        totals = pl_module.backend.all_reduce(pl_module, stats.totals(pl_module.device), "sum")
-        val = means_from_totals(totals)
-        stats.reset()
-        if trainer.is_global_zero and not trainer.sanity_checking and not math.isnan(val["lm_loss"]):
-            self._append({"step": trainer.global_step, "val_loss": val["lm_loss"]})
+        """The pass's LM loss over every rank's validation batches (the module's, computed at its end)."""
+        val_loss = pl_module.val_loss
+        if trainer.is_global_zero and not trainer.sanity_checking and not math.isnan(val_loss):
+            self._append({"step": trainer.global_step, "val_loss": val_loss})
             logging.getLogger(STEP_LOGGER).info(f"step {trainer.global_step}/{trainer.max_steps} "
-                                                f"val_loss {val['lm_loss']:.4f}")
+                                                f"val_loss {val_loss:.4f}")
 
     # -- end of run ---------------------------------------------------------------------------
     def on_train_end(self, trainer, pl_module) -> None:

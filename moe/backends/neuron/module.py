@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe.backends.neuron.causal_lm import pop_routing
 from moe.backends.neuron.layers import build_model
 from moe.module.optim import build_scheduler, param_groups
-from moe.module.step_stats import StepStats
+from moe.module.step_stats import StepStats, validation_loss
 from moe.module.train_step import TrainStep
 
 
@@ -42,6 +42,7 @@ class NeuronLitMoE(NeuronLTModule):
         self.save_hyperparameters({"cfg": container})
         self.cfg, self.backend = run_cfg, backend
         self.step_stats, self.val_stats = StepStats(), StepStats()
+        self.val_loss = float("nan")  # the last validation pass's, over every rank
         self.pp = backend.dims.pp
         self.schedule = NxDPipelineSchedule() if self.pp > 1 else None
         self.expert_bias = None  # no aux-loss-free balancing on trn1 (moe.config.validate.check_neuron)
@@ -105,6 +106,9 @@ class NeuronLitMoE(NeuronLTModule):
         if lm is not None:
             self.val_stats.add_losses(lm, lm)
         return lm
+
+    def on_validation_epoch_end(self) -> None:
+        self.val_loss = validation_loss(self)  # metrics.csv's (moe.train.metrics.RunMetrics)
 
 
 
