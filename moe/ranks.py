@@ -10,6 +10,15 @@ def is_rank_zero() -> bool:
     return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
 
 
+def device_of(module):
+    """Where this rank's parameters live: the strategy's device once a Trainer holds the module, else the
+    CPU."""
+    import torch
+
+    trainer = trainer_of(module)
+    return trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+
+
 def trainer_of(module):
     """The Trainer a LightningModule is attached to, or None: Lightning's `module.trainer` raises where
     there is none (a module built for a test, or restored before fit)."""

@@ -12,7 +12,6 @@ import moe.model.routing as routing_module
 import moe.parallel.comm as comm_module
 from moe.config import ModelConfig, MoEOptConfig
 from moe.model import MoETransformer
-from moe.parallel.dims import ParallelDims
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
             num_experts=4, top_k=2)
@@ -94,14 +93,14 @@ def test_local_moe_layer_reads_nothing_back(monkeypatch, capacity_factor):
 def test_allow_tf32_sets_the_fp32_matmul_precision(allow):
     from omegaconf import OmegaConf
 
-    from moe.backends.ddp import DDPBackend
     from moe.config import TrainConfig
+    from moe.train.environment import apply_torch_settings
 
     cfg = OmegaConf.structured(TrainConfig)
     cfg.hardware.allow_tf32 = allow
     before = torch.get_float32_matmul_precision()
     try:
-        DDPBackend(cfg, ParallelDims.from_config(cfg)).apply_torch_settings()
+        apply_torch_settings(cfg)
         assert torch.get_float32_matmul_precision() == ("high" if allow else "highest")
     finally:
         torch.set_float32_matmul_precision(before)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from moe.config.specs import SPECS, BackendSpec
 from moe.parallel.dims import ExpertGroups, ParallelDims
 from moe.parallel.parallelize import Steps, parallelize
-from moe.ranks import trainer_of
+from moe.ranks import device_of
 
 
 @dataclass
@@ -40,8 +40,6 @@ class Backend:
     # True where the optimizer computes the gradient norm inside its step and reports it after
     # (DeepSpeed, NxD): there gradients are not in `param.grad` for `grad_norm` to read.
     norm_after_step: ClassVar[bool] = False
-    # True where the library all-reduces expert gradients over the expert-data-parallel group itself.
-    reduces_expert_grads: ClassVar[bool] = False
 
     def __init__(self, cfg, dims: ParallelDims):
         self.cfg, self.dims = cfg, dims
@@ -68,26 +66,6 @@ class Backend:
         return {**({"OMP_NUM_THREADS": str(threads)} if threads else {}),
                 **{str(k): str(v) for k, v in self.cfg.hardware.env.items()}}
 
-    def collective_timeout(self):
-        """The timedelta the strategy makes the world group with (long enough for every peer to start);
-        every other group made from now on waits parallel.collective_timeout_s for a peer
-        (moe.parallel.comm.set_collective_timeout), and so does the world group after the rendezvous
-        (shorten_world_timeout)."""
-        from moe.parallel.comm import set_collective_timeout
-
-        return set_collective_timeout(self.cfg.parallel.collective_timeout_s)
-
-    def shorten_world_timeout(self) -> None:
-        """Every peer has joined: the world group's collectives now wait parallel.collective_timeout_s."""
-        from moe.parallel.comm import apply_collective_timeout
-
-        apply_collective_timeout(self.cfg.parallel.collective_timeout_s)
-
-    def apply_torch_settings(self) -> None:
-        """Process-wide torch settings the hardware group asks for: hardware.allow_tf32 lets CUDA run
-        fp32 matmuls on TF32 tensor cores (torch.set_float32_matmul_precision "high"), else full fp32."""
-        torch.set_float32_matmul_precision("high" if self.cfg.hardware.allow_tf32 else "highest")
-
     def build_module(self, resuming: bool = False, guard=None):
         """The LightningModule that trains `moe.model.MoETransformer` on this backend, built on the meta
         device: `parallelize` gives each rank storage and values for its own shard only."""
@@ -106,12 +84,6 @@ class Backend:
 
         field = "model.init_from_hf" if model.init_from_hf else "model.upcycle_from_hf"
         return tensor_source(model.init_from_hf or model.upcycle_from_hf, model, self.cfg.seed, field)
-
-    @staticmethod
-    def device_of(module) -> torch.device:
-        """Where this rank's parameters live: the strategy's device once a Trainer holds the module."""
-        trainer = trainer_of(module)
-        return trainer.strategy.root_device if trainer is not None else torch.device("cpu")
 
     @property
     def checkpoint_format(self):
@@ -146,7 +118,7 @@ class Backend:
             self.expert_groups = self.make_expert_groups()
         return Steps(ep_group=self.expert_groups.ep if self.dims.ep_enabled else None,
                      load_balance_group=_load_balance_group(self.cfg),
-                     device=self.device_of(module), source=self.initial_source())
+                     device=device_of(module), source=self.initial_source())
 
     @classmethod
     def simulated_steps(cls, cfg, dims: ParallelDims, fake_mode) -> Steps:

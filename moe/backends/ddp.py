@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from moe.backends.base import Backend, TrainerParts
 from moe.backends.checkpoints import FormatCheckpoints
 from moe.config.derived import precision_of
+from moe.parallel.comm import set_collective_timeout
 
 
 class DDPBackend(Backend):
@@ -30,11 +31,12 @@ class DDPBackend(Backend):
 
     def trainer_parts(self) -> TrainerParts:
         world, backend = self.dims.world, self.cfg.hardware.backend
+        timeout = set_collective_timeout(self.cfg.parallel.collective_timeout_s)  # the world group's
         if not self.checkpoint_format.whole_tensors:
             strategy = ShardedDDPStrategy(checkpoint_format=self.checkpoint_format, dims=self.dims,
-                                          process_group_backend=backend, timeout=self.collective_timeout())
+                                          process_group_backend=backend, timeout=timeout)
         else:
-            strategy = (DDPStrategy(process_group_backend=backend, timeout=self.collective_timeout())
+            strategy = (DDPStrategy(process_group_backend=backend, timeout=timeout)
                         if world > 1 else "auto")
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=strategy,
                             precision=precision_of(self.cfg), plugins=[])

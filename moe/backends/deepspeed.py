@@ -49,6 +49,7 @@ from moe.checkpoint.trust import load_trusted
 from moe.config.derived import precision, precision_of
 from moe.config.specs import REDUCE_BUCKET_ELEMENTS
 from moe.errors import UserError
+from moe.parallel.comm import set_collective_timeout
 from moe.parallel.dims import ExpertGroups
 from moe.parallel.expert_grads import expert_params
 
@@ -103,7 +104,6 @@ class DeepSpeedBackend(Backend):
     """ZeRO-1/2 and expert parallelism carved from data parallelism, through DeepSpeed's engine."""
 
     name = "deepspeed"
-    reduces_expert_grads = True  # DeepSpeed all-reduces expert grads over the expert-DP group itself
 
     def __init__(self, cfg, dims):
         super().__init__(cfg, dims)
@@ -118,7 +118,8 @@ class DeepSpeedBackend(Backend):
         self.strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg), dims=dims,
                                              checkpoint_format=self.checkpoint_format,
                                              process_group_backend=cfg.hardware.backend,
-                                             logging_level=logging.WARNING, timeout=self.collective_timeout())
+                                             logging_level=logging.WARNING,
+                                             timeout=set_collective_timeout(cfg.parallel.collective_timeout_s))
 
     def trainer_parts(self) -> TrainerParts:
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=self.strategy,

@@ -26,8 +26,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from moe.backends.base import Backend, TrainerParts
 from moe.backends.checkpoints import FormatCheckpoints
 from moe.config.derived import precision_of
+from moe.parallel.comm import set_collective_timeout
 from moe.parallel.dims import ExpertGroups
 from moe.parallel.parallelize import Steps
+from moe.ranks import device_of
 
 
 class FSDP2Backend(Backend):
@@ -39,7 +41,7 @@ class FSDP2Backend(Backend):
 
     def trainer_parts(self) -> TrainerParts:
         strategy = FSDP2Strategy(self, process_group_backend=self.cfg.hardware.backend,
-                                 timeout=self.collective_timeout())
+                                 timeout=set_collective_timeout(self.cfg.parallel.collective_timeout_s))
         accelerator = self.cfg.hardware.accelerator
         if accelerator == "torch_neuron":  # Lightning has none for TorchNeuron's device
             from moe.backends.torch_neuron import TorchNeuronAccelerator
@@ -61,7 +63,7 @@ class FSDP2Backend(Backend):
     def parallelize_steps(self, module) -> Steps:
         if self.dims.ep_enabled:
             self.expert_groups = ExpertGroups(ep=self.meshes.ep.get_group(), expert_dp=None)
-        return fsdp2_steps(self.cfg, self.dims, self.meshes, self.mixed_precision(), self.device_of(module),
+        return fsdp2_steps(self.cfg, self.dims, self.meshes, self.mixed_precision(), device_of(module),
                            self.initial_source())
 
     @classmethod

@@ -21,6 +21,7 @@ from moe.module.optim import build_optimizer, build_scheduler
 from moe.module.step_stats import StepStats, validation_loss
 from moe.module.train_step import TrainStep
 from moe.parallel.apply import moe_layers
+from moe.parallel.comm import apply_collective_timeout
 from moe.ranks import trainer_of
 
 
@@ -50,7 +51,7 @@ class LitMoE(L.LightningModule):
     def configure_model(self) -> None:
         """Parallelise once the process group exists, before the strategy wraps the model."""
         if not self._parallelized:
-            self.backend.shorten_world_timeout()
+            apply_collective_timeout(self.cfg.parallel.collective_timeout_s)  # every peer has joined
             self.backend.parallelize(self)
             self._parallelized = True
 

@@ -100,3 +100,11 @@ def check_wandb_key(name: str) -> None:
                       "export WANDB_API_KEY=... (or run `wandb login` once), or keep the default "
                       f"logger.{name}.offline=true and `wandb sync` the run dir later",
                       problem="sends metrics to Weights & Biases, and no API key is set up on this machine")
+
+
+def apply_torch_settings(cfg) -> None:
+    """Process-wide torch settings the hardware group asks for: hardware.allow_tf32 lets CUDA run fp32
+    matmuls on TF32 tensor cores (torch.set_float32_matmul_precision "high"), else full fp32."""
+    import torch
+
+    torch.set_float32_matmul_precision("high" if cfg.hardware.allow_tf32 else "highest")

@@ -78,6 +78,7 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) 
     from moe.data.tokenizer import copy_tokenizer_files
     from moe.train.callbacks import build_callbacks, build_loggers
     from moe.train.console import bar_shown, configure_output
+    from moe.train.environment import apply_torch_settings
     from moe.train.guard import RollbackRequested, SpikeGuard
     from moe.train.preemption import Preempted
 
@@ -91,7 +92,7 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) 
             check_resume_compatible(resume_from, cfg)
         backend = build_backend(cfg, dims)
         os.environ.update(backend.env())
-        backend.apply_torch_settings()
+        apply_torch_settings(cfg)
         if backend.num_threads():
             torch.set_num_threads(backend.num_threads())
         L.seed_everything(cfg.seed, workers=True, verbose=False)
