@@ -12,8 +12,10 @@ FP8 (torchao's float8 training) as an option. docs/BENCHMARKS.md records the fig
 The stack is moe.model.MoETransformer with Mixtral 8x7B's block (hidden 4096, 8 experts of 14336, top-2,
 GQA 32/8) and --layers blocks (default 4: 5.9B parameters, bf16 weights, what one 80 GB card holds with
 SGD's step), micro-batch x 4096 tokens, the chunked LM head and loss; each step is forward, backward and
-an SGD update. MFU = 6 x active parameters x tokens/s (plus attention's 12 x layers x hidden x seq per
-token) over the card's dense bf16 peak (--peak-tflops, default from the card's name).
+an SGD update. MFU is counted as summary.json counts it (moe.config.size.flops_per_token: 6 x the
+activated parameters without the input embedding, a lookup, plus attention's 6 x layers x heads x (qk + v
+dims) x seq per token, as torchtitan and Megatron count) over the card's dense bf16 peak (--peak-tflops,
+default from the card's name).
 """
 from __future__ import annotations
 
@@ -148,20 +150,20 @@ def main() -> None:
     name = "CPU (smoke)" if args.cpu_smoke else torch.cuda.get_device_name()
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     model, cfg = build(args, device)
-    from moe.config.size import param_breakdown
+    from moe.config.size import flops_per_token, param_breakdown
 
     sizes = param_breakdown(cfg)
     seq = 32 if args.cpu_smoke else args.seq_len
-    flops_per_token = 6 * sizes.active + 12 * cfg.num_layers * cfg.hidden_size * seq
+    flops = flops_per_token(cfg, seq)
     print(f"{name}: {cfg.num_layers} Mixtral-shaped blocks, {sizes.total / 1e9:.2f}B parameters "
           f"({sizes.active / 1e9:.2f}B active), micro-batch {args.micro_batch} x {seq}, bf16"
           + (", fp8 attention linears" if args.fp8 else "")
           + (f", compiled: {args.compile}" if args.compile else ""))
-    print("| routing | tokens/s | MFU |")
+    print("| routing | tokens/s | MFU (moe.config.size's count: no input embedding) |")
     print("|---|---|---|")
     for label, balanced in (("natural (the router's own picks)", False), ("forced balance", True)):
         rate = tokens_per_s(model, cfg, args, device, balanced)
-        mfu = f"{100 * rate * flops_per_token / (peak * 1e12):.1f}%" if peak else "- (pass --peak-tflops)"
+        mfu = f"{100 * rate * flops / (peak * 1e12):.1f}%" if peak else "- (pass --peak-tflops)"
         print(f"| {label} | {rate:,.0f} | {mfu} |")
     if args.profile:
         profile(model, cfg, args, device, args.profile)
