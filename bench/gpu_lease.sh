@@ -39,6 +39,7 @@ stage layer_mixtral 90 python3 bench/vs_torchtitan.py --device cuda --repeats 10
 stage layer_fine 80 python3 bench/vs_torchtitan.py --device cuda --repeats 10 --steps 12 \
   --hidden 2048 --width 1408 --experts 64 --top-k 6 --tokens 16384
 stage stack 90 python3 bench/gpu_moe_stack.py --profile "$OUT/prof_stack.txt"
+stage stack_accumulate 90 python3 bench/gpu_moe_stack.py --accumulate 8 --steps 4 --warmup 2
 # 3. the stack compiled as model.compile=true compiles it (the MoE layers' regions too)
 stage stack_compile 120 python3 bench/gpu_moe_stack.py --compile
 # 4. the other paths: do they train? two at a time on the card (their tokens/s are not timings)

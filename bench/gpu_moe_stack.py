@@ -6,16 +6,17 @@ FP8 (torchao's float8 training) as an option. docs/BENCHMARKS.md records the fig
     .venv/bin/python bench/gpu_moe_stack.py --fp8                # + torchao float8 linears (sm89+, torchao)
     .venv/bin/python bench/gpu_moe_stack.py --compile            # + compiled as model.compile=true does
     .venv/bin/python bench/gpu_moe_stack.py --compile all        # + the MoE layers compiled with their block
+    .venv/bin/python bench/gpu_moe_stack.py --accumulate 8       # one SGD step per 8 micro-batches
     .venv/bin/python bench/gpu_moe_stack.py --profile prof.txt   # + one step's kernels, by device time
     .venv/bin/python bench/gpu_moe_stack.py --cpu-smoke          # a tiny shape on the CPU: checks the script
 
 The stack is moe.model.MoETransformer with Mixtral 8x7B's block (hidden 4096, 8 experts of 14336, top-2,
 GQA 32/8) and --layers blocks (default 4: 5.9B parameters, bf16 weights, what one 80 GB card holds with
 SGD's step), micro-batch x 4096 tokens, the chunked LM head and loss; each step is forward, backward and
-an SGD update. MFU is counted as summary.json counts it (moe.config.size.flops_per_token: 6 x the
-activated parameters without the input embedding, a lookup, plus attention's 6 x layers x heads x (qk + v
-dims) x seq per token, as torchtitan and Megatron count) over the card's dense bf16 peak (--peak-tflops,
-default from the card's name).
+an SGD update (`--accumulate N`: one update per N micro-batches, as a run's global batch). MFU is counted
+as summary.json counts it (moe.config.size.flops_per_token: 6 x the activated parameters without the input
+embedding, a lookup, plus attention's 6 x layers x heads x (qk + v dims) x seq per token, as torchtitan and
+Megatron count) over the card's dense bf16 peak (--peak-tflops, default from the card's name).
 """
 from __future__ import annotations
 
@@ -68,9 +69,12 @@ def build(args, device):
     return model, cfg
 
 
-def train_step(model, ids, optimizer) -> None:
-    out = model(ids[:, :-1], labels_BS=ids[:, 1:])
-    out.loss.backward()
+def train_step(model, ids, optimizer, micro_batches: int = 1) -> None:
+    """One optimizer step over `micro_batches` forward + backward passes of `ids` (gradient accumulation, as
+    a real run's global batch: the update's cost is shared by them)."""
+    for _ in range(micro_batches):
+        out = model(ids[:, :-1], labels_BS=ids[:, 1:])
+        (out.loss / micro_batches).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -109,12 +113,12 @@ def tokens_per_s(model, cfg, args, device, balanced: bool) -> float:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            train_step(model, ids, optimizer)
+            train_step(model, ids, optimizer, args.accumulate)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
-        return args.micro_batch * seq / (sum(times) / len(times))
+        return args.accumulate * args.micro_batch * seq / (sum(times) / len(times))
     finally:
         moe_module.top_k_routing = natural
 
@@ -128,6 +132,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches per optimizer step (the SGD update's cost shared by them)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -156,7 +162,8 @@ def main() -> None:
     seq = 32 if args.cpu_smoke else args.seq_len
     flops = flops_per_token(cfg, seq)
     print(f"{name}: {cfg.num_layers} Mixtral-shaped blocks, {sizes.total / 1e9:.2f}B parameters "
-          f"({sizes.active / 1e9:.2f}B active), micro-batch {args.micro_batch} x {seq}, bf16"
+          f"({sizes.active / 1e9:.2f}B active), micro-batch {args.micro_batch} x {seq}"
+          + (f" x {args.accumulate} per step" if args.accumulate > 1 else "") + ", bf16"
           + (", fp8 attention linears" if args.fp8 else "")
           + (f", compiled: {args.compile}" if args.compile else ""))
     print("| routing | tokens/s | MFU (moe.config.size's count: no input embedding) |")
