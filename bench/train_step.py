@@ -5,7 +5,7 @@ same process, and both with torch's fused AdamW (transformers' Trainer default f
 training_args.py:806-811; ours: moe.module.optim.build_optimizer). Steps are interleaved (A, B, C,
 A, B, C, ...) so a neighbour loading the CPU hurts every variant alike; figures are medians over
 --steps of wall time. Both losses include the load-balance loss (HF: output_router_logits=True +
-labels; ours: as LitMoE.losses, the chunked LM head + cross-entropy plus the router terms). Each row
+labels; ours: as LitMoE.micro_batch_loss, the chunked LM head + cross-entropy plus the router terms). Each row
 also shows where the step's time goes (forward / backward / optimizer) and the step's peak memory
 (torch's MemTracker, one extra step per variant).
 
@@ -66,7 +66,7 @@ def hf_step(model, opt, ids, split):
 
 
 def our_step(model, opt, ids, split):
-    """As LitMoE.losses computes it: labels shifted by the data module (-100 at the end)."""
+    """As LitMoE.micro_batch_loss computes it: labels shifted by the data module (-100 at the end)."""
     t0 = time.perf_counter()
     labels = F.pad(ids[:, 1:], (0, 1), value=-100)
     out = model(ids, labels_BS=labels)

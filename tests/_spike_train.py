@@ -12,15 +12,15 @@ sys.path.insert(0, str(REPO))
 from moe.module.lit_moe import LitMoE  # noqa: E402
 
 SPIKE_STEP = int(os.environ["MOE_TEST_SPIKE_STEP"])
-_losses = LitMoE.losses
+_micro_batch_loss = LitMoE.micro_batch_loss
 
 
-def spiky_losses(self, batch):
-    loss, lm_loss, out = _losses(self, batch)
-    if self.training and self.trainer.global_step + 1 == SPIKE_STEP:
+def spiky_micro_batch_loss(self, batch):
+    loss, lm_loss, routing = _micro_batch_loss(self, batch)
+    if self.trainer.global_step + 1 == SPIKE_STEP:
         loss = loss * 50.0
-    return loss, lm_loss, out
+    return loss, lm_loss, routing
 
 
-LitMoE.losses = spiky_losses
+LitMoE.micro_batch_loss = spiky_micro_batch_loss
 runpy.run_path(str(REPO / "train.py"), run_name="__main__")
