@@ -13,7 +13,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from moe.config import ModelConfig, MoEOptConfig
-from moe.errors import ConfigError
+from moe.errors import ConfigError, UserError
 from moe.hf import from_hf, model_config_from_hf, to_hf
 from moe.hf.mixtral import Mixtral
 from moe.model import MoETransformer
@@ -185,7 +185,8 @@ def test_safetensors_read_lazily_give_our_tensors_expert_by_expert(tmp_path):
         assert torch.equal(source(name, tuple(value.shape), None), value), name
     gate_up = model.state_dict()["layers.1.ffn.experts.gate_up"]
     assert torch.equal(source("layers.1.ffn.experts.gate_up", (2, *gate_up.shape[1:]), 1), gate_up[1:3])
-    with pytest.raises(ValueError, match="expects"):
+    with pytest.raises(UserError, match=r"holds our layers.0.attn.o_proj.weight as \(32, 32\), where its "
+                                        r"config.json implies \(3, 3\)"):
         source("layers.0.attn.o_proj.weight", (3, 3), None)
 
 
