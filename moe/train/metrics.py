@@ -101,7 +101,8 @@ class RunMetrics(L.Callback):
             self._timed_seconds += seconds
         stats = pl_module.step_stats
         tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
-        pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
+        if trainer.progress_bar_callback is not None:  # only the bar reads it
+            pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
         if not record.logged:
             return  # nothing read back from the device on a step that is not logged
         row = {
