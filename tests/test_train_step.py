@@ -37,3 +37,34 @@ def test_two_micro_batches_of_4_step_as_one_batch_of_8(train_here, tmp_path):
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), abs=2e-5)
         assert float(a["grad_norm"]) == pytest.approx(float(b["grad_norm"]), rel=1e-4)
         assert float(b["grad_norm"]) > 0.5  # the clipping acted on every step
+
+
+def _loops(automatic_steps: int, manual_steps: int, batches: int) -> dict:
+    count = {"ready": batches, "completed": batches, "started": batches, "processed": batches}
+    return {"fit_loop": {
+        "epoch_loop.batch_progress": {"total": dict(count), "current": dict(count), "is_last_batch": False},
+        "epoch_loop.automatic_optimization.optim_progress": {"optimizer": {"step": {
+            "total": {"ready": automatic_steps, "completed": automatic_steps},
+            "current": {"ready": automatic_steps, "completed": automatic_steps}}}},
+        "epoch_loop.manual_optimization.optim_step_progress": {
+            "total": {"ready": manual_steps, "completed": manual_steps},
+            "current": {"ready": manual_steps, "completed": manual_steps}}}}
+
+
+@pytest.mark.parametrize("automatic, manual", [(30, 0), (0, 30)], ids=["lit_moe", "nxd"])
+def test_a_checkpoint_from_before_resumes_at_its_step(automatic, manual):
+    """Saved when a batch was a micro-batch (accumulation 4): LitMoE's under automatic optimization
+    (Lightning's global_step would restart at 0 under manual: the resumed run retrained from step 1), NxD's
+    already manual; both continue at step 30 with 30 batches counted. Today's are left as they are."""
+    from moe.module.train_step import upgrade_loop_state
+
+    old = {"loops": _loops(automatic, manual, 120), "hyper_parameters": {"cfg": {"trainer": {
+        "accumulate_grad_batches": 4}}}}
+    upgrade_loop_state(old)
+    loop = old["loops"]["fit_loop"]
+    assert loop["epoch_loop.manual_optimization.optim_step_progress"]["total"]["completed"] == 30
+    assert loop["epoch_loop.batch_progress"]["total"] == dict.fromkeys(("ready", "completed", "started",
+                                                                          "processed"), 30)
+    today = {"loops": _loops(0, 30, 30), "hyper_parameters": old["hyper_parameters"]}
+    upgrade_loop_state(today)
+    assert today["loops"] == _loops(0, 30, 30)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe.model.model import ModelOutput, MoETransformer
 from moe.module.optim import build_optimizer, build_scheduler
 from moe.module.step_stats import StepStats, validation_loss
-from moe.module.train_step import TrainStep
+from moe.module.train_step import TrainStep, upgrade_loop_state
 from moe.parallel.apply import moe_layers
 from moe.parallel.comm import apply_collective_timeout
 from moe.ranks import trainer_of
@@ -122,6 +122,7 @@ class LitMoE(L.LightningModule):
         self.backend.on_save_checkpoint(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        upgrade_loop_state(checkpoint)  # before Lightning restores its loops from it
         if trainer_of(self) is not None:  # schedulers exist when the strategy restores after setup
             from moe.module.optim import fit_scheduler_states
 

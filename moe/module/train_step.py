@@ -17,6 +17,7 @@ progress bar and metrics.csv's row are callbacks after the step (moe.train.callb
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 from dataclasses import dataclass
@@ -47,6 +48,30 @@ def step_seed(seed: int, rank: int, step: int, micro: int) -> int:
     saving generator states (fairseq seeds per update the same way)."""
     digest = hashlib.blake2b(f"{seed}/{rank}/{step}/{micro}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def upgrade_loop_state(checkpoint: dict) -> None:
+    """Lightning's loop counters of a checkpoint saved before the step was one method (automatic
+    optimization; a training batch was a micro-batch), as today's run counts them, in place: its optimizer
+    steps become manual optimization's (Lightning's global_step, else a resume would restart at step 0) and
+    its batches steps (the validation cadence counts them). NxD's older checkpoints, already manual, only
+    have their batches counted anew."""
+    loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not loop or "epoch_loop.manual_optimization.optim_step_progress" not in loop:
+        return
+    manual = loop["epoch_loop.manual_optimization.optim_step_progress"]
+    automatic = loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+    automatic = automatic.get("step")
+    if manual["total"]["completed"] == 0 and automatic and automatic["total"]["completed"] > 0:
+        loop["epoch_loop.manual_optimization.optim_step_progress"] = manual = copy.deepcopy(automatic)
+    trainer_cfg = checkpoint.get("hyper_parameters", {}).get("cfg", {}).get("trainer", {})
+    accumulate = int(trainer_cfg.get("accumulate_grad_batches", 1) or 1)
+    batches = loop.get("epoch_loop.batch_progress")
+    steps = manual["total"]["completed"]
+    if batches and accumulate > 1 and batches["total"]["completed"] == steps * accumulate:
+        for part in ("total", "current"):
+            batches[part] = {key: value // accumulate if isinstance(value, int) else value
+                             for key, value in batches[part].items()}
 
 
 def micro_batches(rows: dict, size: int) -> list[dict]:

@@ -26,7 +26,7 @@ from moe.backends.neuron.causal_lm import pop_routing
 from moe.backends.neuron.layers import build_model
 from moe.module.optim import build_scheduler, param_groups
 from moe.module.step_stats import StepStats, validation_loss
-from moe.module.train_step import TrainStep
+from moe.module.train_step import TrainStep, upgrade_loop_state
 
 
 class NeuronLitMoE(NeuronLTModule):
@@ -109,6 +109,9 @@ class NeuronLitMoE(NeuronLTModule):
 
     def on_validation_epoch_end(self) -> None:
         self.val_loss = validation_loss(self)  # metrics.csv's (moe.train.metrics.RunMetrics)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        upgrade_loop_state(checkpoint)  # before Lightning restores its loops from it
 
 
 
