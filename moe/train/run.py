@@ -109,7 +109,7 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) 
         guard = SpikeGuard.from_config(cfg, run_dir, fresh=not cfg.resume and not rolled_back)
         module = backend.build_module(resuming=bool(resume_from), guard=guard)
         parts = backend.trainer_parts()
-        trainer = L.Trainer(**dict(
+        trainer = L.Trainer(
             accelerator=parts.accelerator, strategy=parts.strategy, precision=parts.precision,
             plugins=with_atomic_io(parts.plugins, parts.strategy) or None,
             devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
@@ -122,7 +122,7 @@ def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) 
             default_root_dir=str(run_dir), enable_progress_bar=bar_shown(cfg.trainer.progress_bar),
             enable_checkpointing=False,  # the run's own StepCheckpoint (moe.train.step_checkpoint), if any
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,
-        ))
+        )
         if trainer.is_global_zero:
             copy_tokenizer_files(datamodule.tokenizer_dir, run_dir / "tokenizer")  # all inference needs
             if resume_from:
