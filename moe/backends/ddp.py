@@ -53,9 +53,9 @@ class DDPBackend(Backend):
         """DDP all-reduces in the backward of the step's last micro-batch only: `require_backward_grad_sync`
         (what `no_sync` toggles) is on for that backward alone. Lightning runs the whole training_step inside
         DDP's forward, whose end readies the reducer for a backward whenever the flag is on
-        (nn/parallel/distributed.py _post_forward): left on after the step (as `no_sync` leaves it), the next
-        step's first micro-batch would all-reduce too. Lightning's manual backward readies it for the last
-        one (strategies/ddp.py pre_backward)."""
+        (torch/nn/parallel/distributed.py:1828-1839 at 2.13, _post_forward): left on after the step (as
+        `no_sync` leaves it), the next step's first micro-batch would all-reduce too. Lightning's manual
+        backward readies it for the last one (lightning/pytorch/strategies/ddp.py:315-321 at 2.6.6)."""
         ddp = module.trainer.strategy.model
         if not isinstance(ddp, DistributedDataParallel):  # one process: nothing to reduce
             yield

@@ -151,7 +151,11 @@ class DeepSpeedBackend(Backend):
                 optimizer.add_param_group(group)
 
     def micro_batch_sync(self, module, last: bool):
-        """ZeRO reduces the gradients (and `engine.step()` updates) at the step's last micro-batch only."""
+        """ZeRO reduces the gradients (and `engine.step()` updates) at the step's last micro-batch only: the
+        engine's own switch for callers that step once after accumulating (runtime/engine.py:3467-3491 at
+        0.19.8), which its backward hands to the ZeRO optimizer (:3081). Lightning writes the config's
+        gradient_accumulation_steps from the Trainer's accumulate_grad_batches, 1 under manual optimization
+        (lightning/pytorch/strategies/deepspeed.py:928), so the engine divides no loss itself (:3413)."""
         self.strategy.deepspeed_engine.set_gradient_accumulation_boundary(last)
         return contextlib.nullcontext()
 
@@ -195,8 +199,9 @@ class MoEDeepSpeedStrategy(FormatCheckpoints, DeepSpeedStrategy):
         DDPStrategy.setup_environment(self)  # skips the CUDA-only accelerator check
 
     def setup_distributed(self) -> None:
-        """On CPU: Lightning's steps (lightning/pytorch/strategies/deepspeed.py _init_deepspeed_distributed,
-        2.6) through public calls, without its check of a CUDA device index."""
+        """On CPU: Lightning's steps (lightning/pytorch/strategies/deepspeed.py:376-399 at 2.6.6,
+        _init_deepspeed_distributed) through public calls (deepspeed/comm/comm.py:844 init_distributed),
+        without its check of a CUDA device index."""
         import deepspeed
         from lightning.fabric.utilities.seed import reset_seed
 

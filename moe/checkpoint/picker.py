@@ -12,8 +12,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from moe.checkpoint import nxd, sharded
 from moe.checkpoint.formats import FORMATS, PORTABLE, candidates, format_of, load, recency, step_hint
 from moe.checkpoint.io import CorruptCheckpoint, check_zip_crc, meta_path
@@ -154,24 +152,18 @@ def lightning_part(ckpt_path: str | Path) -> Path:
     return state if state.exists() else ckpt_path / nxd.USER_CONTENT
 
 
-def _shapes(model_cfg, moe_opt) -> dict[str, tuple]:
-    from moe.model import MoETransformer
-
-    with torch.device("meta"):
-        model = MoETransformer(model_cfg, moe_opt)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
 def check_resume_compatible(ckpt_path: str | Path, cfg) -> None:
     """Raise UserError naming the field, both values and the fix when the model shapes changed."""
     from omegaconf import OmegaConf
+
+    from moe.model.model import state_shapes
 
     ckpt_path = Path(ckpt_path)
     saved = (load(lightning_part(ckpt_path)).get("hyper_parameters") or {}).get("cfg")
     if not saved or "model" not in saved:
         return
     saved = OmegaConf.create(saved)
-    old, new = _shapes(saved.model, saved.moe_opt), _shapes(cfg.model, cfg.moe_opt)
+    old, new = state_shapes(saved.model, saved.moe_opt), state_shapes(cfg.model, cfg.moe_opt)
     if old == new:
         return
     changed = [k for k in OmegaConf.to_container(cfg.model)

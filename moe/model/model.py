@@ -216,3 +216,11 @@ def load_expert_bias(model: nn.Module, source) -> None:
                 bias.copy_(source(name, tuple(bias.shape), None))
             except KeyError:
                 return
+
+
+def state_shapes(model_cfg: ModelConfig, moe_opt: MoEOptConfig) -> dict[str, tuple]:
+    """The shape of every tensor of such a model's state_dict, from a build on the meta device (no storage):
+    what a checkpoint or a directory of weights must hold for it."""
+    with torch.device("meta"):
+        model = MoETransformer(model_cfg, moe_opt)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}

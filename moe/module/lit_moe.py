@@ -44,9 +44,7 @@ class LitMoE(L.LightningModule):
         self._parallelized = False
         self.expert_bias = None  # moe.module.expert_bias.ExpertBiasUpdate, made at the first step
         self.schedule = None  # moe.module.pipelined.PipelineSchedule, set by a backend that pipelines
-        t = self.cfg.trainer
-        self.train_step = TrainStep(self, seed=self.cfg.seed, grad_clip=self.cfg.optimizer.grad_clip,
-                                    log_every=t.log_every_n_steps, max_steps=t.max_steps, guard=guard)
+        self.train_step = TrainStep(self, guard)
 
     def configure_model(self) -> None:
         """Parallelise once the process group exists, before the strategy wraps the model."""
@@ -73,10 +71,8 @@ class LitMoE(L.LightningModule):
 
     def training_step(self, rows: dict, batch_idx: int) -> torch.Tensor:
         """One optimizer step over this rank's rows of it (moe.module.train_step)."""
-        trainer = self.trainer
-        loss = self.train_step(rows, step=trainer.global_step + 1, rank=trainer.global_rank,
-                               micro_batch_size=self.cfg.trainer.micro_batch_size)
-        if trainer.progress_bar_callback is not None:  # only the bar reads it (2 ms a step on a CPU)
+        loss = self.train_step(rows)
+        if self.trainer.progress_bar_callback is not None:  # only the bar reads it (2 ms a step on a CPU)
             self.log("loss", loss, prog_bar=True, logger=False, batch_size=self.cfg.trainer.micro_batch_size)
         return loss
 

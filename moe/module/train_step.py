@@ -36,7 +36,6 @@ class StepRecord:
     logged: bool  # whether metrics.csv gets a row: then `means` and `grad_norm` were read back
     means: dict | None = None  # losses and routing statistics averaged over every rank
     grad_norm: float = math.nan  # before clipping (DeepSpeed, NxD: the one their optimizer computed)
-    skipped: bool = False  # the spike guard left the weights as they were
 
 
 def step_seed(seed: int, rank: int, step: int, micro: int) -> int:
@@ -83,35 +82,35 @@ def micro_batches(rows: dict, size: int) -> list[dict]:
 class TrainStep:
     """The optimizer step of `module` (LitMoE or NeuronLitMoE) on its backend.
 
-    The module gives the pieces: `micro_batch_loss(batch) -> (loss, lm_loss, routing)`, `schedule` (a
-    pipeline's, else None), `step_stats`, `count_expert_picks` and `expert_bias`, `monitor_routing`; the
-    guard (moe.train.guard.SpikeGuard, None: no guard) decides whether the update is taken.
+    The module gives the pieces: its run's `cfg`, `micro_batch_loss(batch) -> (loss, lm_loss, routing)`,
+    `schedule` (a pipeline's, else None), `step_stats`, `count_expert_picks` and `expert_bias`,
+    `monitor_routing`; the guard (moe.train.guard.SpikeGuard, None: no guard) decides whether the update is
+    taken.
     """
 
-    def __init__(self, module, *, seed: int, grad_clip: float, log_every: int, max_steps: int, guard=None):
-        self.module, self.backend = module, module.backend
-        self.seed, self.grad_clip, self.guard = seed, float(grad_clip or 0.0), guard
-        self.log_every, self.max_steps = log_every, max_steps
+    def __init__(self, module, guard=None):
+        self.module, self.backend, self.cfg, self.guard = module, module.backend, module.cfg, guard
         self.last: StepRecord | None = None
 
-    def __call__(self, rows: dict, *, step: int, rank: int, micro_batch_size: int) -> torch.Tensor:
-        """Optimizer step `step` (1-based) on this rank's rows; returns the step's mean loss (detached)."""
-        module, backend = self.module, self.backend
+    def __call__(self, rows: dict) -> torch.Tensor:
+        """The next optimizer step on this rank's rows of it; returns the step's mean loss (detached)."""
+        module, backend, cfg = self.module, self.backend, self.cfg
+        step, rank = module.trainer.global_step + 1, module.trainer.global_rank  # step: 1-based
         optimizer, scheduler = module.optimizers(), module.lr_schedulers()
-        logged = logs_step(step, self.log_every, self.max_steps)
+        logged = logs_step(step, cfg.trainer.log_every_n_steps, cfg.trainer.max_steps)
         module.step_stats.reset()
         module.monitor_routing(logged)  # the drop, load and entropy numbers only where metrics.csv reads them
         optimizer.zero_grad()
 
         # 1. forward and backward of every micro-batch (a pipeline's schedule runs them all at once)
-        batches = micro_batches(rows, micro_batch_size)
+        batches = micro_batches(rows, cfg.trainer.micro_batch_size)
         if module.schedule is not None:
-            torch.manual_seed(step_seed(self.seed, rank, step - 1, 0))
+            torch.manual_seed(step_seed(cfg.seed, rank, step - 1, 0))
             loss = module.schedule.forward_backward(module, batches)
         else:
             losses = []
             for i, batch in enumerate(batches):
-                torch.manual_seed(step_seed(self.seed, rank, step - 1, i))  # router jitter replays on resume
+                torch.manual_seed(step_seed(cfg.seed, rank, step - 1, i))  # router jitter replays on resume
                 clear_replays(module.model)
                 with backend.micro_batch_sync(module, last=i == len(batches) - 1):
                     loss, lm_loss, routing = module.micro_batch_loss(batch)
@@ -130,8 +129,8 @@ class TrainStep:
         skipped = self.guard is not None and self.guard.skips(step, module, norm)
         if skipped:
             backend.skip_update(module)
-        elif self.grad_clip > 0:
-            backend.clip_gradients(module, norm, self.grad_clip)
+        elif cfg.optimizer.grad_clip:  # DeepSpeed and NxD clip inside their optimizer's step instead
+            backend.clip_gradients(module, norm, float(cfg.optimizer.grad_clip))
 
         # 4. the update: weights, then the routers' expert bias, then the learning rate
         optimizer.step()
@@ -140,7 +139,7 @@ class TrainStep:
         scheduler.step()
 
         # 5. the step's numbers for metrics.csv: read back from the device only on a logged step
-        self.last = StepRecord(step=step, logged=logged, skipped=skipped)
+        self.last = StepRecord(step=step, logged=logged)
         if logged:
             self.last.means = step_means(module)
             logged_norm = backend.grad_norm_after_step(module) if backend.norm_after_step else float(norm)

@@ -79,14 +79,10 @@ def check_weights_fit_config(cfg: DictConfig, path: Path, field: str) -> None:
     """At start-up, before a run dir exists: the final norm and the routers of the first and last MoE layer
     read from DIR's safetensors in the shapes its config.json implies, so weights saved for another config
     (another expert count, width or depth) are refused here, not mid-run. Small tensors only."""
-    import torch
-
     from moe.hf import tensor_source
-    from moe.model import MoETransformer
+    from moe.model.model import state_shapes
 
-    with torch.device("meta"):
-        shapes = {name: tuple(p.shape) for name, p in
-                  MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed).named_parameters()}
+    shapes = state_shapes(cfg.model, cfg.moe_opt)
     routers = [name for name in shapes if name.endswith("router.weight")]
     source = tensor_source(path, cfg.model, cfg.seed, field)
     for name in dict.fromkeys(["norm.weight", *routers[:1], *routers[-1:]]):

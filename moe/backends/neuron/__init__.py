@@ -111,7 +111,10 @@ class NeuronBackend(Backend):
         return self.all_reduce(module, local.reshape(1), "sum")[0].sqrt()
 
     def micro_batch_sync(self, module, last: bool):
-        """Each micro-batch's forward and backward is one XLA graph: executed when it ends (xm.mark_step)."""
+        """Each micro-batch's forward and backward is one XLA graph: executed when it ends (xm.mark_step), as
+        NeuronLitMoE cut it before the step was one method. Lightning's manual backward reaches a plain
+        `loss.backward()` here: its DDP pre_backward returns for a model that is not DDP
+        (lightning/pytorch/strategies/ddp.py:317 at 2.6.6; NxD's strategy is XLAStrategy's, a DDPStrategy)."""
         return _marked_step()
 
     def clip_gradients(self, module, norm, max_norm: float) -> None:

@@ -46,9 +46,7 @@ class NeuronLitMoE(NeuronLTModule):
         self.pp = backend.dims.pp
         self.schedule = NxDPipelineSchedule() if self.pp > 1 else None
         self.expert_bias = None  # no aux-loss-free balancing on trn1 (moe.config.validate.check_neuron)
-        t = run_cfg.trainer
-        self.train_step = TrainStep(self, seed=run_cfg.seed, grad_clip=0.0, log_every=t.log_every_n_steps,
-                                    max_steps=t.max_steps, guard=guard)  # NxD's optimizer clips
+        self.train_step = TrainStep(self, guard)
 
     def configure_optimizers(self):
         """moe.module.optim's groups over this rank's parameters, NxD's optimizer, our schedule."""
@@ -80,9 +78,7 @@ class NeuronLitMoE(NeuronLTModule):
     def training_step(self, rows: dict, batch_idx: int):
         """One optimizer step over this rank's rows of it (moe.module.train_step)."""
         xm.mark_step()
-        trainer = self.trainer
-        return self.train_step(rows, step=trainer.global_step + 1, rank=trainer.global_rank,
-                               micro_batch_size=self.train_batch_size)
+        return self.train_step(rows)
 
     def micro_batch_loss(self, batch: dict):
         """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch (NxDCausalLM's)."""
