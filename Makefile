@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train data test test-slow test-neuron test-floor gpu-check coverage smoke sweep-smoke report bench lint compile-neuron clean
+.PHONY: help setup train data test test-slow test-slurm test-neuron test-floor gpu-check coverage smoke sweep-smoke report bench lint compile-neuron clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -29,6 +29,11 @@ test: $(STAMP) ## fast test suite (about 6 minutes on 2 cores; CI runs it, then 
 
 test-slow: $(STAMP) ## slow tests: multi-process equivalence, kill-and-resume, end-to-end sweeps
 	$(PY) -m pytest -q -m slow $(ARGS)
+
+SLURM_TOOLS = munged slurmctld slurmd sbatch
+test-slurm: $(STAMP) ## a real one-node SLURM cluster (needs root and Debian's munge slurmctld slurmd slurm-client): the sbatch scripts in slurm/ train, pre-empt, requeue and resume; a submitit sweep (about 2 minutes)
+	@for t in $(SLURM_TOOLS); do command -v $$t >/dev/null || { echo "make test-slurm needs $$t: apt-get install munge slurmctld slurmd slurm-client (as root)"; exit 2; }; done
+	$(PY) -m pytest -q -m slurm tests/slurm $(ARGS)
 
 coverage: $(STAMP) ## the fast suite with line coverage of moe/ (in-process code; report in htmlcov/)
 	$(PY) -m pytest -q --cov=moe --cov-report=term:skip-covered --cov-report=html $(ARGS)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import yaml
@@ -237,3 +238,26 @@ def test_a_config_is_settled_once_per_process(monkeypatch, tmp_path):
     again, _ = compose_config(overrides, str(CONF), "train")  # what Hydra hands the task
     assert run.settle(again) == (dims, None) and len(settled) == 1
     assert again.parallel == cfg.parallel and not (tmp_path / "run").exists()
+
+
+def test_the_default_run_name_is_the_slurm_batch_jobs_on_every_task_and_the_time_elsewhere(monkeypatch):
+    """Tasks of one batch job (and its requeued start) share a run dir; an interactive shell does not."""
+    from moe.config.run_name import default_run_name
+
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", default_run_name())
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NAME", "moe gpu")
+    assert default_run_name() == "moe_gpu-4242"
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    assert default_run_name() == "moe_gpu-4240_2"
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", default_run_name())
+
+
+@pytest.mark.parametrize("script, doc", [("train_gpu.sbatch", "CLUSTERS.md"),
+                                         ("train_trn1.sbatch", "TRAINIUM.md")])
+def test_the_docs_show_the_sbatch_scripts_make_test_slurm_runs(script, doc):
+    assert (REPO / "slurm" / script).read_text() in (REPO / "docs" / doc).read_text()

@@ -234,7 +234,9 @@ class TrainConfig:
     logger: dict[str, Any] = field(default_factory=dict)
     callbacks: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
-    run_name: str = "${now:%Y-%m-%d_%H-%M-%S}"  # run dir is runs/<run_name>
+    # run dir is runs/<run_name>; the launch time, or inside a SLURM batch job `<job name>-<job id>`
+    # (the same for every task and across requeues: moe/config/run_name.py)
+    run_name: str = "${default_run_name:}"
     dry_run: bool = False
     # simulate=true: one rank's real training step at the configured size with fake tensors on this CPU
     # (moe/tools/simulate.py); writes <run dir>/simulation.json. simulate_rank: which rank.
@@ -255,8 +257,10 @@ class TrainConfig:
 
 def register_configs() -> None:
     """Register the typed root `train_schema`, and sweeps/*.yaml as the `sweep` group (`+sweep=NAME`)."""
+    from moe.config.run_name import register_run_name_resolver
     from moe.config.sweeps import register_sweeps
 
+    register_run_name_resolver()
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     register_sweeps()
 

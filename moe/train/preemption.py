@@ -82,7 +82,7 @@ class PreemptionCheckpoint(Callback):
             return
         self.step_checkpoint.save(trainer)  # unless this step was just saved
         if signum == signal.SIGUSR1 and trainer.is_global_zero and os.environ.get("SLURM_JOB_ID"):
-            requeue()
+            requeue(trainer.global_step)  # SLURM ends this job at once: the step's line is printed first
         self._stop = Preempted(signum, trainer.global_step)
         if trainer.global_step >= trainer.max_steps:
             self._stop = None  # the run is complete: it ends as usual
@@ -99,11 +99,12 @@ class PreemptionCheckpoint(Callback):
         self._previous.clear()
 
 
-def requeue() -> None:
+def requeue(step: int) -> None:
     """Put this SLURM job back in the queue (it restarts with the same command, which resumes)."""
     job = os.environ.get("SLURM_ARRAY_JOB_ID", os.environ["SLURM_JOB_ID"])
     if "SLURM_ARRAY_TASK_ID" in os.environ:
         job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    print(f"SIGUSR1 after step {step}: checkpoint saved; requeueing SLURM job {job}", flush=True)
     result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     print(f"requeue of SLURM job {job}: {'done' if result.returncode == 0 else result.stderr.strip()}",
           flush=True)
