@@ -6,9 +6,13 @@ written to the run's train.log.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+import os
+import re
 import sys
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -37,6 +41,38 @@ def first_line(err: BaseException, limit: int = 200) -> str:
     return (text.splitlines()[0] if text else type(err).__name__)[:limit]
 
 
+# The file system refused a write: a full disk or quota, a file-size limit, a read-only or forbidden place.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def write_errno(err: BaseException) -> int | None:
+    """The errno of a refused write, from an OSError or from the text a library wrapped it in (pyarrow's
+    IOError without errno, safetensors' "File too large (os error 27)"); None for anything else."""
+    number = getattr(err, "errno", None)
+    if number is None:
+        found = re.search(r"os error (\d+)|code: (\d+)", str(err))
+        number = int(found.group(1) or found.group(2)) if found else None
+        if number is None:
+            number = next((e for e in WRITE_ERRNOS if os.strerror(e) in str(err)), None)
+    return number if number in WRITE_ERRNOS else None
+
+
+def write_failed(path: str | Path, err: BaseException, field: str = "file", cleaned: str = "") -> UserError:
+    """A refused write as one paragraph: the path, the errno and the fix. Exit 2, not 3: the user must make
+    room (or point the run elsewhere) before a relaunch can do better, so a supervisor must not retry it.
+    `cleaned` says what was removed so that nothing half-written remains."""
+    number = write_errno(err) or getattr(err, "errno", None)
+    reason = os.strerror(number) if number else first_line(err)
+    name = errno.errorcode.get(number, "") if number else ""
+    where = Path(path).parent if str(path) else Path(".")
+    return UserError(field, str(path),
+                     f"free space or fix permissions under {where} (df -h {where}; ls -ld {where}), or write "
+                     "elsewhere (a run: hydra.run.dir=...), then relaunch the same command: a run resumes "
+                     "from its newest complete checkpoint",
+                     problem=f"could not be written ({reason}{': ' + name if name else ''})"
+                             f"{'; ' + cleaned if cleaned else ''}")
+
+
 COLLECTIVE_FAILED_EXIT = 3  # a peer rank died or stalled: retryable (moe.tools.supervise relaunches)
 
 
@@ -61,6 +97,14 @@ def exit_on_user_error(main):
             print(f"error: {err}", file=sys.stderr)
             log_to_files(f"error: {err}")
             sys.exit(2)
+        except OSError as err:
+            if write_errno(err) is None:
+                log_to_files("the run stopped on an unexpected error", exc_info=sys.exc_info())
+                raise
+            message = write_failed(err.filename2 or err.filename or "", err)  # a copy's target is filename2
+            print(f"error: {message}", file=sys.stderr)
+            log_to_files(f"error: {message}")
+            sys.exit(2)
         except Exception:
             log_to_files("the run stopped on an unexpected error", exc_info=sys.exc_info())
             raise
@@ -74,4 +118,22 @@ def log_to_files(message: str, level: int = logging.ERROR, exc_info=None) -> Non
     record = logging.LogRecord("moe", level, __file__, 0, message, None, exc_info)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
+            try:
+                handler.handle(record)
+            except (OSError, UserError):  # the log file is what could not be written: the console said it
+                pass
+
+
+def stop_when_a_log_file_cannot_be_written() -> None:
+    """The root logger's files (Hydra's `<run dir>/train.log`) raise when the disk refuses a line, instead of
+    logging's default of printing "--- Logging error ---" with a traceback on every record and going on."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handleError = functools.partial(_raise_log_write_error, handler)
+
+
+def _raise_log_write_error(handler: logging.FileHandler, record: logging.LogRecord) -> None:
+    err = sys.exc_info()[1]
+    if err is not None and write_errno(err) is not None:
+        raise write_failed(handler.baseFilename, err) from err
+    logging.FileHandler.handleError(handler, record)

@@ -13,16 +13,34 @@ Prepared-data directories written before the marker existed are recognised by th
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from moe.errors import UserError
+from moe.errors import UserError, write_failed
 
 MARKER = ".moe-output.json"
 PREPARED_DATA, HF_EXPORT = "prepared data", "Hugging Face export"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Write a file under a temporary name beside `path`, renamed over it when the block ends: a reader never
+    sees half a file. A write the disk refuses removes the temporary file and raises one paragraph."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise write_failed(path, err, cleaned="nothing was left under its name") from err
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def mark(directory: Path, kind: str) -> None:

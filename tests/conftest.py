@@ -1,7 +1,9 @@
 """Shared test helpers: run the real entry points in a subprocess, as users do."""
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -120,3 +122,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def file_size_limit(size: int):
+    """Writes past `size` bytes fail as on a full disk: a real refusal by the kernel (RLIMIT_FSIZE: EFBIG;
+    Python ignores SIGXFSZ), for this process and what it starts, until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -12,13 +12,12 @@ and one end-to-end case per entry point run the real scripts in a subprocess.
 import contextlib
 import io
 import json
-import resource
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose_cfg, run_entry
+from conftest import REPO, compose_cfg, file_size_limit, run_entry
 from omegaconf import OmegaConf
 
 import moe.config  # noqa: F401  (registers the typed schema)
@@ -439,17 +438,6 @@ def test_infer_refuses_a_corrupt_checkpoint_without_its_sidecar(tmp_path):
     assert f"error: ckpt='{ckpt}' fails the CRC-32 of its record" in proc.stderr and "Fix: " in proc.stderr
 
 
-@contextlib.contextmanager
-def file_size_limit(size: int):
-    """Writes past `size` bytes fail as on a full disk (RLIMIT_FSIZE: EFBIG; Python ignores SIGXFSZ)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-
-
 def test_disk_full_while_saving_a_checkpoint(tmp_path):
     """A real write failing half-way through a save (a file-size limit below one checkpoint): one paragraph,
     the temporary file removed, no summary.json (it was torch's `RuntimeError: ... unexpected pos`)."""
@@ -458,7 +446,7 @@ def test_disk_full_while_saving_a_checkpoint(tmp_path):
         code, err = run_train(run_dir, "trainer.max_steps=2", "model.num_layers=1")
     assert code == 2 and "Traceback" not in err, err
     ckpt = run_dir / "checkpoints" / "step-000002.ckpt"
-    assert (f"error: checkpoint='{ckpt}' could not be written (File too large); its temporary "
+    assert (f"error: checkpoint='{ckpt}' could not be written (File too large: EFBIG); its temporary "
             "file was removed. Fix: free space") in err
     assert not list(run_dir.rglob("*.tmp")) and not (run_dir / "summary.json").exists()
     assert not list((run_dir / "checkpoints").iterdir())

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from moe.errors import UserError
+from moe.errors import UserError, write_failed
 from moe.faults import maybe_kill_during_save
 
 TMP_SUFFIX = ".tmp"
@@ -118,21 +118,20 @@ def atomic_torch_save(obj: Any, path: str | Path) -> dict:
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write to a temporary name, flush, rename: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        remove(tmp)
+        raise write_failed(path, err, cleaned="its temporary file was removed") from err
 
 
 def unwritable(path: Path, err: OSError) -> UserError:
     """A save the filesystem refused, as one paragraph: the previous checkpoints are intact."""
-    return UserError("checkpoint", str(path),
-                     f"free space or fix permissions under {path.parent} (df -h; ls -ld), or move the run "
-                     "with hydra.run.dir=..., then relaunch the same command: it resumes from the newest "
-                     "good checkpoint",
-                     problem=f"could not be written ({getattr(err, 'strerror', None) or err}); its "
-                             "temporary file was removed")
+    return write_failed(path, err, field="checkpoint", cleaned="its temporary file was removed")
 
 
 def read_record(path: Path, fields: dict[str, tuple[type, ...]]) -> dict:

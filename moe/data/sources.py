@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import datasets
 
-from moe.errors import UserError
+from moe.errors import UserError, write_errno, write_failed
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv",
             ".txt": "text", ".text": "text"}
@@ -279,6 +279,10 @@ def load_raw(spec, *, on_bad_row: str, work_dir: Path, num_proc: int = 1, split:
     try:
         ds = _load_files(kind, items, work_dir / "hf_cache", num_proc)
     except Exception as err:
+        refused = next((e for e in (err, err.__cause__) if e is not None and write_errno(e)), None)
+        if refused is not None:  # the files were read; their Arrow copy under the output could not be written
+            raise write_failed(getattr(refused, "filename", None) or work_dir, refused,
+                               cleaned="the output's temporary directory is removed") from err
         if kind not in LINE_BASED:
             raise UserError("input", spec, "check the files are valid " + kind,
                             problem=f"could not be read ({type(err).__name__}: {err})") from err

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from moe.data.formats import TURN_SEPARATOR, FormatSpec
 from moe.errors import UserError
+from moe.outputs import atomic_path
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -179,4 +180,5 @@ def copy_tokenizer_files(source: str | Path, target: str | Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     for path in Path(source).iterdir():
         if path.is_file() and (path.name.startswith("tokenizer") or path.name in TOKENIZER_EXTRAS):
-            shutil.copy2(path, target / path.name)
+            with atomic_path(target / path.name) as tmp:  # infer never reads half a tokenizer.json
+                shutil.copy2(path, tmp)

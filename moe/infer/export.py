@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from moe.data.tokenizer import chat_template_jinja, check_vocab, load_hf_tokenizer
+from moe.errors import write_errno, write_failed
 from moe.model import MoETransformer
 from moe.outputs import HF_EXPORT, check_output, mark, publish
 
@@ -47,6 +48,11 @@ def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_tem
         tokenizer.save_pretrained(str(tmp))
         mark(tmp, HF_EXPORT)
         publish(tmp, out)
+    except Exception as err:  # safetensors wraps the file system's refusal in its own error
+        if write_errno(err) is None:
+            raise
+        raise write_failed(out, err, field="export_hf", cleaned="its temporary directory was removed") \
+            from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

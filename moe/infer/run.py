@@ -25,7 +25,7 @@ from moe.infer.export import export_hf
 from moe.infer.generate import Generation, generate, left_pad
 from moe.infer.load import generation_eos_ids, model_from_checkpoint, model_from_hf_dir
 from moe.model import MoETransformer
-from moe.outputs import HF_EXPORT, check_output
+from moe.outputs import HF_EXPORT, atomic_path, check_output
 from moe.paths import local_path
 
 
@@ -208,7 +208,8 @@ def run(cfg) -> list[dict] | Path:
           f"{total / max(seconds, 1e-9):.1f} tokens/s ({loaded.model.cfg.name}, {dtype}, {param.device}, "
           f"batch_size={cfg.batch_size}, prefill {sum(g.prefill_s for g in runs):.2f} s)")
     if cfg.output_file:
-        Path(cfg.output_file).write_text("".join(json.dumps(r) + "\n" for r in results))
+        with atomic_path(cfg.output_file) as tmp:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in results))
     return results
 
 

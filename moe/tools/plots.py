@@ -13,12 +13,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 
+from moe.outputs import atomic_path  # noqa: E402
+
 DROPLESS = "dropless"
 
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return path
 
@@ -133,6 +136,7 @@ def plot_expert_load(steps_S: np.ndarray, counts_SLE: np.ndarray, path: Path) ->
         ax.tick_params(labelsize=7)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.85, label="load / balanced share")
     fig.suptitle("tokens routed per expert (before drops), relative to a balanced router", fontsize=10)
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return path

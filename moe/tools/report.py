@@ -23,6 +23,7 @@ import yaml
 
 from moe.config.schema import MoEOptConfig
 from moe.errors import UserError, exit_on_user_error
+from moe.outputs import atomic_path
 from moe.tools.advisor import WHAT_IF_FACTORS, Advice, RoutingLog, advise, routing_log_from_rows
 
 RUN_FILES = ("metrics.csv", "summary.json")
@@ -279,7 +280,8 @@ def report_run(run: Run, target: float = 0.01, from_step: int = 0) -> list[Path]
         md += ["![expert load per layer](expert_load.png)", ""]
     if advice:
         md += [advice_markdown(advice, run), ""]
-    (run.path / "report.md").write_text("\n".join(md))
+    with atomic_path(run.path / "report.md") as tmp:
+        tmp.write_text("\n".join(md))
     return [run.path / "report.md", *written]
 
 
@@ -343,7 +345,8 @@ def report_sweep(root: Path, runs: list[Run], target: float = 0.01, from_step: i
             md.append(f"| {run.label} | {used} | **{a.capacity_factor:g}** | {a.dropless_factor:g} | "
                       + " | ".join(what_if) + " |")
         md.append("")
-    (root / "report.md").write_text("\n".join(md))
+    with atomic_path(root / "report.md") as tmp:
+        tmp.write_text("\n".join(md))
     for run in runs:
         written += report_run(run, target, from_step)
     return [root / "report.md", *written]

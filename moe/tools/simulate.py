@@ -33,6 +33,7 @@ import torch.distributed as dist
 from moe.config.derived import precision, precision_of
 from moe.config.specs import spec_of
 from moe.model.sync import assumed_skew
+from moe.outputs import atomic_path
 from moe.parallel.dims import ParallelDims
 from moe.tools.plan import GIB, make_plan
 
@@ -211,7 +212,9 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     if run_dir is not None:
         path = Path(run_dir) / SIMULATION_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(result) | {"planner_error": result.planner_error}, indent=2) + "\n")
+        record = asdict(result) | {"planner_error": result.planner_error}
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
     return result
 
 

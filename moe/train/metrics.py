@@ -19,6 +19,7 @@ import lightning as L
 import torch
 
 from moe.checkpoint.io import write_json_atomic
+from moe.errors import write_failed
 from moe.model.moe import expert_kernel
 from moe.train.console import STEP_LOGGER, log_step
 
@@ -78,15 +79,26 @@ class RunMetrics(L.Callback):
 
     def _rewrite(self, rows: list[dict]) -> None:
         tmp = self.metrics_path.with_name(".metrics.csv.tmp")
-        with tmp.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, self.metrics_path)
+        try:
+            with tmp.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
+            os.replace(tmp, self.metrics_path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise write_failed(self.metrics_path, err, cleaned="the file is as it was") from err
 
     def _append(self, row: dict) -> None:
-        with self.metrics_path.open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=METRIC_COLUMNS).writerow(row)
+        """One row, or none: a refused write is cut back to the rows before it (a resume reads them)."""
+        size = self.metrics_path.stat().st_size if self.metrics_path.exists() else 0
+        try:
+            with self.metrics_path.open("a", newline="") as f:
+                csv.DictWriter(f, fieldnames=METRIC_COLUMNS).writerow(row)
+        except OSError as err:
+            os.truncate(self.metrics_path, size)
+            kept = f"cut back to the rows before step {row['step']}"
+            raise write_failed(self.metrics_path, err, cleaned=kept) from err
 
     # -- per step: the row of the step TrainStep just took (moe.module.train_step) -----------------------
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

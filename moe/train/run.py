@@ -14,7 +14,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from moe.errors import COLLECTIVE_FAILED_EXIT, CollectiveFailed, log_to_files
+from moe.errors import (
+    COLLECTIVE_FAILED_EXIT,
+    CollectiveFailed,
+    log_to_files,
+    stop_when_a_log_file_cannot_be_written,
+)
 from moe.parallel.dims import ParallelDims, validated_dims
 
 _SETTLED: dict[str, tuple[dict, ParallelDims, str | None]] = {}  # config as composed -> what settle made
@@ -47,6 +52,7 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
 def train(cfg: DictConfig, run_dir: str | Path) -> Path:
     """Settle the config, then train into `run_dir`, holding its lock (moe.train.run_lock) from before the
     first thing the run writes to its end."""
+    stop_when_a_log_file_cannot_be_written()  # train.log on a full disk: one paragraph, exit 2
     dims, note = settle(cfg)
     locks: list = []
     try:
