@@ -27,3 +27,17 @@ def test_sigterm_saves_the_current_step_and_exits_143(tmp_path):
     assert 3 <= last["global_step"] < 200
     assert (run_dir / "checkpoints" / f"step-{last['global_step']:06d}.ckpt").exists()
     assert "stopped by SIGTERM" in output and not (run_dir / "summary.json").exists()
+
+
+def test_sigusr1_in_a_slurm_job_without_scontrol_says_to_resubmit(monkeypatch, capsys):
+    """A container started by SLURM often lacks its client tools: the requeue is reported, not a traceback."""
+    from moe.train.preemption import requeue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    requeue(5)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "SIGUSR1 after step 5: checkpoint saved; requeueing SLURM job 77"
+    assert out[1].startswith("requeue of SLURM job 77: not requeued (") and out[1].endswith(
+        "resubmit the job to resume from its checkpoint")

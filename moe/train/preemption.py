@@ -105,6 +105,9 @@ def requeue(step: int) -> None:
     if "SLURM_ARRAY_TASK_ID" in os.environ:
         job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     print(f"SIGUSR1 after step {step}: checkpoint saved; requeueing SLURM job {job}", flush=True)
-    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    print(f"requeue of SLURM job {job}: {'done' if result.returncode == 0 else result.stderr.strip()}",
-          flush=True)
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        outcome = "done" if result.returncode == 0 else result.stderr.strip() or f"exit {result.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as err:  # no scontrol here (a container under SLURM)
+        outcome = f"not requeued ({err}); resubmit the job to resume from its checkpoint"
+    print(f"requeue of SLURM job {job}: {outcome}", flush=True)
