@@ -1,7 +1,7 @@
-"""moe.report and moe.advisor on run dirs laid out exactly as train.py writes them.
+"""moe.tools.report and moe.tools.advisor on run dirs laid out exactly as train.py writes them.
 
 The synthetic runs route tokens with a skewed random router (same seed = same routing)
-and drop with moe.routing's own capacity rule, so the numbers are those a real run of
+and drop with moe.model.routing's own capacity rule, so the numbers are those a real run of
 that router would log; the real sweep is in tests/test_sweeps.py.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_advised_factor_applied_to_the_logged_counts_stays_under_target_and_is_t
 
 
 def test_advisor_drops_match_the_layer_capacity_rule_on_real_assignments():
-    """The advisor's recomputed drops equal what moe.routing.apply_capacity drops for the same picks."""
+    """The advisor's recomputed drops equal what moe.model.routing.apply_capacity drops for the same picks."""
     rng = np.random.default_rng(0)
     idx_TK = route(rng, rng.dirichlet(np.full(E, 1.0)))
     counts = np.bincount(idx_TK.ravel(), minlength=E)

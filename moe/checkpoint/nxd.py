@@ -109,16 +109,8 @@ def full_tensor(shards: list[torch.Tensor], split: Split) -> torch.Tensor:
     return torch.cat(groups, dim=dim)
 
 
-def nxd_name(name: str) -> str:
-    """Our name -> the name of the same tensor in NxDCausalLM's state dict."""
-    for ours, theirs in MOE_NAMES.items():
-        if name.endswith(ours):
-            return PREFIX + name[: -len(ours)] + theirs
-    return PREFIX + name
-
-
 def our_name(name: str) -> str:
-    """NxDCausalLM's name -> ours (the inverse of `nxd_name`)."""
+    """NxDCausalLM's name -> ours (MOE_NAMES renamed, PREFIX dropped)."""
     name = name.removeprefix(PREFIX)
     for ours, theirs in MOE_NAMES.items():
         if name.endswith(theirs):

@@ -209,7 +209,7 @@ class TrainerConfig:
     keep_last_checkpoints: int = 2
     progress_bar: bool = True
     deterministic: bool = False
-    # loss-spike and NaN guard (moe/spike_guard.py, docs/FAULT_TOLERANCE.md)
+    # loss-spike and NaN guard (moe/train/guard.py, docs/FAULT_TOLERANCE.md)
     skip_nonfinite: bool = True  # skip the update of a step whose loss or gradient is NaN/inf
     max_nonfinite_steps: int = 10  # stop the run after this many non-finite steps in a row; 0 = never
     spike_factor: float = 3.0  # spike: step loss > factor x mean of the last spike_window losses; 0 = off

@@ -141,10 +141,6 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
     # -- degrees and batch arithmetic -------------------------------------------------------------------
     @property
     def expert_dp(self) -> int:

@@ -3,7 +3,7 @@
 DIR is a run dir (`runs/<name>`, holding metrics.csv / summary.json) or a sweep dir
 (`multirun/<time>`, one run per job sub-directory). Writes `report.md` and PNG plots into
 DIR (for a sweep, also a report into each run dir) and prints the paths it wrote.
-The table has one row per run; the capacity advisor (moe.advisor) adds, per run, the
+The table has one row per run; the capacity advisor (moe.tools.advisor) adds, per run, the
 smallest capacity factor that would have kept drops under the target.
 """
 from __future__ import annotations
