@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from moe.config.data_prep import PrepConfig
-from moe.config.validate import validate_prep
+from moe.config.rules.entries import validate_prep
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import PackedBlocks, load_prepared, read_meta
 from moe.data.pipeline import content_config, digest, prepare

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from moe.config.data_prep import PrepConfig
-from moe.config.validate import validate_prep
+from moe.config.rules.entries import validate_prep
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import SPLITS, SplitWriter, save_splits, token_dtype
 from moe.data.formats import BENIGN, FormatSpec, check_columns, needed_columns, render_batch

@@ -15,8 +15,9 @@ import torch
 from omegaconf import DictConfig
 
 from moe.checkpoint.picker import resolve_checkpoint
+from moe.config.choices import INFER_DTYPES
+from moe.config.rules.entries import validate_infer
 from moe.config.schema import DEFAULT_CHAT_TEMPLATE
-from moe.config.validate import INFER_DTYPES, validate_infer
 from moe.data.formats import FormatSpec
 from moe.data.tokenizer import check_vocab, load_hf_tokenizer, template_markers
 from moe.errors import UserError, first_line

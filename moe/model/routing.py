@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe.config.choices import ROUTER_DTYPES
 from moe.config.schema import normalizes
-from moe.config.validate import ROUTER_DTYPES
 from moe.model.pytree import pytree_dataclass
 
 # Sums a statistics tensor over a process group (identity in one process).

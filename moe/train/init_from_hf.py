@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from moe.config.validate import check_hf_start
+from moe.config.rules.run import check_hf_start
 from moe.errors import ConfigError, UserError
 from moe.paths import local_path
 

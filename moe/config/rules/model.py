@@ -1,0 +1,140 @@
+"""The model and moe_opt groups: what MoETransformer needs to be built (moe.model checks them itself,
+from a config or a Hugging Face directory; train.py checks them with the rest)."""
+from __future__ import annotations
+
+from moe.config.choices import (
+    ATTENTIONS,
+    AUX_LOSS_GROUPS,
+    DROP_POLICIES,
+    LOAD_BALANCING_TYPES,
+    MLA_DIMS,
+    POSITION_ENCODINGS,
+    ROUTER_DTYPES,
+    SCORE_FUNCTIONS,
+)
+from moe.config.derived import (
+    head_dim_of,
+)
+from moe.config.rules.base import finite_number, need, one_of
+
+
+def validate_model(m, r=None, prefix: str = "model") -> None:
+    """The model group (and moe_opt when given): what MoETransformer needs to be built."""
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "num_experts", "top_k", "moe_layer_frequency", "max_position_embeddings"):
+        value = getattr(m, key)
+        need(value >= 1, f"{prefix}.{key}", value, f"set {prefix}.{key} to a positive integer",
+             "must be at least 1")
+    one_of(f"{prefix}.attention", m.attention, ATTENTIONS, "attention")
+    one_of(f"{prefix}.position_encoding", m.position_encoding, POSITION_ENCODINGS, "position encoding")
+    if m.attention == "mla":
+        validate_mla(m, prefix)
+    else:
+        validate_gqa(m, prefix)
+    need(m.top_k <= m.num_experts, f"{prefix}.top_k", m.top_k,
+         f"use 1 <= top_k <= {prefix}.num_experts={m.num_experts}", f"exceeds num_experts={m.num_experts}")
+    need(0 <= m.first_k_dense_replace <= m.num_layers, f"{prefix}.first_k_dense_replace",
+         m.first_k_dense_replace, f"use 0 (no leading dense layers) to {prefix}.num_layers={m.num_layers}",
+         "is outside [0, num_layers]")
+    need(m.sliding_window is None or m.sliding_window >= 1, f"{prefix}.sliding_window", m.sliding_window,
+         "use a positive window or null for full attention")
+    for key, fix in (("rope_theta", "use a positive base such as 1e6"),
+                     ("init_range", "use a positive std such as 0.02"),
+                     ("rms_norm_eps", "use a small positive epsilon such as 1e-5")):
+        value = getattr(m, key)
+        finite_number(f"{prefix}.{key}", value, fix)
+        need(value > 0, f"{prefix}.{key}", value, fix, "must be positive")
+    need(m.shared_expert_intermediate_size >= 0, f"{prefix}.shared_expert_intermediate_size",
+         m.shared_expert_intermediate_size, "use 0 (no shared expert) or a positive width")
+    need(m.dense_intermediate_size is None or m.dense_intermediate_size >= 1,
+         f"{prefix}.dense_intermediate_size", m.dense_intermediate_size,
+         "use a positive width or null (= intermediate_size)")
+    if r is not None:
+        validate_routing(r)
+        validate_groups(m, r, prefix)
+
+
+def validate_gqa(m, prefix: str) -> None:
+    """Grouped-query attention: heads of head_dim, kv heads shared by groups of q heads."""
+    if m.head_dim is None:
+        need(m.hidden_size % m.num_heads == 0, f"{prefix}.hidden_size", m.hidden_size,
+             f"use a multiple of {prefix}.num_heads={m.num_heads}, or set {prefix}.head_dim",
+             f"is not divisible by num_heads={m.num_heads}")
+    else:
+        need(m.head_dim >= 1, f"{prefix}.head_dim", m.head_dim, "set a positive head_dim or null")
+    need(m.num_heads % m.num_kv_heads == 0, f"{prefix}.num_kv_heads", m.num_kv_heads,
+         f"use a divisor of {prefix}.num_heads={m.num_heads} (GQA shares a kv head by a group of q heads)",
+         f"does not divide num_heads={m.num_heads}")
+    head_dim = head_dim_of(m)
+    need(m.position_encoding != "rope" or head_dim % 2 == 0, f"{prefix}.head_dim", head_dim,
+         "RoPE rotates pairs of dims: use an even head_dim", "is odd")
+
+
+def validate_mla(m, prefix: str) -> None:
+    """Multi-head latent attention: its latent and head dims set, RoPE on an even number of dims."""
+    deepseek_v3 = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    for key in MLA_DIMS:
+        value = getattr(m, key)
+        need(value is not None and value >= 1, f"{prefix}.{key}", value,
+             f"set {prefix}.{key} to a positive integer (DeepSeek-V3: {deepseek_v3[key]}; "
+             f"model=tiny_deepseek_v3 sets every MLA key), or use {prefix}.attention=gqa",
+             "is required by attention=mla")
+    need(m.q_lora_rank is None or m.q_lora_rank >= 1, f"{prefix}.q_lora_rank", m.q_lora_rank,
+         "use a positive rank (DeepSeek-V3: 1536), or null for one q_proj without a latent")
+    need(m.qk_rope_head_dim % 2 == 0, f"{prefix}.qk_rope_head_dim", m.qk_rope_head_dim,
+         "RoPE rotates pairs of dims: use an even qk_rope_head_dim (DeepSeek-V3: 64)", "is odd")
+    need(m.position_encoding == "rope", f"{prefix}.position_encoding", m.position_encoding,
+         f"use rope with {prefix}.attention=mla", "is not built into MLA (its position is a RoPE key)")
+
+
+def validate_groups(m, r, model_prefix: str = "model") -> None:
+    """Group-limited routing needs groups that tile the experts and can hold the top_k choices."""
+    groups, chosen = r.num_groups, r.group_top_k
+    if groups is None:
+        need(chosen is None, "moe_opt.group_top_k", chosen,
+             "set moe_opt.num_groups too, or group_top_k=null",
+             "needs moe_opt.num_groups")
+        return
+    need(groups >= 1 and m.num_experts % groups == 0, "moe_opt.num_groups", groups,
+         f"use a divisor of {model_prefix}.num_experts={m.num_experts}, or null for no groups",
+         f"does not divide num_experts={m.num_experts}")
+    need(chosen is not None and 1 <= chosen <= min(groups, m.top_k), "moe_opt.group_top_k", chosen,
+         f"use 1 <= group_top_k <= min(num_groups={groups}, top_k={m.top_k})",
+         "must pick between 1 group and as many groups as a token picks experts")
+    per_group = m.num_experts // groups
+    need(chosen * per_group >= m.top_k, "moe_opt.group_top_k", chosen,
+         f"pick at least {-(-m.top_k // per_group)} groups of {per_group} experts for top_k={m.top_k}",
+         f"leaves fewer than top_k={m.top_k} experts to choose from")
+
+
+def validate_routing(r, prefix: str = "moe_opt") -> None:
+    for key in ("capacity_factor", "eval_capacity_factor"):
+        value = getattr(r, key)
+        finite_number(f"{prefix}.{key}", value, "use a factor such as 1.25, or null for dropless routing")
+        need(value is None or value > 0, f"{prefix}.{key}", value,
+             "use a positive factor (1.0-2.0 is usual), or null for dropless routing",
+             "must be positive or null")
+    need(r.min_capacity >= 0, f"{prefix}.min_capacity", r.min_capacity, "use 0 or more",
+         "must not be negative")
+    one_of(f"{prefix}.drop_policy", r.drop_policy, DROP_POLICIES, "drop policy")
+    for key in ("aux_loss_coeff", "z_loss_coeff"):
+        value = getattr(r, key)
+        finite_number(f"{prefix}.{key}", value, "use a coefficient such as 0.01, or 0 to turn the loss off")
+        need(value >= 0, f"{prefix}.{key}", value, "use 0 or a positive coefficient", "must not be negative")
+    jitter_fix = "use a value in [0, 1), e.g. 0.01; 0 turns jitter off"
+    finite_number(f"{prefix}.jitter_eps", r.jitter_eps, jitter_fix)
+    need(0 <= r.jitter_eps < 1, f"{prefix}.jitter_eps", r.jitter_eps, jitter_fix, "is outside [0, 1)")
+    one_of(f"{prefix}.router_dtype", r.router_dtype, tuple(ROUTER_DTYPES), "router dtype (fp32 recommended)")
+    one_of(f"{prefix}.aux_loss_group", r.aux_loss_group, AUX_LOSS_GROUPS, "load-balance group")
+    one_of(f"{prefix}.load_balancing_type", r.load_balancing_type,
+           LOAD_BALANCING_TYPES, "load-balancing type")
+    one_of(f"{prefix}.score_function", r.score_function, SCORE_FUNCTIONS,
+           "score function")
+    scaling = r.topk_scaling_factor
+    finite_number(f"{prefix}.topk_scaling_factor", scaling, "use a positive factor such as 2.5, or null")
+    need(scaling is None or scaling > 0, f"{prefix}.topk_scaling_factor", scaling,
+         "use a positive factor such as 2.5 (DeepSeek-V3), or null", "must be positive or null")
+    rate = r.bias_update_rate
+    finite_number(f"{prefix}.bias_update_rate", rate, "use a small positive rate such as 1e-3")
+    need(rate >= 0, f"{prefix}.bias_update_rate", rate, "use a small positive rate such as 1e-3 (Megatron's "
+         "default), or moe_opt.enable_expert_bias=false", "must not be negative")
