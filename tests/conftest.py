@@ -16,8 +16,17 @@ REPO = Path(__file__).resolve().parents[1]
 FAST_RUN = ("trainer.progress_bar=false", "trainer.log_every_n_steps=1")
 
 
-def run_entry(script: str, *overrides: str, timeout: int = 600, env: dict | None = None, check: bool = False):
-    """Run `python <script> overrides...` from the repo root; returns the CompletedProcess."""
+def run_entry(script: str, *overrides: str, timeout: int = 600, env: dict | None = None, check: bool = False,
+              here: bool = False):
+    """Run `python <script> overrides...` from the repo root; returns the CompletedProcess. `here=True` runs
+    the script's own `__main__` in this process (run_here): for a test whose subject is what the command
+    prints and its exit code, one process, no signals, in a tenth of the time."""
+    if here:
+        proc = run_here(script, *overrides, env=env)
+        if check and proc.returncode != 0:
+            command = f"{script} {' '.join(overrides)}"
+            raise AssertionError(f"{command} exited {proc.returncode}:\n{proc.stderr[-5000:]}")
+        return proc
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
                 **(env or {})}
     proc = subprocess.run([sys.executable, str(REPO / script), *overrides], cwd=REPO, env=full_env,
@@ -27,6 +36,58 @@ def run_entry(script: str, *overrides: str, timeout: int = 600, env: dict | None
         output = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         raise AssertionError(f"{command} exited {proc.returncode}:\n{output}")
     return proc
+
+
+def run_here(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python <script> args` without a new interpreter: the script's real `__main__` code (runpy) with
+    sys.argv set, stdout and stderr captured, SystemExit's code as the return code (an uncaught exception:
+    its traceback and 1, as Python exits). The environment, working directory, logging handlers, thread
+    count, Hydra's global state and any process group are restored afterwards."""
+    import contextlib
+    import io
+    import logging
+    import runpy
+    import traceback
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    saved_env, saved_argv, saved_cwd = dict(os.environ), sys.argv, os.getcwd()
+    threads = torch.get_num_threads()
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})})
+    sys.argv = [str(REPO / script), *args]
+    os.chdir(REPO)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(REPO / script), run_name="__main__")
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+                if isinstance(exit_.code, str):
+                    print(exit_.code, file=sys.stderr)
+            except Exception:  # noqa: BLE001  (as the interpreter would: the traceback, exit 1)
+                traceback.print_exc()
+                code = 1
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in saved_handlers:
+                root.removeHandler(handler)
+                handler.close()
+        root.handlers[:], root.level = saved_handlers, saved_level
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

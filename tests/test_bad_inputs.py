@@ -433,7 +433,7 @@ def test_infer_refuses_a_corrupt_checkpoint_without_its_sidecar(tmp_path):
     ckpt = run_dir / "checkpoints" / "step-000005.ckpt"
     (run_dir / "checkpoints" / "step-000005.ckpt.meta.json").unlink()
     flip_a_tensor_byte(ckpt)
-    proc = run_entry("infer.py", f"ckpt={ckpt}", "prompt=x", timeout=300)
+    proc = run_entry("infer.py", f"ckpt={ckpt}", "prompt=x", timeout=300, here=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"error: ckpt='{ckpt}' fails the CRC-32 of its record" in proc.stderr and "Fix: " in proc.stderr
 
@@ -466,7 +466,7 @@ def test_a_logger_whose_package_is_missing(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------ command line
 def run_cli(tmp_path, script, *overrides):
     run_dir = tmp_path / "run"
-    proc = run_entry(script, f"hydra.run.dir={run_dir}", *overrides, timeout=300)
+    proc = run_entry(script, f"hydra.run.dir={run_dir}", *overrides, timeout=300, here=True)
     return proc, run_dir
 
 
@@ -501,7 +501,7 @@ def test_bad_command_line_exits_2_before_the_run_dir_exists(tmp_path, override, 
 
 def test_a_run_dir_that_cannot_be_created(tmp_path):
     (tmp_path / "file").write_text("not a directory")
-    proc = run_entry("train.py", f"hydra.run.dir={tmp_path / 'file' / 'run'}", timeout=300)
+    proc = run_entry("train.py", f"hydra.run.dir={tmp_path / 'file' / 'run'}", timeout=300, here=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert (f"error: hydra.run.dir='{tmp_path / 'file' / 'run'}' cannot be created: {tmp_path / 'file'} "
             "is not a directory. Fix: ") in proc.stderr
@@ -541,7 +541,7 @@ def test_a_refused_resume_leaves_the_existing_run_byte_for_byte(tmp_path):
 def test_a_sweep_with_a_bad_job_exits_2_before_any_job_runs(tmp_path):
     """-m: every job is composed and checked first (job #1 here), with the job named."""
     sweep_dir = f"hydra.sweep.dir={tmp_path / 'sweep'}"
-    proc = run_entry("train.py", "-m", "model=tiny,tinyy", sweep_dir, timeout=300)
+    proc = run_entry("train.py", "-m", "model=tiny,tinyy", sweep_dir, timeout=300, here=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr  # Hydra's own exit is 1
     assert "error: model='tinyy' is refused when composing the config" in proc.stderr
     assert "(in sweep job #1: model=tinyy" in proc.stderr
@@ -554,7 +554,7 @@ def test_a_sweep_preset_whose_plugin_is_missing_says_what_to_install(tmp_path):
     if importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper"):
         pytest.skip("hydra-optuna-sweeper is installed here")
     sweep_dir = f"hydra.sweep.dir={tmp_path / 'sweep'}"
-    proc = run_entry("train.py", "-m", "+sweep=capacity_factor_optuna", sweep_dir, timeout=300)
+    proc = run_entry("train.py", "-m", "+sweep=capacity_factor_optuna", sweep_dir, timeout=300, here=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "Fix: install the Hydra plugin: pip install -e '.[optuna]'" in proc.stderr
     assert not (tmp_path / "sweep").exists()
@@ -576,7 +576,7 @@ def test_train_py_user_error_end_to_end(tmp_path):
 def test_data_prep_bad_input_leaves_no_output(tmp_path):
     out = tmp_path / "prepared"
     proc = run_entry("data_prep.py", f"input={tmp_path / 'missing.txt'}", f"output={out}",
-                     f"tokenizer={REPO / 'data' / 'sample'}", timeout=300)
+                     f"tokenizer={REPO / 'data' / 'sample'}", timeout=300, here=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"error: input='{tmp_path / 'missing.txt'}'" in proc.stderr and "Fix: " in proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".prepared.tmp-*"))

@@ -199,17 +199,18 @@ def test_dropless_and_switch_routing_are_valid():
 @pytest.mark.skipif(not (REPO / "train.py").exists(), reason="train.py (the training entry point) is missing")
 class TestEntryPoint:
     def test_cfg_job_prints_composed_config(self):
-        proc = run_entry("train.py", "--cfg", "job", "experiment=karakuri_8x7b_trn1", check=True)
+        proc = run_entry("train.py", "--cfg", "job", "experiment=karakuri_8x7b_trn1", check=True, here=True)
         cfg = OmegaConf.create(proc.stdout)
         assert (cfg.model.name, cfg.hardware.name, cfg.parallel.tp, cfg.trainer.num_nodes) == (
             "mixtral_8x7b", "trn1", 8, 16)
-        proc = run_entry("train.py", "--cfg", "job", "model=tiny_switch", "moe_opt=switch", check=True)
+        proc = run_entry("train.py", "--cfg", "job", "model=tiny_switch", "moe_opt=switch", check=True,
+                         here=True)
         cfg = OmegaConf.create(proc.stdout)
         assert (cfg.model.top_k, cfg.moe_opt.drop_policy, cfg.moe_opt.jitter_eps) == (1, "position", 0.01)
 
     def test_dry_run_prints_layout_and_exits_0(self):
         proc = run_entry("train.py", "hardware=trn1", "parallel=tp8_pp8", "model=mixtral_8x7b",
-                         "dry_run=true", check=True)
+                         "dry_run=true", check=True, here=True)
         out = proc.stdout
         assert "64 x trn1 NeuronCore-v2 = 2 node(s) of 32" in out  # the smallest world for tp 8 x pp 8
         assert "46.70B total, 12.88B active" in out
@@ -217,7 +218,7 @@ class TestEntryPoint:
         assert "trainer.devices=32 trainer.num_nodes=2" in out
 
     def test_invalid_config_exits_2_with_the_fix(self):
-        proc = run_entry("train.py", "parallel=dp2")
+        proc = run_entry("train.py", "parallel=dp2", here=True)
         assert proc.returncode == 2
         assert "parallel.dp=2" in proc.stderr and "trainer.devices=2" in proc.stderr
         assert "Traceback" not in proc.stderr

@@ -173,15 +173,16 @@ def test_hf_dir_chat_uses_the_directorys_own_template(ckpt, tmp_path):
 
 def test_cli_export_then_hf_dir_generates_the_same_text(ckpt, tmp_path):
     out = tmp_path / "exported"
-    proc = run_entry("infer.py", f"ckpt={ckpt}", f"export_hf={out}", check=True, env=ONE_THREAD)
+    proc = run_entry("infer.py", f"ckpt={ckpt}", f"export_hf={out}", check=True, env=ONE_THREAD, here=True)
     assert "exported" in proc.stdout and (out / "model.safetensors").is_file()
     proc = run_entry("infer.py", f"hf_dir={out}", "prompt=Once upon a time", "max_new_tokens=7",
-                     "stop_at_eos=false", f"output_file={tmp_path / 'hf.jsonl'}", check=True, env=ONE_THREAD)
+                     "stop_at_eos=false", f"output_file={tmp_path / 'hf.jsonl'}", check=True, env=ONE_THREAD,
+                     here=True)
     assert "tokens/s" in proc.stdout
     ours = run(icfg(ckpt=str(ckpt), prompt="Once upon a time", max_new_tokens=7, stop_at_eos=False))
     assert json.loads((tmp_path / "hf.jsonl").read_text())["tokens"] == ours[0]["tokens"]
     assert not list(tmp_path.glob("*.log"))  # infer.py leaves no Hydra files behind
-    proc = run_entry("infer.py", f"ckpt={tmp_path / 'missing.ckpt'}", "prompt=x", env=ONE_THREAD)
+    proc = run_entry("infer.py", f"ckpt={tmp_path / 'missing.ckpt'}", "prompt=x", env=ONE_THREAD, here=True)
     assert proc.returncode == 2 and "does not exist. Fix:" in proc.stderr and "Traceback" not in proc.stderr
 
 

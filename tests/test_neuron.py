@@ -131,7 +131,7 @@ def test_transformers_5_is_named_not_reported_as_missing_package(monkeypatch):
 
 
 def test_missing_neuron_sdk_says_what_to_install(tmp_path):
-    proc = run_entry("train.py", *TRN1, f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
+    proc = run_entry("train.py", *TRN1, f"hydra.run.dir={tmp_path / 'run'}", timeout=300, here=True)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "needs neuronx-distributed and torch-neuronx (SDK 2.28)" in proc.stderr
     assert "constraints-trn1.txt" in proc.stderr and "Traceback" not in proc.stderr
@@ -176,7 +176,7 @@ def test_the_mission_command_plans_ep_8_on_16_nodes_with_mixtral(tmp_path):
     """`python train.py hardware=trn1 parallel=tp8_pp8_ep8 dry_run=true`, exactly: the layout picks
     Mixtral 8x7B (conf/parallel/tp8_pp8_ep8.yaml) and plans 512 NeuronCores with ep 8 inside dp 8."""
     proc = run_entry("train.py", "hardware=trn1", "parallel=tp8_pp8_ep8", "dry_run=true",
-                     f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
+                     f"hydra.run.dir={tmp_path / 'run'}", timeout=300, here=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "model=mixtral_8x7b hardware=trn1 parallel=tp8_pp8_ep8" in out
@@ -187,7 +187,7 @@ def test_the_mission_command_plans_ep_8_on_16_nodes_with_mixtral(tmp_path):
 
 def test_the_mission_command_without_neuron_names_the_install_and_writes_nothing(tmp_path):
     proc = run_entry("train.py", "hardware=trn1", "parallel=tp8_pp8_ep8", f"hydra.run.dir={tmp_path / 'run'}",
-                     timeout=300)
+                     timeout=300, here=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "neuronx-distributed" in proc.stderr and "constraints-trn1.txt" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
@@ -258,7 +258,7 @@ def test_what_nxd_cannot_train_is_refused_naming_nxds_behaviour(override, field)
 
 def test_karakuri_experiment_dry_run_prints_the_aws_layout(tmp_path):
     proc = run_entry(
-        "train.py", *MIXTRAL_TRN1, "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", timeout=300
+        "train.py", *MIXTRAL_TRN1, "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", timeout=300, here=True
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "tp 8 x pp 8 x dp 8 = 512; ep 8" in proc.stdout and "16 node(s) of 32" in proc.stdout

@@ -53,7 +53,7 @@ def test_data_prep_into_the_directory_holding_its_input_refuses_and_deletes_noth
     work = user_dir(tmp_path)
     before = snapshot(tmp_path)
     proc = run_entry("data_prep.py", f"input={work}/corpus.txt", "format=text", f"output={work}",
-                     f"tokenizer={SAMPLE_TOK}", "seq_len=16", "overwrite=true")
+                     f"tokenizer={SAMPLE_TOK}", "seq_len=16", "overwrite=true", here=True)
     line = refused(proc, str(work), "holds input=", "corpus.txt")
     assert line.startswith("error: output=")
     assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["work"]
@@ -113,7 +113,7 @@ def test_infer_export_into_the_run_it_reads_refuses_and_deletes_nothing(tmp_path
     run = fake_run(tmp_path)
     target = {"run": run, "run/hf": run / "hf", "run/checkpoints": run / "checkpoints"}[export]
     before = snapshot(tmp_path)
-    proc = run_entry("infer.py", f"ckpt={run}", f"export_hf={target}", "overwrite=true")
+    proc = run_entry("infer.py", f"ckpt={run}", f"export_hf={target}", "overwrite=true", here=True)
     refused(proc, "export_hf=", str(target))
     assert snapshot(tmp_path) == before and not (run / "hf").exists()
 

@@ -72,7 +72,7 @@ def test_a_tp2_folded_ep2_rank_stores_its_shards_and_the_planner_agrees(tmp_path
 
 def test_what_cannot_be_simulated_is_refused_with_exit_2(tmp_path):
     proc = run_entry("train.py", "experiment=karakuri_8x7b_trn1", "simulate=true",
-                     f"hydra.run.dir={tmp_path / 'sim'}")
+                     f"hydra.run.dir={tmp_path / 'sim'}", here=True)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error: simulate=True" in proc.stderr and not (tmp_path / "sim").exists()
     with pytest.raises(ConfigError) as err:

@@ -48,7 +48,7 @@ def _malicious(path, marker):
 def test_infer_refuses_a_malicious_checkpoint_and_runs_nothing(tmp_path):
     marker = tmp_path / "pwned"
     path = _malicious(tmp_path / "evil.ckpt", marker)
-    proc = run_entry("infer.py", f"ckpt={path}", "prompt=hi")
+    proc = run_entry("infer.py", f"ckpt={path}", "prompt=hi", here=True)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "allow_pickle" in proc.stderr and "Traceback" not in proc.stderr
     assert not marker.exists()
@@ -57,7 +57,7 @@ def test_infer_refuses_a_malicious_checkpoint_and_runs_nothing(tmp_path):
 def test_a_resume_refuses_a_malicious_checkpoint_in_the_run_dir(tmp_path):
     marker, run_dir = tmp_path / "pwned", tmp_path / "run"
     _malicious(run_dir / "checkpoints" / "step-000010.ckpt", marker)
-    proc = run_entry("train.py", f"hydra.run.dir={run_dir}", *FAST_RUN, "trainer.max_steps=12")
+    proc = run_entry("train.py", f"hydra.run.dir={run_dir}", *FAST_RUN, "trainer.max_steps=12", here=True)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "allow_pickle=False" in proc.stderr and "step-000010.ckpt" in proc.stderr
     assert not marker.exists()

@@ -69,7 +69,7 @@ def test_training_fine_tunes_an_upcycled_model_and_exports_it(tmp_path, train_he
     lines = (run / "metrics.csv").read_text().splitlines()
     assert len(lines) >= 7
     export = tmp_path / "export"
-    run_entry("infer.py", f"ckpt={run}", f"export_hf={export}", check=True)
+    run_entry("infer.py", f"ckpt={run}", f"export_hf={export}", check=True, here=True)
     exported = transformers.MixtralForCausalLM.from_pretrained(export, local_files_only=True)
     assert exported.config.num_local_experts == 4 and exported.config.num_experts_per_tok == 2
 
