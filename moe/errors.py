@@ -57,7 +57,11 @@ def write_errno(err: BaseException) -> int | None:
     return number if number in WRITE_ERRNOS else None
 
 
-def write_failed(path: str | Path, err: BaseException, field: str = "file", cleaned: str = "") -> UserError:
+class WriteFailed(UserError):
+    """The file system refused a write (moe.errors.write_failed): its field names a path, not a config key."""
+
+
+def write_failed(path: str | Path, err: BaseException, field: str = "file", cleaned: str = "") -> WriteFailed:
     """A refused write as one paragraph: the path, the errno and the fix. Exit 2, not 3: the user must make
     room (or point the run elsewhere) before a relaunch can do better, so a supervisor must not retry it.
     `cleaned` says what was removed so that nothing half-written remains."""
@@ -65,12 +69,12 @@ def write_failed(path: str | Path, err: BaseException, field: str = "file", clea
     reason = os.strerror(number) if number else first_line(err)
     name = errno.errorcode.get(number, "") if number else ""
     where = Path(path).parent if str(path) else Path(".")
-    return UserError(field, str(path),
-                     f"free space or fix permissions under {where} (df -h {where}; ls -ld {where}), or write "
-                     "elsewhere (a run: hydra.run.dir=...), then relaunch the same command: a run resumes "
-                     "from its newest complete checkpoint",
-                     problem=f"could not be written ({reason}{': ' + name if name else ''})"
-                             f"{'; ' + cleaned if cleaned else ''}")
+    fix = (f"free space or fix permissions under {where} (df -h {where}; ls -ld {where}), or write elsewhere "
+           "(a run: hydra.run.dir=...), then relaunch the same command: a run resumes from its newest "
+           "complete checkpoint")
+    return WriteFailed(field, str(path), fix,
+                       problem=f"could not be written ({reason}{': ' + name if name else ''})"
+                               f"{'; ' + cleaned if cleaned else ''}")
 
 
 COLLECTIVE_FAILED_EXIT = 3  # a peer rank died or stalled: retryable (moe.tools.supervise relaunches)

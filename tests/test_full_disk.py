@@ -98,7 +98,8 @@ def test_data_prep_on_a_full_disk_exits_2_and_leaves_no_output(tmp_path):
     with file_size_limit(12_000):
         code, err = exit_of(prepare, cfg, False)
     assert code == 2 and "Traceback" not in err, err
-    assert REFUSED in err and "Fix: free space" in err, err
+    assert err.startswith(f"error: file='{tmp_path / 'out'}' {REFUSED}; its temporary directory was removed. "
+                          "Fix: free space"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]  # no output, no temporary directory
 
 

@@ -29,7 +29,7 @@ from moe.data.arrow_io import PackedBlocks, load_prepared, read_meta
 from moe.data.pipeline import content_config, digest, prepare
 from moe.data.sampler import StreamSampler, validation_batches
 from moe.data.sources import describe_sources, resolve
-from moe.errors import UserError
+from moe.errors import UserError, WriteFailed
 from moe.paths import local_path
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def _as_data_error():
     try:
         yield
     except UserError as err:
-        if err.field.startswith(("data.", "model.")):
+        if isinstance(err, WriteFailed) or err.field.startswith(("data.", "model.")):
             raise
         field = ONLINE_FIELDS.get(err.field, err.field)
         raise UserError(f"data.{field}", err.value, err.fix, err.problem) from None

@@ -30,7 +30,7 @@ from moe.data.arrow_io import SPLITS, SplitWriter, save_splits, token_dtype
 from moe.data.formats import BENIGN, FormatSpec, check_columns, needed_columns, render_batch
 from moe.data.packing import ConcatPacker, PadPacker
 from moe.data.sources import RawData, load_raw
-from moe.errors import UserError
+from moe.errors import UserError, WriteFailed, write_errno, write_failed
 from moe.outputs import PREPARED_DATA, check_output, mark, publish
 
 META_VERSION = 1
@@ -315,8 +315,11 @@ def prepare(cfg, progress: bool = True) -> Path:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         mark(tmp, PREPARED_DATA)
         publish(tmp, out)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, WriteFailed) or (isinstance(err, OSError) and write_errno(err) is not None):
+            refused = err.__cause__ or err  # the file system's own error, under the output it was building
+            raise write_failed(out, refused, cleaned="its temporary directory was removed") from err
         raise
     finally:
         if not progress and not bars_were_off:

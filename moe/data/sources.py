@@ -281,8 +281,7 @@ def load_raw(spec, *, on_bad_row: str, work_dir: Path, num_proc: int = 1, split:
     except Exception as err:
         refused = next((e for e in (err, err.__cause__) if e is not None and write_errno(e)), None)
         if refused is not None:  # the files were read; their Arrow copy under the output could not be written
-            raise write_failed(getattr(refused, "filename", None) or work_dir, refused,
-                               cleaned="the output's temporary directory is removed") from err
+            raise write_failed(getattr(refused, "filename", None) or work_dir, refused) from refused
         if kind not in LINE_BASED:
             raise UserError("input", spec, "check the files are valid " + kind,
                             problem=f"could not be read ({type(err).__name__}: {err})") from err
