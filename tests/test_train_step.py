@@ -2,10 +2,9 @@
 accumulation that equals one larger batch (each micro-batch's loss divided once by their count)."""
 from __future__ import annotations
 
-import csv
-
 import pytest
 import torch
+from conftest import trained_rows
 
 from moe.module.train_step import micro_batches
 
@@ -20,18 +19,13 @@ def test_a_steps_rows_are_cut_into_its_micro_batches_in_order():
     assert all(torch.equal(p["labels"], -p["input_ids"]) for p in parts)
 
 
-def _metrics(run_dir) -> list[dict]:
-    with (run_dir / "metrics.csv").open(newline="") as f:
-        return [r for r in csv.DictReader(f) if r["loss"]]
-
-
 def test_two_micro_batches_of_4_step_as_one_batch_of_8(train_here, tmp_path):
     """Without router terms (their statistics are per forward) and dropless, the mean of 2 micro-batch losses
     is the loss of their 8 rows: same losses, gradient norms (clipped at 0.5) and so the same updates."""
     one = train_here(*EXACT, "trainer.micro_batch_size=8", run_dir=tmp_path / "one")
     two = train_here(*EXACT, "trainer.micro_batch_size=4", "trainer.accumulate_grad_batches=2",
                      run_dir=tmp_path / "two")
-    got, want = _metrics(two), _metrics(one)
+    got, want = trained_rows(two), trained_rows(one)
     assert [r["step"] for r in got] == [r["step"] for r in want] == ["1", "2", "3"]
     for a, b in zip(got, want, strict=True):
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), abs=2e-5)
@@ -68,3 +62,13 @@ def test_a_checkpoint_from_before_resumes_at_its_step(automatic, manual):
     today = {"loops": _loops(0, 30, 30), "hyper_parameters": old["hyper_parameters"]}
     upgrade_loop_state(today)
     assert today["loops"] == _loops(0, 30, 30)
+
+
+def test_the_settled_config_cannot_be_edited_while_the_run_trains(train_here, tmp_path):
+    """After start-up the run's config is read, never edited: an assignment raises, wherever it is held."""
+    from tests._edit_probe import TRIED
+
+    run = train_here("trainer.max_steps=2", "+callbacks.edit._target_=tests._edit_probe.ConfigEditProbe",
+                     run_dir=tmp_path / "run")
+    assert TRIED == {"module": "ReadonlyConfigError", "backend": "ReadonlyConfigError"}
+    assert [r["step"] for r in trained_rows(run)] == ["1", "2"]

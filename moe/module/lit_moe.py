@@ -36,6 +36,7 @@ class LitMoE(L.LightningModule):
         container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
         self.save_hyperparameters({"cfg": container})
         self.cfg = OmegaConf.create(container)
+        OmegaConf.set_readonly(self.cfg, True)  # the run's settled config: read, never edited
         self.backend = backend
         with torch.device("meta" if on_meta else "cpu"):
             self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)

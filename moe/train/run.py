@@ -55,9 +55,11 @@ def train(cfg: DictConfig, run_dir: str | Path) -> Path:
     stop_when_a_log_file_cannot_be_written()  # train.log on a full disk: one paragraph, exit 2
     dims, note = settle(cfg)
     locks: list = []
+    OmegaConf.set_readonly(cfg, True)  # settled: from here the run reads its config and never edits it
     try:
         return _train(cfg, Path(run_dir), dims, note, locks)
     finally:
+        OmegaConf.set_readonly(cfg, None)  # Hydra's, again, for what it does after the job
         for lock in locks:
             lock.release()
 
