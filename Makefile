@@ -24,7 +24,7 @@ setup: $(STAMP) ## create .venv (CPU torch 2.13.0, pinned by constraints.txt) an
 train: $(STAMP) ## default run: tiny MoE, bundled data, CPU (a few minutes); ARGS='key=value ...' to override
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP) ## fast test suite (about 6 minutes on 2 cores; CI runs it, then test-slow, test-floor and test-neuron)
+test: $(STAMP) ## fast test suite (under 5 minutes on 2 cores; CI runs it, then test-slurm, test-slow, test-floor and test-neuron; docs/TESTING.md)
 	$(PY) -m pytest -q $(ARGS)
 
 test-slow: $(STAMP) ## slow tests: multi-process equivalence, kill-and-resume, end-to-end sweeps

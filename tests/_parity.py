@@ -14,10 +14,9 @@ reductions differ. At 1e-3 the two runs stay within 1e-6 for all 20 steps (measu
 """
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
-from tests.conftest import FAST_RUN, run_entry
+from tests.conftest import FAST_RUN, run_entry, trained_rows
 
 STEPS = 20
 PARITY = ("moe_opt=dropless", f"trainer.max_steps={STEPS}", "optimizer.warmup_steps=5",
@@ -34,13 +33,11 @@ def train(run_dir: Path, *overrides: str, resume: bool = False):
                      f"resume={str(resume).lower()}", *overrides, timeout=1200, check=True)
 
 
-def rows(run_dir: Path) -> list[dict]:
-    with (run_dir / "metrics.csv").open(newline="") as f:
-        return [r for r in csv.DictReader(f) if r["loss"] not in ("", None)]
+rows = trained_rows
 
 
 def losses(run_dir: Path) -> list[float]:
-    return [float(r["loss"]) for r in rows(run_dir)]
+    return [float(r["loss"]) for r in trained_rows(run_dir)]
 
 
 def single_process_baseline(tmp_path_factory) -> Path:

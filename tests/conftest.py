@@ -90,6 +90,13 @@ def run_here(script: str, *args: str, env: dict | None = None) -> subprocess.Com
     return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
+def trained_rows(run_dir: Path) -> list[dict]:
+    """metrics.csv's rows of training steps (a validation-only row has no loss), by the product's reader."""
+    from moe.train.metrics import read_metrics
+
+    return [row for row in read_metrics(Path(run_dir) / "metrics.csv") if row["loss"]]
+
+
 @pytest.fixture
 def train_run(tmp_path):
     """`train_run(*overrides)` trains into tmp_path/run and returns (run_dir, CompletedProcess)."""

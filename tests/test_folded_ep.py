@@ -12,32 +12,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_cfg, on_gloo_ranks
+from conftest import on_gloo_ranks
 
-from tests._shards import assemble, canonical_pieces
+from tests._rank_parity import SEQ, assert_same_grads_and_params, batches, fsdp2_cfg, one_process
+from tests._shards import canonical_pieces
 
-SEQ, MICRO = 8, 2  # tokens per sequence, sequences per data-parallel rank
-TOL = dict(rtol=1e-5, atol=1e-7)
+MICRO = 2  # sequences per data-parallel rank
 # AdamW's eps above the gradients' rounding (TOL's atol): with torch's 1e-8, a gradient of 4e-8 that
 # 8 ranks sum in another order (4.1e-8 vs 4.2e-8, within atol) moves its weight by 0.80 vs 0.81 lr,
 # since Adam normalises by |g| + eps; that one element outweighed a 1e-5 norm bound on 8 ranks
-ADAM = dict(lr=1e-3, eps=1e-6, foreach=False)
+ADAM = (("lr", 1e-3), ("eps", 1e-6))
 
 
 def _cfg(world: int, tp: int, ep: int, *extra: str):
-    return compose_cfg(
-        "hardware=cpu_fsdp2", f"parallel.tp={tp}", f"parallel.ep={ep}", f"trainer.devices={world}",
-        f"hardware.devices_per_node={world}", f"trainer.micro_batch_size={MICRO}", f"data.seq_len={SEQ}",
-        "model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=16", "model.num_layers=3",
-        "model.first_k_dense_replace=1", "model.dense_intermediate_size=32",
-        "model.num_heads=4", "model.num_kv_heads=2", "model.shared_expert_intermediate_size=16",
-        "moe_opt=dropless", "moe_opt.aux_loss_group=dp", "moe_opt.aux_loss_coeff=0.1", *extra)
-
-
-def _batches(dp: int) -> list[torch.Tensor]:
-    """Two global batches of dp * MICRO sequences (step 1, step 2)."""
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 64, (dp * MICRO, SEQ + 1), generator=gen) for _ in range(2)]
+    return fsdp2_cfg(world, f"parallel.tp={tp}", f"parallel.ep={ep}", f"trainer.micro_batch_size={MICRO}",
+                     "model.num_layers=3", *extra)
 
 
 def _loss(model, ids):
@@ -67,10 +56,10 @@ def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
     for module in model.modules():
         if isinstance(module, Experts):
             module.register_forward_hook(lambda m, args, out: rows.append(int(args[1].sum())))
-    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    opt = torch.optim.AdamW(model.parameters(), **dict(ADAM), foreach=False)
     d = dims.dp_rank(rank)
     losses, grads = [], None
-    for ids in _batches(dims.dp):
+    for ids in batches(dims.dp * MICRO):
         loss = _loss(model, ids[d * MICRO:(d + 1) * MICRO])
         loss.backward()
         sum_grads(partial_params(model, dims.sequence_parallel), meshes.tp.get_group())
@@ -84,40 +73,16 @@ def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
     return {"losses": losses, "grads": grads, "params": params, "rows": rows[:2]}  # step 1's 2 layers
 
 
-def _one_process(world: int, tp: int, ep: int, extra: tuple) -> dict:
-    from moe.model.model import MoETransformer
-
-    cfg = _cfg(1, 1, 1, *extra)
-    model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=7)
-    opt = torch.optim.AdamW(model.parameters(), **ADAM)
-    losses, grads = [], None
-    for ids in _batches(world // tp):
-        loss = _loss(model, ids)
-        loss.backward()
-        losses.append(loss.item())
-        grads = grads or {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach() for n, p in model.named_parameters()}}
-
-
 def _check(world: int, tp: int, ep: int, *extra: str) -> None:
     out = on_gloo_ranks(world, _rank, world, tp, ep, extra)
-    want = _one_process(world, tp, ep, extra)
     dp = world // tp
-    for key in ("grads", "params"):
-        shapes = {n: t.shape for n, t in want[key].items()}
-        got = assemble([out[r][key] for r in range(world)], shapes)
-        assert set(got) == set(want[key])
-        for name, value in want[key].items():
-            if key == "grads":
-                torch.testing.assert_close(got[name], value, **TOL, msg=name)
-            else:  # Adam divides by sqrt(v): elementwise, a near-zero gradient's rounding shows at lr scale
-                assert (got[name] - value).norm() <= 1e-5 * value.norm(), name
+    want = one_process((f"trainer.micro_batch_size={MICRO}", "model.num_layers=3", *extra), dp, MICRO, 1, 7,
+                       ADAM)
+    assert_same_grads_and_params(out, want, world)
     for step in (0, 1):  # each TP group's ranks agree; the data-parallel mean is one process's loss
         per_dp = [out[r]["losses"][step] for r in range(0, world, tp)]
         assert all(out[r]["losses"][step] == out[r - r % tp]["losses"][step] for r in range(world))
-        assert sum(per_dp) / dp == pytest.approx(want["losses"][step], rel=1e-5)
+        assert sum(per_dp) / dp == pytest.approx(want["loss"][step][0], rel=1e-5)
     tokens = world // tp * MICRO * SEQ
     k = 2
     for layer in (0, 1):  # every assignment computed once, on one rank

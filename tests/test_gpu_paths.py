@@ -13,12 +13,12 @@ first real GPU (one H200, torch 2.11), each through the real training path (trai
 """
 from __future__ import annotations
 
-import csv
 import json
 import math
 
 import pytest
 import torch
+from conftest import trained_rows
 from torch.utils._pytree import tree_flatten
 
 from moe.model import moe as moe_layer
@@ -55,11 +55,6 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _metrics(run_dir):
-    with (run_dir / "metrics.csv").open(newline="") as f:
-        return [r for r in csv.DictReader(f) if r["loss"]]
-
-
 @pytest.mark.parametrize("zero_stage, log_every, logged",
                          [(3, 1, [1, 2, 3]), (2, 1, [1, 2, 3]), (3, 5, [1, 3])],
                          ids=["zero3", "zero2", "zero3_unlogged_step"])
@@ -77,7 +72,7 @@ def test_fsdp2_trains_with_torch_2_11_hooks_and_reads_no_freed_storage(train_her
                                  f"trainer.log_every_n_steps={log_every}")
     except FreedStorageRead as e:  # not pytest's traceback: its repr of the freed weight would read it too
         pytest.fail(str(e), pytrace=False)
-    rows = _metrics(run_dir)
+    rows = trained_rows(run_dir)
     assert [int(r["step"]) for r in rows] == logged
     assert all(math.isfinite(float(r["grad_norm"])) for r in rows)
 
@@ -102,7 +97,7 @@ def test_ddp_clips_a_fused_adamw_under_mixed_precision(train_here, precision):
     clipping (optimizer.grad_clip=1.0) now clips by the global norm: the logged norm is unscaled under
     16-mixed (the loss scale starts at 2^16) and the step is taken."""
     run_dir = train_here(f"trainer.precision={precision}", *STEPS)
-    rows = _metrics(run_dir)
+    rows = trained_rows(run_dir)
     norms = [float(r["grad_norm"]) for r in rows]
     assert len(rows) == 3 and all(math.isfinite(n) and 0 < n < 100 for n in norms), norms
 

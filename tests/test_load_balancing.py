@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import trained_rows
 
 from moe.config import ModelConfig, MoEOptConfig
 from moe.model import MoETransformer
@@ -87,7 +88,6 @@ def test_sequence_balance_loss_is_the_batch_loss_within_each_sequence_averaged()
 
 
 def test_aux_free_training_moves_the_bias_and_a_resume_continues_it_exactly(tmp_path, train_here):
-    import csv
     import shutil
 
     args = ("moe_opt=aux_free", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3",
@@ -98,8 +98,7 @@ def test_aux_free_training_moves_the_bias_and_a_resume_continues_it_exactly(tmp_
     assert bias.abs().sum() > 0 and torch.allclose(bias.abs(), torch.full_like(bias, 6e-3), atol=6e-3)
 
     def losses(d):
-        with open(d / "metrics.csv", newline="") as f:
-            return [float(r["loss"]) for r in csv.DictReader(f) if r["loss"]]
+        return [float(r["loss"]) for r in trained_rows(d)]
 
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)

@@ -15,21 +15,16 @@ import torch
 from conftest import compose_cfg, on_gloo_ranks
 
 from moe.errors import ConfigError
-from tests._shards import assemble, canonical_pieces
+from tests._rank_parity import SEQ, TOL, assert_same_grads_and_params, batches, fsdp2_cfg, one_process
+from tests._shards import canonical_pieces
 
-SEQ, ROWS = 8, 4  # tokens per sequence, sequences per data-parallel rank and step
-TOL = dict(rtol=1e-5, atol=1e-7)
+ROWS = 4  # sequences per data-parallel rank and step
+PIPELINE = ("trainer.micro_batch_size=2", "trainer.accumulate_grad_batches=2", "model.num_layers=4",
+            "moe_opt.z_loss_coeff=0.01")
 
 
 def _cfg(world: int, *extra: str):
-    return compose_cfg(
-        "hardware=cpu_fsdp2", f"trainer.devices={world}", f"hardware.devices_per_node={world}",
-        "trainer.micro_batch_size=2", "trainer.accumulate_grad_batches=2", f"data.seq_len={SEQ}",
-        "model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=16", "model.num_layers=4",
-        "model.first_k_dense_replace=1", "model.dense_intermediate_size=32",
-        "model.num_heads=4", "model.num_kv_heads=2", "model.shared_expert_intermediate_size=16",
-        "moe_opt=dropless", "moe_opt.aux_loss_group=dp", "moe_opt.aux_loss_coeff=0.1",
-        "moe_opt.z_loss_coeff=0.01", *extra)
+    return fsdp2_cfg(world, *PIPELINE, *extra)
 
 
 # -- fast ------------------------------------------------------------------------------------------------
@@ -129,11 +124,6 @@ def test_a_schedule_only_the_torch_native_backend_runs_is_refused_elsewhere():
 
 
 # -- slow: the real schedules on gloo ranks against one process -------------------------------------------
-def _batches(dp: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 64, (dp * ROWS, SEQ + 1), generator=gen) for _ in range(2)]
-
-
 def _rank(rank: int, world: int, extra: tuple) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -155,7 +145,7 @@ def _rank(rank: int, world: int, extra: tuple) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     d = dims.dp_rank(rank)
     losses, grads = [], None
-    for ids in _batches(dims.dp):
+    for ids in batches(dims.dp * ROWS):
         mine = ids[d * ROWS:(d + 1) * ROWS]
         pipeline.train(mine[:, :-1], mine[:, 1:])
         if dims.moe_token_split > 1:
@@ -172,49 +162,19 @@ def _rank(rank: int, world: int, extra: tuple) -> dict:
     return {"losses": losses, "grads": grads, "params": params, "dp_rank": d}
 
 
-def _one_process(dp: int, n: int) -> dict:
-    """Micro-batch i of a step is every data-parallel rank's i-th micro-batch (the load balance is over
-    them all); the step's loss is the mean over micro-batches, accumulated as Lightning does."""
-    from moe.model.model import MoETransformer
-
-    cfg = _cfg(1)
-    model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    rows = ROWS // n
-    losses, grads = [], None
-    for ids in _batches(dp):
-        step = []
-        for i in range(n):
-            batch = torch.cat([ids[d * ROWS + i * rows: d * ROWS + (i + 1) * rows] for d in range(dp)])
-            out = model(batch[:, :-1], labels_BS=batch[:, 1:])
-            (out.loss / n).backward()
-            step.append(out.lm_loss.item())
-        losses.append(step)
-        grads = grads or {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach() for n, p in model.named_parameters()}}
-
-
 def _check(world: int, *extra: str) -> None:
     from moe.parallel.dims import ParallelDims
 
     dims = ParallelDims.from_config(_cfg(world, *extra))
     out = on_gloo_ranks(world, _rank, world, extra)
-    want = _one_process(dims.dp, 2)
-    for key in ("grads", "params"):
-        got = assemble([out[r][key] for r in range(world)], {n: t.shape for n, t in want[key].items()})
-        for name, value in want[key].items():
-            if key == "grads":
-                torch.testing.assert_close(got[name], value, **TOL, msg=name)
-            else:  # after Adam: a near-zero gradient's rounding shows elementwise at lr scale
-                assert (got[name] - value).norm() <= 1e-5 * value.norm(), name
+    want = one_process(PIPELINE, dims.dp, ROWS, 2, _cfg(1).seed, (("lr", 1e-3),))
+    assert_same_grads_and_params(out, want, world)
     last_stage = [r for r in range(world) if out[r]["losses"][0]]
     assert len(last_stage) == dims.dp * dims.tp  # the last stage's ranks hold the losses
     for step in (0, 1):  # each micro-batch's LM loss, averaged over data-parallel ranks, is one process's
         for i in range(2):
             mean = sum(out[r]["losses"][step][i] for r in last_stage) / len(last_stage)
-            assert mean == pytest.approx(want["losses"][step][i], rel=1e-5)
+            assert mean == pytest.approx(want["lm_loss"][step][i], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import trained_rows
 
 from moe.errors import UserError
 from moe.model.routing import apply_capacity, expert_capacity
@@ -83,11 +84,6 @@ def make_sweep(root, factors=(0.5, 1.0, 1.5, None), **kw):
     return root
 
 
-def rows_of(path):
-    with (path / "metrics.csv").open(newline="") as f:
-        return [r for r in csv.DictReader(f) if r["loss"]]
-
-
 def table_rows(md: str) -> list[list[str]]:
     lines = md.split("## ")[0].splitlines()
     body = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| run ")]
@@ -98,7 +94,7 @@ def table_rows(md: str) -> list[list[str]]:
 
 def test_advised_factor_applied_to_the_logged_counts_stays_under_target_and_is_the_smallest(tmp_path):
     run = make_run(tmp_path / "run", cf=None, seed=3, steps=30)
-    log = routing_log_from_rows(rows_of(run), top_k=K, min_capacity=MIN_CAP)
+    log = routing_log_from_rows(trained_rows(run), top_k=K, min_capacity=MIN_CAP)
     assert log.exact and log.counts_SLE.shape == (30, LAYERS, E) and (log.tokens_S == T).all()
     for target in (0.0, 0.01, 0.05):
         advice = advise(log, target=target)
@@ -129,7 +125,7 @@ def test_advisor_drops_match_the_layer_capacity_rule_on_real_assignments():
 
 def test_counts_summed_over_several_forwards_are_flagged_and_never_overstate_drops(tmp_path):
     run = make_run(tmp_path / "run", cf=None, seed=5, forwards=4, tokens_per_forward=True)
-    log = routing_log_from_rows(rows_of(run), top_k=K, min_capacity=MIN_CAP)
+    log = routing_log_from_rows(trained_rows(run), top_k=K, min_capacity=MIN_CAP)
     assert not log.exact
     assert np.allclose(log.counts_SLE.sum(-1), K * T)  # split back to one forward's worth
 
@@ -141,7 +137,8 @@ def test_without_tokens_per_forward_t_comes_from_the_config(tmp_path):
 
 
 def test_advisor_rejects_a_target_outside_0_1(tmp_path):
-    log = routing_log_from_rows(rows_of(make_run(tmp_path / "r", cf=None)), top_k=K, min_capacity=MIN_CAP)
+    rows = trained_rows(make_run(tmp_path / "r", cf=None))
+    log = routing_log_from_rows(rows, top_k=K, min_capacity=MIN_CAP)
     with pytest.raises(UserError, match="target"):
         advise(log, target=1.5)
     with pytest.raises(UserError, match="from_step"):

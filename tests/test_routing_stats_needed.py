@@ -4,11 +4,11 @@ them changes no output, no loss and no gradient, and cuts the layer's aten ops b
 105 for the same work (bench/vs_torchtitan.py, docs/BENCHMARKS.md)."""
 from __future__ import annotations
 
-import csv
 import math
 
 import pytest
 import torch
+from conftest import trained_rows
 
 from moe.config.schema import MoEOptConfig
 from moe.tools.syncs import counting_syncs
@@ -88,7 +88,7 @@ def test_training_monitors_routing_on_the_steps_it_logs(train_here, monkeypatch)
                          "trainer.save_checkpoints=false")
     layers = len(monitored) // 4
     assert monitored == [True] * layers + [False] * layers + [True] * 2 * layers
-    rows = [r for r in csv.DictReader((run_dir / "metrics.csv").open()) if r["loss"]]
+    rows = trained_rows(run_dir)
     assert [int(r["step"]) for r in rows] == [1, 3, 4]
     for row in rows:
         for key in ("drop_fraction", "max_expert_load", "mean_expert_load", "router_entropy", "aux_loss"):

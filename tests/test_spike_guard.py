@@ -3,7 +3,6 @@
 Runs `moe.train.run.train` in-process on a tiny model; the spike is injected by scaling the loss of
 chosen optimizer steps (a real spike: the loss and every gradient of that step are 50x).
 """
-import csv
 import json
 import math
 import os
@@ -12,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, compose_cfg
+from conftest import REPO, compose_cfg, trained_rows
 
 from moe.config.validate import check_guard
 from moe.errors import ConfigError
@@ -59,9 +58,7 @@ class Injector:
         return not torch.equal(self.params[step], self.params[step + 1])
 
 
-def rows(run_dir):
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return [r for r in csv.DictReader(f) if r["loss"]]
+rows = trained_rows
 
 
 def summary(run_dir):

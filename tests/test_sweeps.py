@@ -5,7 +5,6 @@ registers; points are expanded the way Hydra's basic sweeper expands them.
 """
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
 import os
@@ -14,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg
+from conftest import compose_cfg, trained_rows
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
@@ -117,11 +116,6 @@ def _train(args, cwd):
     return proc
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    with (run_dir / "metrics.csv").open(newline="") as f:
-        return [r for r in csv.DictReader(f) if r["loss"]]
-
-
 SHORT = ["trainer.max_steps=4", "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
          "trainer.micro_batch_size=4", "data.seq_len=64"]
 TINY = ["trainer.max_steps=1", "optimizer.warmup_steps=0", "trainer.micro_batch_size=2", "data.seq_len=32",
@@ -130,10 +124,10 @@ TINY = ["trainer.max_steps=1", "optimizer.warmup_steps=0", "trainer.micro_batch_
 
 
 def _step1(run_dir: Path) -> dict:
-    return _rows(run_dir)[0]
+    return trained_rows(run_dir)[0]
 
 
-def _table_rows(md: str) -> list[str]:
+def _tabletrained_rows(md: str) -> list[str]:
     """Run labels of the first markdown table (the one-row-per-run table)."""
     table = md.split("\n\n| run ")[1].split("\n\n")[0].splitlines()[2:]
     return [line.split("|")[1].strip().split("]")[0].lstrip("[") for line in table]
@@ -160,7 +154,7 @@ def test_real_sweep_reports_one_row_per_run_and_drops_fall_as_capacity_rises(tmp
     from moe.tools.report import load_run, report
 
     written = report(sweep)
-    assert _table_rows(written[0].read_text()) == ["0", "1", "2"]
+    assert _tabletrained_rows(written[0].read_text()) == ["0", "1", "2"]
     for png in (p for p in written if p.suffix == ".png"):
         assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5_000
     first = [_step1(sweep / str(j)) for j in range(3)]
@@ -190,7 +184,7 @@ def test_make_sweep_smoke_path_end_to_end(tmp_path):
     from moe.tools.advisor import advise, drop_rate
     from moe.tools.report import load_run, run_row
 
-    assert _table_rows(printed[0].read_text()) == ["0", "1", "2"]
+    assert _tabletrained_rows(printed[0].read_text()) == ["0", "1", "2"]
     runs = [load_run(sweep / str(j)) for j in range(3)]
     assert [r.config["moe_opt.capacity_factor"] for r in runs] == [1.0, 1.5, None]
     assert [len(r.train) for r in runs] == [24, 24, 24]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAST_RUN, REPO
+from conftest import FAST_RUN, REPO, trained_rows
 
 from moe.train.metrics import METRIC_COLUMNS
 
@@ -21,17 +21,13 @@ def rows(run_dir):
         return list(csv.DictReader(f))
 
 
-def train_rows(run_dir):
-    return [r for r in rows(run_dir) if r["loss"]]
-
-
 def test_short_run_writes_outputs_and_loss_falls(train_run):
     run_dir, proc = train_run(*SHORT)
     for noise in ("litlogger", "LeafSpec"):  # known Lightning/torch noise is filtered out
         assert noise not in proc.stdout + proc.stderr
     with open(run_dir / "metrics.csv", newline="") as f:
         assert next(csv.reader(f)) == METRIC_COLUMNS
-    train = train_rows(run_dir)
+    train = trained_rows(run_dir)
     assert [int(r["step"]) for r in train] == list(range(1, 41))
     first, last = float(train[0]["loss"]), float(train[-1]["loss"])
     assert last < first - 1.0, f"loss did not fall: {first} -> {last}"
@@ -74,13 +70,13 @@ def test_relaunch_after_a_kill_resumes_and_ends_at_the_same_step(tmp_path):
     time.sleep(0.5)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    killed_at = max(int(r["step"]) for r in train_rows(run_dir))
+    killed_at = max(int(r["step"]) for r in trained_rows(run_dir))
     assert killed_at < 40
 
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from" in out.stdout
-    steps = [int(r["step"]) for r in train_rows(run_dir)]
+    steps = [int(r["step"]) for r in trained_rows(run_dir)]
     assert steps == list(range(1, 41))  # every step once: rows past the checkpoint were replaced
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 40
 
@@ -100,7 +96,7 @@ def test_two_process_ddp_run(train_run, tmp_path):
     in_csv = [float(r["val_loss"]) for r in rows(run_dir) if r["val_loss"]]
     assert len(in_csv) == 2 and logged[0] == logged[1] == pytest.approx(in_csv, abs=1e-6)
     assert "sync_dist=True" not in proc.stderr + proc.stdout  # Lightning's warning about a rank's own value
-    train = train_rows(run_dir)
+    train = trained_rows(run_dir)
     assert [int(r["step"]) for r in train] == list(range(1, 21))
     assert float(train[-1]["loss"]) < float(train[0]["loss"])
     summary = json.loads((run_dir / "summary.json").read_text())
