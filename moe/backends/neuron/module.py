@@ -33,6 +33,7 @@ class NeuronLitMoE(NeuronLTModule):
     def __init__(self, cfg: DictConfig, nxd_config: dict, backend, guard=None):
         container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
         run_cfg = OmegaConf.create(container)
+        OmegaConf.set_readonly(run_cfg, True)  # the run's settled config: read, never edited (as LitMoE's)
         super().__init__(
             nxd_config=nxd_config, opt_cls=torch.optim.AdamW, scheduler_cls=None,
             model_fn=lambda: build_model(run_cfg, backend.dims.sequence_parallel),
