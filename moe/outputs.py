@@ -14,6 +14,7 @@ Prepared-data directories written before the marker existed are recognised by th
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -63,11 +64,20 @@ def written_kind(directory: Path) -> str | None:
         return None
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Put the finished directory `tmp` at `out` by renames: an existing `out` (check_output lets only this
-    product's through) is renamed aside first and removed after, so `out` is never half-written."""
-    if not out.exists():
-        tmp.rename(out)
+def publish(tmp: Path, out: Path, replace: bool = True) -> None:
+    """Put the finished directory `tmp` at `out` by renames, so `out` is never half-written. replace=True (the
+    user asked to overwrite): an existing `out` (check_output lets only this product's through) is renamed
+    aside first and removed after. replace=False: one atomic rename, which the kernel refuses when another
+    process published `out` meanwhile (two runs building one data cache): theirs stays whole and in place,
+    and this raises a UserError (the caller removes `tmp`)."""
+    if not replace or not out.exists():
+        try:
+            os.rename(tmp, out)  # onto nothing or an empty directory; never onto a published one
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise UserError("output", str(out), "use the copy the other process wrote, or pick a new path",
+                            problem="was written by another process while this one worked") from err
         return
     old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
     out.rename(old)

@@ -169,3 +169,22 @@ def test_a_users_project_with_a_metrics_csv_is_not_taken_for_a_run(tmp_path):
     from moe.outputs import is_run_dir
 
     assert not is_run_dir(project) and is_run_dir(fake_run(tmp_path))
+
+
+def test_a_directory_another_process_published_meanwhile_is_kept_whole(tmp_path):
+    """Two runs building one data cache: the second to finish leaves the first's copy in place (an atomic
+    rename the kernel refuses), never renames it aside while the first reads it."""
+    from moe.errors import UserError
+    from moe.outputs import publish
+
+    out, first, second = tmp_path / "cache", tmp_path / ".first", tmp_path / ".second"
+    for tmp, text in ((first, "first"), (second, "second")):
+        tmp.mkdir()
+        (tmp / "meta.json").write_text(text)
+    publish(first, out, replace=False)
+    with pytest.raises(UserError, match="was written by another process while this one worked"):
+        publish(second, out, replace=False)
+    assert (out / "meta.json").read_text() == "first" and (second / "meta.json").exists()
+    publish(second, out, replace=True)  # overwrite asked: replaced whole
+    assert (out / "meta.json").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]

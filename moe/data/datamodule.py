@@ -215,7 +215,8 @@ class MoEDataModule(L.LightningDataModule):
 
     # ---- Lightning hooks ----
     def prepare_data(self) -> None:
-        """Online: build the cache once (atomic; when processes race, the first finished one is kept)."""
+        """Online: build the cache once (atomic; when processes race, the first finished one is kept:
+        moe.outputs.publish)."""
         if self.cfg.kind == "online" and not (self.dir / "meta.json").is_file():
             log.info("online data: packing %s into %s", self.prep.input, self.dir)
             try:

@@ -314,7 +314,7 @@ def prepare(cfg, progress: bool = True) -> Path:
         shutil.rmtree(work)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         mark(tmp, PREPARED_DATA)
-        publish(tmp, out)
+        publish(tmp, out, replace=cfg.overwrite)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, WriteFailed) or (isinstance(err, OSError) and write_errno(err) is not None):

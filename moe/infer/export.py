@@ -47,7 +47,7 @@ def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_tem
         hf.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         mark(tmp, HF_EXPORT)
-        publish(tmp, out)
+        publish(tmp, out, replace=overwrite)
     except Exception as err:  # safetensors wraps the file system's refusal in its own error
         if write_errno(err) is None:
             raise
