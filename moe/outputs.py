@@ -29,17 +29,17 @@ PREPARED_DATA, HF_EXPORT = "prepared data", "Hugging Face export"
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Write a file under a temporary name beside `path`, renamed over it when the block ends: a reader never
-    sees half a file. A write the disk refuses removes the temporary file and raises one paragraph."""
+def atomic_path(path: str | Path, cleaned: str = "nothing was left under its name") -> Iterator[Path]:
+    """Write a file under a temporary name beside `path` (`.<name>.<pid>.tmp`), renamed over it when the block
+    ends: a reader never sees half a file. A write the disk refuses removes the temporary file and raises one
+    paragraph (moe.errors.write_failed) saying `cleaned`: what is, or is not, left of the file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise write_failed(path, err, cleaned="nothing was left under its name") from err
+        raise write_failed(path, err, cleaned=cleaned) from err
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -20,6 +20,7 @@ import torch
 
 from moe.errors import UserError, write_failed
 from moe.faults import maybe_kill_during_save
+from moe.outputs import atomic_path
 
 TMP_SUFFIX = ".tmp"
 META_SUFFIX = ".meta.json"
@@ -117,16 +118,10 @@ def atomic_torch_save(obj: Any, path: str | Path) -> dict:
 
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write to a temporary name, flush, rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with tmp.open("w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        remove(tmp)
-        raise write_failed(path, err, cleaned="its temporary file was removed") from err
+    with atomic_path(path, cleaned="its temporary file was removed") as tmp, tmp.open("w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def unwritable(path: Path, err: OSError) -> UserError:

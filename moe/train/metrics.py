@@ -21,6 +21,7 @@ import torch
 from moe.checkpoint.io import write_json_atomic
 from moe.errors import write_failed
 from moe.model.moe import expert_kernel
+from moe.outputs import atomic_path
 from moe.train.console import STEP_LOGGER, log_step
 
 METRIC_COLUMNS = [
@@ -78,16 +79,11 @@ class RunMetrics(L.Callback):
             self._rewrite(kept)
 
     def _rewrite(self, rows: list[dict]) -> None:
-        tmp = self.metrics_path.with_name(".metrics.csv.tmp")
-        try:
-            with tmp.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
-                writer.writeheader()
-                writer.writerows(rows)
-            os.replace(tmp, self.metrics_path)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise write_failed(self.metrics_path, err, cleaned="the file is as it was") from err
+        with atomic_path(self.metrics_path, cleaned="the file is as it was") as tmp, \
+                tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
 
     def _append(self, row: dict) -> None:
         """One row, or none: a refused write is cut back to the rows before it (a resume reads them)."""
