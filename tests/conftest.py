@@ -43,26 +43,22 @@ def run_here(script: str, *args: str, env: dict | None = None) -> subprocess.Com
     sys.argv set, stdout and stderr captured, SystemExit's code as the return code (an uncaught exception:
     its traceback and 1, as Python exits). The environment, working directory, logging handlers, thread
     count, Hydra's global state and any process group are restored afterwards."""
-    import contextlib
     import io
     import logging
     import runpy
     import traceback
 
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
 
-    saved_env, saved_argv, saved_cwd = dict(os.environ), sys.argv, os.getcwd()
-    threads = torch.get_num_threads()
+    saved_argv, saved_cwd = sys.argv, os.getcwd()
     root = logging.getLogger()
     saved_handlers, saved_level = root.handlers[:], root.level
     out, err = io.StringIO(), io.StringIO()
-    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})})
     sys.argv = [str(REPO / script), *args]
     os.chdir(REPO)
     code = 0
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with restored_process_state(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 runpy.run_path(str(REPO / script), run_name="__main__")
             except SystemExit as exit_:
@@ -80,14 +76,28 @@ def run_here(script: str, *args: str, env: dict | None = None) -> subprocess.Com
         root.handlers[:], root.level = saved_handlers, saved_level
         os.chdir(saved_cwd)
         sys.argv = saved_argv
+        GlobalHydra.instance().clear()
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def restored_process_state(env: dict | None = None):
+    """An entry point run in this process (run_here, train_here), offline and with `env` set: the environment,
+    the thread count, Hydra's run config and any default process group (the fsdp2 backend makes one even on
+    one process) are as they were afterwards."""
+    from hydra.core.hydra_config import HydraConfig
+
+    saved_env, threads = dict(os.environ), torch.get_num_threads()
+    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})})
+    try:
+        yield
+    finally:
         os.environ.clear()
         os.environ.update(saved_env)
         torch.set_num_threads(threads)
-        GlobalHydra.instance().clear()
         HydraConfig.instance().cfg = None
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
 def trained_rows(run_dir: Path) -> list[dict]:
@@ -115,26 +125,15 @@ def train_here(tmp_path):
     config train.py's task gets (Hydra's run dir set): for tests that are not about the command line,
     no subprocess and no interpreter start-up. Returns the run dir; the environment, the thread count,
     Hydra's global state and the default process group are restored after each run."""
-    from hydra.core.hydra_config import HydraConfig
-
     from moe.train.preflight import compose_config
     from moe.train.run import train
 
     def _run(*overrides: str, run_dir: Path | None = None) -> Path:
         run_dir = run_dir or tmp_path / "run"
-        env, threads = dict(os.environ), torch.get_num_threads()
-        os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-        try:
+        with restored_process_state():
             cfg, _ = compose_config([f"hydra.run.dir={run_dir}", *FAST_RUN, *overrides], str(REPO / "conf"),
                                     "train")
             return train(cfg, run_dir)
-        finally:
-            os.environ.clear()
-            os.environ.update(env)
-            torch.set_num_threads(threads)
-            HydraConfig.instance().cfg = None
-            if torch.distributed.is_initialized():  # the fsdp2 backend's group, even on one process
-                torch.distributed.destroy_process_group()
 
     return _run
 

@@ -7,7 +7,6 @@ submitit sweep runs each point as a SLURM job; (d) the trn1 form (srun of torchr
 """
 from __future__ import annotations
 
-import csv
 import os
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, trained_rows
 
 pytestmark = pytest.mark.slurm
 
@@ -67,11 +66,7 @@ def read(path: Path) -> str:
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
-    path = run_dir / "metrics.csv"
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f) if r["loss"]]
+    return [(int(r["step"]), float(r["loss"])) for r in trained_rows(run_dir)]
 
 
 @pytest.fixture(scope="module")
