@@ -25,6 +25,9 @@ FAILED_JOBS: list[str] = []  # sweep jobs of this process that stopped on an err
 def plan(cfg: DictConfig, dims, run_dir: str) -> None:
     """dry_run=true prints the layout and memory plan; simulate=true runs the real parallelize on fake
     tensors and writes simulation.json into the run dir."""
+    from moe.config.settled import settled_config
+
+    cfg = settled_config(cfg)
     if cfg.dry_run:
         from moe.tools.plan import make_plan
 

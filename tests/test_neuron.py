@@ -8,6 +8,7 @@ checks against the real release.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -96,7 +97,7 @@ def attached(backend, module):
 
 def module_routing(cfg) -> list[str]:
     """The overrides giving another backend the routing `cfg` runs."""
-    return [f"moe_opt.{k}={'null' if v is None else v}" for k, v in cfg.moe_opt.items()]
+    return [f"moe_opt.{k}={'null' if v is None else v}" for k, v in dataclasses.asdict(cfg.moe_opt).items()]
 
 
 def batch_of(cfg, seed: int = 0) -> dict:

@@ -70,5 +70,5 @@ def test_the_settled_config_cannot_be_edited_while_the_run_trains(train_here, tm
 
     run = train_here("trainer.max_steps=2", "+callbacks.edit._target_=tests._edit_probe.ConfigEditProbe",
                      run_dir=tmp_path / "run")
-    assert TRIED == {"module": "ReadonlyConfigError", "backend": "ReadonlyConfigError"}
+    assert TRIED == {"module": "FrozenInstanceError", "backend": "FrozenInstanceError"}
     assert [r["step"] for r in trained_rows(run)] == ["1", "2"]

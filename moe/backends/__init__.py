@@ -27,11 +27,11 @@ def single_process_module(cfg):
     """A LitMoE built on its own, eagerly, in one process (tests, tools), with DDP's one-rank backend;
     `cfg` a config or the plain dict a checkpoint stores."""
     from moe.backends.ddp import DDPBackend
-    from moe.config.upgrade import with_schema_defaults
+    from moe.config.settled import settled_config
     from moe.module import LitMoE
     from moe.parallel.dims import ParallelDims
 
-    cfg = with_schema_defaults(cfg)
+    cfg = settled_config(cfg)
     return LitMoE(cfg, DDPBackend(cfg, ParallelDims.from_config(cfg)))
 
 

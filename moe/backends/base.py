@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from moe.config.schema import TrainConfig
+from moe.config.settled import settled_config
 from moe.config.specs import SPECS, BackendSpec
 from moe.parallel.dims import ExpertGroups, ParallelDims
 from moe.parallel.parallelize import Steps, parallelize
@@ -41,8 +43,8 @@ class Backend:
     # (DeepSpeed, NxD): there gradients are not in `param.grad` for `grad_norm` to read.
     norm_after_step: ClassVar[bool] = False
 
-    def __init__(self, cfg, dims: ParallelDims):
-        self.cfg, self.dims = cfg, dims
+    def __init__(self, cfg: TrainConfig, dims: ParallelDims):
+        self.cfg, self.dims = settled_config(cfg), dims
         self.expert_groups: ExpertGroups | None = None  # set by parallelize when ep > 1
         self._resuming = False  # set by build_module
 

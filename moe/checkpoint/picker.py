@@ -154,28 +154,29 @@ def lightning_part(ckpt_path: str | Path) -> Path:
 
 def check_resume_compatible(ckpt_path: str | Path, cfg) -> None:
     """Raise UserError naming the field, both values and the fix when the model shapes changed."""
-    from omegaconf import OmegaConf
+    import dataclasses
 
+    from moe.config.settled import settled_config
     from moe.model.model import state_shapes
 
     ckpt_path = Path(ckpt_path)
     saved = (load(lightning_part(ckpt_path)).get("hyper_parameters") or {}).get("cfg")
     if not saved or "model" not in saved:
         return
-    saved = OmegaConf.create(saved)
+    saved_model, saved, cfg = saved["model"], settled_config(saved), settled_config(cfg)
     old, new = state_shapes(saved.model, saved.moe_opt), state_shapes(cfg.model, cfg.moe_opt)
     if old == new:
         return
-    changed = [k for k in OmegaConf.to_container(cfg.model)
-               if k in saved.model and saved.model[k] != cfg.model[k]]
+    current = dataclasses.asdict(cfg.model)
+    changed = [k for k, v in current.items() if k in saved_model and saved_model[k] != v]
     key = next((k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)), "?")
     tensor = f"tensor {key}: checkpoint {old.get(key, 'absent')}, config {new.get(key, 'absent')}"
     fix = (f"train with the checkpoint's settings, or start a new run: resume=false (overwrites "
            f"{ckpt_path.parent}) or another run_name")
     if changed:
         field = changed[0]
-        raise UserError(f"model.{field}", cfg.model[field], fix,
+        raise UserError(f"model.{field}", current[field], fix,
                         problem=f"differs from the checkpoint being resumed ({ckpt_path}, model.{field}="
-                                f"{saved.model[field]!r}; {tensor})")
+                                f"{saved_model[field]!r}; {tensor})")
     raise UserError("model", cfg.model.name, fix,
                     problem=f"does not match the checkpoint being resumed ({ckpt_path}; {tensor})")

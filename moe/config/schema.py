@@ -6,6 +6,7 @@ config, before anything is built. Value and cross-field rules live in `moe.confi
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,8 +17,26 @@ from hydra.core.config_store import ConfigStore
 DEFAULT_CHAT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
 
 
+class Section:
+    """Base of the schema's dataclasses. Hydra composes into them as plain dataclasses; once the run has
+    settled its config, moe.config.settled freezes the instances it trains with, and assigning to one then
+    raises as on a frozen dataclass (a change is a new object: moe.config.settled.replaced)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to field {name!r} of {type(self).__name__}: the run's config is settled and "
+                "read-only (make a changed copy with moe.config.settled.replaced)")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r} of {type(self).__name__}")
+        object.__delattr__(self, name)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """Decoder architecture. Defaults are the tiny CPU model."""
 
     name: str = "tiny"
@@ -57,7 +76,7 @@ class ModelConfig:
 
 
 @dataclass
-class MoEOptConfig:
+class MoEOptConfig(Section):
     """Routing behaviour; names follow Megatron-Core's MoE options."""
 
     name: str = "default"
@@ -100,7 +119,7 @@ def normalizes(normalize_top_k: bool | None, top_k: int) -> bool:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     """Parallel layout. dp is derived as world / (tp * pp) unless given."""
 
     name: str = "single"
@@ -131,7 +150,7 @@ class ParallelConfig:
 
 
 @dataclass
-class HardwareConfig:
+class HardwareConfig(Section):
     """The machine; picks the Lightning strategy plugin and nothing else."""
 
     name: str = "cpu"
@@ -155,7 +174,7 @@ class HardwareConfig:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Section):
     """AdamW with linear warmup then cosine decay to min_lr."""
 
     name: str = "adamw"
@@ -171,7 +190,7 @@ class OptimizerConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """Training data: a prepared Arrow dir, online packing of raw files, or the bundled sample."""
 
     name: str = "sample"
@@ -190,7 +209,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     """Loop length, batch arithmetic and checkpoint cadence."""
 
     name: str = "default"
@@ -219,7 +238,7 @@ class TrainerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     """The composed `train.py` config."""
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -14,8 +14,9 @@ import math
 
 import lightning as L
 import torch
-from omegaconf import DictConfig, OmegaConf
 
+from moe.config.schema import TrainConfig
+from moe.config.settled import as_container, settled_config
 from moe.model.model import ModelOutput, MoETransformer
 from moe.module.optim import build_optimizer, build_scheduler
 from moe.module.step_stats import StepStats, validation_loss
@@ -26,17 +27,15 @@ from moe.ranks import trainer_of
 
 
 class LitMoE(L.LightningModule):
-    def __init__(self, cfg: DictConfig, backend, on_meta: bool = False, guard=None):
+    def __init__(self, cfg: TrainConfig, backend, on_meta: bool = False, guard=None):
         """backend: the run's (moe.backends.build_backend; moe.backends.single_process_module builds a
         module on its own). on_meta: build the model on the meta device (no storage); the backend's
         `parallelize` materialises this rank's shard in `configure_model` (Backend.build_module).
         guard: the run's spike guard (moe.train.guard.SpikeGuard), which the step asks; None: none."""
         super().__init__()
         self.automatic_optimization = False  # the step is ours: moe.module.train_step
-        container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-        self.save_hyperparameters({"cfg": container})
-        self.cfg = OmegaConf.create(container)
-        OmegaConf.set_readonly(self.cfg, True)  # the run's settled config: read, never edited
+        self.cfg = settled_config(cfg)  # the run's settled config, frozen dataclasses: read, never edited
+        self.save_hyperparameters({"cfg": as_container(self.cfg)})
         self.backend = backend
         with torch.device("meta" if on_meta else "cpu"):
             self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from moe.config.derived import precision_of
+from moe.config.settled import value_at
 from moe.config.size import flops_per_token, param_breakdown
 from moe.errors import UserError, first_line
 from moe.parallel.dims import ParallelDims
@@ -61,18 +60,18 @@ def instantiate_group(cfg, group: str) -> list:
     from hydra.utils import instantiate
 
     made = []
-    for name, node in (cfg.get(group) or {}).items():
-        field = f"{group}.{name}"
+    for name, node in getattr(cfg, group).items():
+        field, target = f"{group}.{name}", node.get("_target_")
         try:
             made.append(instantiate(node))
         except InstantiationException as err:
             cause = err.__cause__ or err
             missing = isinstance(cause, ImportError)
-            fix = (f"install what {node._target_} needs (pip install -e '.[loggers]' -c constraints.txt), "
+            fix = (f"install what {target} needs (pip install -e '.[loggers]' -c constraints.txt), "
                    f"or drop it: ~{field}" if missing else
-                   f"fix {field}'s arguments to match {node._target_}, or drop it: ~{field}")
+                   f"fix {field}'s arguments to match {target}, or drop it: ~{field}")
             first = first_line(cause, 240)
-            raise UserError(field, node._target_, fix, problem=f"could not be built ({first})") from err
+            raise UserError(field, target, fix, problem=f"could not be built ({first})") from err
     return made
 
 
@@ -87,7 +86,7 @@ def key_config(cfg, dims: ParallelDims) -> dict:
             "hardware.name", "trainer.devices", "trainer.num_nodes", "trainer.micro_batch_size",
             "trainer.accumulate_grad_batches", "trainer.max_steps", "data.name", "data.seq_len",
             "optimizer.lr", "optimizer.min_lr", "seed", "run_name"]
-    values = {key: OmegaConf.select(cfg, key) for key in keys}
+    values = {key: value_at(cfg, key) for key in keys}
     values.update({"params_total": sizes.total, "params_active": sizes.active,
                    "precision": precision_of(cfg),
                    "global_batch_size": dims.global_batch})

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from moe.config.schema import TrainConfig
+
 from moe.errors import (
     COLLECTIVE_FAILED_EXIT,
     CollectiveFailed,
@@ -52,19 +54,19 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
 def train(cfg: DictConfig, run_dir: str | Path) -> Path:
     """Settle the config, then train into `run_dir`, holding its lock (moe.train.run_lock) from before the
     first thing the run writes to its end."""
+    from moe.config.settled import settled_config
+
     stop_when_a_log_file_cannot_be_written()  # train.log on a full disk: one paragraph, exit 2
     dims, note = settle(cfg)
     locks: list = []
-    OmegaConf.set_readonly(cfg, True)  # settled: from here the run reads its config and never edits it
-    try:
-        return _train(cfg, Path(run_dir), dims, note, locks)
+    try:  # settled: from here the run reads frozen dataclasses and never edits its config
+        return _train(settled_config(cfg), Path(run_dir), dims, note, locks)
     finally:
-        OmegaConf.set_readonly(cfg, None)  # Hydra's, again, for what it does after the job
         for lock in locks:
             lock.release()
 
 
-def _train(cfg: DictConfig, run_dir: Path, dims, note: str | None, locks: list) -> Path:
+def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list) -> Path:
     from moe.ranks import is_rank_zero
     from moe.train.console import say
     from moe.train.run_lock import RunLock

@@ -20,27 +20,26 @@ import torch
 import torch_xla.core.xla_model as xm
 from neuronx_distributed.lightning import NeuronLTModule
 from neuronx_distributed.trainer import initialize_parallel_optimizer
-from omegaconf import DictConfig, OmegaConf
 
 from moe.backends.neuron.causal_lm import pop_routing
 from moe.backends.neuron.layers import build_model
+from moe.config.schema import TrainConfig
+from moe.config.settled import as_container, settled_config
 from moe.module.optim import build_scheduler, param_groups
 from moe.module.step_stats import StepStats, validation_loss
 from moe.module.train_step import TrainStep, upgrade_loop_state
 
 
 class NeuronLitMoE(NeuronLTModule):
-    def __init__(self, cfg: DictConfig, nxd_config: dict, backend, guard=None):
-        container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
-        run_cfg = OmegaConf.create(container)
-        OmegaConf.set_readonly(run_cfg, True)  # the run's settled config: read, never edited (as LitMoE's)
+    def __init__(self, cfg: TrainConfig, nxd_config: dict, backend, guard=None):
+        run_cfg = settled_config(cfg)  # frozen dataclasses: read, never edited (as LitMoE's)
         super().__init__(
             nxd_config=nxd_config, opt_cls=torch.optim.AdamW, scheduler_cls=None,
             model_fn=lambda: build_model(run_cfg, backend.dims.sequence_parallel),
             grad_accum_steps=run_cfg.trainer.accumulate_grad_batches,
             train_batch_size=run_cfg.trainer.micro_batch_size, manual_opt=True,
         )
-        self.save_hyperparameters({"cfg": container})
+        self.save_hyperparameters({"cfg": as_container(run_cfg)})
         self.cfg, self.backend = run_cfg, backend
         self.step_stats, self.val_stats = StepStats(), StepStats()
         self.val_loss = float("nan")  # the last validation pass's, over every rank

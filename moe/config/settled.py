@@ -1,0 +1,58 @@
+"""The run's config once settled: the schema's dataclasses (moe.config.schema), frozen.
+
+Hydra composes an OmegaConf config, typed by the schema at composition; the run settles what it derives
+into it (moe.train.run.settle: an HF directory's architecture, prepared data's seq_len) and converts it
+here, once. Everything after reads these objects, section by section: assigning to a field raises
+(dataclasses.FrozenInstanceError), and a changed config is a new object (`replaced`). A checkpoint stores
+`as_container`'s plain dict, which `settled_config` reads back (older ones through moe.config.upgrade).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+
+from moe.config.schema import Section, TrainConfig
+
+S = TypeVar("S", bound=Section)
+
+
+def settled_config(cfg) -> TrainConfig:
+    """`cfg` as frozen dataclasses: the composed config, a config already settled (returned as is), or the
+    plain dict a checkpoint stores (keys it lacks get today's defaults)."""
+    if isinstance(cfg, TrainConfig):
+        return freeze(cfg)
+    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is TrainConfig:
+        return freeze(OmegaConf.to_object(cfg))
+    from moe.config.upgrade import with_schema_defaults
+
+    return freeze(OmegaConf.to_object(with_schema_defaults(cfg)))
+
+
+def freeze(section: S) -> S:
+    """`section` and the sections it holds, read-only from now on."""
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        if isinstance(value, Section):
+            freeze(value)
+    object.__setattr__(section, "_frozen", True)
+    return section
+
+
+def replaced(section: S, **changes) -> S:
+    """A frozen copy of `section` with `changes`: how a settled config changes."""
+    return freeze(dataclasses.replace(section, **changes))
+
+
+def as_container(cfg: Section) -> dict:
+    """The plain dict a checkpoint stores (weights-only loading reads it back)."""
+    return dataclasses.asdict(cfg)
+
+
+def value_at(cfg: Section, dotted: str):
+    """The value of `dotted` ("trainer.max_steps") in `cfg`."""
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
