@@ -10,7 +10,10 @@ its MoE layer imports into a directory of their own, then run:
 Both layers: Mixtral-style top-2 softmax routing renormalised over the two picks, SwiGLU experts through
 torch._grouped_mm, dropless, one process, bf16 weights (torchtitan's experts compute in bf16 whatever the
 weights; ours in the weights' dtype; our router in fp32, theirs in the weights'). Same expert and router
-weights (ours [E, H, 2F] gate|up and [E, F, H], theirs w1/w3 [E, F, H] and w2 [E, H, F]). Columns: forward
+weights (ours gate|up and down in moe.model.expert_layout's order, theirs w1/w3 [E, F, H] and w2 [E, H, F]).
+`--expert-layout in_out out_in` measures ours with the experts stored [E, in, out] (the default) and
+[E, out, in] (torchtitan's order, what torch._scaled_grouped_mm wants for FP8), one row each; without
+torchtitan installed only our rows are printed. Columns: forward
 + backward wall time (median of repeats), aten ops and host syncs in one forward + backward
 (moe.tools.syncs), the GPU kernels it launches (torch.profiler; on a GPU only), peak memory of the step
 (torch's MemTracker on the CPU, what the tensors would hold on a device; the allocator's peak on a GPU),
@@ -35,19 +38,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from moe.model.expert_layout import IN_OUT, OUT_IN, ExpertLayout, storing  # noqa: E402
 from moe.tools.syncs import counting_syncs  # noqa: E402
+
+LAYOUTS = {"in_out": IN_OUT, "out_in": OUT_IN}
 
 
 def ours(hidden: int, width: int, experts: int, top_k: int, seed: int, monitor: bool = False,
-         compiled: bool = False):
-    """Our layer; `monitor`: as on a logged step (moe.model.moe.MoELayer.monitor); `compiled`: its regions
-    compiled as model.compile=true compiles them (MoELayer.compile_regions)."""
+         compiled: bool = False, layout: ExpertLayout = IN_OUT):
+    """Our layer, its experts stored in `layout`; `monitor`: as on a logged step (MoELayer.monitor);
+    `compiled`: its regions compiled as model.compile=true compiles them (MoELayer.compile_regions)."""
     from moe.config.schema import MoEOptConfig
     from moe.model.moe import MoELayer
 
     opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None, aux_loss_coeff=0.0, z_loss_coeff=0.0)
     torch.manual_seed(seed)
-    layer = MoELayer(hidden, width, experts, top_k, opt, init_range=0.02)
+    with storing(layout):
+        layer = MoELayer(hidden, width, experts, top_k, opt, init_range=0.02)
     layer.experts.use_grouped_mm = True
     layer.monitor = monitor
     if compiled:
@@ -72,11 +79,12 @@ def theirs(layer, hidden: int, width: int, experts: int, top_k: int, compiled: b
                                             gate=Linear.Config(in_features=hidden, out_features=experts)))
     moe = config.build().to(torch.bfloat16)
     with torch.no_grad():
-        gate_up, down = layer.experts.gate_up.detach(), layer.experts.down.detach()
+        experts = layer.experts
+        w1, w3 = OUT_IN.split_gate_up(experts.layout.to_out_in(experts.gate_up.detach()))
         inner = moe.routed_experts.inner_experts
-        inner.w1_EFD.copy_(gate_up[:, :, :width].transpose(1, 2))
-        inner.w3_EFD.copy_(gate_up[:, :, width:].transpose(1, 2))
-        inner.w2_EDF.copy_(down.transpose(1, 2))
+        inner.w1_EFD.copy_(w1)
+        inner.w3_EFD.copy_(w3)
+        inner.w2_EDF.copy_(experts.layout.to_out_in(experts.down.detach()))
         moe.router.gate.weight.copy_(layer.router.weight.detach())
     if compiled:
         moe.compile(fullgraph=True)
@@ -168,32 +176,47 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="both compiled: ours as model.compile=true does, torchtitan's fullgraph as its "
                              "blocks (ops, syncs and the CPU's peak not counted: their trackers run eager)")
+    parser.add_argument("--expert-layout", nargs="+", choices=sorted(LAYOUTS), default=["in_out"],
+                        help="how our experts are stored: in_out [E, in, out] (the default), out_in "
+                             "[E, out, in]; several: a row each")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     h, f, e, k, device = args.hidden, args.width, args.experts, args.top_k, torch.device(args.device)
     c = args.compile
-    mine = ours(h, f, e, k, seed=0, compiled=c).to(device)
-    titan = theirs(mine, h, f, e, k, compiled=c).to(device)
+    layouts = [LAYOUTS[name] for name in args.expert_layout]
+    mine = ours(h, f, e, k, seed=0, compiled=c, layout=layouts[0]).to(device)
+    try:
+        titan = theirs(mine, h, f, e, k, compiled=c).to(device)
+    except ImportError as err:  # not a dependency (see above)
+        titan, note = None, f"torchtitan not measured ({err})"
     x = torch.randn(1, args.tokens, h, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
-    with torch.no_grad():
-        diff = (run(mine, x).float() - run(titan, x).float()).abs().max().item()
+    if titan is not None:
+        with torch.no_grad():
+            diff = (run(mine, x).float() - run(titan, x).float()).abs().max().item()
+        note = f"outputs differ by {diff:.2e} at most (the routers' dtypes)"
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{card}, torch {torch.__version__}; shapes: hidden {h}, expert width {f}, {e} experts top-{k}, "
-          f"{args.tokens} tokens, bf16{', both compiled' if c else ''}; outputs differ by {diff:.2e} at most "
-          "(the routers' dtypes)")
+          f"{args.tokens} tokens, bf16{', both compiled' if c else ''}; {note}")
     columns = ("layer", "fwd+bwd ms", "aten ops", "host syncs", "GPU kernels", "peak MiB",
                "loss at step 1 / 10 / last")
     print("| " + " | ".join(columns) + " |")
     print("|---" * len(columns) + "|")
     torch.manual_seed(3)
     teacher = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh(), torch.nn.Linear(h, h)).to(device)
-    logged = ours(h, f, e, k, seed=0, monitor=True, compiled=c).to(device)
-    for name, module, fresh in (("ours (moe.model.moe.MoELayer)", mine,
-                                 lambda: ours(h, f, e, k, 0, compiled=c)),
-                                ("ours, a logged step (+ routing statistics)", logged,
-                                 lambda: ours(h, f, e, k, 0, monitor=True, compiled=c)),
-                                ("torchtitan 0.3.0 (models.common.moe.MoE)", titan,
-                                 lambda: theirs(ours(h, f, e, k, seed=0), h, f, e, k, compiled=c))):
+    rows = []
+    for layout in layouts:
+        dims = "[E, " + ", ".join(layout.dims[1:]) + "]"
+
+        def fresh(monitor=False, layout=layout):
+            return ours(h, f, e, k, 0, monitor=monitor, compiled=c, layout=layout).to(device)
+
+        rows += [(f"ours (moe.model.moe.MoELayer), experts {dims}", fresh(), fresh),
+                 (f"ours, a logged step (+ routing statistics), experts {dims}", fresh(monitor=True),
+                  lambda fresh=fresh: fresh(monitor=True))]
+    if titan is not None:
+        rows.append(("torchtitan 0.3.0 (models.common.moe.MoE)", titan,
+                     lambda: theirs(ours(h, f, e, k, seed=0), h, f, e, k, compiled=c)))
+    for name, module, fresh in rows:
         row = measure(name, module, x, args.repeats, compiled=c)
         losses = fit(fresh().to(device), teacher, args.steps, args.tokens // 4, h, device)
         cells = (row["name"], f"{row['ms']:.1f}", row["ops"], row["syncs"], row["kernels"], row["peak_mib"],

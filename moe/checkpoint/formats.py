@@ -55,6 +55,7 @@ from moe.checkpoint.io import (
 )
 from moe.checkpoint.trust import PickleRefused, check_weights_only, load_trusted
 from moe.errors import first_line
+from moe.model.expert_layout import recorded, upgraded_checkpoint
 from moe.model.mlp import upgraded
 
 _STEP_IN_NAME = re.compile(r"step[-=_]?(\d+)")
@@ -65,10 +66,11 @@ def load(path: Path) -> dict:
 
 
 def _current_names(checkpoint):
-    """A checkpoint's weights under today's parameter names (moe.model.mlp.RENAMED)."""
+    """A checkpoint's weights under today's parameter names (moe.model.mlp.RENAMED) and in today's expert
+    layout (moe.model.expert_layout)."""
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
         checkpoint["state_dict"] = upgraded(checkpoint["state_dict"])
-    return checkpoint
+    return upgraded_checkpoint(checkpoint)
 
 
 def step_hint(path: Path) -> int:
@@ -205,8 +207,9 @@ class Portable(Format):
         return Path(path).is_file()
 
     def write(self, checkpoint: dict, path: Path) -> None:
-        """One process writes the file: temporary name, fsync, rename, sha256 sidecar (moe.checkpoint.io)."""
-        atomic_torch_save(checkpoint, path)
+        """One process writes the file: temporary name, fsync, rename, sha256 sidecar (moe.checkpoint.io);
+        the expert layout recorded."""
+        atomic_torch_save(recorded(checkpoint), path)
 
     def write_in_run(self, checkpoint: dict, path: Path) -> None:
         """`write` into a run's checkpoints/ folder, the first time removing there the temporary files of
@@ -330,8 +333,9 @@ class Sharded(Format):
         return sharded.read_full_checkpoint(path)
 
     def save(self, live: Live, checkpoint: dict, path: Path) -> None:
-        sharded.save_sharded(path, live.module, live.optimizers, live.mesh(), lightning_state(checkpoint),
-                             live.is_global_zero, per_rank=live.per_rank)
+        state = recorded(lightning_state(checkpoint))  # the expert layout, in trainer_state.pt
+        sharded.save_sharded(path, live.module, live.optimizers, live.mesh(), state, live.is_global_zero,
+                             per_rank=live.per_rank)
 
     def load(self, live: Live, path: Path) -> dict:
         """A run that writes this format reads every rank's pieces into its live tensors, resharded to its
@@ -446,7 +450,7 @@ class DeepSpeed(Format):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "consolidated.ckpt"
             convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out))
-            return load_trusted(out, map_location="cpu")
+            return _current_names(load_trusted(out, map_location="cpu"))
 
 
 PORTABLE, SHARDED, NXD, DEEPSPEED = Portable(), Sharded(), NxD(), DeepSpeed()

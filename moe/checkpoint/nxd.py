@@ -13,7 +13,8 @@ Files are plain torch.save (moe.checkpoint.formats.NxD saves with use_xser=False
 
 A parameter's `Split` is (dim, groups): the full tensor is cut along `dim` into consecutive groups
 (e.g. [q | k | v] rows of the fused qkv weight, [gate | up] columns of an expert), each group is
-split into tp contiguous pieces, and rank r holds its piece of every group, concatenated. With
+split into tp contiguous pieces, and rank r holds its piece of every group, concatenated. Splits are of
+NxD's tensors: experts in NXD_LAYOUT, converted from and to ours (moe.model.expert_layout) on read. With
 equal groups this is NxD's `create_local_weight(full, partition_dim, per_partition_size, stride)`
 with stride = the number of groups (neuronx_distributed/parallel_layers/layers.py:88-107, v2.28.0):
 chunks rank::tp of the full weight cut into stride * tp pieces. Unequal groups (GQA's q and kv)
@@ -43,16 +44,23 @@ from omegaconf import OmegaConf
 
 from moe.checkpoint.trust import load_trusted
 from moe.config.derived import dense_width, head_dim_of
+from moe.model.expert_layout import EXPERT_LAYOUT, IN_OUT, LAYOUT_KEY, upgraded_checkpoint
 
-# our name suffix -> the NxD MoE module's name for the same tensor
+# our name suffix -> the NxD MoE module's name for the same tensor (experts: gate_up, down)
 MOE_NAMES = {
     "ffn.router.weight": "ffn.moe.router.linear_router.weight",
-    "ffn.experts.gate_up": "ffn.moe.expert_mlps.mlp_op.gate_up_proj.weight",
-    "ffn.experts.down": "ffn.moe.expert_mlps.mlp_op.down_proj.weight",
+    **dict(zip(EXPERT_LAYOUT.suffixes, ("ffn.moe.expert_mlps.mlp_op.gate_up_proj.weight",
+                                        "ffn.moe.expert_mlps.mlp_op.down_proj.weight"), strict=True)),
 }
 PREFIX = "model."  # NxDCausalLM.model
 # stacked [E / ep, ...] expert tensors (our names): expert-parallel ranks hold consecutive experts
-EXPERT_TENSORS = ("experts.gate_up", "experts.down")
+EXPERT_TENSORS = EXPERT_LAYOUT.layer_names
+# NxD's expert weights are [E, in, out] whatever ours are: ExpertFusedColumnParallelLinear's weight_shape
+# (E, input_size, output_size / tp), partition dim 2, and ExpertFusedRowParallelLinear's (E, input_size / tp,
+# output_size), partition dim 1 (src/neuronx_distributed/modules/moe/moe_parallel_layers.py:232-238,
+# :365-371, v2.28.0; the matmul is einsum "e...h,ehi->e...i", :93). Its gate_up_proj fuses [gate | up]
+# along the out dim, as ours does.
+NXD_LAYOUT = IN_OUT
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,7 @@ REPLICATED = Split(None)
 
 
 def split_of(name: str, model_cfg) -> Split:
-    """How the tensor called `name` (our name) is split over tensor-parallel ranks."""
+    """How the tensor called `name` (our name) is split over tensor-parallel ranks, in NxD's layout."""
     m = model_cfg
     head_dim = head_dim_of(m)
     if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -80,10 +88,10 @@ def split_of(name: str, model_cfg) -> Split:
     if name.endswith("ffn.gate_up_proj.weight"):
         f = dense_width(m)
         return Split(0, (f, f))  # [gate | up] rows
-    if name.endswith("ffn.experts.gate_up"):
-        return Split(2, (m.intermediate_size, m.intermediate_size))  # [E, H, gate | up]
-    if name.endswith("ffn.experts.down"):
-        return Split(1)  # [E, F, H]
+    if EXPERT_LAYOUT.is_gate_up(name):  # column-parallel: [gate | up] outputs, in NxD's layout
+        return Split(NXD_LAYOUT.out_dim, (m.intermediate_size, m.intermediate_size))
+    if EXPERT_LAYOUT.is_expert_tensor(name):  # down, row-parallel: its inputs
+        return Split(NXD_LAYOUT.in_dim)
     return REPLICATED  # norms, the router
 
 
@@ -158,9 +166,10 @@ def read_checkpoint(checkpoint_dir: Path) -> dict:
             if SPMD_RANK not in name:
                 shards.setdefault(our_name(name), {})[ep_rank, tp_rank] = tensor
     ckpt["state_dict"] = {f"model.{name}": _join(by_rank, split_of(name, model_cfg),
-                                                 name.endswith(EXPERT_TENSORS))
+                                                 EXPERT_LAYOUT.is_expert_tensor(name))
                           for name, by_rank in shards.items()}
-    return ckpt
+    ckpt[LAYOUT_KEY] = list(NXD_LAYOUT.dims)  # what the shards hold, whatever user_content says
+    return upgraded_checkpoint(ckpt)
 
 
 def _join(by_rank: dict[tuple[int, int], torch.Tensor], split: Split, experts: bool) -> torch.Tensor:

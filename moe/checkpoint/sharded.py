@@ -47,6 +47,7 @@ from moe.checkpoint.io import (
 )
 from moe.checkpoint.trust import check_dcp_metadata, load_trusted
 from moe.errors import UserError
+from moe.model.expert_layout import LAYOUT_KEY, layout_of, stored, upgraded_state
 from moe.model.mlp import RENAMED, upgraded
 
 TRAINER_STATE = "trainer_state.pt"
@@ -192,14 +193,25 @@ def load_sharded(path: str | Path, module, optimizers: list, mesh) -> dict:
         rank_zero_warn(f"{path} holds no torch optimizer state (written by DeepSpeed): weights restored, "
                        "Adam moments start from zero")
         optimizers = []
+    rest = load_trusted(path / TRAINER_STATE, map_location="cpu")
+    _check_layout(path, rest)
     state = _under_saved_names(path, _wrapped(module, optimizers, mesh))
     dcp.load(state, checkpoint_id=str(path))  # into the live tensors: every piece is a view of one
     if optimizers:
         for live, saved in zip(optimizers[0].param_groups, state[OPTIMIZER_KEY]["param_groups"], strict=True):
             live.update({k: v for k, v in saved.items() if k != "params"})  # lr, betas, weight decay...
-    rest = load_trusted(path / TRAINER_STATE, map_location="cpu")
     rest.pop(PARAM_GROUPS, None)
     return {**rest, "state_dict": {}, "optimizer_states": [{}] * count}
+
+
+def _check_layout(path: Path, trainer_state: dict) -> None:
+    """Pieces load in place only into the layout they were written in (a square expert tensor would load
+    silently wrong); another layout's checkpoint is upgraded when read whole."""
+    saved, live = layout_of(trainer_state), stored()
+    if saved.dims != live.dims:
+        raise UserError("checkpoint", str(path), "consolidate it (python -m moe.tools.consolidate, which "
+                        "stores the experts as this build does) and resume from the file",
+                        problem=f"stores the experts {list(saved.dims)}, this build {list(live.dims)}")
 
 
 def _under_saved_names(path: Path, state: dict) -> dict:
@@ -242,6 +254,12 @@ def read_full_checkpoint(path: str | Path) -> dict:
         dcp.load(flat, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     checkpoint = load_trusted(path / TRAINER_STATE, map_location="cpu")
     prefix = MODEL_KEY + "."
+
+    def tensor_of(key: str) -> str:  # `model.<fqn>`, or `optim.state.<fqn>.<moment>` of it
+        return key if key.startswith(prefix) else key.rsplit(".", 1)[0]
+
+    flat = upgraded_state(flat, layout_of(checkpoint), tensor_of)  # weights and moments, stored layout
+    checkpoint[LAYOUT_KEY] = list(stored().dims)
     checkpoint["state_dict"] = upgraded({k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)})
     checkpoint["optimizer_states"] = [_torch_optimizer_state(groups, flat)
                                       for groups in checkpoint.pop(PARAM_GROUPS, [])]

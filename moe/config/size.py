@@ -60,7 +60,7 @@ def param_breakdown(m) -> ParamBreakdown:
     H, F, E = m.hidden_size, m.intermediate_size, m.num_experts
     n_moe = sum(is_moe_layer(i, m) for i in range(m.num_layers))
     n_dense = m.num_layers - n_moe
-    per_expert = H * 2 * F + F * H  # gate_up [H, 2F] + down [F, H]
+    per_expert = H * 2 * F + F * H  # gate_up H -> 2F, down F -> H, in any dim order (moe.model.expert_layout)
     return ParamBreakdown(
         embedding=m.vocab_size * H,
         lm_head=0 if m.tie_word_embeddings else m.vocab_size * H,

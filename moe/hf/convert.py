@@ -46,7 +46,8 @@ def _unsharded(model) -> None:
     for i, block in enumerate(model.layers):
         if not block.is_moe:
             continue
-        local = block.ffn.experts.gate_up.shape[0]
+        experts = block.ffn.experts
+        local = experts.gate_up.shape[experts.layout.expert_dim]
         if local != model.cfg.num_experts:
             raise ConfigError(f"layers.{i}.ffn.experts", f"{local} of {model.cfg.num_experts} experts",
                               "export from an unsharded model (a checkpoint loaded without apply_ep)",

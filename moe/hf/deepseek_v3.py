@@ -43,6 +43,7 @@ from moe.hf.tensors import (
     stacked_experts,
     top_level,
 )
+from moe.model.expert_layout import EXPERT_LAYOUT, OUT_IN
 
 HF_GROUP_SCORE_TOP = 2  # DeepseekV3TopkRouter: `.topk(2, dim=-1)[0].sum(dim=-1)` per group
 
@@ -253,7 +254,7 @@ class DeepSeekV3(ExportAdapter):
                 if q + rest in ours:
                     gate, up = ours[q + rest].chunk(2)
                     sd |= {p + prefix + "gate_proj.weight": gate, p + prefix + "up_proj.weight": up}
-            if q + "ffn.experts.gate_up" in ours:
+            if any(q + suffix in ours for suffix in EXPERT_LAYOUT.suffixes):
                 if q + "ffn.router.expert_bias" not in ours:  # trained without it: choice by the scores
                     sd[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts)
                 if q + "ffn.shared_expert.down_proj.weight" not in ours:  # n_shared_experts=0: zero-width MLP
@@ -261,8 +262,9 @@ class DeepSeekV3(ExportAdapter):
                     sd |= {p + "mlp.shared_experts.gate_proj.weight": torch.zeros(0, H),
                            p + "mlp.shared_experts.up_proj.weight": torch.zeros(0, H),
                            p + "mlp.shared_experts.down_proj.weight": torch.zeros(H, 0)}
-                sd |= {p + "mlp.experts.gate_up_proj": ours[q + "ffn.experts.gate_up"].transpose(1, 2),
-                       p + "mlp.experts.down_proj": ours[q + "ffn.experts.down"].transpose(1, 2)}
+                layout = model.layers[i].ffn.experts.layout
+                gate_up, down = (layout.to_out_in(ours[q + suffix]) for suffix in layout.suffixes)
+                sd |= {p + "mlp.experts.gate_up_proj": gate_up, p + "mlp.experts.down_proj": down}
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
     def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -272,7 +274,7 @@ class DeepSeekV3(ExportAdapter):
             e = f"model.layers.{i}.mlp.experts."
             if e + "gate_up_proj" not in sd:
                 continue
-            gate, up = sd.pop(e + "gate_up_proj").chunk(2, dim=1)
+            gate, up = OUT_IN.split_gate_up(sd.pop(e + "gate_up_proj"))
             down = sd.pop(e + "down_proj")
             for j in range(down.shape[0]):
                 sd |= {f"{e}{j}.gate_proj.weight": gate[j], f"{e}{j}.up_proj.weight": up[j],

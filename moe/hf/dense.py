@@ -32,6 +32,7 @@ from moe.errors import ConfigError
 from moe.hf.adapter import HFAdapter, Read
 from moe.hf.mixtral import llama_family_config, llama_value
 from moe.hf.tensors import load_local
+from moe.model.expert_layout import EXPERT_LAYOUT, stored
 
 
 def check_granularity(granularity: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -46,13 +47,14 @@ def check_granularity(granularity: int, num_experts: int, top_k: int, intermedia
 
 def fine_grained_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, experts: range,
                          granularity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our (gate_up [n, H, 2F/g], down [n, F/g, H]) for `experts`: expert e is slice e % g of the dense
-    MLP (w1, w3 [F, H], w2 [H, F]); g = 1 gives whole copies."""
+    """Our (gate_up H -> 2F/g, down F/g -> H) for `experts`, in the stored layout: expert e is slice e % g of
+    the dense MLP (w1, w3 [F, H], w2 [H, F]); g = 1 gives whole copies."""
     width = w1.shape[0] // granularity
     cut = [slice((e % granularity) * width, (e % granularity + 1) * width) for e in experts]
-    gate_up = torch.stack([torch.cat([w1[s].T, w3[s].T], dim=1) for s in cut])
-    down = torch.stack([w2[:, s].T for s in cut])
-    return gate_up, down
+    layout = stored()
+    gate_up = layout.join_gate_up(layout.stack_linear([w1[s] for s in cut]),
+                                  layout.stack_linear([w3[s] for s in cut]))
+    return gate_up, layout.stack_linear([w2[:, s] for s in cut]).contiguous()
 
 
 def tied_router_rows(router_EH: torch.Tensor, granularity: int) -> torch.Tensor:
@@ -103,12 +105,12 @@ class DenseUpcycle(HFAdapter):
             if name.endswith("ffn.router.weight"):
                 values = initial_values(name, router_shape, self.seed, std, out_std)
                 return tied_router_rows(values, self.granularity)
-            if ".ffn.experts." in name:
+            if EXPERT_LAYOUT.is_expert_tensor(name):
                 mlp = "model." + name.split(".ffn.")[0] + ".mlp."
                 w1, w3, w2 = (get(mlp + n + ".weight") for n in ("gate_proj", "up_proj", "down_proj"))
                 gate_up, down = fine_grained_experts(w1, w3, w2, experts or range(self.num_experts),
                                                      self.granularity)
-                return gate_up if name.endswith("gate_up") else down
+                return gate_up if EXPERT_LAYOUT.is_gate_up(name) else down
             return llama_value(name, get, None, model_cfg.num_experts)  # attention, norms, embeddings
 
         return read
@@ -136,7 +138,7 @@ def upcycle(dense, num_experts: int, top_k: int, moe_opt: MoEOptConfig | None = 
     if noise_std > 0:
         gen = torch.Generator().manual_seed(seed)
         for name, value in values.items():
-            if ".ffn.experts." in name:
+            if EXPERT_LAYOUT.is_expert_tensor(name):
                 noise = torch.randn(value.shape, generator=gen, dtype=torch.float32)
                 values[name] = value + (noise * noise_std * value.float().std()).to(value.dtype)
     model.load_state_dict({k: v.detach().clone().contiguous() for k, v in values.items()}, strict=True)

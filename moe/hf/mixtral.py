@@ -2,9 +2,10 @@
 
 Layouts (transformers 5.x, read from `models/mixtral/modeling_mixtral.py`):
   ours `layers.N.attn.qkv_proj.weight`  = rows [q | k | v]  <->  `self_attn.{q,k,v}_proj.weight`
-  ours `experts.gate_up [E, H, 2F]`     = transpose(1, 2)   <->  `mlp.experts.gate_up_proj [E, 2F, H]`
-       (gate columns first, then up; HF chunks the output the same way: w1 rows then w3 rows)
-  ours `experts.down [E, F, H]`         = transpose(1, 2)   <->  `mlp.experts.down_proj [E, H, F]`
+  ours `ffn.experts` gate_up (H -> 2F)  = to_out_in         <->  `mlp.experts.gate_up_proj [E, 2F, H]`
+       (gate outputs first, then up; HF chunks the output the same way: w1 rows then w3 rows)
+  ours `ffn.experts` down (F -> H)      = to_out_in         <->  `mlp.experts.down_proj [E, H, F]`
+  (our dim order is moe.model.expert_layout's; HF's stacks are [E, out, in], nn.Linear's)
   ours `ffn.router.weight [E, H]`                           <->  `mlp.gate.weight [E, H]`
 transformers 4.x (the Trainium environment pins 4.52.4) keeps one module per expert instead:
 `block_sparse_moe.experts.J.w1/w2/w3.weight` and `block_sparse_moe.gate.weight`, which is also
@@ -12,8 +13,8 @@ what `save_pretrained` writes in both versions (and the published Mixtral checkp
 goes through those per-expert keys (`per_expert` converts 5.x's in-memory ones), so one path serves
 both versions and lazy reads of the files:
 
-    ours layers.N.ffn.experts.gate_up    [E, H, 2F]        <- expert J: [w1.T | w3.T]  (w1, w3 [F, H])
-    ours layers.N.ffn.experts.down       [E, F, H]         <- expert J: w2.T           (w2 [H, F])
+    ours layers.N.ffn.experts (gate_up)  H -> 2F           <- expert J: [w1 | w3] outputs  (w1, w3 [F, H])
+    ours layers.N.ffn.experts (down)     F -> H            <- expert J: w2                 (w2 [H, F])
     ours layers.N.ffn.router.weight      [E, H]            <- block_sparse_moe.gate.weight
 
 Mixtral always renormalises the top-k weights and never drops tokens, so an imported model gets a
@@ -33,6 +34,7 @@ from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read
 from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
+from moe.model.expert_layout import OUT_IN
 
 IN_LAYER = {**BLOCK_NORMS, "attn.o_proj.weight": "self_attn.o_proj.weight",
             "ffn.router.weight": "block_sparse_moe.gate.weight"}
@@ -195,9 +197,10 @@ class Mixtral(ExportAdapter):
                    p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": block.attn.o_proj.weight,
                    p + "input_layernorm.weight": block.attn_norm.weight,
                    p + "post_attention_layernorm.weight": block.ffn_norm.weight,
-                   p + "mlp.gate.weight": block.ffn.router.weight,
-                   p + "mlp.experts.gate_up_proj": block.ffn.experts.gate_up.transpose(1, 2),
-                   p + "mlp.experts.down_proj": block.ffn.experts.down.transpose(1, 2)}
+                   p + "mlp.gate.weight": block.ffn.router.weight}
+            experts = block.ffn.experts
+            sd |= {p + "mlp.experts.gate_up_proj": experts.layout.to_out_in(experts.gate_up),
+                   p + "mlp.experts.down_proj": experts.layout.to_out_in(experts.down)}
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
     def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -209,7 +212,7 @@ class Mixtral(ExportAdapter):
         sd = dict(sd)
         for i in range(num_layers):
             p = f"model.layers.{i}."
-            w1, w3 = sd.pop(p + "mlp.experts.gate_up_proj").chunk(2, dim=1)
+            w1, w3 = OUT_IN.split_gate_up(sd.pop(p + "mlp.experts.gate_up_proj"))
             w2 = sd.pop(p + "mlp.experts.down_proj")
             sd[p + "block_sparse_moe.gate.weight"] = sd.pop(p + "mlp.gate.weight")
             for j in range(w2.shape[0]):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from moe.errors import ConfigError
+from moe.model.expert_layout import EXPERT_LAYOUT, stored
 
 Get = Callable[[str], torch.Tensor]
 
@@ -23,7 +24,7 @@ TOP_LEVEL = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": 
 BLOCK_NORMS = {"attn_norm.weight": "input_layernorm.weight",
                "ffn_norm.weight": "post_attention_layernorm.weight"}
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-STACKED_EXPERTS = ("ffn.experts.gate_up", "ffn.experts.down")  # ours, built by stacked_experts
+STACKED_EXPERTS = EXPERT_LAYOUT.suffixes  # ours (gate_up, down), built by stacked_experts
 
 
 def top_level(name: str, get: Get) -> torch.Tensor:
@@ -35,12 +36,15 @@ def top_level(name: str, get: Get) -> torch.Tensor:
 
 def stacked_experts(rest: str, get: Get, expert_prefixes: list[str],
                     names: tuple[str, str, str]) -> torch.Tensor:
-    """Our `ffn.experts.gate_up` [E, H, 2F] ([gate.T | up.T]) or `ffn.experts.down` [E, F, H] (down.T)
-    from per-expert gate and up [F, H] and down [H, F] weights, `names` under each expert's prefix."""
+    """Our stacked gate_up ([gate | up] outputs) or down (`rest`: one of STACKED_EXPERTS), in the stored
+    layout, from per-expert nn.Linear weights (gate and up [F, H], down [H, F]), `names` under each
+    expert's prefix."""
     gate, up, down = names
-    if rest == "ffn.experts.gate_up":
-        return torch.stack([torch.cat([get(e + gate).T, get(e + up).T], dim=1) for e in expert_prefixes])
-    return torch.stack([get(e + down).T for e in expert_prefixes])
+    layout = stored()
+    if layout.is_gate_up(rest):
+        return layout.join_gate_up(layout.stack_linear([get(e + gate) for e in expert_prefixes]),
+                                   layout.stack_linear([get(e + up) for e in expert_prefixes]))
+    return layout.stack_linear([get(e + down) for e in expert_prefixes]).contiguous()
 
 
 def has_key(get: Get, key: str) -> bool:

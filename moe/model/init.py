@@ -20,7 +20,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "experts.down")  # down_proj: dense and shared
+from moe.model.expert_layout import EXPERT_LAYOUT, IN_OUT, stored
+
+# down_proj: dense and shared; the experts' down (EXPERT_LAYOUT.names: gate_up, down)
+OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", EXPERT_LAYOUT.layer_names[1])
 
 
 def init_stds(model_cfg) -> tuple[float, float]:
@@ -54,14 +57,18 @@ def std_of(name: str, std: float, out_std: float) -> float | None:
 
 def initial_values(name: str, shape, base_seed: int, std: float, out_std: float, *,
                    first_expert: int | None = None, device="cpu", dtype=torch.float32) -> torch.Tensor:
-    """The values parameter `name` starts from; experts (first_expert given) are drawn one by one."""
+    """The values parameter `name` starts from; experts (first_expert given) are drawn one by one, each
+    [in, out] whatever the stored layout (moe.model.expert_layout), so a layout change keeps the values."""
     sigma = std_of(name, std, out_std)
     if sigma is None:
         return torch.ones(shape, device=device, dtype=dtype)
     if first_expert is None:
         return normal_values(parameter_seed(base_seed, name), shape, sigma, device, dtype)
-    return torch.stack([normal_values(parameter_seed(base_seed, name, first_expert + e), shape[1:], sigma,
-                                      device, dtype) for e in range(shape[0])])
+    layout = stored()
+    in_out = layout.convert_shape(shape, IN_OUT)
+    values = torch.stack([normal_values(parameter_seed(base_seed, name, first_expert + e), in_out[1:], sigma,
+                                        device, dtype) for e in range(in_out[0])])
+    return layout.from_in_out(values).contiguous()
 
 
 @torch.no_grad()

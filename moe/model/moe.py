@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from moe.config.schema import normalizes
 from moe.model.dispatch import Dispatcher, LocalDispatcher, TokenShard
+from moe.model.expert_layout import ExpertLayout, stored
 from moe.model.init import draw_base_seed, initialize
 from moe.model.mlp import SwiGLU
 from moe.model.routing import (
@@ -101,21 +102,24 @@ class Router(nn.Module):
             return F.linear(x_TH, self.weight.to(self.dtype))
 
 
-_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype, ExpertLayout], bool] = {}
 # How far the probe's grouped GEMM may be from per-expert matmuls in each dtype (inputs ~N(0, 1), 16 terms a
 # dot product): bf16 keeps 8 mantissa bits, fp16 11; fp32 allows TF32 (10 bits) where CUDA matmuls use it
 # (hardware.allow_tf32). A kernel that is wrong (offsets, layouts) is off by O(1).
 GROUPED_MM_TOLERANCE = {torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
-def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs forward and backward correctly here in `dtype`; probed once, cached.
+def grouped_mm_works(device: torch.device, dtype: torch.dtype, layout: ExpertLayout | None = None) -> bool:
+    """Whether torch._grouped_mm runs forward and backward correctly here in `dtype` on weights stored in
+    `layout` (default: the stored one); probed once, cached.
 
-    Some builds lack a kernel for a device/dtype or reject some layouts; then the experts fall back to a
-    loop over contiguous slices. The probe runs outside any autocast of its caller (inside one, the
-    reference matmuls would run in the autocast dtype, and a correct kernel would fail the comparison).
+    Some builds lack a kernel for a device/dtype or reject some layouts (a right operand [E, in, out] viewed
+    from [E, out, in] storage is column-major); then the experts fall back to a loop over contiguous slices.
+    The probe runs outside any autocast of its caller (inside one, the reference matmuls would run in the
+    autocast dtype, and a correct kernel would fail the comparison).
     """
-    key = (device.type, dtype)
+    layout = layout or stored()
+    key = (device.type, dtype, layout)
     if key not in _GROUPED_MM_OK:
         # The probe checks the backward too, so it needs autograd even under no_grad; identity
         # saved-tensor hooks keep its tensors away from an enclosing activation checkpoint,
@@ -123,23 +127,24 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
         with (torch.inference_mode(False), torch.enable_grad(), keep,
               torch.autocast(device_type=device.type, enabled=False)):
-            _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype)
+            _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype, layout)
     return _GROUPED_MM_OK[key]
 
 
-def _probe_grouped_mm(device, dtype) -> bool:
+def _probe_grouped_mm(device, dtype, layout: ExpertLayout) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(6, 16, generator=gen).to(device, dtype).requires_grad_()
-        w = torch.randn(3, 16, 8, generator=gen).to(device, dtype).requires_grad_()
+        stored_w = torch.randn(layout.shape(3, 16, 8), generator=gen).to(device, dtype).requires_grad_()
+        w = layout.as_in_out(stored_w)
         g = torch.randn(6, 8, generator=gen).to(device, dtype)
         offs = torch.tensor([2, 2, 6], dtype=torch.int32, device=device)  # expert 1 gets no rows
         y = torch._grouped_mm(x, w, offs=offs)
         ref = torch.cat([x[:2] @ w[0], x[2:2] @ w[1], x[2:] @ w[2]])
-        grads = torch.autograd.grad((y * g).sum(), (x, w))
-        ref_grads = torch.autograd.grad((ref * g).sum(), (x, w))
+        grads = torch.autograd.grad((y * g).sum(), (x, stored_w))
+        ref_grads = torch.autograd.grad((ref * g).sum(), (x, stored_w))
         tol = GROUPED_MM_TOLERANCE.get(dtype, 5e-2)
         pairs = [(y, ref), *zip(grads, ref_grads, strict=True)]
         return all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
@@ -156,13 +161,16 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as stacked parameters: gate_up [E, H, 2F] (gate cols, then up), down [E, F, H]."""
+    """E SwiGLU experts as stacked parameters: gate_up H -> 2F (gate outputs, then up), down F -> H, their
+    dims in the order moe.model.expert_layout declares (the layout stored when the module was built)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts = num_experts  # experts held here (E / ep after sharding)
-        self.gate_up = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * intermediate_size))
-        self.down = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.layout = layout = stored()
+        H, F = hidden_size, intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(layout.shape(num_experts, H, 2 * F)))
+        self.down = nn.Parameter(torch.empty(layout.shape(num_experts, F, H)))
         self.use_grouped_mm: bool | None = None  # None: use it where grouped_mm_works()
         self.kernel: str | None = None  # what the last forward ran: "grouped_mm" or "loop" (summary.json)
         self.compiled_activation = False  # the grouped GEMMs' SwiGLU compiled (MoELayer.compile_regions)
@@ -184,7 +192,7 @@ class Experts(nn.Module):
         use_gmm = self.use_grouped_mm
         if use_gmm is None:
             same_dtype = autocast is not None or dtype == self.gate_up.dtype  # autocast: weights cast below
-            use_gmm = same_dtype and grouped_mm_works(x_MH.device, dtype)
+            use_gmm = same_dtype and grouped_mm_works(x_MH.device, dtype, self.layout)
         self.kernel = "grouped_mm" if use_gmm else "loop"
         if use_gmm:
             if isinstance(counts_E, list):
@@ -195,17 +203,20 @@ class Experts(nn.Module):
             # under autocast in its dtype, as the per-expert matmuls below would run (the cast weights are
             # what autocast's matmuls make too)
             activation = region(swiglu, self.compiled_activation)  # compiled: one fused kernel each way
-            h_MF = activation(torch._grouped_mm(x_MH.to(dtype), self.gate_up.to(dtype), offs=offs_E))
-            return torch._grouped_mm(h_MF, self.down.to(dtype), offs=offs_E)
+            gate_up, down = (self.layout.as_in_out(w.to(dtype)) for w in (self.gate_up, self.down))
+            h_MF = activation(torch._grouped_mm(x_MH.to(dtype), gate_up, offs=offs_E))
+            return torch._grouped_mm(h_MF, down, offs=offs_E)
         sizes = counts_E if isinstance(counts_E, list) else host_sizes(counts_E, x_MH.shape[0])  # one sync
         *xs, rest = x_MH.split([*sizes, x_MH.shape[0] - sum(sizes)])
-        ys = [swiglu(x @ self.gate_up[e]) @ self.down[e] for e, x in enumerate(xs)]
-        return torch.cat([*ys, rest.new_zeros(rest.shape[0], self.down.shape[-1], dtype=ys[0].dtype)])
+        gate_up, down = self.layout.as_in_out(self.gate_up), self.layout.as_in_out(self.down)
+        ys = [swiglu(x @ gate_up[e]) @ down[e] for e, x in enumerate(xs)]
+        return torch.cat([*ys, rest.new_zeros(rest.shape[0], down.shape[-1], dtype=ys[0].dtype)])
 
     def shard(self, first: int, count: int) -> None:
         """Keep experts [first, first+count) only (expert parallelism)."""
-        self.gate_up = nn.Parameter(self.gate_up.detach()[first : first + count].clone())
-        self.down = nn.Parameter(self.down.detach()[first : first + count].clone())
+        dim = self.layout.expert_dim
+        self.gate_up = nn.Parameter(self.gate_up.detach().narrow(dim, first, count).clone())
+        self.down = nn.Parameter(self.down.detach().narrow(dim, first, count).clone())
         self.num_experts = count
         self.mark_expert(first)
 

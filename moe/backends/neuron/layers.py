@@ -37,7 +37,8 @@ from torch import nn
 
 from moe.backends.neuron.causal_lm import SEQUENCE_DIM, NxDCausalLM, StageBlock
 from moe.backends.neuron.moe_layer import NxDMoELayer
-from moe.checkpoint.nxd import EXPERT_TENSORS, local_shard, our_name, split_of
+from moe.checkpoint.nxd import local_shard, our_name, split_of
+from moe.model.expert_layout import EXPERT_LAYOUT
 from moe.model.init import init_stds, initial_values
 from moe.model.model import MoETransformer, alibi_slopes
 
@@ -118,7 +119,7 @@ def _init_module(module: nn.Module, device, *, source, model_cfg) -> None:
         full_shape = list(param.shape)
         if split.dim is not None:
             full_shape[split.dim] *= tp
-        if name.endswith(EXPERT_TENSORS):
+        if EXPERT_LAYOUT.is_expert_tensor(name):
             full_shape[0] = 1  # one expert at a time
             first = parallel_state.get_expert_model_parallel_rank() * param.shape[0]
             values = torch.cat([local_shard(source(name, tuple(full_shape), first + e), split, rank, tp)

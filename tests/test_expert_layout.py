@@ -1,0 +1,141 @@
+"""The routed experts' weight layout is declared once (moe.model.expert_layout): switching it to
+[E, out, in] changes nothing a user sees (losses, gradients, HF exports, old checkpoints), and no other
+file restates it."""
+from __future__ import annotations
+
+import io
+import re
+import tokenize
+
+import pytest
+import torch
+from conftest import REPO
+
+from moe.checkpoint.formats import PORTABLE
+from moe.checkpoint.io import atomic_torch_save
+from moe.config import ModelConfig, MoEOptConfig
+from moe.hf import from_hf, to_hf
+from moe.model import MoETransformer
+from moe.model.expert_layout import EXPERT_LAYOUT, IN_OUT, LAYOUT_KEY, OUT_IN, storing, upgraded_state
+from moe.model.moe import Experts, grouped_mm_works
+
+CFG = ModelConfig(vocab_size=67, hidden_size=32, intermediate_size=20, num_layers=2, num_heads=4,
+                  num_kv_heads=2, max_position_embeddings=64, top_k=2, num_experts=4, rms_norm_eps=1e-6)
+# dropless and renormalised: exportable to Mixtral
+OPT = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None, normalize_top_k=True)
+IDS = torch.randint(0, 67, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def tiny(layout, seed=0) -> MoETransformer:
+    torch.manual_seed(seed)
+    with storing(layout):
+        return MoETransformer(CFG, OPT)
+
+
+def as_today(state: dict) -> dict:
+    """A state dict of an OUT_IN model in IN_OUT order, to compare with today's."""
+    return {k: OUT_IN.as_in_out(v) if EXPERT_LAYOUT.is_expert_tensor(k) else v for k, v in state.items()}
+
+
+def test_models_store_the_layout_they_were_built_under_and_start_from_the_same_values():
+    today, other = tiny(IN_OUT), tiny(OUT_IN)
+    experts = other.layers[0].ffn.experts
+    assert experts.layout == OUT_IN
+    assert experts.gate_up.shape == (4, 40, 32) and experts.down.shape == (4, 32, 20)
+    assert today.layers[0].ffn.experts.gate_up.shape == (4, 32, 40)
+    for (name, a), b in zip(today.state_dict().items(), as_today(other.state_dict()).values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+KERNELS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not (grouped_mm_works(torch.device("cpu"), torch.float32, IN_OUT)
+         and grouped_mm_works(torch.device("cpu"), torch.float32, OUT_IN)),
+    reason="no fp32 grouped_mm on this CPU build"))]
+
+
+@pytest.mark.parametrize("grouped_mm", KERNELS, ids=["loop", "grouped_mm"])
+def test_loss_and_gradients_do_not_depend_on_the_layout(grouped_mm):
+    results = []
+    for layout in (IN_OUT, OUT_IN):
+        model = tiny(layout).train()
+        for m in model.modules():
+            if isinstance(m, Experts):
+                m.use_grouped_mm = grouped_mm
+        loss = model(IDS, labels_BS=IDS).loss
+        loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters()}, model))
+    (loss_a, grads_a, a), (loss_b, grads_b, b) = results
+    kernel = "grouped_mm" if grouped_mm else "loop"
+    assert {m.kernel for m in b.modules() if isinstance(m, Experts)} == {kernel}
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-6)
+    for name, grad in as_today(grads_b).items():
+        torch.testing.assert_close(grad, grads_a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_hf_round_trip_gives_the_same_tensors_under_either_layout():
+    exports = [to_hf(tiny(layout)).state_dict() for layout in (IN_OUT, OUT_IN)]
+    assert exports[0].keys() == exports[1].keys()
+    for key, value in exports[0].items():
+        torch.testing.assert_close(exports[1][key], value, rtol=0, atol=0, msg=key)
+    hf = to_hf(tiny(IN_OUT))
+    with storing(OUT_IN):
+        back = from_hf(hf)
+    assert back.layers[0].ffn.experts.layout == OUT_IN
+    today = tiny(IN_OUT).state_dict()
+    for (name, a), b in zip(today.items(), as_today(back.state_dict()).values(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    for key, value in to_hf(back).state_dict().items():
+        torch.testing.assert_close(value, exports[0][key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "written-before-the-record"])
+def test_a_checkpoint_in_todays_layout_loads_into_the_other(tmp_path, recorded):
+    today = tiny(IN_OUT).eval()
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in today.state_dict().items()}, "global_step": 3}
+    path = tmp_path / "step-3.ckpt"
+    if recorded:
+        PORTABLE.write(ckpt, path)
+        assert torch.load(path, weights_only=True)[LAYOUT_KEY] == ["expert", "in", "out"]
+    else:
+        atomic_torch_save(ckpt, path)
+    with storing(OUT_IN):
+        read = PORTABLE.read(path)
+        other = tiny(OUT_IN, seed=1).eval()
+    assert read[LAYOUT_KEY] == ["expert", "out", "in"]
+    other.load_state_dict({k.removeprefix("model."): v for k, v in read["state_dict"].items()})
+    with torch.no_grad():
+        torch.testing.assert_close(other(IDS).logits_BSV, today(IDS).logits_BSV, rtol=0, atol=1e-6)
+
+
+def test_upgrading_turns_expert_tensors_and_their_moments_only():
+    w, moments = torch.randn(4, 32, 40), "optim.state.layers.0.ffn.experts.gate_up."
+    state = {moments + "exp_avg": w, "model.layers.0.ffn.experts.gate_up": w,
+             moments + "step": torch.tensor(3.0), "model.norm.weight": w[0, 0]}
+    with storing(OUT_IN):
+        up = upgraded_state(state, IN_OUT, lambda k: k if k.startswith("model.") else k.rsplit(".", 1)[0])
+    assert up["model.layers.0.ffn.experts.gate_up"].shape == (4, 40, 32)
+    torch.testing.assert_close(up[moments + "exp_avg"], OUT_IN.from_in_out(w), rtol=0, atol=0)
+    assert up[moments + "step"] is state[moments + "step"]
+    assert up["model.norm.weight"] is state["model.norm.weight"]
+    assert upgraded_state(state, IN_OUT) is state  # the stored layout already
+
+
+# our expert tensors' names spelt out, and dims turned or cut on a line that is about experts
+NAME = re.compile(r"experts\.(gate_up|down)\b")
+TURN = re.compile(r"(gate_up|down|expert).*(\.transpose\(|\.permute\(|\.mT\b|\.T\b|\.chunk\(2, dim=)")
+ALLOWED = {"moe/model/expert_layout.py"}
+
+
+def test_no_other_file_restates_the_layout():
+    found = []
+    for path in sorted((REPO / "moe").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel in ALLOWED:
+            continue
+        text = path.read_text()
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.STRING and NAME.search(tok.string):
+                found.append(f"{rel}:{tok.start[0]}: names {NAME.search(tok.string).group(0)}")
+        lines = enumerate(text.splitlines(), 1)
+        found += [f"{rel}:{i}: {line.strip()}" for i, line in lines if TURN.search(line)]
+    assert found == []
