@@ -107,7 +107,7 @@ def bare_loop(overrides: list[str], steps: int, warmup: int) -> tuple[float, int
     device = torch.device("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed).to(device)
-    precision = precision_of(cfg)
+    precision = precision_of(cfg.trainer, cfg.hardware)
     if precision == "bf16-true":
         model = model.to(torch.bfloat16)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")

@@ -224,10 +224,12 @@ def test_bf16_sr_is_refused_for_moe_models_and_auto_picks_mixed():
     with pytest.raises(ConfigError) as err:
         validate(compose_cfg(*TRN1, "hardware.neuron_precision=bf16_sr"))
     assert err.value.field == "hardware.neuron_precision" and "expert_mlps_v2.py:285-294" in str(err.value)
-    assert neuron_precision(compose_cfg(*TRN1)) == "mixed"
+    cfg = compose_cfg(*TRN1)
+    assert neuron_precision(cfg.hardware, cfg.model) == "mixed"
     dense = compose_cfg(*TRN1, "model.moe_layer_frequency=100", "hardware.neuron_precision=bf16_sr")
     validate(dense)
-    assert neuron_precision(compose_cfg(*TRN1, "model.moe_layer_frequency=100")) == "bf16_sr"
+    cfg = compose_cfg(*TRN1, "model.moe_layer_frequency=100")
+    assert neuron_precision(cfg.hardware, cfg.model) == "bf16_sr"
     with pytest.raises(ConfigError) as err:  # mixed's float32 counts exactly up to 2**24 slots
         validate(compose_cfg(*TRN1, "model.num_experts=256", "model.max_position_embeddings=65536",
                              "data.seq_len=65536", "trainer.micro_batch_size=2"))

@@ -171,7 +171,7 @@ def test_guard_settings_are_checked(key, value, needle):
     cfg = config()
     cfg.trainer[key] = value
     with pytest.raises(ConfigError) as info:
-        check_guard(cfg)
+        check_guard(cfg.trainer)
     assert info.value.field == f"trainer.{key}" and info.value.value == value and needle in info.value.fix
 
 

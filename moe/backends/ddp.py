@@ -39,7 +39,7 @@ class DDPBackend(Backend):
             strategy = (DDPStrategy(process_group_backend=backend, timeout=timeout)
                         if world > 1 else "auto")
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=strategy,
-                            precision=precision_of(self.cfg), plugins=[])
+                            precision=precision_of(self.cfg.trainer, self.cfg.hardware), plugins=[])
 
     def parallelize(self, module) -> None:
         super().parallelize(module)

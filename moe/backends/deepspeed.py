@@ -58,12 +58,12 @@ def steps_plainly(cfg) -> bool:
     """ZeRO off, fp32: DeepSpeed's optimizer is the torch one over whole gradients in `param.grad`, and the
     step (moe.module.train_step) computes their global norm and clips as on DDP. DeepSpeed's own fp32
     clipping would average each rank's local norm instead of taking the whole model's."""
-    return cfg.parallel.zero_stage == 0 and precision(cfg).half is None
+    return cfg.parallel.zero_stage == 0 and precision(cfg.trainer, cfg.hardware).half is None
 
 
 def deepspeed_config(cfg) -> dict:
     """The DeepSpeed config dict from the (validated) parallel, optimizer, trainer and hardware groups."""
-    p, run = cfg.parallel, precision(cfg)
+    p, run = cfg.parallel, precision(cfg.trainer, cfg.hardware)
     on_gpu = cfg.hardware.accelerator == "gpu"
     config = {
         "train_micro_batch_size_per_gpu": cfg.trainer.micro_batch_size,
@@ -123,7 +123,7 @@ class DeepSpeedBackend(Backend):
 
     def trainer_parts(self) -> TrainerParts:
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=self.strategy,
-                            precision=precision_of(self.cfg), plugins=[])
+                            precision=precision_of(self.cfg.trainer, self.cfg.hardware), plugins=[])
 
     def make_expert_groups(self) -> ExpertGroups:
         """DeepSpeed's own EP / expert-DP groups, laid out as moe.parallel.dims's (consecutive EP ranks)."""

@@ -48,7 +48,7 @@ class FSDP2Backend(Backend):
 
             accelerator = TorchNeuronAccelerator()
         return TrainerParts(accelerator=accelerator, strategy=strategy,
-                            precision=precision_of(self.cfg), plugins=[])
+                            precision=precision_of(self.cfg.trainer, self.cfg.hardware), plugins=[])
 
     def mixed_precision(self):
         """FSDP2's policy: bf16-mixed gathers weights in bf16 for compute and reduces gradients in fp32."""

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 
 
-def precision_of(cfg) -> str:
+def precision_of(trainer, hardware) -> str:
     """The Lightning precision the run trains in: trainer.precision, else the hardware's."""
-    return str(cfg.trainer.precision or cfg.hardware.precision)
+    return str(trainer.precision or hardware.precision)
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class Precision:
         return 2 if self.half else 4
 
 
-def precision(cfg) -> Precision:
-    return Precision.parse(precision_of(cfg))
+def precision(trainer, hardware) -> Precision:
+    return Precision.parse(precision_of(trainer, hardware))
 
 
 def head_dim_of(m) -> int:
@@ -81,16 +81,16 @@ def has_moe_layers(m) -> bool:
     return any(is_moe_layer(i, m) for i in range(m.num_layers))
 
 
-def neuron_precision(cfg) -> str:
+def neuron_precision(hardware, model) -> str:
     """hardware.neuron_precision with `auto` resolved: `mixed` for a model with MoE layers, `bf16_sr`
     for a dense one. neuronx-distributed computes MoE slot indices in float64 (v2.28.0
     modules/moe/expert_mlps_v2.py:285-294, :518, :531-545, a cumulative count of tokens per expert);
     XLA_USE_BF16=1 (bf16_sr) turns float64 into bf16, exact for integers up to 256 only, while
     XLA_DOWNCAST_BF16=1 (mixed) turns it into float32, exact up to 2**24 (docs/TRAINIUM.md)."""
-    preset = cfg.hardware.neuron_precision
+    preset = hardware.neuron_precision
     if preset != "auto":
         return preset
-    return "mixed" if has_moe_layers(cfg.model) else "bf16_sr"
+    return "mixed" if has_moe_layers(model) else "bf16_sr"
 
 
 def planning(cfg) -> bool:

@@ -108,7 +108,7 @@ class BackendSpec:
         return cfg.parallel.pp_schedule if len(self.pp_schedules) > 1 else self.pp_schedules[0]
 
     def state_bytes(self, cfg) -> StateBytes:
-        run = precision(cfg)
+        run = precision(cfg.trainer, cfg.hardware)
         step = 0 if self.fused_adamw else 4
         if run.half is None:
             return StateBytes(4, 4, 8, "fp32 weights, grads and AdamW moments", step=step)
@@ -122,7 +122,7 @@ class BackendSpec:
 
     def activation_bytes(self, cfg) -> int:
         """Bytes per activation element: 4 for an fp32 (or fp64) run, else the half type's 2."""
-        return precision(cfg).activation_bytes
+        return precision(cfg.trainer, cfg.hardware).activation_bytes
 
 
 REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (moe/backends/deepspeed.py)
@@ -131,7 +131,7 @@ REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (mo
 @dataclass(frozen=True)
 class DeepSpeedSpec(BackendSpec):
     def state_bytes(self, cfg) -> StateBytes:
-        run = precision(cfg)
+        run = precision(cfg.trainer, cfg.hardware)
         if run.mixed:  # DeepSpeed keeps half weights and grads, fp32 master + moments
             return StateBytes(2, 2, 12, f"{run.name} DeepSpeed: half weights, grads; fp32 master, moments",
                               step=4, grads_in_step=False)
@@ -154,7 +154,7 @@ class FSDP2Spec(BackendSpec):
     @staticmethod
     def gathers_bf16(cfg) -> bool:
         """bf16-mixed: FSDP2 gathers weights in bf16 for compute (reducing gradients in fp32); else fp32."""
-        run = precision(cfg)
+        run = precision(cfg.trainer, cfg.hardware)
         return run.mixed and run.half == "bfloat16"
 
     def comm_buffer_bytes(self, cfg) -> float:
@@ -191,7 +191,7 @@ class NeuronSpec(BackendSpec):
         shards, in its optimizer dtype (torch_xla/distributed/zero_redundancy_optimizer.py:255-263 at
         v2.9.0): fp32, bf16 under XLA_USE_BF16; `mixed` makes them float64 for XLA_DOWNCAST_BF16 to hold
         in fp32 (NxD trainer/trainer.py:281-283), its master weights, with fp32 gradient accumulation."""
-        preset, zero1 = neuron_precision(cfg), cfg.parallel.zero_stage >= 1
+        preset, zero1 = neuron_precision(cfg.hardware, cfg.model), cfg.parallel.zero_stage >= 1
         if preset == "bf16_sr":
             return StateBytes(2, 2, 4 + 2 * zero1, "bf16 + stochastic rounding: bf16 weights, grads and "
                               "AdamW moments" + (", ZeRO-1's bf16 copy" if zero1 else ""))
@@ -203,7 +203,7 @@ class NeuronSpec(BackendSpec):
                           "fp32 weights, grads and moments" + (", ZeRO-1's copy" if zero1 else ""))
 
     def activation_bytes(self, cfg) -> int:
-        return 4 if neuron_precision(cfg) == "fp32" else 2
+        return 4 if neuron_precision(cfg.hardware, cfg.model) == "fp32" else 2
 
 
 LIGHTNING_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")

@@ -94,7 +94,7 @@ def _default_dtype(dtype: torch.dtype):
 
 def _param_dtype_and_autocast(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     """(dtype of the weights on the device, autocast dtype or None), as the backend trains."""
-    run = precision(cfg)
+    run = precision(cfg.trainer, cfg.hardware)
     weights = run.half if run.mixed and spec_of(cfg).half_weights_when_mixed else run.param_dtype
     autocast = run.autocast_dtype
     return getattr(torch, weights), None if autocast is None else getattr(torch, autocast)
@@ -206,7 +206,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         planned_gib={"parameters": plan.memory.params, "gradients": plan.memory.grads,
                      "optimizer": plan.memory.optimizer, "activations": plan.memory.activations,
                      "step": plan.memory.step, "comm": plan.memory.comm},
-        precision=precision_of(cfg),
+        precision=precision_of(cfg.trainer, cfg.hardware),
         micro_batch_size=cfg.trainer.micro_batch_size, seq_len=cfg.data.seq_len,
         seconds=time.perf_counter() - start)
     if run_dir is not None:

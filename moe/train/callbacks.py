@@ -88,6 +88,6 @@ def key_config(cfg, dims: ParallelDims) -> dict:
             "optimizer.lr", "optimizer.min_lr", "seed", "run_name"]
     values = {key: value_at(cfg, key) for key in keys}
     values.update({"params_total": sizes.total, "params_active": sizes.active,
-                   "precision": precision_of(cfg),
+                   "precision": precision_of(cfg.trainer, cfg.hardware),
                    "global_batch_size": dims.global_batch})
     return values

@@ -34,7 +34,7 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
     from moe.hf.dense import DenseUpcycle, read_dense_config
     from moe.hf.registry import converter_for
 
-    check_hf_start(cfg)
+    check_hf_start(cfg.model, cfg.moe_opt)
     field = "model.upcycle_from_hf" if cfg.model.get("upcycle_from_hf") else "model.init_from_hf"
     path = cfg.model.get("upcycle_from_hf") or cfg.model.init_from_hf
     if not path:

@@ -78,7 +78,7 @@ def main() -> int:
         with initialize_config_dir(config_dir=conf, version_base="1.3"):
             cfg = compose("train", overrides=["hardware=trn1", "trainer.devices=2",
                                               f"hardware.neuron_precision={preset}"])
-        name = neuron_precision(cfg)
+        name = neuron_precision(cfg.hardware, cfg.model)
         env = {**os.environ, **neuron_env(cfg)}
         proc = subprocess.run([sys.executable, __file__, "--one"], env=env, capture_output=True, text=True,
                               timeout=600)

@@ -55,7 +55,7 @@ def extracting_graphs() -> bool:
 def cc_flags(cfg) -> str:
     """NEURON_CC_FLAGS: the hardware's, the preset's, hardware.env's own and the shell's, each once."""
     user_env = {str(k): str(v) for k, v in cfg.hardware.env.items()}
-    parts = [cfg.hardware.neuron_cc_flags, NEURON_PRECISION[neuron_precision(cfg)]["cc_flags"],
+    parts = [cfg.hardware.neuron_cc_flags, NEURON_PRECISION[neuron_precision(cfg.hardware, cfg.model)]["cc_flags"],
              user_env.get("NEURON_CC_FLAGS", ""), os.environ.get("NEURON_CC_FLAGS", "")]
     flags = list(dict.fromkeys(f for part in parts for f in (part or "").split()))
     if param_breakdown(cfg.model).num_moe_layers:
@@ -66,7 +66,7 @@ def cc_flags(cfg) -> str:
 def neuron_env(cfg) -> dict[str, str]:
     """The preset's variables, hardware.env on top, the compiler flags and the device counts."""
     devices = str(cfg.trainer.devices)
-    return {**NEURON_PRECISION[neuron_precision(cfg)]["env"],
+    return {**NEURON_PRECISION[neuron_precision(cfg.hardware, cfg.model)]["env"],
             **{str(k): str(v) for k, v in cfg.hardware.env.items()},
             "NEURON_CC_FLAGS": cc_flags(cfg),
             "TPU_NUM_DEVICES": devices, "TPU_CHIPS_PER_HOST_BOUNDS": devices, "NEURON_RT_NUM_CORES": devices}

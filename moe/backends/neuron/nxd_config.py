@@ -35,7 +35,7 @@ def nxd_config_kwargs(cfg, dims, param_init_fn) -> dict:
 
     p, opt = cfg.parallel, cfg.optimizer
     zero1 = p.zero_stage == 1
-    master = NEURON_PRECISION[neuron_precision(cfg)]["master_weights"] and zero1
+    master = NEURON_PRECISION[neuron_precision(cfg.hardware, cfg.model)]["master_weights"] and zero1
     pipeline_config = None
     if dims.pp_enabled:  # NxDPPModel's arguments (src/neuronx_distributed/pipeline/model.py:75-114)
         pipeline_config = {

@@ -9,98 +9,95 @@ from moe.config.choices import (
 from moe.config.derived import (
     PP_SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
-    data_parallel_size,
     dense_width,
     has_moe_layers,
     neuron_precision,
-    planning,
     precision_of,
     stages_per_rank,
 )
 from moe.config.rules.base import need, one_of
 from moe.config.rules.layout import check_untied_embeddings, check_whole_kv_heads
 from moe.config.schema import normalizes
-from moe.config.specs import SPECS, spec_of
+from moe.config.specs import SPECS
 from moe.errors import ConfigError
 
 
-def check_backend(cfg) -> None:
-    hw = cfg.hardware
+def check_backend(hardware, trainer) -> None:
+    hw, t = hardware, trainer
     one_of("hardware.strategy", hw.strategy, tuple(SPECS), "strategy")
-    need(cfg.trainer.devices <= hw.devices_per_node, "trainer.devices", cfg.trainer.devices,
+    need(t.devices <= hw.devices_per_node, "trainer.devices", t.devices,
          f"use at most {hw.devices_per_node} devices per node and raise trainer.num_nodes instead",
          f"exceeds hardware.devices_per_node={hw.devices_per_node} ({hw.name})")
     one_of("hardware.neuron_precision", hw.neuron_precision, NEURON_PRECISIONS, "Neuron precision preset")
-    spec = spec_of(cfg)
-    precision = precision_of(cfg)
+    spec = SPECS[hw.strategy]
+    precision = precision_of(t, hw)
     if spec.precisions is None:
-        need(cfg.trainer.precision is None, "trainer.precision", cfg.trainer.precision,
+        need(t.precision is None, "trainer.precision", t.precision,
              "leave trainer.precision=null and pick hardware.neuron_precision "
              f"({', '.join(NEURON_PRECISIONS)})",
              f"is not used by {spec.library} (hardware={hw.name})")
     else:
-        key = "trainer.precision" if cfg.trainer.precision else "hardware.precision"
+        key = "trainer.precision" if t.precision else "hardware.precision"
         need(precision in spec.precisions, key, precision, f"use one of {', '.join(spec.precisions)}",
              f"is not a precision the {spec.library} backend runs")
 
 
-def check_backend_degrees(cfg) -> None:
+def check_backend_degrees(parallel, hardware, spec) -> None:
     """A degree the backend would ignore is refused, so no run silently trains another layout."""
-    p, hw, spec = cfg.parallel, cfg.hardware, spec_of(cfg)
+    p, hw = parallel, hardware
     capable = {"tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
     for key, able in capable.items():
-        if p[key] > 1 and not able:
+        if getattr(p, key) > 1 and not able:
             others = [s.name for s in SPECS.values()
                       if (s.tensor_parallel if key == "tp" else s.pipeline_parallel)]
-            raise ConfigError(f"parallel.{key}", p[key],
+            raise ConfigError(f"parallel.{key}", getattr(p, key),
                               f"set parallel.{key}=1 (use parallel.ep and data parallelism), or a backend "
                               f"that has it (hardware.strategy: {', '.join(others)}; e.g. hardware=trn1)",
                               problem=f"is not implemented by {spec.library} (hardware={hw.name})")
 
 
-def check_pp_schedule(cfg) -> None:
+def check_pp_schedule(parallel, spec) -> None:
     """Only the torch-native backend picks a pipeline schedule; NxD runs its own 1F1B."""
-    p = cfg.parallel
-    if len(spec_of(cfg).pp_schedules) > 1:
+    p = parallel
+    if len(spec.pp_schedules) > 1:
         return
     need(p.pp_schedule == "1F1B" and p.pp_stages_per_rank in (None, 1), "parallel.pp_schedule",
          p.pp_schedule, "leave parallel.pp_schedule=1F1B and parallel.pp_stages_per_rank=null, or use the "
          "torch-native backend (hardware=gpu_fsdp2, trn2, cpu_fsdp2) for other schedules",
-         f"is not chosen on {spec_of(cfg).library}: neuronx-distributed runs its own 1F1B schedule")
+         f"is not chosen on {spec.library}: neuronx-distributed runs its own 1F1B schedule")
 
 
-def check_offload(cfg) -> None:
+def check_offload(parallel, model, spec) -> None:
     """parallel.offload_experts is FSDP2's CPUOffloadPolicy on the experts' units (the torch-native
     backend's)."""
-    p = cfg.parallel
-    if not p.offload_experts:
+    if not parallel.offload_experts:
         return
-    need(spec_of(cfg).offload_experts, "parallel.offload_experts", True,
+    need(spec.offload_experts, "parallel.offload_experts", True,
          "use the torch-native backend (hardware=gpu_fsdp2 or gpu_a100_fsdp2), or "
          "parallel.offload_experts=false",
-         f"is FSDP2's CPUOffloadPolicy, which {spec_of(cfg).library} does not run (DeepSpeed's own "
+         f"is FSDP2's CPUOffloadPolicy, which {spec.library} does not run (DeepSpeed's own "
          "offload is not built here)")
-    need(has_moe_layers(cfg.model), "parallel.offload_experts", True, "set parallel.offload_experts=false",
-         f"has no experts to offload in model={cfg.model.name}")
+    need(has_moe_layers(model), "parallel.offload_experts", True, "set parallel.offload_experts=false",
+         f"has no experts to offload in model={model.name}")
 
 
-def check_overlap_comm(cfg) -> None:
+def check_overlap_comm(parallel, spec) -> None:
     """parallel.overlap_comm is a DeepSpeed ZeRO setting."""
-    p = cfg.parallel
+    p = parallel
     if p.overlap_comm is None:
         return
-    need(spec_of(cfg).overlap_comm, "parallel.overlap_comm", p.overlap_comm,
+    need(spec.overlap_comm, "parallel.overlap_comm", p.overlap_comm,
          "leave parallel.overlap_comm=null, or use DeepSpeed (hardware=gpu or cpu_deepspeed)",
-         f"is DeepSpeed's ZeRO setting, which {spec_of(cfg).library} does not have")
+         f"is DeepSpeed's ZeRO setting, which {spec.library} does not have")
 
 
-def check_neuron(cfg) -> None:
+def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bool) -> None:
     """What neuronx-distributed 2.28 (the last release that trains on trn1) cannot do, refused with why.
 
     Lines are src/neuronx_distributed/ at v2.28.0; docs/TRAINIUM.md explains each choice.
     """
-    p, m, r, t = cfg.parallel, cfg.model, cfg.moe_opt, cfg.trainer
-    need(t.devices >= 2 or planning(cfg), "trainer.devices", t.devices,
+    p, m, r, t = parallel, model, moe_opt, trainer
+    need(t.devices >= 2 or planning, "trainer.devices", t.devices,
          "use 2 or more NeuronCores per node (a trn1.2xlarge has 2, a trn1.32xlarge 32)",
          "is too few: neuronx-distributed's XLA strategy fails with a single device (Lightning "
          "XLAStrategy.setup_distributed)")
@@ -129,9 +126,9 @@ def check_neuron(cfg) -> None:
     need(r.topk_scaling_factor is None, "moe_opt.topk_scaling_factor", r.topk_scaling_factor,
          "set moe_opt.topk_scaling_factor=null on trn1",
          "is not available on trn1: neuronx-distributed's ExpertMLPs takes the affinities as they are")
-    check_neuron_precision(cfg)
+    check_neuron_precision(model, trainer, hardware, data)
     if p.ep > 1:
-        check_neuron_expert_parallel(cfg)
+        check_neuron_expert_parallel(parallel, model, moe_opt)
     nxd_routing = "or use moe_opt=nxd (neuronx-distributed's routing)"
     if r.capacity_factor is not None:
         need(r.drop_policy == "position", "moe_opt.drop_policy", r.drop_policy,
@@ -162,29 +159,29 @@ def check_neuron(cfg) -> None:
          "with top_k=1 is refused by neuronx-distributed (expert_mlps_v2.py:270-271)")
 
 
-def check_neuron_precision(cfg) -> None:
+def check_neuron_precision(model, trainer, hardware, data) -> None:
     """NxD's MoE computes its slot indices in float64 (expert_mlps_v2.py:285-294, :518, :531-545):
     XLA_USE_BF16=1 (bf16_sr) runs them in bf16, exact for integers up to 256 only, which misplaces
     most tokens' slots; XLA_DOWNCAST_BF16=1 (mixed) runs them in float32, exact up to 2**24 slots."""
-    m, t = cfg.model, cfg.trainer
-    precision = neuron_precision(cfg)
+    m, t = model, trainer
+    precision = neuron_precision(hardware, model)
     moe_layers = has_moe_layers(m)
     fix = ("use hardware.neuron_precision=mixed (bf16 compute, fp32 master weights; float64 runs as float32) "
            "or fp32, or auto, which picks mixed for MoE models")
     need(not (moe_layers and precision == "bf16_sr"), "hardware.neuron_precision", "bf16_sr", fix,
          "would corrupt neuronx-distributed's MoE routing: XLA_USE_BF16=1 turns its float64 slot arithmetic "
          "(modules/moe/expert_mlps_v2.py:285-294, 518, 531-545) into bf16, exact for counts up to 256 only")
-    slots = m.num_experts * t.micro_batch_size * cfg.data.seq_len  # the largest slot index, at capacity T
+    slots = m.num_experts * t.micro_batch_size * data.seq_len  # the largest slot index, at capacity T
     need(not (moe_layers and precision == "mixed" and slots > 2**24), "trainer.micro_batch_size",
          t.micro_batch_size, "use hardware.neuron_precision=fp32, or fewer tokens per micro-batch",
          f"gives {slots:,} MoE slots (num_experts x micro_batch_size x seq_len), past 2**24, where "
          "float32 (mixed precision's float64) stops counting exactly")
 
 
-def check_neuron_expert_parallel(cfg) -> None:
+def check_neuron_expert_parallel(parallel, model, moe_opt) -> None:
     """What neuronx-distributed's training-time expert parallelism (EP carved out of data parallelism,
     the capacity path's all-to-all, moe/backends/neuron/moe_layer.py) needs; lines are v2.28.0's."""
-    p, m, r = cfg.parallel, cfg.model, cfg.moe_opt
+    p, m, r = parallel, model, moe_opt
     need(r.capacity_factor is not None, "moe_opt.capacity_factor", None,
          "set moe_opt.capacity_factor (e.g. 2.0, moe_opt=nxd) with parallel.ep > 1 on trn1, or "
          "parallel.ep=1 for dropless",
@@ -209,10 +206,9 @@ def check_neuron_expert_parallel(cfg) -> None:
          "contiguous; parallel_layers/parallel_state.py:605-606)")
 
 
-def check_fsdp2(cfg) -> None:
+def check_fsdp2(parallel, model, trainer, data, dp: int) -> None:
     """What the torch-native backend (moe/backends/fsdp2.py) does not do, refused with what to use."""
-    p, m = cfg.parallel, cfg.model
-    dp = data_parallel_size(cfg)
+    p, m = parallel, model
     need(p.zero_stage >= 2 or dp == 1, "parallel.zero_stage", p.zero_stage,
          "set parallel.zero_stage=3 (each block's gathered weights freed after its forward) or 2 (kept "
          "until its backward: more memory, one all-gather fewer)",
@@ -223,14 +219,14 @@ def check_fsdp2(cfg) -> None:
              f"use one whose product with parallel.tp={p.tp} is a multiple of parallel.ep={p.ep}",
              "must hold whole expert-parallel groups (each HSDP shard group holds every expert)")
     if p.sequence_parallel and p.tp > 1:
-        need(cfg.data.seq_len % p.tp == 0, "data.seq_len", cfg.data.seq_len,
+        need(data.seq_len % p.tp == 0, "data.seq_len", data.seq_len,
              f"use a sequence length divisible by parallel.tp={p.tp}, or parallel.sequence_parallel=false",
              f"cannot be split evenly over the {p.tp} TP ranks of sequence parallelism")
     check_untied_embeddings(m, "the fsdp2 backend (FSDP2 would shard the embedding and the LM head apart)")
     if m.attention == "gqa":
         check_whole_kv_heads(m, p.tp)
     if p.pp > 1:
-        _check_fsdp2_pipeline(cfg)
+        _check_fsdp2_pipeline(p, trainer, m)
     if p.tp > 1:
         width = dense_width(m)
         need(width % p.tp == 0, "parallel.tp", p.tp, f"use a tp that divides the dense MLP width {width}",
@@ -240,10 +236,9 @@ def check_fsdp2(cfg) -> None:
              "is not split over TP ranks (ALiBi's slopes are per head)")
 
 
-def _check_fsdp2_pipeline(cfg) -> None:
+def _check_fsdp2_pipeline(p, t, m) -> None:
     """torch.distributed.pipelining's limits (torch/distributed/pipelining/schedules.py: 1F1B needs as many
     micro-batches as stages, the looped schedules whole rounds of pp) and what this product runs of it."""
-    p, t, m = cfg.parallel, cfg.trainer, cfg.model
     need(p.pp_schedule not in ("ZBVZeroBubble", "DualPipeV"), "parallel.pp_schedule", p.pp_schedule,
          "use InterleavedZeroBubble (zero bubble on looped stages), or Interleaved1F1B",
          "is refused: validation runs through the schedule, and torch 2.13's V-shaped schedules fail in "
@@ -288,9 +283,3 @@ def _check_fsdp2_pipeline(cfg) -> None:
 # the rules one backend adds, by hardware.strategy (its spec, moe.config.specs, says what it can do; these
 # say what its library refuses, with the fix)
 BACKEND_RULES = {"neuron": check_neuron, "fsdp2": check_fsdp2}
-
-
-def check_backend_rules(cfg) -> None:
-    rules = BACKEND_RULES.get(cfg.hardware.strategy)
-    if rules is not None:
-        rules(cfg)

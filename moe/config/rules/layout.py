@@ -3,68 +3,60 @@ parallelism is carved from, and the rules two backends share (whole KV heads per
 embeddings). moe.parallel.dims.ParallelDims is built only from a layout these accept."""
 from __future__ import annotations
 
-from moe.config.derived import (
-    data_parallel_size,
-    has_moe_layers,
-    launch_overrides,
-    world_of,
-)
+from moe.config.derived import has_moe_layers, launch_overrides
 from moe.config.rules.base import need
-from moe.config.specs import spec_of
 from moe.errors import ConfigError
 
 
-def check_degrees(cfg) -> None:
-    p = cfg.parallel
+def check_degrees(parallel) -> None:
+    p = parallel
     for key in ("tp", "pp", "ep"):
-        need(p[key] >= 1, f"parallel.{key}", p[key], f"set parallel.{key} to 1 or more",
-             "must be at least 1")
+        value = getattr(p, key)
+        need(value >= 1, f"parallel.{key}", value, f"set parallel.{key} to 1 or more", "must be at least 1")
     need(p.dp is None or p.dp >= 1, "parallel.dp", p.dp,
          "set parallel.dp to 1 or more, or null to derive it", "must be at least 1")
 
 
-def check_world_divisible(cfg) -> None:
-    p, world = cfg.parallel, world_of(cfg)
+def check_world_divisible(parallel, hardware, world: int) -> None:
+    p = parallel
     tp_pp = p.tp * p.pp
     key = "pp" if p.tp == 1 else "tp"
-    need(world % tp_pp == 0, f"parallel.{key}", p[key],
+    need(world % tp_pp == 0, f"parallel.{key}", getattr(p, key),
          f"launch a multiple of tp*pp = {tp_pp} devices "
-         f"({launch_overrides(tp_pp, cfg.hardware.devices_per_node)}), or lower parallel.tp / parallel.pp",
+         f"({launch_overrides(tp_pp, hardware.devices_per_node)}), or lower parallel.tp / parallel.pp",
          f"(tp*pp = {tp_pp}) does not divide the world size {world}")
 
 
-def check_dp_matches_world(cfg) -> None:
-    p, world = cfg.parallel, world_of(cfg)
+def check_dp_matches_world(parallel, hardware, world: int) -> None:
+    p = parallel
     if p.dp is None:
         return
     devices = p.tp * p.pp * p.dp
     need(devices == world, "parallel.dp", p.dp,
-         f"launch tp*pp*dp = {devices} devices ({launch_overrides(devices, cfg.hardware.devices_per_node)}), "
+         f"launch tp*pp*dp = {devices} devices ({launch_overrides(devices, hardware.devices_per_node)}), "
          "or set parallel.dp=null to derive it from the world",
          f"gives tp*pp*dp = {devices} but the world is {world} devices")
 
 
-def check_ep(cfg) -> None:
-    p, m = cfg.parallel, cfg.model
+def check_ep(parallel, model, hardware, trainer, data, dp: int, spec) -> None:
+    p, m = parallel, model
     need(m.num_experts % p.ep == 0, "parallel.ep", p.ep,
          f"use an ep that divides model.num_experts={m.num_experts}",
          f"does not divide num_experts={m.num_experts}")
-    dp = data_parallel_size(cfg)
-    if spec_of(cfg).ep_folds_tp:  # EP folded with TP (moe.parallel.dims)
-        _check_folded_ep(cfg, dp)
+    if spec.ep_folds_tp:  # EP folded with TP (moe.parallel.dims)
+        _check_folded_ep(p, model, trainer.micro_batch_size, data.seq_len, dp)
         return
     least = p.tp * p.pp * p.ep
     need(dp % p.ep == 0, "parallel.ep", p.ep,
          "expert parallelism is carved out of data parallelism, so launch a multiple of "
-         f"tp*pp*ep = {least} devices ({launch_overrides(least, cfg.hardware.devices_per_node)}), "
+         f"tp*pp*ep = {least} devices ({launch_overrides(least, hardware.devices_per_node)}), "
          f"or use an ep that divides dp={dp}",
          f"does not divide the data-parallel size {dp}")
 
 
-def _check_folded_ep(cfg, dp: int) -> None:
+def _check_folded_ep(p, model, micro_batch_size: int, seq_len: int, dp: int) -> None:
     """The torch-native backend's EP groups are ep consecutive ranks of the dp x tp ones; each MoE layer
     splits its micro-batch's tokens over the TP group."""
-    p, t = cfg.parallel, cfg.trainer
     need(p.ep % p.tp == 0 or p.tp % p.ep == 0, "parallel.ep", p.ep,
          f"use an ep that is a multiple of parallel.tp={p.tp} (EP groups of whole TP groups, e.g. "
          f"ep={2 * p.tp if p.tp > 1 else 2}) or a divisor of it",
@@ -74,34 +66,32 @@ def _check_folded_ep(cfg, dp: int) -> None:
          f"use an ep that divides dp x tp = {dp * p.tp}, or launch a multiple of "
          f"{p.pp * max(p.ep, p.tp)} devices",
          f"does not divide the {dp * p.tp} ranks (dp {dp} x tp {p.tp}) expert parallelism folds")
-    tokens = t.micro_batch_size * cfg.data.seq_len
-    if p.tp > 1 and has_moe_layers(cfg.model):
-        need(tokens % p.tp == 0, "trainer.micro_batch_size", t.micro_batch_size,
+    tokens = micro_batch_size * seq_len
+    if p.tp > 1 and has_moe_layers(model):
+        need(tokens % p.tp == 0, "trainer.micro_batch_size", micro_batch_size,
              f"use a micro-batch size and data.seq_len whose product divides by parallel.tp={p.tp}",
              f"gives {tokens} tokens per micro-batch, which the MoE layers cannot split evenly over the "
              f"{p.tp} TP ranks")
 
 
-def check_hybrid_shard(cfg) -> None:
-    p, spec = cfg.parallel, spec_of(cfg)
+def check_hybrid_shard(parallel, hardware, dp: int, spec) -> None:
+    p = parallel
     if p.hybrid_shard_degree is None:
         return
     need(spec.hybrid_shard, "parallel.hybrid_shard_degree", p.hybrid_shard_degree,
          f"set parallel.hybrid_shard_degree=null ({spec.library} shards ZeRO state over the whole "
          "data-parallel group), or use the fsdp2 backend, which has HSDP (hardware=gpu_fsdp2, trn2, "
          "cpu_fsdp2)",
-         f"is not implemented by {spec.library} (hardware={cfg.hardware.name})")
-    dp = data_parallel_size(cfg)
+         f"is not implemented by {spec.library} (hardware={hardware.name})")
     need(p.hybrid_shard_degree >= 1 and dp % p.hybrid_shard_degree == 0, "parallel.hybrid_shard_degree",
          p.hybrid_shard_degree, f"use a divisor of dp={dp}, or null to shard over the data-parallel group",
          f"does not divide the data-parallel size {dp}")
 
 
-def check_global_batch(cfg) -> None:
-    t = cfg.trainer
+def check_global_batch(trainer, dp: int) -> None:
+    t = trainer
     if t.global_batch_size is None:
         return
-    dp = data_parallel_size(cfg)
     got = t.micro_batch_size * t.accumulate_grad_batches * dp
     per_micro = t.micro_batch_size * dp
     if t.global_batch_size % per_micro == 0:
@@ -114,15 +104,15 @@ def check_global_batch(cfg) -> None:
          f"{t.micro_batch_size}*{t.accumulate_grad_batches}*{dp} = {got}")
 
 
-def check_sequence_parallel(cfg) -> None:
-    p = cfg.parallel
+def check_sequence_parallel(parallel) -> None:
+    p = parallel
     need(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", p.sequence_parallel,
          "set parallel.sequence_parallel=false, or use tensor parallelism (parallel.tp > 1)",
          "splits activations over the TP group, which needs tp > 1")
 
 
-def check_zero_stage(cfg) -> None:
-    p, hw, spec = cfg.parallel, cfg.hardware, spec_of(cfg)
+def check_zero_stage(parallel, hardware, spec) -> None:
+    p, hw = parallel, hardware
     need(p.zero_stage in (0, 1, 2, 3), "parallel.zero_stage", p.zero_stage, "use 0, 1, 2 or 3",
          "is not a ZeRO stage")
     if p.zero_stage <= spec.max_zero_stage:
@@ -136,8 +126,8 @@ def check_zero_stage(cfg) -> None:
                       problem=f"is not available with {spec.library} (hardware={hw.name})")
 
 
-def check_model_split(cfg) -> None:
-    p, m = cfg.parallel, cfg.model
+def check_model_split(parallel, model) -> None:
+    p, m = parallel, model
     need(m.num_heads % p.tp == 0, "parallel.tp", p.tp,
          f"use a tp that divides model.num_heads={m.num_heads}", f"does not divide num_heads={m.num_heads}")
     need(m.num_layers % p.pp == 0, "parallel.pp", p.pp,

@@ -13,59 +13,57 @@ from moe.config.choices import (
     DATA_KINDS,
     SPIKE_ACTIONS,
 )
-from moe.config.derived import (
-    world_of,
-)
 from moe.config.rules.base import check_seed, finite_number, need, one_of
 from moe.config.rules.entries import check_chat_template
 from moe.config.rules.model import validate_model
-from moe.config.specs import spec_of
 from moe.errors import ConfigError, did_you_mean
 
 
-def check_trainer_counts(cfg) -> None:
-    t = cfg.trainer
+def check_trainer_counts(trainer) -> None:
+    t = trainer
     for key in ("devices", "num_nodes", "micro_batch_size", "accumulate_grad_batches"):
-        need(t[key] >= 1, f"trainer.{key}", t[key], f"set trainer.{key} to 1 or more", "must be at least 1")
+        value = getattr(t, key)
+        need(value >= 1, f"trainer.{key}", value, f"set trainer.{key} to 1 or more", "must be at least 1")
     need(t.max_steps > 0, "trainer.max_steps", t.max_steps, "set trainer.max_steps to a positive number",
          "must be positive")
     for key in ("log_every_n_steps", "val_check_interval", "checkpoint_every_n_steps",
                 "keep_last_checkpoints"):
-        need(t[key] >= 1, f"trainer.{key}", t[key], f"set trainer.{key} to 1 or more", "must be at least 1")
+        value = getattr(t, key)
+        need(value >= 1, f"trainer.{key}", value, f"set trainer.{key} to 1 or more", "must be at least 1")
     need(t.limit_val_batches >= 0, "trainer.limit_val_batches", t.limit_val_batches,
          "use 0 (no validation) or more batches", "must not be negative")
 
 
-def check_activation_checkpointing(cfg) -> None:
-    p = cfg.parallel
+def check_activation_checkpointing(parallel) -> None:
+    p = parallel
     one_of("parallel.activation_checkpointing", p.activation_checkpointing, AC_POLICIES, "policy")
     need(p.activation_checkpointing_every_n >= 1, "parallel.activation_checkpointing_every_n",
          p.activation_checkpointing_every_n, "use 1 or more", "must be at least 1")
 
 
-def check_model(cfg) -> None:
-    validate_model(cfg.model, cfg.moe_opt)
+def check_model(model, moe_opt) -> None:
+    validate_model(model, moe_opt)
 
 
-def check_hf_start(cfg) -> None:
+def check_hf_start(model, moe_opt) -> None:
     """model.init_from_hf / upcycle_from_hf: one of them; fine-grained upcycling (granularity g) starts
     equal to the dense model only with the top-k weights scaled by g (moe/hf/dense.py)."""
-    m = cfg.model
-    upcycle = m.get("upcycle_from_hf")
+    m = model
+    upcycle = m.upcycle_from_hf
     need(not (m.init_from_hf and upcycle), "model.upcycle_from_hf", upcycle,
          "set only one of model.init_from_hf (a Mixtral or DeepSeek-V3 directory) and "
          "model.upcycle_from_hf (a dense one)", "is set together with model.init_from_hf")
-    g = m.get("upcycle_granularity", 1)
+    g = m.upcycle_granularity
     if upcycle and g > 1:
-        scaling = cfg.moe_opt.get("topk_scaling_factor")
+        scaling = moe_opt.topk_scaling_factor
         need(scaling == g, "moe_opt.topk_scaling_factor", scaling,
              f"set moe_opt.topk_scaling_factor={g}: each of a copy's {g} slices then gets weight "
              f"1/{g} x {g}, and the start equals the dense model",
              f"does not match model.upcycle_granularity={g}")
 
 
-def check_seq_len(cfg) -> None:
-    m, seq_len = cfg.model, cfg.data.seq_len
+def check_seq_len(model, data) -> None:
+    m, seq_len = model, data.seq_len
     need(seq_len >= 1, "data.seq_len", seq_len, "use a positive sequence length such as 2048",
          "must be positive")
     need(seq_len <= m.max_position_embeddings, "data.seq_len", seq_len,
@@ -73,8 +71,8 @@ def check_seq_len(cfg) -> None:
          f"exceeds model.max_position_embeddings={m.max_position_embeddings}")
 
 
-def check_data(cfg) -> None:
-    d = cfg.data
+def check_data(data) -> None:
+    d = data
     one_of("data.kind", d.kind, DATA_KINDS, "data kind")
     one_of("data.format", d.format, DATA_FORMATS, "data format")
     finite_number("data.val_fraction", d.val_fraction, "use a fraction in [0, 1), e.g. 0.05")
@@ -86,10 +84,10 @@ def check_data(cfg) -> None:
         check_chat_template("data.chat_template", d.chat_template)
 
 
-def check_optimizer(cfg) -> None:
-    o = cfg.optimizer
+def check_optimizer(optimizer) -> None:
+    o = optimizer
     for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip"):
-        finite_number(f"optimizer.{key}", o[key], f"use a finite optimizer.{key}")
+        finite_number(f"optimizer.{key}", getattr(o, key), f"use a finite optimizer.{key}")
     need(o.lr > 0, "optimizer.lr", o.lr, "use a positive learning rate such as 3e-4", "must be positive")
     need(0 <= o.min_lr <= o.lr, "optimizer.min_lr", o.min_lr, f"use 0 <= min_lr <= optimizer.lr={o.lr}",
          f"is outside 0..lr={o.lr}")
@@ -102,8 +100,8 @@ def check_optimizer(cfg) -> None:
          "use a positive max norm such as 1.0, or 0 for off", "must not be negative")
 
 
-def check_schedule(cfg) -> None:
-    o = cfg.optimizer
+def check_schedule(optimizer) -> None:
+    o = optimizer
     need(o.decay_steps is None or o.decay_steps >= 1, "optimizer.decay_steps", o.decay_steps,
          "use a positive step count, or null for trainer.max_steps", "must be at least 1")
     need(o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps,
@@ -113,9 +111,9 @@ def check_schedule(cfg) -> None:
     # longer than the decay horizon (a short run with the default): moe.module.optim.warmup_of clamps it
 
 
-def check_guard(cfg) -> None:
+def check_guard(trainer) -> None:
     """The loss-spike and NaN guard's keys in the trainer group (moe/train/guard.py)."""
-    t = cfg.trainer
+    t = trainer
     one_of("trainer.spike_action", t.spike_action, SPIKE_ACTIONS, "spike action")
     finite_number("trainer.spike_factor", t.spike_factor, "use e.g. 3.0, or 0 to turn detection off")
     need(t.spike_factor == 0 or t.spike_factor > 1, "trainer.spike_factor", t.spike_factor,
@@ -132,10 +130,10 @@ def check_guard(cfg) -> None:
          "use 0 (never stop) or more (e.g. 10)", "must not be negative")
 
 
-def check_instantiables(cfg) -> None:
+def check_instantiables(logger, callbacks) -> None:
     """logger.<name> and callbacks.<name>: nodes with a `_target_`, as Hydra instantiates them."""
-    for group in ("logger", "callbacks"):
-        for name, node in (cfg.get(group) or {}).items():
+    for group, nodes in (("logger", logger), ("callbacks", callbacks)):
+        for name, node in (nodes or {}).items():
             target = node.get("_target_") if hasattr(node, "get") else None
             need(isinstance(target, str) and "." in target, f"{group}.{name}._target_", target,
                  f"give {group}.{name} a `_target_` naming a class, e.g. "
@@ -144,28 +142,28 @@ def check_instantiables(cfg) -> None:
                  "is missing or not a dotted class path")
 
 
-def check_waits(cfg) -> None:
+def check_waits(lock_wait_s, parallel) -> None:
     """How long a launch waits for the run dir's lock (moe/train/run_lock.py), and a rank for a peer in a
     collective (moe.parallel.comm.set_collective_timeout)."""
-    wait = cfg.get("lock_wait_s")
+    wait = lock_wait_s
     need(wait is None or wait >= 0, "lock_wait_s", wait,
          "use 0 or more seconds, or null (120 s for a requeued SLURM job, else no wait)",
          "must not be negative")
-    timeout = cfg.parallel.collective_timeout_s
+    timeout = parallel.collective_timeout_s
     need(timeout > 0, "parallel.collective_timeout_s", timeout,
          "use a positive number of seconds (production: minutes, e.g. 1800; tests: a few seconds)",
          "must be positive")
 
 
-def check_planning(cfg) -> None:
+def check_planning(routing_skew, hardware) -> None:
     """What the plan and the run's figures rest on: a skew below balance or a negative fixed cost means
     nothing, a device without peak FLOPS or memory divides MFU and the memory verdict by zero."""
-    skew = cfg.routing_skew
+    skew = routing_skew
     need(skew >= 1.0, "routing_skew", skew, "use 1.0 (perfect balance) or more, e.g. the default 2.0",
          "puts the hottest expert below its balanced share")
-    fixed = cfg.hardware.fixed_memory_gib
-    need(fixed >= 0, "hardware.fixed_memory_gib", fixed, "use 0 or more GiB", "is negative")
-    hw = cfg.hardware
+    hw = hardware
+    need(hw.fixed_memory_gib >= 0, "hardware.fixed_memory_gib", hw.fixed_memory_gib, "use 0 or more GiB",
+         "is negative")
     need(hw.peak_tflops > 0, "hardware.peak_tflops", hw.peak_tflops,
          "use the device's dense peak in TFLOPS (H100 SXM bf16: 989), which MFU divides by",
          "must be positive")
@@ -173,12 +171,12 @@ def check_planning(cfg) -> None:
          "use the device's memory in GiB (H100: 80)", "must be positive")
 
 
-def check_simulate(cfg) -> None:
+def check_simulate(simulate, simulate_rank, parallel, world: int, spec) -> None:
     """simulate=true runs the torch model's own code path for one rank (moe/tools/simulate.py)."""
-    if not cfg.simulate:
+    if not simulate:
         return
-    p, world = cfg.parallel, world_of(cfg)
-    if (p.tp > 1 or p.pp > 1) and not spec_of(cfg).simulated_model_parallel:
+    p = parallel
+    if (p.tp > 1 or p.pp > 1) and not spec.simulated_model_parallel:
         raise ConfigError("simulate", True,
                           "use dry_run=true for this layout's plan (make test-neuron measures trn1's at "
                           "reduced width, docs/TRAINIUM.md), or the torch-native backend for TP and PP "
@@ -187,7 +185,7 @@ def check_simulate(cfg) -> None:
                           f"(tp={p.tp}, pp={p.pp}) here is neuronx-distributed's, whose process "
                           "groups need the Neuron runtime, or a process per rank in its CPU mode "
                           "(parallel_layers/parallel_state.py:797-818)")
-    need(0 <= cfg.simulate_rank < world, "simulate_rank", cfg.simulate_rank, f"use a rank in 0..{world - 1}",
+    need(0 <= simulate_rank < world, "simulate_rank", simulate_rank, f"use a rank in 0..{world - 1}",
          f"is not a rank of the {world}-device world")
 
 
@@ -195,10 +193,10 @@ def check_simulate(cfg) -> None:
 FREE_FORM = ("logger", "callbacks", "hydra")
 
 
-def check_seeds(cfg) -> None:
+def check_seeds(seed, data) -> None:
     """train.py's seeds: the run's (model init, data order, dropout) and the validation split's."""
-    check_seed("seed", cfg.seed)
-    check_seed("data.split_seed", cfg.data.split_seed)
+    check_seed("seed", seed)
+    check_seed("data.split_seed", data.split_seed)
 
 
 def check_known_keys(cfg) -> None:
