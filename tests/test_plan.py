@@ -202,7 +202,7 @@ def test_nxd_zero1_steps_on_its_own_copy_of_the_weights():
     def bytes_of(precision, zero_stage):
         cfg = cfg_of(MODELS["mixtral_8x7b"], {**HARDWARE["trn1"], "neuron_precision": precision},
                      {**TP8_PP8_EP8, "zero_stage": zero_stage}, dry_run=True)
-        b = planner.spec_of(cfg).state_bytes(cfg)
+        b = planner.spec_of(cfg.hardware).state_bytes(cfg)
         return b.param, b.grad, b.optimizer
 
     assert bytes_of("fp32", 1) == (4, 4, 12) and bytes_of("fp32", 0) == (4, 4, 8)

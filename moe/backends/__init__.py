@@ -14,7 +14,7 @@ def backend_class(cfg):
 
     from moe.config.specs import spec_of
 
-    module, name = spec_of(cfg).backend.split(":")
+    module, name = spec_of(cfg.hardware).backend.split(":")
     return getattr(importlib.import_module(module), name)
 
 

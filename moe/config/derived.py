@@ -93,35 +93,35 @@ def neuron_precision(hardware, model) -> str:
     return "mixed" if has_moe_layers(model) else "bf16_sr"
 
 
-def planning(cfg) -> bool:
+def planning(dry_run: bool, simulate: bool) -> bool:
     """True for runs that plan a layout without launching it (dry_run, simulate)."""
-    return bool(cfg.dry_run or cfg.simulate)
+    return bool(dry_run or simulate)
 
 
-def trainer_world(cfg) -> int:
+def trainer_world(trainer) -> int:
     """Devices the trainer launches on: trainer.devices * trainer.num_nodes."""
-    return cfg.trainer.devices * cfg.trainer.num_nodes
+    return trainer.devices * trainer.num_nodes
 
 
-def world_of(cfg) -> int:
+def world_of(trainer, parallel, planning: bool) -> int:
     """Devices the layout runs on: trainer.devices * trainer.num_nodes.
 
     A dry run or a simulation plans for the layout itself instead, so big presets can be
     inspected on one machine: tp*pp*dp when parallel.dp is pinned, else at least tp*pp*ep
     (the smallest world where EP fits inside DP, NxD's `world % (tp*pp*ep) == 0`).
     """
-    if not planning(cfg):
-        return trainer_world(cfg)
-    p = cfg.parallel
+    if not planning:
+        return trainer_world(trainer)
+    p = parallel
     if p.dp is not None:
         return p.tp * p.pp * p.dp
-    return max(trainer_world(cfg), p.tp * p.pp * p.ep)
+    return max(trainer_world(trainer), p.tp * p.pp * p.ep)
 
 
-def data_parallel_size(cfg) -> int:
+def data_parallel_size(parallel, world: int) -> int:
     """Every data-parallel rank: parallel.dp when pinned, else world / (tp * pp); EP is carved out of it."""
-    p = cfg.parallel
-    return p.dp if p.dp is not None else world_of(cfg) // (p.tp * p.pp)
+    p = parallel
+    return p.dp if p.dp is not None else world // (p.tp * p.pp)
 
 
 def launch_overrides(world: int, devices_per_node: int) -> str:

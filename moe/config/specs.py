@@ -16,7 +16,9 @@ from moe.config.derived import (
     expert_dp_size,
     layers_per_stage,
     neuron_precision,
+    planning,
     precision,
+    world_of,
 )
 from moe.config.size import param_breakdown
 
@@ -179,7 +181,8 @@ class FSDP2Spec(BackendSpec):
         copied_in = 0.0
         if p.offload_experts:  # each block's fp32 expert shard is copied in before its all-gather
             gathered = kept * max(rest_of_moe, dense_block) + kept_experts * experts
-            expert_dp = expert_dp_size(data_parallel_size(cfg), p.tp, p.ep, self.ep_folds_tp)
+            world = world_of(cfg.trainer, p, planning(cfg.dry_run, cfg.simulate))
+            expert_dp = expert_dp_size(data_parallel_size(p, world), p.tp, p.ep, self.ep_folds_tp)
             copied_in = experts * 4 / max(1, expert_dp)
         return (bd.embedding + bd.lm_head + bd.final_norm + gathered) * compute + block * 4 + copied_in
 
@@ -235,6 +238,6 @@ SPECS: dict[str, BackendSpec] = {
 }
 
 
-def spec_of(cfg) -> BackendSpec:
-    """The spec of cfg.hardware.strategy (validate has checked the name)."""
-    return SPECS[cfg.hardware.strategy]
+def spec_of(hardware) -> BackendSpec:
+    """The spec of hardware.strategy (validate has checked the name)."""
+    return SPECS[hardware.strategy]

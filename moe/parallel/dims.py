@@ -32,7 +32,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe.config.derived import data_parallel_size, expert_dp_size, layers_per_stage, stages_per_rank, world_of
+from moe.config.derived import (
+    data_parallel_size,
+    expert_dp_size,
+    layers_per_stage,
+    planning,
+    stages_per_rank,
+    world_of,
+)
 from moe.config.specs import spec_of
 from moe.config.validate import validate
 
@@ -117,13 +124,14 @@ class ParallelDims:
     @classmethod
     def from_config(cls, cfg) -> ParallelDims:
         p, t = cfg.parallel, cfg.trainer
+        world = world_of(t, p, planning(cfg.dry_run, cfg.simulate))
         return cls(
-            world=world_of(cfg), tp=p.tp, pp=p.pp, ep=p.ep, dp=data_parallel_size(cfg),
+            world=world, tp=p.tp, pp=p.pp, ep=p.ep, dp=data_parallel_size(p, world),
             sequence_parallel=bool(p.sequence_parallel and p.tp > 1), zero_stage=p.zero_stage,
             devices_per_node=cfg.hardware.devices_per_node, micro_batch_size=t.micro_batch_size,
             accumulate_grad_batches=t.accumulate_grad_batches, seq_len=cfg.data.seq_len,
             num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts,
-            hybrid_shard_degree=p.hybrid_shard_degree, ep_folds_tp=spec_of(cfg).ep_folds_tp,
+            hybrid_shard_degree=p.hybrid_shard_degree, ep_folds_tp=spec_of(cfg.hardware).ep_folds_tp,
             pp_schedule=p.pp_schedule,
             pp_stages_per_rank=stages_per_rank(p.pp_schedule, p.pp_stages_per_rank),
         )

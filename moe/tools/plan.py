@@ -61,7 +61,7 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     and the LM head's fp32 gradient, which the chunked head computes in the forward.
     """
     m, p = cfg.model, cfg.parallel
-    e = spec_of(cfg).activation_bytes(cfg)
+    e = spec_of(cfg.hardware).activation_bytes(cfg)
     s, b, h, t = cfg.data.seq_len, micro_batch, m.hidden_size, p.tp
     qk_dim, v_dim = attention_dims(m)
     F, Fd = m.intermediate_size, dense_width(m)
@@ -71,20 +71,20 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     def split(replicated: float, sharded: float) -> float:  # elements per token on one device
         return (replicated + sharded) / t if sp else replicated + sharded / t
 
-    scores = 0.0 if spec_of(cfg).fused_attention else split(0, 2.5 * m.num_heads * s)
+    scores = 0.0 if spec_of(cfg.hardware).fused_attention else split(0, 2.5 * m.num_heads * s)
     if m.attention == "mla":  # per head: q, the expanded k and v, o's input; the latents stay whole under TP
         latents = 2 * (m.kv_lora_rank + (m.q_lora_rank or 0))
         attn = split(3 * h + latents, m.num_heads * (2 * qk_dim + 2 * v_dim)) + scores
     else:
         attn = split(3 * h, (h + 2 * m.num_kv_heads * qk_dim) + h) + scores
-    swiglu = spec_of(cfg).mlp_activations
+    swiglu = spec_of(cfg.hardware).mlp_activations
     dense = split(h, swiglu * Fd)
     routed = m.top_k * cf * (2 * h + swiglu * F) * hot_rank_load(cfg)
     router = 8 * m.num_experts / e  # fp32 logits and probabilities
     moe = split(h, routed + swiglu * m.shared_expert_intermediate_size) + router
     moe_selective = split(h, m.top_k * cf * 2 * h) + router  # expert MLP internals recomputed
     layer_input = split(h, 0)
-    policy, moe_layer_alone = p.activation_checkpointing, spec_of(cfg).ac_wraps_moe_layer
+    policy, moe_layer_alone = p.activation_checkpointing, spec_of(cfg.hardware).ac_wraps_moe_layer
 
     def layer(i: int) -> float:
         is_moe = is_moe_layer(i, m)
@@ -105,11 +105,11 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     tokens = s * b
     microbatches = p.pipeline_microbatches or cfg.trainer.accumulate_grad_batches
     in_flight = 1.0
-    schedule = spec_of(cfg).pipeline_schedule(cfg)  # torch.distributed.pipelining's, or NxD's 1F1B
+    schedule = spec_of(cfg.hardware).pipeline_schedule(cfg)  # torch.distributed.pipelining's, or NxD's 1F1B
     if p.pp > 1:
         per_rank = stages_per_rank(schedule, p.pp_stages_per_rank)
         in_flight = pipeline_in_flight(schedule, p.pp, per_rank, microbatches)
-    if spec_of(cfg).fused_cross_entropy:  # a chunk's fp32 logits and softmax, the head's fp32 gradient
+    if spec_of(cfg.hardware).fused_cross_entropy:  # a chunk's fp32 logits and softmax, the head's fp32 gradient
         logits = 2 * min(tokens, CE_CHUNK_TOKENS) * m.vocab_size * 4 + m.vocab_size * m.hidden_size * 4
     else:
         logits = 2 * tokens * m.vocab_size * 4 / t  # fp32 logits and the cross-entropy's log-probabilities
@@ -258,7 +258,7 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
     outer = bd.embedding + bd.lm_head + bd.final_norm
     if pp > 1:  # first stage holds the embedding, last the norm and lm_head (tied: both keep a copy)
         outer = max(bd.embedding, (bd.lm_head or bd.embedding) + bd.final_norm)
-    spec = spec_of(cfg)
+    spec = spec_of(cfg.hardware)
     if spec.tp_splits_all_weights:
         non_expert = (layer_dense / pp + outer) / tp
     else:  # TP splits attention and dense MLPs; the rest is whole on every TP rank
@@ -316,7 +316,7 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
 
 def memory_hints(cfg) -> list[str]:
     """What would lower the estimate, skipping what this backend cannot do or the config already does."""
-    p, spec = cfg.parallel, spec_of(cfg)
+    p, spec = cfg.parallel, spec_of(cfg.hardware)
     hints = [f"parallel.zero_stage={spec.max_zero_stage} (states shard over dp)"] \
         if p.zero_stage < spec.max_zero_stage else []
     able = {"ep": True, "tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
@@ -334,7 +334,7 @@ def memory_hints(cfg) -> list[str]:
 def make_plan(cfg, dims: ParallelDims) -> Plan:
     """The layout and memory estimate for a composed, validated config."""
     p, hw = cfg.parallel, cfg.hardware
-    launched = trainer_world(cfg)
+    launched = trainer_world(cfg.trainer)
     sizes = param_breakdown(cfg.model)
     memory = memory_estimate(cfg, dims)
     notes = []

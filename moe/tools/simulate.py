@@ -95,7 +95,7 @@ def _default_dtype(dtype: torch.dtype):
 def _param_dtype_and_autocast(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     """(dtype of the weights on the device, autocast dtype or None), as the backend trains."""
     run = precision(cfg.trainer, cfg.hardware)
-    weights = run.half if run.mixed and spec_of(cfg).half_weights_when_mixed else run.param_dtype
+    weights = run.half if run.mixed and spec_of(cfg.hardware).half_weights_when_mixed else run.param_dtype
     autocast = run.autocast_dtype
     return getattr(torch, weights), None if autocast is None else getattr(torch, autocast)
 
@@ -155,7 +155,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
                 rows = rows * cfg.trainer.accumulate_grad_batches // pipeline.n_microbatches
             tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.data.seq_len))
         # FSDP2's tracker follows one forward per module a step: a pipeline runs one per micro-batch
-        fsdp_tracker = spec_of(cfg).sharded_backward and pipeline is None  # FSDP2 units: its own tracker
+        fsdp_tracker = spec_of(cfg.hardware).sharded_backward and pipeline is None  # FSDP2 units: its own tracker
         tracker = (_device_peak_tracker(root, optimizer.optimizer) if fsdp_tracker else
                    _device_peak_tracker(modules=pipeline is None))
         if fsdp_tracker:
@@ -195,7 +195,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         breakdown["Total"] += plan.memory.fixed
     # DeepSpeed's engine does not run here: its buckets are added as planned (FSDP2's gathered weights
     # are real tensors of the simulated step, counted by the tracker)
-    if plan.memory.comm and not spec_of(cfg).simulated_model_parallel:
+    if plan.memory.comm and not spec_of(cfg.hardware).simulated_model_parallel:
         breakdown[COMM] = plan.memory.comm
         breakdown["Total"] += plan.memory.comm
     result = Simulation(
@@ -369,7 +369,7 @@ class _Optimizer:
 
 
 def _optimizer(cfg, dims, model, param_dtype, build_optimizer) -> _Optimizer:
-    shards = spec_of(cfg).optimizer_shards
+    shards = spec_of(cfg.hardware).optimizer_shards
     if shards == "dtensor":
         return _local_shard_optimizer(build_optimizer(model, cfg.optimizer), model)
     if shards != "zero" or (cfg.parallel.zero_stage < 1 and param_dtype == torch.float32):
