@@ -519,7 +519,8 @@ def test_a_read_only_run_dir_is_refused_before_anything_is_written(tmp_path, mon
     monkeypatch.setattr(preflight.os, "access", lambda path, mode: False if Path(path) == run_dir
                         else real_access(path, mode))
     with pytest.raises(UserError) as err:
-        preflight.check_run_dir(compose_train(), run_dir)
+        cfg = compose_train()
+        preflight.check_run_dir(run_dir, cfg.resume, cfg.lock_wait_s, cfg.model, cfg.moe_opt)
     assert str(err.value).startswith(f"hydra.run.dir='{run_dir}' cannot be created: {run_dir} cannot be "
                                      "written by this user. Fix: pick a writable place")
     assert sorted(run_dir.iterdir()) == []

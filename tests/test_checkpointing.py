@@ -189,9 +189,11 @@ def test_resume_with_a_changed_model_shape_names_the_field_and_the_fix(tmp_path)
     saved = _cfg(hidden_size=64, intermediate_size=128, num_layers=2)
     path = tmp_path / "last.ckpt"
     torch.save(ckpt(5, OmegaConf.to_container(saved)), path)
-    check_resume_compatible(path, _cfg(hidden_size=64, intermediate_size=128, num_layers=2, rope_theta=1e4))
+    same = _cfg(hidden_size=64, intermediate_size=128, num_layers=2, rope_theta=1e4)
+    check_resume_compatible(path, same.model, same.moe_opt)
     with pytest.raises(UserError) as info:
-        check_resume_compatible(path, _cfg(hidden_size=96, intermediate_size=128, num_layers=2))
+        wider = _cfg(hidden_size=96, intermediate_size=128, num_layers=2)
+        check_resume_compatible(path, wider.model, wider.moe_opt)
     err = info.value
     assert err.field == "model.hidden_size" and err.value == 96
     assert "model.hidden_size=64" in err.problem and str(path) in err.problem

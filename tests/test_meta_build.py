@@ -100,7 +100,7 @@ def test_allow_tf32_sets_the_fp32_matmul_precision(allow):
     cfg.hardware.allow_tf32 = allow
     before = torch.get_float32_matmul_precision()
     try:
-        apply_torch_settings(cfg)
+        apply_torch_settings(cfg.hardware)
         assert torch.get_float32_matmul_precision() == ("high" if allow else "highest")
     finally:
         torch.set_float32_matmul_precision(before)

@@ -152,22 +152,21 @@ def lightning_part(ckpt_path: str | Path) -> Path:
     return state if state.exists() else ckpt_path / nxd.USER_CONTENT
 
 
-def check_resume_compatible(ckpt_path: str | Path, cfg) -> None:
-    """Raise UserError naming the field, both values and the fix when the model shapes changed."""
-    import dataclasses
-
-    from moe.config.settled import settled_config
+def check_resume_compatible(ckpt_path: str | Path, model, moe_opt) -> None:
+    """Raise UserError naming the field, both values and the fix when the model shapes of the `model` and
+    `moe_opt` sections differ from the checkpoint's."""
+    from moe.config.settled import section_values, settled_config
     from moe.model.model import state_shapes
 
     ckpt_path = Path(ckpt_path)
     saved = (load(lightning_part(ckpt_path)).get("hyper_parameters") or {}).get("cfg")
     if not saved or "model" not in saved:
         return
-    saved_model, saved, cfg = saved["model"], settled_config(saved), settled_config(cfg)
-    old, new = state_shapes(saved.model, saved.moe_opt), state_shapes(cfg.model, cfg.moe_opt)
+    saved_model, saved = saved["model"], settled_config(saved)
+    old, new = state_shapes(saved.model, saved.moe_opt), state_shapes(model, moe_opt)
     if old == new:
         return
-    current = dataclasses.asdict(cfg.model)
+    current = section_values(model)
     changed = [k for k, v in current.items() if k in saved_model and saved_model[k] != v]
     key = next((k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)), "?")
     tensor = f"tensor {key}: checkpoint {old.get(key, 'absent')}, config {new.get(key, 'absent')}"
@@ -178,5 +177,5 @@ def check_resume_compatible(ckpt_path: str | Path, cfg) -> None:
         raise UserError(f"model.{field}", current[field], fix,
                         problem=f"differs from the checkpoint being resumed ({ckpt_path}, model.{field}="
                                 f"{saved_model[field]!r}; {tensor})")
-    raise UserError("model", cfg.model.name, fix,
+    raise UserError("model", current["name"], fix,
                     problem=f"does not match the checkpoint being resumed ({ckpt_path}; {tensor})")

@@ -50,6 +50,13 @@ def as_container(cfg: Section) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def section_values(section) -> dict:
+    """A section's keys and values, settled (a dataclass) or still composing (an OmegaConf node)."""
+    if isinstance(section, Section):
+        return dataclasses.asdict(section)
+    return OmegaConf.to_container(section, resolve=True)
+
+
 def value_at(cfg: Section, dotted: str):
     """The value of `dotted` ("trainer.max_steps") in `cfg`."""
     value = cfg

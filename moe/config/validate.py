@@ -7,6 +7,7 @@ from here.
 from __future__ import annotations
 
 from moe.config.choices import *  # noqa: F403  (the choices, as importable from here as before)
+from moe.config.rules.apply import apply_rule
 from moe.config.rules.backends import (
     BACKEND_RULES,
     check_backend,
@@ -19,7 +20,6 @@ from moe.config.rules.backends import (
     check_overlap_comm,
     check_pp_schedule,
 )
-from moe.config.rules.apply import apply_rule
 from moe.config.rules.base import SEED_RANGE, check_seed
 from moe.config.rules.entries import check_chat_template, validate_infer, validate_prep
 from moe.config.rules.layout import (
@@ -62,14 +62,8 @@ from moe.config.rules.run import (
     check_waits,
 )
 
-def check_backend_rules(cfg) -> None:
-    """The rules the run's backend adds (BACKEND_RULES, by hardware.strategy)."""
-    rule = BACKEND_RULES.get(cfg.hardware.strategy)
-    if rule is not None:
-        apply_rule(rule, cfg)
-
-
-RULES = [  # in order: keys and numbers, counts, then the hardware, then divisibility of the layout, the rest
+RULES = [  # in order: keys and numbers, counts, the hardware, divisibility of the layout, the rest
+    # (BACKEND_RULES: the rules of the run's backend, by hardware.strategy)
     check_known_keys, check_finite, check_seeds,
     check_trainer_counts, check_backend, check_degrees, check_backend_degrees, check_pp_schedule,
     check_offload,
@@ -78,7 +72,7 @@ RULES = [  # in order: keys and numbers, counts, then the hardware, then divisib
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
-    check_backend_rules, check_hf_start, check_planning, check_simulate, check_waits,
+    BACKEND_RULES, check_hf_start, check_planning, check_simulate, check_waits,
 ]
 
 
@@ -86,12 +80,15 @@ def validate(cfg) -> None:
     """Raise ConfigError for the first rule the composed config breaks; each rule gets what its
     parameters name (moe.config.rules.apply)."""
     for rule in RULES:
-        apply_rule(rule, cfg)
+        if rule is BACKEND_RULES:  # the rules the run's backend adds, by hardware.strategy
+            rule = BACKEND_RULES.get(cfg.hardware.strategy)
+        if rule is not None:
+            apply_rule(rule, cfg)
 
 
 __all__ = [  # the rules, the table and the checks other entry points run
-    "BACKEND_RULES", "FREE_FORM", "RULES", "SEED_RANGE", "apply_rule", "check_activation_checkpointing", "check_backend",
-    "check_backend_degrees", "check_backend_rules", "check_chat_template", "check_data", "check_degrees",
+    "BACKEND_RULES", "FREE_FORM", "RULES", "SEED_RANGE", "apply_rule", "check_activation_checkpointing",
+    "check_backend", "check_backend_degrees", "check_chat_template", "check_data", "check_degrees",
     "check_dp_matches_world", "check_ep", "check_finite", "check_fsdp2", "check_global_batch", "check_guard",
     "check_hf_start", "check_hybrid_shard", "check_instantiables", "check_known_keys", "check_model",
     "check_model_split", "check_neuron", "check_neuron_expert_parallel", "check_neuron_precision",

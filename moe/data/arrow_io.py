@@ -154,11 +154,11 @@ def load_prepared(path: str | Path, field: str = "data.path") -> Prepared:
     return Prepared(path, meta, splits)
 
 
-def apply_prepared_meta(cfg) -> None:
-    """For `data=prepared`, take data.seq_len from DIR/meta.json so validation checks the real length.
+def apply_prepared_meta(data) -> None:
+    """For `data=prepared`, take data.seq_len from DIR/meta.json so validation checks the real length (in
+    place, while the run settles its config).
 
     A missing directory is left for the DataModule to report (a dry run does not need the data).
     """
-    path = cfg.data.path
-    if cfg.data.kind == "prepared" and path and (Path(path) / "meta.json").is_file():
-        cfg.data.seq_len = int(read_meta(path)["seq_len"])
+    if data.kind == "prepared" and data.path and (Path(data.path) / "meta.json").is_file():
+        data.seq_len = int(read_meta(data.path)["seq_len"])

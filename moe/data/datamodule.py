@@ -73,22 +73,22 @@ class _ResumableLoader(DataLoader):
         pass
 
 
-def online_prep_config(cfg) -> PrepConfig:
+def online_prep_config(data) -> PrepConfig:
     """The data_prep config that online mode runs (data_prep.py with these values writes the same blocks)."""
-    if not cfg.path:
-        raise UserError("data.path", cfg.path,
+    if not data.path:
+        raise UserError("data.path", data.path,
                         "pass data.path=FILE_OR_GLOB (raw jsonl/json/parquet/csv/tsv/txt)",
                         problem="is required for data.kind=online")
-    if not cfg.tokenizer:
-        raise UserError("data.tokenizer", cfg.tokenizer, "pass data.tokenizer=DIR (holding tokenizer.json), "
+    if not data.tokenizer:
+        raise UserError("data.tokenizer", data.tokenizer, "pass data.tokenizer=DIR (holding tokenizer.json), "
                         "or train one with `python data_prep.py vocab_size=N ...` and use data=prepared",
                         problem="is required for data.kind=online")
     prep = PrepConfig(
-        input=_local(cfg.path), format=cfg.format, text_column=cfg.text_column,
-        chat_template=cfg.chat_template, assistant_only_loss=cfg.assistant_only_loss,
-        tokenizer=_local(cfg.tokenizer), seq_len=cfg.seq_len,
-        val_fraction=cfg.val_fraction, seed=cfg.split_seed, packing=getattr(cfg, "packing", "concat"),
-        on_bad_row=getattr(cfg, "on_bad_row", "error"))
+        input=_local(data.path), format=data.format, text_column=data.text_column,
+        chat_template=data.chat_template, assistant_only_loss=data.assistant_only_loss,
+        tokenizer=_local(data.tokenizer), seq_len=data.seq_len,
+        val_fraction=data.val_fraction, seed=data.split_seed, packing=getattr(data, "packing", "concat"),
+        on_bad_row=getattr(data, "on_bad_row", "error"))
     with _as_data_error():
         validate_prep(prep)
     return prep

@@ -123,15 +123,27 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg) -> ParallelDims:
-        p, t = cfg.parallel, cfg.trainer
-        world = world_of(t, p, planning(cfg.dry_run, cfg.simulate))
+        """The run's dims: its parallel section, the world it plans for, and the few facts of the other
+        sections the layout arithmetic needs."""
+        t, m = cfg.trainer, cfg.model
+        return cls.of(cfg.parallel, world_of(t, cfg.parallel, planning(cfg.dry_run, cfg.simulate)),
+                      devices_per_node=cfg.hardware.devices_per_node, micro_batch_size=t.micro_batch_size,
+                      accumulate_grad_batches=t.accumulate_grad_batches, seq_len=cfg.data.seq_len,
+                      num_layers=m.num_layers, num_experts=m.num_experts,
+                      ep_folds_tp=spec_of(cfg.hardware).ep_folds_tp)
+
+    @classmethod
+    def of(cls, parallel, world: int, *, devices_per_node: int, micro_batch_size: int,
+           accumulate_grad_batches: int, seq_len: int, num_layers: int, num_experts: int,
+           ep_folds_tp: bool) -> ParallelDims:
+        """The dims of the `parallel` section on `world` devices."""
+        p = parallel
         return cls(
             world=world, tp=p.tp, pp=p.pp, ep=p.ep, dp=data_parallel_size(p, world),
             sequence_parallel=bool(p.sequence_parallel and p.tp > 1), zero_stage=p.zero_stage,
-            devices_per_node=cfg.hardware.devices_per_node, micro_batch_size=t.micro_batch_size,
-            accumulate_grad_batches=t.accumulate_grad_batches, seq_len=cfg.data.seq_len,
-            num_layers=cfg.model.num_layers, num_experts=cfg.model.num_experts,
-            hybrid_shard_degree=p.hybrid_shard_degree, ep_folds_tp=spec_of(cfg.hardware).ep_folds_tp,
+            devices_per_node=devices_per_node, micro_batch_size=micro_batch_size,
+            accumulate_grad_batches=accumulate_grad_batches, seq_len=seq_len, num_layers=num_layers,
+            num_experts=num_experts, hybrid_shard_degree=p.hybrid_shard_degree, ep_folds_tp=ep_folds_tp,
             pp_schedule=p.pp_schedule,
             pp_stages_per_rank=stages_per_rank(p.pp_schedule, p.pp_stages_per_rank),
         )

@@ -46,21 +46,22 @@ def build_callbacks(cfg, run_dir: Path, dims: ParallelDims, backend, guard) -> l
         ]
     if bar_shown(cfg.trainer.progress_bar):
         callbacks.append(StepProgressBar(leave=True))
-    return callbacks + instantiate_group(cfg, "callbacks")
+    return callbacks + instantiate_group(cfg.callbacks, "callbacks")
 
 
-def build_loggers(cfg) -> list:
+def build_loggers(logger: dict) -> list:
     """Experiment trackers from `logger.<name>`; metrics.csv is written regardless (logger=csv adds none)."""
-    return instantiate_group(cfg, "logger")
+    return instantiate_group(logger, "logger")
 
 
-def instantiate_group(cfg, group: str) -> list:
-    """Instantiate every `<group>.<name>` node; a missing package or a bad argument is one clear error."""
+def instantiate_group(nodes: dict, group: str) -> list:
+    """Instantiate every node of config group `group` (`<group>.<name>`); a missing package or a bad argument
+    is one clear error."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     made = []
-    for name, node in getattr(cfg, group).items():
+    for name, node in (nodes or {}).items():
         field, target = f"{group}.{name}", node.get("_target_")
         try:
             made.append(instantiate(node))

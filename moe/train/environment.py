@@ -11,8 +11,6 @@ import netrc
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from moe.errors import ConfigError
 
 LOGGER_PACKAGES = {  # a logger's _target_ -> the packages it can use (any one of them)
@@ -27,12 +25,13 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def check_environment(cfg: DictConfig) -> None:
-    """Raise a ConfigError naming the field when this machine cannot run `cfg`."""
-    if cfg.dry_run or cfg.simulate:
+def check_environment(hardware, logger, planning: bool) -> None:
+    """Raise a ConfigError naming the field when this machine cannot run the hardware or the loggers asked
+    for (a run that only plans needs neither)."""
+    if planning:
         return
-    check_accelerator(cfg)
-    for name, node in (cfg.get("logger") or {}).items():
+    check_accelerator(hardware)
+    for name, node in (logger or {}).items():
         target = node.get("_target_", "")
         packages = LOGGER_PACKAGES.get(target, ())
         if packages and not any(installed(p) for p in packages):
@@ -45,40 +44,40 @@ def check_environment(cfg: DictConfig) -> None:
             check_wandb_key(name)
 
 
-def check_accelerator(cfg: DictConfig) -> None:
+def check_accelerator(hardware) -> None:
     """What hardware.accelerator needs installed or attached (none for the CPU)."""
-    check = ACCELERATOR_CHECKS.get(cfg.hardware.accelerator)
+    check = ACCELERATOR_CHECKS.get(hardware.accelerator)
     if check is not None:
-        check(cfg)
+        check(hardware)
 
 
-def _check_nxd(cfg: DictConfig) -> None:
+def _check_nxd(hardware) -> None:
     from moe.backends.neuron import INSTALL_HINT, NOT_INSTALLED
 
     missing = [p for p in ("neuronx_distributed", "torch_xla") if not installed(p)]
     if missing:
-        raise ConfigError("hardware", cfg.hardware.name, INSTALL_HINT,
+        raise ConfigError("hardware", hardware.name, INSTALL_HINT,
                           problem=f"{NOT_INSTALLED} (no module {', '.join(missing)})")
 
 
-def _check_torch_neuron(cfg: DictConfig) -> None:
+def _check_torch_neuron(hardware) -> None:
     from moe.backends.torch_neuron import MODULE
 
     if not installed(MODULE):
-        raise ConfigError("hardware", cfg.hardware.name,
+        raise ConfigError("hardware", hardware.name,
                           "run it on trn2 instances with TorchNeuron installed (Neuron SDK 2.29+, native "
                           "PyTorch), or use hardware=cpu_fsdp2 here (the same backend on the CPU); "
                           "dry_run=true or simulate=true plan the trn2 run on this machine",
                           problem=f"needs TorchNeuron ({MODULE}), which is not installed")
 
 
-def _check_cuda(cfg: DictConfig) -> None:
+def _check_cuda(hardware) -> None:
     import torch
 
     if not torch.cuda.is_available():
         why = ("this torch is a CPU build" if torch.version.cuda is None else
                "torch sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
-        raise ConfigError("hardware", cfg.hardware.name,
+        raise ConfigError("hardware", hardware.name,
                           "run it on the GPU nodes (with a CUDA build of torch), or use hardware=cpu here; "
                           "dry_run=true or simulate=true plan the GPU run on this machine",
                           problem=f"needs CUDA GPUs, and {why}")
@@ -102,9 +101,9 @@ def check_wandb_key(name: str) -> None:
                       problem="sends metrics to Weights & Biases, and no API key is set up on this machine")
 
 
-def apply_torch_settings(cfg) -> None:
+def apply_torch_settings(hardware) -> None:
     """Process-wide torch settings the hardware group asks for: hardware.allow_tf32 lets CUDA run fp32
     matmuls on TF32 tensor cores (torch.set_float32_matmul_precision "high"), else full fp32."""
     import torch
 
-    torch.set_float32_matmul_precision("high" if cfg.hardware.allow_tf32 else "highest")
+    torch.set_float32_matmul_precision("high" if hardware.allow_tf32 else "highest")

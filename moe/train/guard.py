@@ -69,8 +69,9 @@ class SpikeGuard(L.Callback):
         self._last_saved_step: int | None = None
 
     @classmethod
-    def from_config(cls, cfg, run_dir, fresh: bool) -> SpikeGuard:
-        t = cfg.trainer
+    def from_config(cls, trainer, run_dir, fresh: bool) -> SpikeGuard:
+        """The guard the trainer section's keys ask for."""
+        t = trainer
         return cls(run_dir, t.spike_factor, t.spike_window, t.spike_action, t.skip_nonfinite,
                    t.spike_max_rollbacks, fresh=fresh, max_nonfinite=t.max_nonfinite_steps)
 

@@ -24,7 +24,8 @@ KEEP_FROM_USER = ("name", "compile", "init_from_hf", "upcycle_from_hf", "upcycle
 
 def apply_init_from_hf(cfg: DictConfig) -> str | None:
     """`model.init_from_hf=DIR` or `model.upcycle_from_hf=DIR`: replace cfg.model's architecture with
-    DIR's config.json (in place; upcycling keeps the user's num_experts and top_k).
+    DIR's config.json (in place, while the run settles its config; upcycling keeps the user's num_experts
+    and top_k). It takes the whole composed config: it settles the model and data sections together.
 
     When DIR carries a tokenizer, an unset `data.tokenizer` is pointed at it (returned: a note for
     the user), and a data tokenizer whose ids disagree with it is refused (the model would read the
@@ -63,7 +64,7 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
         if key not in KEEP_FROM_USER:
             cfg.model[key] = value
     if field == "model.init_from_hf":
-        check_weights_fit_config(cfg, Path(path).expanduser(), field)
+        check_weights_fit_config(cfg.model, cfg.moe_opt, cfg.seed, Path(path).expanduser(), field)
     if not (Path(path) / "tokenizer.json").is_file():
         return None  # the data module still checks that the data's ids fit model.vocab_size
     data_tok = _data_tokenizer_dir(cfg.data)
@@ -75,16 +76,16 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
     return None
 
 
-def check_weights_fit_config(cfg: DictConfig, path: Path, field: str) -> None:
+def check_weights_fit_config(model, moe_opt, seed: int, path: Path, field: str) -> None:
     """At start-up, before a run dir exists: the final norm and the routers of the first and last MoE layer
     read from DIR's safetensors in the shapes its config.json implies, so weights saved for another config
     (another expert count, width or depth) are refused here, not mid-run. Small tensors only."""
     from moe.hf import tensor_source
     from moe.model.model import state_shapes
 
-    shapes = state_shapes(cfg.model, cfg.moe_opt)
+    shapes = state_shapes(model, moe_opt)
     routers = [name for name in shapes if name.endswith("router.weight")]
-    source = tensor_source(path, cfg.model, cfg.seed, field)
+    source = tensor_source(path, model, seed, field)
     for name in dict.fromkeys(["norm.weight", *routers[:1], *routers[-1:]]):
         source(name, shapes[name], None)
 

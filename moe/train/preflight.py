@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from moe.errors import UserError
+from moe.train.run import settle
 
 MULTIRUN_FLAGS = {"-m", "--multirun"}
 PLUGIN_EXTRAS = {"sweeper/optuna": "optuna", "launcher/submitit": "slurm"}  # pyproject.toml's extras
@@ -37,9 +38,9 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
         return None
     try:
         cfg, run_dir = compose_config(argv, config_dir, config_name)
-        dims = check_config(cfg)
+        dims, _ = settle(cfg)  # its note is train()'s to print, once
         if not (cfg.dry_run or cfg.simulate):
-            check_run_dir(cfg, run_dir)
+            check_run_dir(run_dir, cfg.resume, cfg.lock_wait_s, cfg.model, cfg.moe_opt)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -65,7 +66,7 @@ def check_sweep(overrides: list[str], config_dir: str, config_name: str) -> None
             jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
         for number, job in enumerate(jobs):
             try:
-                check_config(compose_config(job, config_dir, config_name)[0])
+                settle(compose_config(job, config_dir, config_name)[0])
             except UserError as err:
                 raise UserError(err.field, err.value, err.fix,
                                 problem=f"{err.problem} (in sweep job #{number}: {' '.join(job)})") from err
@@ -140,17 +141,10 @@ def misspelt(message: str, field: str) -> str | None:
     return None
 
 
-def check_config(cfg: DictConfig):
-    """Settle the config (every rule of moe.config.validate, keys beyond the schema and non-finite numbers
-    included); returns the run's ParallelDims."""
-    from moe.train.run import settle
-
-    return settle(cfg)[0]  # its note is train()'s to print, once
-
-
-def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
+def check_run_dir(run_dir: Path, resume: bool, lock_wait_s: float | None, model, moe_opt) -> None:
     """What Hydra would trip over or overwrite: a run dir that cannot be created, and a resume that
-    train() would refuse (Hydra rewrites the existing run's .hydra/ and train.log before the task)."""
+    train() would refuse (Hydra rewrites the existing run's .hydra/ and train.log before the task): a live
+    run's lock, or a checkpoint of another model (`model`, `moe_opt`: the sections resumed with)."""
     from moe.checkpoint.picker import check_resume_compatible, find_resume_checkpoint
     from moe.ranks import is_rank_zero
 
@@ -165,8 +159,8 @@ def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     if is_rank_zero():  # one run per directory: refuse a live run's before Hydra rewrites its .hydra/
         from moe.train.run_lock import check_free
 
-        check_free(run_dir, cfg.lock_wait_s)
-    if cfg.resume and is_rank_zero():  # one reader: every rank hashing a 90 GB file at launch is wasted IO
+        check_free(run_dir, lock_wait_s)
+    if resume and is_rank_zero():  # one reader: every rank hashing a 90 GB file at launch is wasted IO
         resume_from = find_resume_checkpoint(run_dir / "checkpoints", quiet=True)
         if resume_from:
-            check_resume_compatible(resume_from, cfg)
+            check_resume_compatible(resume_from, model, moe_opt)

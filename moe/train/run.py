@@ -15,7 +15,6 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from moe.config.schema import TrainConfig
-
 from moe.errors import (
     COLLECTIVE_FAILED_EXIT,
     CollectiveFailed,
@@ -33,6 +32,7 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
     every rule of validate; `cfg` is updated in place. Returns the ParallelDims and a note for the user,
     if any. Once per process: a config equal to one settled before gets that one's values."""
     from moe.checkpoint.trust import set_allow_pickle
+    from moe.config.derived import planning
     from moe.data.arrow_io import apply_prepared_meta
     from moe.train.environment import check_environment
     from moe.train.init_from_hf import apply_init_from_hf
@@ -43,9 +43,10 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
         values, dims, note = _SETTLED[composed]
         cfg.merge_with(values)
         return dims, note
-    check_environment(cfg)  # CUDA for hardware=gpu, Neuron for trn1, logger packages, a W&B key
+    # CUDA for hardware=gpu, Neuron for trn1, logger packages, a W&B key
+    check_environment(cfg.hardware, cfg.logger, planning(cfg.dry_run, cfg.simulate))
     note = apply_init_from_hf(cfg)  # model.init_from_hf=DIR: architecture from DIR/config.json
-    apply_prepared_meta(cfg)  # data=prepared: seq_len from DIR/meta.json
+    apply_prepared_meta(cfg.data)  # data=prepared: seq_len from DIR/meta.json
     dims = validated_dims(cfg)
     _SETTLED[composed] = (OmegaConf.to_container(cfg), dims, note)
     return dims, note
@@ -99,10 +100,10 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
     rolled_back = False
     while True:  # once, plus once per loss-spike rollback (moe/train/guard.py)
         if resume_from:
-            check_resume_compatible(resume_from, cfg)
+            check_resume_compatible(resume_from, cfg.model, cfg.moe_opt)
         backend = build_backend(cfg, dims)
         os.environ.update(backend.env())
-        apply_torch_settings(cfg)
+        apply_torch_settings(cfg.hardware)
         if backend.num_threads():
             torch.set_num_threads(backend.num_threads())
         L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -116,7 +117,7 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
         datamodule.check_model(cfg.model)
         if not locks and is_rank_zero():  # the checks that need no run dir have passed: the run starts
             locks.append(RunLock(run_dir, cfg.lock_wait_s))
-        guard = SpikeGuard.from_config(cfg, run_dir, fresh=not cfg.resume and not rolled_back)
+        guard = SpikeGuard.from_config(cfg.trainer, run_dir, fresh=not cfg.resume and not rolled_back)
         module = backend.build_module(resuming=bool(resume_from), guard=guard)
         parts = backend.trainer_parts()
         trainer = L.Trainer(
@@ -127,7 +128,7 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
             val_check_interval=cfg.trainer.val_check_interval,
             check_val_every_n_epoch=None, limit_val_batches=cfg.trainer.limit_val_batches,
             num_sanity_val_steps=0, use_distributed_sampler=False,
-            logger=build_loggers(cfg) or False,
+            logger=build_loggers(cfg.logger) or False,
             callbacks=build_callbacks(cfg, run_dir, dims, backend, guard),
             default_root_dir=str(run_dir), enable_progress_bar=bar_shown(cfg.trainer.progress_bar),
             enable_checkpointing=False,  # the run's own StepCheckpoint (moe.train.step_checkpoint), if any

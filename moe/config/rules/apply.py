@@ -1,9 +1,9 @@
 """How a rule gets what it reads: its parameters name it.
 
 A rule's parameters are the config's sections or top-level keys it checks (`parallel`, `model`, `seed`),
-the values derived from the config it needs (FACTS: the world it plans for, the data-parallel size, the
-backend's spec, whether the run only plans: `facts` below), or `cfg`, the whole config, for the few that walk all of it
-(known keys, finite numbers). So a rule reads only what its signature says, and the table in
+the values derived from the config it needs (`facts` below: the world it plans for, the data-parallel
+size, the backend's spec, whether the run only plans), or `cfg`, the whole config, for the few that walk
+all of it (known keys, finite numbers). So a rule reads only what its signature says, and the table in
 moe.config.validate is the one place that sees the whole config.
 """
 from __future__ import annotations
