@@ -95,6 +95,26 @@ def attached(backend, module):
     return module
 
 
+def nxd_kwargs(cfg, param_init_fn=None) -> dict:
+    """neuronx_distributed_config's arguments for `cfg` (moe.backends.neuron.nxd_config)."""
+    from moe.backends.neuron.nxd_config import nxd_config_kwargs
+
+    dims = validated_dims(cfg)
+    return nxd_config_kwargs(cfg.hardware, cfg.model, cfg.optimizer, cfg.parallel, dims, param_init_fn)
+
+
+def filled_model(cfg, sequence_parallel: bool):
+    """NxD's model for `cfg`, built on the meta device and filled from moe.model.init's values by
+    param_init_fn, as NxD's materialisation does (utils/model_utils.py:220-229)."""
+    from moe.backends.neuron.layers import build_model, init_from, random_init
+
+    model = build_model(cfg.model, cfg.moe_opt, cfg.seed, sequence_parallel).to_empty(device="cpu")
+    fill = init_from(random_init(cfg.model, cfg.seed), cfg.model)
+    for module in model.modules():
+        fill(module, torch.device("cpu"))
+    return model
+
+
 def module_routing(cfg) -> list[str]:
     """The overrides giving another backend the routing `cfg` runs."""
     return [f"moe_opt.{k}={'null' if v is None else v}" for k, v in dataclasses.asdict(cfg.moe_opt).items()]
@@ -125,7 +145,7 @@ def test_transformers_5_is_named_not_reported_as_missing_package(monkeypatch):
     monkeypatch.delitem(sys.modules, "neuronx_distributed", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_NoHFTracer(), *sys.meta_path])
     with pytest.raises(UserError) as err:
-        _import_nxd(compose_cfg(*TRN1))
+        _import_nxd(compose_cfg(*TRN1).hardware)
     assert "transformers 5" in str(err.value) and "HFTracer" in str(err.value)
     assert "not installed" not in str(err.value)
     assert "constraints-trn1.txt" in err.value.fix
@@ -277,15 +297,15 @@ def test_pipeline_keeps_the_sequence_scatter_and_the_loss_as_single_calls(nxd):
 
     from moe.backends.neuron.causal_lm import nxd_lm_loss
     from moe.backends.neuron.layers import build_model
-    from moe.backends.neuron.nxd_config import nxd_config_kwargs
 
     backend_for()  # NxD's parallel state at tp=1 for the model; the pipeline's arguments at pp=2
     cfg = compose_cfg(*TRN1, "parallel.pp=2", "trainer.accumulate_grad_batches=2")
-    pipeline = nxd_config_kwargs(cfg, validated_dims(cfg), None)["pipeline_config"]
+    pipeline = nxd_kwargs(cfg)["pipeline_config"]
     assert pipeline["autowrap_modules"] == [mappings] and pipeline["autowrap_functions"] == [nxd_lm_loss]
 
     def called(pp_kwargs) -> set:
-        traced = NxDPPModel(build_model(cfg, sequence_parallel=True), **pp_kwargs).traced
+        model = build_model(cfg.model, cfg.moe_opt, cfg.seed, sequence_parallel=True)
+        traced = NxDPPModel(model, **pp_kwargs).traced
         return {
             getattr(n.target, "__name__", str(n.target))
             for n in traced.graph.nodes
@@ -350,13 +370,8 @@ def test_metrics_go_through_xla_all_reduce_on_the_module_device(nxd, monkeypatch
 # -- 7. validation with sequence parallelism and MoE ------------------------------------------------------
 @pytest.mark.parametrize("moe_opt", ["moe_opt=nxd", "moe_opt.capacity_factor=null"])
 def test_moe_layer_eval_runs_with_sequence_parallel_and_dropless(nxd, moe_opt):
-    from moe.backends.neuron.layers import build_model, init_from, random_init
-
     cfg = backend_for(moe_opt, "moe_opt.eval_capacity_factor=${moe_opt.capacity_factor}").cfg
-    model = build_model(cfg, sequence_parallel=True).to_empty(device="cpu")
-    fill = init_from(random_init(cfg), cfg.model)
-    for module in model.modules():  # as NxD's materialisation does (utils/model_utils.py:220-229)
-        fill(module, torch.device("cpu"))
+    model = filled_model(cfg, sequence_parallel=True)
     for block in model.model.layers:
         if block.is_moe:
             layer = block.ffn.moe
@@ -379,15 +394,14 @@ def test_mixtral_8x7b_is_built_on_the_meta_device(nxd):
     from neuronx_distributed.utils.model_utils import init_on_device
 
     from moe.backends.neuron.layers import build_model
-    from moe.backends.neuron.nxd_config import nxd_config_kwargs
 
     backend_for()  # NxD's parallel state (tp=1: the whole model, the worst case for one rank)
     cfg = compose_cfg(*MIXTRAL_TRN1)
-    init = nxd_config_kwargs(cfg, validated_dims(cfg), param_init_fn=print)["model_init_config"]
+    init = nxd_kwargs(cfg, param_init_fn=print)["model_init_config"]
     assert init["meta_device_init"] is True and init["param_init_fn"] is print
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with init_on_device(device=torch.device("meta"), force_custom_init_on_device=True):
-        model = build_model(cfg, sequence_parallel=False)
+        model = build_model(cfg.model, cfg.moe_opt, cfg.seed, sequence_parallel=False)
     params = list(model.parameters())
     assert {p.device.type for p in params} == {"meta"}
     assert sum(p.numel() for p in params) == pytest.approx(46.70e9, rel=1e-3)
@@ -406,6 +420,22 @@ def test_each_parameter_gets_the_values_every_backend_starts_from(nxd):
     assert set(theirs) == set(ours)
     for name, value in ours.items():
         assert torch.equal(theirs[name], value), name
+
+
+def test_nxd_experts_get_the_same_values_whatever_layout_we_store(nxd):
+    """param_init_fn's source gives experts in our stored layout; NxD's are NXD_LAYOUT. Stored [E, out, in],
+    the values must still land in NxD's parameters as they do stored [E, in, out] (no transposed draw)."""
+    from moe.checkpoint.nxd import our_name
+    from moe.model.expert_layout import EXPERT_LAYOUT, IN_OUT, OUT_IN, storing
+
+    cfg = backend_for().cfg
+    models = {}
+    for layout in (IN_OUT, OUT_IN):
+        with storing(layout):
+            models[layout] = filled_model(cfg, sequence_parallel=False).state_dict()
+    assert any(EXPERT_LAYOUT.is_expert_tensor(our_name(k)) for k in models[IN_OUT])
+    for name, value in models[IN_OUT].items():
+        assert torch.equal(models[OUT_IN][name], value), name
 
 
 def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_path):
@@ -578,13 +608,12 @@ def test_activation_checkpointing_wraps_nxds_classes(nxd, policy, classes):
 )
 def test_precision_presets_set_xla_env_and_master_weights(nxd_fakes, preset, xla_env, master):
     from moe.backends.neuron.env import neuron_env
-    from moe.backends.neuron.nxd_config import nxd_config_kwargs
 
     dense = ["model.moe_layer_frequency=100"] if preset == "bf16_sr" else []  # bf16_sr is refused with MoE
     cfg = compose_cfg(*TRN1, f"hardware.neuron_precision={preset}", "parallel.zero_stage=1", *dense)
-    env = neuron_env(cfg)
+    env = neuron_env(cfg.hardware, cfg.model, cfg.trainer)
     assert (env["XLA_USE_BF16"], env["XLA_DOWNCAST_BF16"], env["NEURON_RT_STOCHASTIC_ROUNDING_EN"]) == xla_env
-    mixed = nxd_config_kwargs(cfg, validated_dims(cfg), None)["mixed_precision_config"]
+    mixed = nxd_kwargs(cfg)["mixed_precision_config"]
     assert mixed["use_master_weights"] is master and mixed["use_fp32_grad_acc"] is master
     assert mixed["use_master_weights_in_ckpt"] is master  # a resumed run keeps its fp32 master weights
 
@@ -595,13 +624,14 @@ def test_moe_compiler_flags_follow_nxds_mixtral_recipe(nxd_fakes, monkeypatch):
     from moe.backends.neuron.env import cc_flags
 
     monkeypatch.setenv("NEURON_CC_FLAGS", "--verbose=35 --model-type=transformer")
-    moe_flags = cc_flags(compose_cfg(*TRN1)).split()
+    cfg = compose_cfg(*TRN1)
+    moe_flags = cc_flags(cfg.hardware, cfg.model).split()
     assert (
         "--distribution-strategy=llm-training" not in moe_flags and "--enable-saturate-infinity" in moe_flags
     )
     assert moe_flags.count("--model-type=transformer") == 1 and "--verbose=35" in moe_flags
     dense = compose_cfg(*TRN1, "model.moe_layer_frequency=100")  # no layer is MoE
-    assert "--distribution-strategy=llm-training" in cc_flags(dense).split()
+    assert "--distribution-strategy=llm-training" in cc_flags(dense.hardware, dense.model).split()
 
 
 # -- a run on the fakes: two processes, NxD's checkpoints, resume --------------------------------------------

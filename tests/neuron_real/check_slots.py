@@ -79,7 +79,7 @@ def main() -> int:
             cfg = compose("train", overrides=["hardware=trn1", "trainer.devices=2",
                                               f"hardware.neuron_precision={preset}"])
         name = neuron_precision(cfg.hardware, cfg.model)
-        env = {**os.environ, **neuron_env(cfg)}
+        env = {**os.environ, **neuron_env(cfg.hardware, cfg.model, cfg.trainer)}
         proc = subprocess.run([sys.executable, __file__, "--one"], env=env, capture_output=True, text=True,
                               timeout=600)
         if proc.returncode:
@@ -89,7 +89,7 @@ def main() -> int:
         exact = wrong == "0"
         expected = name != "bf16_sr"  # validation refuses bf16_sr with MoE layers
         ok &= exact == expected
-        flags = " ".join(f"{k}={neuron_env(cfg)[k]}" for k in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"))
+        flags = " ".join(f"{k}={env[k]}" for k in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"))
         verdict = f"{'exact' if exact else 'corrupted'} ({'as expected' if exact == expected else 'WRONG'})"
         print(f"summary: {preset:>7} -> {name:<7} ({flags}): {wrong} of {slots} slots misplaced, output off "
               f"by {error} of its scale: {verdict}")

@@ -35,9 +35,9 @@ class NeuronBackend(Backend):
         super().__init__(cfg, dims)
         from moe.backends.neuron.env import neuron_env
 
-        self._env = neuron_env(cfg)
+        self._env = neuron_env(cfg.hardware, cfg.model, cfg.trainer)
         os.environ.update(self._env)  # before torch_xla starts: XLA reads these once
-        _import_nxd(cfg)
+        _import_nxd(cfg.hardware)
         self._skip = False
         self._nxd_config: dict | None = None
         self._source = None  # initial_values' source, chosen at the first parameter
@@ -66,7 +66,9 @@ class NeuronBackend(Backend):
         from moe.backends.neuron.nxd_config import nxd_config_kwargs
 
         if self._nxd_config is None:
-            kwargs = nxd_config_kwargs(self.cfg, self.dims, init_from(self.initial_values, self.cfg.model))
+            cfg = self.cfg
+            kwargs = nxd_config_kwargs(cfg.hardware, cfg.model, cfg.optimizer, cfg.parallel, self.dims,
+                                       init_from(self.initial_values, cfg.model))
             self._nxd_config = neuronx_distributed_config(**kwargs)
         return self._nxd_config
 
@@ -77,7 +79,7 @@ class NeuronBackend(Backend):
         if self._source is None:
             from moe.backends.neuron.layers import random_init
 
-            self._source = self.initial_source() or random_init(self.cfg)
+            self._source = self.initial_source() or random_init(self.cfg.model, self.cfg.seed)
         return self._source(name, shape, first_expert)
 
     def build_module(self, resuming: bool = False, guard=None):
@@ -140,7 +142,7 @@ def _marked_step():
     xm.mark_step()
 
 
-def _import_nxd(cfg) -> None:
+def _import_nxd(hardware) -> None:
     """Import neuronx-distributed, or stop with what to install."""
     try:
         import neuronx_distributed  # noqa: F401
@@ -152,4 +154,4 @@ def _import_nxd(cfg) -> None:
                        f"transformers.utils.fx.HFTracer, which transformers 5 removed ({err})")
         else:
             problem = f"{NOT_INSTALLED} ({err})"
-        raise UserError("hardware", cfg.hardware.name, INSTALL_HINT, problem=problem) from err
+        raise UserError("hardware", hardware.name, INSTALL_HINT, problem=problem) from err

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 
 from moe.config.derived import neuron_precision
+from moe.config.schema import HardwareConfig, ModelConfig, TrainerConfig
 from moe.config.size import param_breakdown
 
 
@@ -52,21 +53,21 @@ def extracting_graphs() -> bool:
     return os.environ.get(EXTRACT_GRAPHS_ENV, "") not in ("", "0")
 
 
-def cc_flags(cfg) -> str:
+def cc_flags(hardware: HardwareConfig, model: ModelConfig) -> str:
     """NEURON_CC_FLAGS: the hardware's, the preset's, hardware.env's own and the shell's, each once."""
-    user_env = {str(k): str(v) for k, v in cfg.hardware.env.items()}
-    parts = [cfg.hardware.neuron_cc_flags, NEURON_PRECISION[neuron_precision(cfg.hardware, cfg.model)]["cc_flags"],
+    user_env = {str(k): str(v) for k, v in hardware.env.items()}
+    parts = [hardware.neuron_cc_flags, NEURON_PRECISION[neuron_precision(hardware, model)]["cc_flags"],
              user_env.get("NEURON_CC_FLAGS", ""), os.environ.get("NEURON_CC_FLAGS", "")]
     flags = list(dict.fromkeys(f for part in parts for f in (part or "").split()))
-    if param_breakdown(cfg.model).num_moe_layers:
+    if param_breakdown(model).num_moe_layers:
         flags = [f for f in flags if f not in MOE_DROPS_FLAGS] + [f for f in MOE_ADDS_FLAGS if f not in flags]
     return " ".join(flags)
 
 
-def neuron_env(cfg) -> dict[str, str]:
+def neuron_env(hardware: HardwareConfig, model: ModelConfig, trainer: TrainerConfig) -> dict[str, str]:
     """The preset's variables, hardware.env on top, the compiler flags and the device counts."""
-    devices = str(cfg.trainer.devices)
-    return {**NEURON_PRECISION[neuron_precision(cfg.hardware, cfg.model)]["env"],
-            **{str(k): str(v) for k, v in cfg.hardware.env.items()},
-            "NEURON_CC_FLAGS": cc_flags(cfg),
+    devices = str(trainer.devices)
+    return {**NEURON_PRECISION[neuron_precision(hardware, model)]["env"],
+            **{str(k): str(v) for k, v in hardware.env.items()},
+            "NEURON_CC_FLAGS": cc_flags(hardware, model),
             "TPU_NUM_DEVICES": devices, "TPU_CHIPS_PER_HOST_BOUNDS": devices, "NEURON_RT_NUM_CORES": devices}

@@ -1,7 +1,7 @@
 """Our model with neuronx-distributed's parallel layers swapped in, built on the meta device and
 materialised shard by shard from the same initial values every backend uses.
 
-`build_model(cfg)` is NxD's `model_fn`: it runs under NxD's meta-device context
+`build_model` is NxD's `model_fn`: it runs under NxD's meta-device context
 (trainer/trainer.py:159-168 with model_init_config meta_device_init, as NxD's Mixtral recipe,
 examples/training/mixtral/mixtral_pretrain/run_mixtral_pretrain_ptl.py:142-151), so no rank ever
 holds more than its own shard. NxD then gives every module of the local pipeline stage empty CPU
@@ -37,33 +37,34 @@ from torch import nn
 
 from moe.backends.neuron.causal_lm import SEQUENCE_DIM, NxDCausalLM, StageBlock
 from moe.backends.neuron.moe_layer import NxDMoELayer
-from moe.checkpoint.nxd import local_shard, our_name, split_of
-from moe.model.expert_layout import EXPERT_LAYOUT
+from moe.checkpoint.nxd import NXD_LAYOUT, local_shard, our_name, split_of
+from moe.config.schema import ModelConfig, MoEOptConfig
+from moe.model.expert_layout import EXPERT_LAYOUT, stored
 from moe.model.init import init_stds, initial_values
 from moe.model.model import MoETransformer, alibi_slopes
 
 NAMES = "_moe_param_names"  # module attribute: parameter key -> our name, for param_init_fn
 
 
-def build_model(cfg, sequence_parallel: bool) -> NxDCausalLM:
+def build_model(model: ModelConfig, moe_opt: MoEOptConfig, seed: int, sequence_parallel: bool) -> NxDCausalLM:
     """NxD's model_fn: our model (meta), its layers swapped for NxD's, under the training forward."""
-    model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed, block_cls=StageBlock)
-    swap_layers(model, cfg.model, cfg.moe_opt, sequence_parallel)
-    causal_lm = NxDCausalLM(model, sequence_parallel)
+    transformer = MoETransformer(model, moe_opt, init_seed=seed, block_cls=StageBlock)
+    swap_layers(transformer, model, moe_opt, sequence_parallel)
+    causal_lm = NxDCausalLM(transformer, sequence_parallel)
     for name, module in causal_lm.named_modules():
         setattr(module, NAMES, {key: our_name(f"{name}.{key}") for key, p in module._parameters.items()
                                 if p is not None})
     return causal_lm
 
 
-def swap_layers(model: MoETransformer, model_cfg, moe_opt, sp: bool) -> None:
+def swap_layers(transformer: MoETransformer, model: ModelConfig, moe_opt: MoEOptConfig, sp: bool) -> None:
     tp = parallel_state.get_tensor_model_parallel_size()
-    H, V = model_cfg.hidden_size, model_cfg.vocab_size
+    H, V = model.hidden_size, model.vocab_size
     parallel = dict(bias=False, sequence_parallel_enabled=sp, sequence_dimension=SEQUENCE_DIM)
-    model.embed_tokens = ParallelEmbedding(V, H)
-    model.lm_head = ColumnParallelLinear(H, V, gather_output=False, **parallel)
-    _mark_sequence_parallel(model.norm, sp)
-    for block in model.layers:
+    transformer.embed_tokens = ParallelEmbedding(V, H)
+    transformer.lm_head = ColumnParallelLinear(H, V, gather_output=False, **parallel)
+    _mark_sequence_parallel(transformer.norm, sp)
+    for block in transformer.layers:
         attn = block.attn
         q, kv, _ = attn.split_sizes
         attn.qkv_proj = ColumnParallelLinear(H, q + 2 * kv, gather_output=False, **parallel)
@@ -71,14 +72,14 @@ def swap_layers(model: MoETransformer, model_cfg, moe_opt, sp: bool) -> None:
         attn.num_heads, attn.num_kv_heads = attn.num_heads // tp, attn.num_kv_heads // tp
         attn.split_sizes = [size // tp for size in attn.split_sizes]
         attn.sequence_first = sp  # causal_lm.SEQUENCE_DIM
-        if model_cfg.position_encoding == "alibi":  # this rank's heads' slopes
+        if model.position_encoding == "alibi":  # this rank's heads' slopes
             rank = parallel_state.get_tensor_model_parallel_rank()
-            slopes = alibi_slopes(model_cfg.num_heads)[rank * attn.num_heads:(rank + 1) * attn.num_heads]
+            slopes = alibi_slopes(model.num_heads)[rank * attn.num_heads:(rank + 1) * attn.num_heads]
             attn.register_buffer("alibi_slopes", slopes, persistent=False)
         for norm in (block.attn_norm, block.ffn_norm):
             _mark_sequence_parallel(norm, sp)
         if block.is_moe:
-            block.ffn = NxDMoELayer(model_cfg, moe_opt, sp, init_method=_unused_init)
+            block.ffn = NxDMoELayer(model, moe_opt, sp, init_method=_unused_init)
         else:
             F = block.ffn.down_proj.in_features
             block.ffn.gate_up_proj = ColumnParallelLinear(H, 2 * F, gather_output=False, stride=2, **parallel)
@@ -93,18 +94,19 @@ def _unused_init(weight: torch.Tensor) -> None:
     """NxD layers built on the meta device are never initialised by their init_method."""
 
 
-def init_from(source, model_cfg):
+def init_from(source, model: ModelConfig):
     """NxD's param_init_fn: fill a module's (empty, local-shard) parameters from `source`.
 
     `source(name, shape, first_expert)` gives the full value of our parameter `name` (for a stacked
-    expert tensor, the experts [first_expert, first_expert + shape[0])). A rank holds the experts of
-    its expert-parallel rank (all of them at ep 1), each split over tensor-parallel ranks.
+    expert tensor, the experts [first_expert, first_expert + shape[0]), in our stored layout, which
+    this turns into NXD_LAYOUT). A rank holds the experts of its expert-parallel rank (all of them
+    at ep 1), each split over tensor-parallel ranks.
     """
-    return functools.partial(_init_module, source=source, model_cfg=model_cfg)
+    return functools.partial(_init_module, source=source, model=model)
 
 
 @torch.no_grad()
-def _init_module(module: nn.Module, device, *, source, model_cfg) -> None:
+def _init_module(module: nn.Module, device, *, source, model: ModelConfig) -> None:
     if isinstance(module, SPMDRank):
         _fill_spmd_rank(module)
         return
@@ -115,14 +117,16 @@ def _init_module(module: nn.Module, device, *, source, model_cfg) -> None:
         if param is None:
             continue
         name = names[key]
-        split = split_of(name, model_cfg)
+        split = split_of(name, model)
         full_shape = list(param.shape)
         if split.dim is not None:
             full_shape[split.dim] *= tp
         if EXPERT_LAYOUT.is_expert_tensor(name):
             full_shape[0] = 1  # one expert at a time
             first = parallel_state.get_expert_model_parallel_rank() * param.shape[0]
-            values = torch.cat([local_shard(source(name, tuple(full_shape), first + e), split, rank, tp)
+            ours = NXD_LAYOUT.convert_shape(full_shape, stored())
+            values = torch.cat([local_shard(stored().convert(source(name, ours, first + e), NXD_LAYOUT),
+                                            split, rank, tp)
                                 for e in range(param.shape[0])])
         else:
             values = local_shard(source(name, tuple(full_shape), None), split, rank, tp)
@@ -142,11 +146,11 @@ def _fill_spmd_rank(module) -> None:
 
 
 
-def random_init(cfg):
-    """moe.model.init's values for cfg.seed: what every backend starts from."""
-    std, out_std = init_stds(cfg.model)
+def random_init(model: ModelConfig, seed: int):
+    """moe.model.init's values for the run's seed: what every backend starts from."""
+    std, out_std = init_stds(model)
 
     def source(name, shape, first_expert):
-        return initial_values(name, shape, cfg.seed, std, out_std, first_expert=first_expert)
+        return initial_values(name, shape, seed, std, out_std, first_expert=first_expert)
 
     return source

@@ -1,6 +1,6 @@
 """NeuronLitMoE: neuronx-distributed's NeuronLTModule training our model, objective and optimizer groups.
 
-The model is `layers.build_model(cfg)` (our MoETransformer with NxD layers under NxDCausalLM), built
+The model is `layers.build_model` (our MoETransformer with NxD layers under NxDCausalLM), built
 by NxD in `setup` (NeuronLTModule.setup -> initialize_parallel_model, src/neuronx_distributed/
 lightning/module.py:103-112, v2.28.0); the loss is moe.model.loss's; the optimizer groups are
 moe.module.optim's, over this rank's parameters, under NxD's optimizer wrapper (ZeRO-1, clipping).
@@ -33,9 +33,10 @@ from moe.module.train_step import TrainStep, upgrade_loop_state
 class NeuronLitMoE(NeuronLTModule):
     def __init__(self, cfg: TrainConfig, nxd_config: dict, backend, guard=None):
         run_cfg = settled_config(cfg)  # frozen dataclasses: read, never edited (as LitMoE's)
+        sp = backend.dims.sequence_parallel
         super().__init__(
             nxd_config=nxd_config, opt_cls=torch.optim.AdamW, scheduler_cls=None,
-            model_fn=lambda: build_model(run_cfg, backend.dims.sequence_parallel),
+            model_fn=lambda: build_model(run_cfg.model, run_cfg.moe_opt, run_cfg.seed, sp),
             grad_accum_steps=run_cfg.trainer.accumulate_grad_batches,
             train_batch_size=run_cfg.trainer.micro_batch_size, manual_opt=True,
         )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from moe.backends.neuron.env import NEURON_PRECISION
 from moe.config.derived import neuron_precision
+from moe.config.schema import HardwareConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from moe.parallel.dims import ParallelDims
 
 # parallel.activation_checkpointing -> the classes NxD wraps: full = every block, moe_only = the
 # MoE layers, selective = core attention + MoE (NxD's Mixtral "selective" is (CoreAttention, MoE),
@@ -27,20 +29,20 @@ def checkpoint_classes(policy: str) -> list[type] | None:
     return [known[name] for name in CHECKPOINT_CLASSES[policy]] or None
 
 
-def nxd_config_kwargs(cfg, dims, param_init_fn) -> dict:
-    """Everything neuronx_distributed_config takes, for a validated config and its ParallelDims."""
+def nxd_config_kwargs(hardware: HardwareConfig, model: ModelConfig, optimizer: OptimizerConfig,
+                      parallel: ParallelConfig, dims: ParallelDims, param_init_fn) -> dict:
+    """Everything neuronx_distributed_config takes, for a validated config's sections and its ParallelDims."""
     from neuronx_distributed.parallel_layers import mappings
 
     from moe.backends.neuron.causal_lm import StageBlock, nxd_lm_loss
 
-    p, opt = cfg.parallel, cfg.optimizer
-    zero1 = p.zero_stage == 1
-    master = NEURON_PRECISION[neuron_precision(cfg.hardware, cfg.model)]["master_weights"] and zero1
+    zero1 = dims.zero_stage == 1
+    master = NEURON_PRECISION[neuron_precision(hardware, model)]["master_weights"] and zero1
     pipeline_config = None
     if dims.pp_enabled:  # NxDPPModel's arguments (src/neuronx_distributed/pipeline/model.py:75-114)
         pipeline_config = {
             "transformer_layer_cls": StageBlock,
-            "num_microbatches": p.pipeline_microbatches or dims.accumulate_grad_batches,
+            "num_microbatches": parallel.pipeline_microbatches or dims.accumulate_grad_batches,
             "output_loss_value_spec": (True, False),  # NxDCausalLM returns (loss, lm_loss)
             "input_names": ["input_ids", "labels"],
             "auto_partition": True,
@@ -55,13 +57,13 @@ def nxd_config_kwargs(cfg, dims, param_init_fn) -> dict:
             "return_loss_on_cpu": False,  # a host copy per step would stall the device
         }
     return {
-        "tensor_parallel_size": p.tp,
-        "pipeline_parallel_size": p.pp,
-        "expert_parallel_size": p.ep,
+        "tensor_parallel_size": dims.tp,
+        "pipeline_parallel_size": dims.pp,
+        "expert_parallel_size": dims.ep,
         "pipeline_config": pipeline_config,
-        "optimizer_config": {"zero_one_enabled": zero1, "grad_clipping": opt.grad_clip > 0,
-                             "max_grad_norm": float(opt.grad_clip or 1.0)},
-        "activation_checkpoint_config": checkpoint_classes(p.activation_checkpointing),
+        "optimizer_config": {"zero_one_enabled": zero1, "grad_clipping": optimizer.grad_clip > 0,
+                             "max_grad_norm": float(optimizer.grad_clip or 1.0)},
+        "activation_checkpoint_config": checkpoint_classes(parallel.activation_checkpointing),
         "sequence_parallel": dims.sequence_parallel,
         "model_init_config": {"meta_device_init": True, "param_init_fn": param_init_fn,
                               "sequential_move_factor": 11},
