@@ -66,7 +66,7 @@ def size_overrides(args) -> tuple[str, ...]:
     """What every path shares: the model and sequence, a short run, and nothing written but the metrics."""
     common = (f"trainer.max_steps={args.steps}", "trainer.log_every_n_steps=1", "trainer.progress_bar=false",
               "trainer.limit_val_batches=0", "trainer.save_checkpoints=false", "optimizer.warmup_steps=3",
-              "resume=false")
+              "resume=false", f"trainer.gc_every_n_steps={args.gc_every}")
     if args.cpu_smoke:
         return (*common, "model=tiny", "data.seq_len=128", "trainer.micro_batch_size=2")
     return (*common, "model=moe_1b", "data.seq_len=2048", f"trainer.micro_batch_size={args.micro_batch}")
@@ -179,6 +179,8 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences of 2048 tokens per GPU")
     parser.add_argument("--only", nargs="+", choices=[p.name for p in PATHS], help="these paths only")
     parser.add_argument("--timeout", type=int, default=300, help="seconds a path may take before it fails")
+    parser.add_argument("--gc-every", type=int, default=0,
+                        help="trainer.gc_every_n_steps: Python's collector between steps only (0: automatic)")
     parser.add_argument("--out", type=Path, default=None, help="runs and logs (default: a temp dir)")
     parser.add_argument("--no-bench", action="store_true", help="the paths only, not the GPU benches")
     parser.add_argument("--cpu-smoke", action="store_true", help="every path at the tiny size on this CPU")

@@ -62,5 +62,7 @@ stage layer_fine_compiled 110 python3 bench/vs_torchtitan.py --device cuda --com
 # 6. the compiled path alone, then the stack with whole blocks compiled (the MoE layers traced whole)
 stage check_compile 170 $GC --timeout 160 --out /tmp/gc/c --only fsdp2_compile
 stage stack_compile_all 150 python3 bench/gpu_moe_stack.py --compile all
+# 7. the collector kept out of the step (trainer.gc_every_n_steps=50, torchtitan's gc_freq) beside stage 1's row
+stage check_ddp_gc 110 $GC --timeout 100 --gc-every 50 --out /tmp/gc/g --only ddp_bf16
 echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
 grep -h "^|\|rc=\|SKIP\|^train.py runs\|FAILED\|failed:" "$LOG"

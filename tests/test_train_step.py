@@ -72,3 +72,18 @@ def test_the_settled_config_cannot_be_edited_while_the_run_trains(train_here, tm
                      run_dir=tmp_path / "run")
     assert TRIED == {"module": "FrozenInstanceError", "backend": "FrozenInstanceError"}
     assert [r["step"] for r in trained_rows(run)] == ["1", "2"]
+
+
+def test_gc_every_n_steps_keeps_the_collector_out_of_the_steps(train_here, tmp_path):
+    """trainer.gc_every_n_steps=2: no automatic collection while training (the collector is off as every
+    batch starts): a full one before the first step, a young one after steps 2 and 4 (batches 1 and 3), a
+    full one at the end, and the collector on again after the run."""
+    import gc
+
+    from tests._gc_probe import SEEN
+
+    train_here("trainer.max_steps=4", "trainer.gc_every_n_steps=2",
+               "+callbacks.gc_probe._target_=tests._gc_probe.GcProbe", run_dir=tmp_path / "run")
+    assert SEEN["enabled"] == [False] * 4
+    assert SEEN["collected_in"] == [(1, 1), (3, 1), (3, 2)]  # the first full one precedes the probe's hook
+    assert gc.isenabled()

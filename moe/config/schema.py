@@ -228,6 +228,9 @@ class TrainerConfig(Section):
     keep_last_checkpoints: int = 2
     progress_bar: bool = True
     deterministic: bool = False
+    # Python's garbage collector off while training, collected after every N optimizer steps instead, on
+    # every rank at once (Megatron's --manual-gc, torchtitan's gc_freq); 0 = Python's automatic collection
+    gc_every_n_steps: int = 0
     # loss-spike and NaN guard (moe/train/guard.py, docs/FAULT_TOLERANCE.md)
     skip_nonfinite: bool = True  # skip the update of a step whose loss or gradient is NaN/inf
     max_nonfinite_steps: int = 10  # stop the run after this many non-finite steps in a row; 0 = never

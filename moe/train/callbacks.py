@@ -25,6 +25,7 @@ from moe.parallel.dims import ParallelDims
 def build_callbacks(cfg, run_dir: Path, dims: ParallelDims, backend, guard) -> list:
     """guard: the run's moe.train.guard.SpikeGuard, which the module's step asks too."""
     from moe.train.console import StepProgressBar, bar_shown
+    from moe.train.garbage import StepGarbageCollection
     from moe.train.metrics import RunMetrics
     from moe.train.preemption import PreemptionCheckpoint
     from moe.train.step_checkpoint import StepCheckpoint
@@ -46,6 +47,8 @@ def build_callbacks(cfg, run_dir: Path, dims: ParallelDims, backend, guard) -> l
         ]
     if bar_shown(cfg.trainer.progress_bar):
         callbacks.append(StepProgressBar(leave=True))
+    if cfg.trainer.gc_every_n_steps:
+        callbacks.append(StepGarbageCollection(cfg.trainer.gc_every_n_steps))
     return callbacks + instantiate_group(cfg.callbacks, "callbacks")
 
 

@@ -32,6 +32,8 @@ def check_trainer_counts(trainer) -> None:
         need(value >= 1, f"trainer.{key}", value, f"set trainer.{key} to 1 or more", "must be at least 1")
     need(t.limit_val_batches >= 0, "trainer.limit_val_batches", t.limit_val_batches,
          "use 0 (no validation) or more batches", "must not be negative")
+    need(t.gc_every_n_steps >= 0, "trainer.gc_every_n_steps", t.gc_every_n_steps,
+         "use 0 (Python's automatic collection) or a step count such as 50", "must not be negative")
 
 
 def check_activation_checkpointing(parallel) -> None:
