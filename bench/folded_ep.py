@@ -54,10 +54,11 @@ def _rank(rank: int, steps: int) -> dict:
     for name in rows:
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=7)
-        steps_ = fsdp2_steps(cfg, dims, meshes, MixedPrecisionPolicy(), "cpu", None)
+        steps_ = fsdp2_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, dims, meshes, MixedPrecisionPolicy(),
+                             "cpu", None)
         if name == "unfolded":
             steps_.token_group = None
-        parallelize(model, cfg, TP, steps_)
+        parallelize(model, cfg.model, cfg.parallel, TP, steps_)
         for module in model.modules():
             if isinstance(module, Experts):
                 module.register_forward_hook(lambda m, args, out, n=name: rows[n].append(int(args[1].sum())))

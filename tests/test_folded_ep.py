@@ -51,7 +51,9 @@ def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
     meshes = dims.meshes("cpu")
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=7)
-    parallelize(model, cfg, tp, fsdp2_steps(cfg, dims, meshes, MixedPrecisionPolicy(), "cpu", None))
+    steps = fsdp2_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, dims, meshes, MixedPrecisionPolicy(), "cpu",
+                        None)
+    parallelize(model, cfg.model, cfg.parallel, tp, steps)
     rows = []
     for module in model.modules():
         if isinstance(module, Experts):

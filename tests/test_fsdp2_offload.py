@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose_cfg, free_port
+from conftest import free_port
 
 from moe.backends.fsdp2 import FSDP2Strategy
 from moe.config.schema import ModelConfig, MoEOptConfig
@@ -47,8 +47,7 @@ class _OnAnotherDevice(FSDP2Strategy):
 def test_moving_the_model_leaves_offloaded_experts_in_host_memory(offloaded_model):
     strategy = _OnAnotherDevice.__new__(_OnAnotherDevice)
     strategy._model = offloaded_model
-    strategy.backend = type("Backend", (), {"cfg": compose_cfg("hardware=cpu_fsdp2",
-                                                               "parallel.offload_experts=true")})()
+    strategy.offload_experts = True
     strategy.model_to_device()
     where = _devices(offloaded_model)
     experts = {n: d for n, d in where.items() if ".experts." in n}

@@ -138,8 +138,10 @@ def _rank(rank: int, world: int, extra: tuple) -> dict:
     cfg = _cfg(world, *extra)
     dims = ParallelDims.from_config(cfg)
     meshes = dims.meshes("cpu")
-    steps = fsdp2_steps(cfg, dims, meshes, MixedPrecisionPolicy(), "cpu", None)
-    pipeline = build_pipeline(cfg, dims, meshes, lambda part: parallelize(part, cfg, dims.tp, steps),
+    steps = fsdp2_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, dims, meshes, MixedPrecisionPolicy(), "cpu",
+                        None)
+    pipeline = build_pipeline(cfg.model, cfg.moe_opt, cfg.parallel, cfg.trainer, cfg.hardware, cfg.seed, dims,
+                              meshes, lambda part: parallelize(part, cfg.model, cfg.parallel, dims.tp, steps),
                               torch.device("cpu"))
     model = StageParts(pipeline.parts)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)

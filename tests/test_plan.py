@@ -202,7 +202,7 @@ def test_nxd_zero1_steps_on_its_own_copy_of_the_weights():
     def bytes_of(precision, zero_stage):
         cfg = cfg_of(MODELS["mixtral_8x7b"], {**HARDWARE["trn1"], "neuron_precision": precision},
                      {**TP8_PP8_EP8, "zero_stage": zero_stage}, dry_run=True)
-        b = planner.spec_of(cfg.hardware).state_bytes(cfg)
+        b = planner.spec_of(cfg.hardware).state_bytes(cfg.model, cfg.parallel, cfg.hardware, cfg.trainer)
         return b.param, b.grad, b.optimizer
 
     assert bytes_of("fp32", 1) == (4, 4, 12) and bytes_of("fp32", 0) == (4, 4, 8)
@@ -218,15 +218,21 @@ def test_routing_skew_and_fixed_costs_enter_the_plan():
     hardware = {**HARDWARE["gpu"], "fixed_memory_gib": 3.0}
     dropless = cfg_of(MODELS["mixtral_8x7b"], hardware, {"name": "ep8", "ep": 8, "zero_stage": 1},
                       dry_run=True, **{"trainer.devices": 8, "moe_opt.capacity_factor": None})
-    assert hot_rank_load(dropless) == 2.0  # one expert per rank, at twice its share
+    dims = ParallelDims.from_config(dropless)
+    # one expert per rank, at twice its share
+    assert hot_rank_load(dropless.moe_opt, dims, dropless.routing_skew) == 2.0
     balanced = copy.deepcopy(dropless)
     balanced.routing_skew = 1.0
-    micro = dropless.trainer.micro_batch_size
-    skewed_acts, even_acts = activation_bytes(dropless, micro)[0], activation_bytes(balanced, micro)[0]
+
+    def first_stage(cfg) -> float:
+        return activation_bytes(cfg.model, cfg.moe_opt, cfg.parallel, cfg.hardware, cfg.trainer, dims,
+                                cfg.routing_skew, cfg.trainer.micro_batch_size)[0]
+
+    skewed_acts, even_acts = first_stage(dropless), first_stage(balanced)
     assert skewed_acts > 1.5 * even_acts  # the routed rows dominate a layer's activations
     capped = copy.deepcopy(dropless)
     capped.moe_opt.capacity_factor = 1.25
-    assert hot_rank_load(capped) == 1.0
+    assert hot_rank_load(capped.moe_opt, dims, capped.routing_skew) == 1.0
     plan, even = make_plan(dropless), make_plan(balanced)
     difference = plan.memory.activations - even.memory.activations
     assert difference == pytest.approx((skewed_acts - even_acts) / 2**30)

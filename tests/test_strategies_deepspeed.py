@@ -27,10 +27,14 @@ from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, sing
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _deepspeed_config(*overrides: str) -> dict:
+    cfg = compose_cfg(*overrides)
+    return deepspeed_config(cfg.parallel, cfg.optimizer, cfg.trainer, cfg.hardware)
+
+
 def test_config_from_parallel_optimizer_and_trainer_groups():
-    cfg = compose_cfg("hardware=cpu_deepspeed", "parallel=ep2", "parallel.zero_stage=2",
-                      "trainer.micro_batch_size=3", "optimizer.grad_clip=0.5")
-    config = deepspeed_config(cfg)
+    config = _deepspeed_config("hardware=cpu_deepspeed", "parallel=ep2", "parallel.zero_stage=2",
+                               "trainer.micro_batch_size=3", "optimizer.grad_clip=0.5")
     zero = config["zero_optimization"]
     assert zero["stage"] == 2 and zero["contiguous_gradients"] and zero["reduce_scatter"]  # MoE needs both
     assert zero["overlap_comm"] is False  # CPU: no streams to overlap on
@@ -40,16 +44,16 @@ def test_config_from_parallel_optimizer_and_trainer_groups():
 
 
 def test_gpu_precisions():
-    bf16 = deepspeed_config(compose_cfg("hardware=gpu", "parallel=dp2_ep8"))
+    bf16 = _deepspeed_config("hardware=gpu", "parallel=dp2_ep8")
     assert bf16["bf16"] == {"enabled": True}
     # gradients reduced and accumulated in fp32 (Megatron-Core's and torchtitan's choice)
     assert bf16["communication_data_type"] == "fp32" and bf16["data_types"] == {"grad_accum_dtype": "fp32"}
-    no_zero = deepspeed_config(compose_cfg("hardware=gpu", "parallel.zero_stage=0"))
+    no_zero = _deepspeed_config("hardware=gpu", "parallel.zero_stage=0")
     assert no_zero["communication_data_type"] == "fp32"
     assert "data_types" not in no_zero  # DeepSpeed refuses fp32 accumulation of bf16 weights without ZeRO
-    fp16 = deepspeed_config(compose_cfg("hardware=gpu", "trainer.precision=16-mixed"))["fp16"]
+    fp16 = _deepspeed_config("hardware=gpu", "trainer.precision=16-mixed")["fp16"]
     assert fp16["enabled"] and fp16["loss_scale"] == 0 and fp16["initial_scale_power"] == 16  # dynamic
-    gpu = deepspeed_config(compose_cfg("hardware=gpu", "parallel=dp2_ep8"))
+    gpu = _deepspeed_config("hardware=gpu", "parallel=dp2_ep8")
     assert gpu["zero_optimization"]["overlap_comm"] and gpu["zero_optimization"]["stage"] == 1
 
 

@@ -7,20 +7,20 @@ class lives), and `moe.backends.base.Backend` is the contract they all implement
 from __future__ import annotations
 
 
-def backend_class(cfg):
-    """The Backend subclass of cfg.hardware.strategy (a name moe.config.validate has checked against SPECS),
+def backend_class(hardware):
+    """The Backend subclass of hardware.strategy (a name moe.config.validate has checked against SPECS),
     imported from its spec's `backend` path: its library is imported only when a run builds it."""
     import importlib
 
     from moe.config.specs import spec_of
 
-    module, name = spec_of(cfg.hardware).backend.split(":")
+    module, name = spec_of(hardware).backend.split(":")
     return getattr(importlib.import_module(module), name)
 
 
 def build_backend(cfg, dims):
     """The backend of cfg.hardware.strategy, built for this run."""
-    return backend_class(cfg)(cfg, dims)
+    return backend_class(cfg.hardware)(cfg, dims)
 
 
 def single_process_module(cfg):

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from moe.config.schema import TrainConfig
+from moe.config.schema import HardwareConfig, MoEOptConfig, ParallelConfig, TrainConfig, TrainerConfig
 from moe.config.settled import settled_config
 from moe.config.specs import SPECS, BackendSpec
 from moe.parallel.dims import ExpertGroups, ParallelDims
@@ -119,20 +119,23 @@ class Backend:
         if self.dims.ep_enabled:
             self.expert_groups = self.make_expert_groups()
         return Steps(ep_group=self.expert_groups.ep if self.dims.ep_enabled else None,
-                     load_balance_group=_load_balance_group(self.cfg),
+                     load_balance_group=_load_balance_group(self.cfg.moe_opt),
                      device=device_of(module), source=self.initial_source())
 
     @classmethod
-    def simulated_steps(cls, cfg, dims: ParallelDims, fake_mode) -> Steps:
+    def simulated_steps(cls, moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+                        trainer: TrainerConfig, dims: ParallelDims, fake_mode) -> Steps:
         """parallelize_steps for simulate=true's fake ranks (moe.tools.simulate), without building the
-        backend (or importing its library): the run's EP group, the load balance over the world."""
+        backend (or importing its library): the run's EP group, the load balance over the world. It takes
+        the sections any backend's steps read; these read moe_opt only."""
         groups = dims.expert_groups() if dims.ep_enabled else None
-        return Steps(ep_group=groups.ep if groups else None, load_balance_group=_load_balance_group(cfg),
+        return Steps(ep_group=groups.ep if groups else None, load_balance_group=_load_balance_group(moe_opt),
                      fake_mode=fake_mode)
 
     def parallelize(self, module) -> None:
         """moe.parallel.parallelize's one sequence with this backend's steps."""
-        parallelize(module.model, self.cfg, self.dims.tp, self.parallelize_steps(module))
+        steps = self.parallelize_steps(module)
+        parallelize(module.model, self.cfg.model, self.cfg.parallel, self.dims.tp, steps)
 
     # -- inside the optimizer step (moe.module.train_step) ---------------------------------------------
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -220,8 +223,8 @@ class Backend:
             slice_local_optimizer_states(module, checkpoint, self.expert_groups.ep)
 
 
-def _load_balance_group(cfg):
+def _load_balance_group(moe_opt: MoEOptConfig):
     """Whose tokens the routing statistics cover: every rank's (moe_opt.aux_loss_group=dp, WORLD), else the
     EP group's (apply_ep's) or this rank's: None."""
     world = dist.is_initialized() and dist.get_world_size() > 1
-    return dist.group.WORLD if cfg.moe_opt.aux_loss_group == "dp" and world else None
+    return dist.group.WORLD if moe_opt.aux_loss_group == "dp" and world else None

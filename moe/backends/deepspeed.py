@@ -47,6 +47,7 @@ from moe.checkpoint.formats import DeepSpeed as DeepSpeedDirectory
 from moe.checkpoint.formats import format_at, in_place
 from moe.checkpoint.trust import load_trusted
 from moe.config.derived import precision, precision_of
+from moe.config.schema import HardwareConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from moe.config.specs import REDUCE_BUCKET_ELEMENTS
 from moe.errors import UserError
 from moe.parallel.comm import set_collective_timeout
@@ -54,28 +55,29 @@ from moe.parallel.dims import ExpertGroups
 from moe.parallel.expert_grads import expert_params
 
 
-def steps_plainly(cfg) -> bool:
+def steps_plainly(parallel: ParallelConfig, trainer: TrainerConfig, hardware: HardwareConfig) -> bool:
     """ZeRO off, fp32: DeepSpeed's optimizer is the torch one over whole gradients in `param.grad`, and the
     step (moe.module.train_step) computes their global norm and clips as on DDP. DeepSpeed's own fp32
     clipping would average each rank's local norm instead of taking the whole model's."""
-    return cfg.parallel.zero_stage == 0 and precision(cfg.trainer, cfg.hardware).half is None
+    return parallel.zero_stage == 0 and precision(trainer, hardware).half is None
 
 
-def deepspeed_config(cfg) -> dict:
+def deepspeed_config(parallel: ParallelConfig, optimizer: OptimizerConfig, trainer: TrainerConfig,
+                     hardware: HardwareConfig) -> dict:
     """The DeepSpeed config dict from the (validated) parallel, optimizer, trainer and hardware groups."""
-    p, run = cfg.parallel, precision(cfg.trainer, cfg.hardware)
-    on_gpu = cfg.hardware.accelerator == "gpu"
+    run, on_gpu = precision(trainer, hardware), hardware.accelerator == "gpu"
+    clipping = 0.0 if steps_plainly(parallel, trainer, hardware) else float(optimizer.grad_clip or 0.0)
     config = {
-        "train_micro_batch_size_per_gpu": cfg.trainer.micro_batch_size,
-        "gradient_clipping": 0.0 if steps_plainly(cfg) else float(cfg.optimizer.grad_clip or 0.0),
+        "train_micro_batch_size_per_gpu": trainer.micro_batch_size,
+        "gradient_clipping": clipping,
         "zero_allow_untested_optimizer": True,  # our torch AdamW, not DeepSpeed's fused Adam (no op build)
         "zero_optimization": {
-            "stage": p.zero_stage,
+            "stage": parallel.zero_stage,
             "contiguous_gradients": True,  # ZeRO-2 with MoE requires it
             "reduce_scatter": True,  # ZeRO with MoE requires it
             # overlap reduction with backward on CUDA streams (buffers kept alive across streams since 0.19's
             # record_stream calls, runtime/zero/stage_1_and_2.py:1531-1543)
-            "overlap_comm": on_gpu if p.overlap_comm is None else bool(p.overlap_comm),
+            "overlap_comm": on_gpu if parallel.overlap_comm is None else bool(parallel.overlap_comm),
             "allgather_partitions": True,
             "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
             "allgather_bucket_size": REDUCE_BUCKET_ELEMENTS,
@@ -95,7 +97,7 @@ def deepspeed_config(cfg) -> dict:
         # BF16_Optimizer, runtime/engine.py:2305-2310). Without ZeRO DeepSpeed refuses fp32 accumulation
         # of bf16 weights (engine.py:2313-2323): there only the reduction is fp32.
         config["communication_data_type"] = "fp32"
-        if p.zero_stage >= 1:
+        if parallel.zero_stage >= 1:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
@@ -107,19 +109,21 @@ class DeepSpeedBackend(Backend):
 
     def __init__(self, cfg, dims):
         super().__init__(cfg, dims)
+        parallel, trainer, hardware = self.cfg.parallel, self.cfg.trainer, self.cfg.hardware
         # ZeRO or half precision: DeepSpeed computes the norm inside engine.step(), over its own partitions
-        self.norm_after_step = not steps_plainly(cfg)
+        self.norm_after_step = not steps_plainly(parallel, trainer, hardware)
         try:
             import deepspeed  # noqa: F401
         except ImportError as err:
             raise UserError("hardware.strategy", "deepspeed", "pip install deepspeed -c constraints.txt "
                             "(or pip install -e '.[gpu]'), or use hardware=cpu",
                             problem="needs the deepspeed package, which is not installed") from err
-        self.strategy = MoEDeepSpeedStrategy(config=deepspeed_config(cfg), dims=dims,
+        config = deepspeed_config(parallel, self.cfg.optimizer, trainer, hardware)
+        self.strategy = MoEDeepSpeedStrategy(config=config, dims=dims,
                                              checkpoint_format=self.checkpoint_format,
-                                             process_group_backend=cfg.hardware.backend,
+                                             process_group_backend=hardware.backend,
                                              logging_level=logging.WARNING,
-                                             timeout=set_collective_timeout(cfg.parallel.collective_timeout_s))
+                                             timeout=set_collective_timeout(parallel.collective_timeout_s))
 
     def trainer_parts(self) -> TrainerParts:
         return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=self.strategy,

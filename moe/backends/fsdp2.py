@@ -26,22 +26,22 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from moe.backends.base import Backend, TrainerParts
 from moe.backends.checkpoints import FormatCheckpoints
 from moe.config.derived import precision_of
+from moe.config.schema import HardwareConfig, ModelConfig, MoEOptConfig, ParallelConfig, TrainerConfig
 from moe.parallel.comm import set_collective_timeout
-from moe.parallel.dims import ExpertGroups
+from moe.parallel.dims import ExpertGroups, Meshes, ParallelDims
 from moe.parallel.parallelize import Steps
 from moe.ranks import device_of
 
 
 class FSDP2Backend(Backend):
     name = "fsdp2"
-
-    def __init__(self, cfg, dims):
-        super().__init__(cfg, dims)
-        self.meshes = None  # moe.parallel.dims.Meshes, built with the process group
+    meshes: Meshes | None = None  # the run's, built with the process group (FSDP2Strategy.setup_environment)
 
     def trainer_parts(self) -> TrainerParts:
-        strategy = FSDP2Strategy(self, process_group_backend=self.cfg.hardware.backend,
-                                 timeout=set_collective_timeout(self.cfg.parallel.collective_timeout_s))
+        parallel = self.cfg.parallel
+        strategy = FSDP2Strategy(self, model_cfg=self.cfg.model, offload_experts=parallel.offload_experts,
+                                 process_group_backend=self.cfg.hardware.backend,
+                                 timeout=set_collective_timeout(parallel.collective_timeout_s))
         accelerator = self.cfg.hardware.accelerator
         if accelerator == "torch_neuron":  # Lightning has none for TorchNeuron's device
             from moe.backends.torch_neuron import TorchNeuronAccelerator
@@ -50,27 +50,20 @@ class FSDP2Backend(Backend):
         return TrainerParts(accelerator=accelerator, strategy=strategy,
                             precision=precision_of(self.cfg.trainer, self.cfg.hardware), plugins=[])
 
-    def mixed_precision(self):
-        """FSDP2's policy: bf16-mixed gathers weights in bf16 for compute and reduces gradients in fp32."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        from moe.config.specs import SPECS
-
-        if SPECS["fsdp2"].gathers_bf16(self.cfg):
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return MixedPrecisionPolicy()
-
     def parallelize_steps(self, module) -> Steps:
         if self.dims.ep_enabled:
             self.expert_groups = ExpertGroups(ep=self.meshes.ep.get_group(), expert_dp=None)
-        return fsdp2_steps(self.cfg, self.dims, self.meshes, self.mixed_precision(), device_of(module),
+        cfg = self.cfg
+        return fsdp2_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, self.dims, self.meshes,
+                           mixed_precision(cfg.trainer, cfg.hardware), device_of(module),
                            self.initial_source())
 
     @classmethod
-    def simulated_steps(cls, cfg, dims, fake_mode) -> Steps:
+    def simulated_steps(cls, moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+                        trainer: TrainerConfig, dims: ParallelDims, fake_mode) -> Steps:
         """fsdp2_steps on the run's mesh, storage fake."""
-        mp_policy = cls(cfg, dims).mixed_precision()
-        return fsdp2_steps(cfg, dims, dims.meshes("cpu"), mp_policy, "cpu", None, fake_mode)
+        return fsdp2_steps(moe_opt, parallel, hardware, dims, dims.meshes("cpu"),
+                           mixed_precision(trainer, hardware), "cpu", None, fake_mode)
 
     def parallelize(self, module) -> None:
         """moe.parallel.parallelize's sequence on the whole model, or under pipeline parallelism on each of
@@ -81,9 +74,11 @@ class FSDP2Backend(Backend):
         from moe.parallel.parallelize import parallelize
         from moe.parallel.pipeline import StageParts, build_pipeline
 
-        steps = self.parallelize_steps(module)
-        pipeline = build_pipeline(self.cfg, self.dims, self.meshes,
-                                  lambda part: parallelize(part, self.cfg, self.dims.tp, steps), steps.device)
+        cfg, dims, steps = self.cfg, self.dims, self.parallelize_steps(module)
+        pipeline = build_pipeline(cfg.model, cfg.moe_opt, cfg.parallel, cfg.trainer, cfg.hardware, cfg.seed,
+                                  dims, self.meshes,
+                                  lambda part: parallelize(part, cfg.model, cfg.parallel, dims.tp, steps),
+                                  steps.device)
         module.model = StageParts(pipeline.parts)
         module.schedule = PipelineSchedule(pipeline)
 
@@ -119,7 +114,19 @@ class FSDP2Backend(Backend):
         sum_grads(params, self.meshes.tp.get_group())
 
 
-def fsdp2_steps(cfg, dims, meshes, mp_policy, device, source, fake_mode=None) -> Steps:
+def mixed_precision(trainer: TrainerConfig, hardware: HardwareConfig):
+    """FSDP2's policy: bf16-mixed gathers weights in bf16 for compute and reduces gradients in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moe.config.specs import SPECS
+
+    if SPECS["fsdp2"].gathers_bf16(trainer, hardware):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def fsdp2_steps(moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: HardwareConfig, dims: ParallelDims,
+                meshes, mp_policy, device, source, fake_mode=None) -> Steps:
     """Every step on the mesh: EP on its `ep` dim, the MoE tokens split over `tp`, TP on `tp`, the load
     balance over the ranks whose tokens it covers, FSDP2 on the dense and expert meshes (the training
     run's, or the simulation's on fake ranks)."""
@@ -131,18 +138,18 @@ def fsdp2_steps(cfg, dims, meshes, mp_policy, device, source, fake_mode=None) ->
     # (torchtitan's divide factor for the experts, models/llama4/infra/parallelize.py apply_fsdp)
     shard = partial(apply_fsdp, meshes=meshes, expert_divide_factor=dims.dp,
                     reshard_after_forward=dims.zero_stage >= 3, mp_policy=mp_policy,
-                    sum_only=cfg.hardware.backend == "gloo", offload_experts=cfg.parallel.offload_experts)
+                    sum_only=hardware.backend == "gloo", offload_experts=parallel.offload_experts)
     return Steps(ep_group=meshes.ep.get_group() if dims.ep_enabled else None,
                  token_group=meshes.tp.get_group() if dims.moe_token_split > 1 else None,
                  tp_mesh=meshes.tp if dims.tp_enabled else None, sequence_parallel=dims.sequence_parallel,
-                 load_balance_group=_load_balance_group(cfg, dims, meshes),
+                 load_balance_group=_load_balance_group(moe_opt, dims, meshes),
                  shard=shard, device=device, source=source, fake_mode=fake_mode)
 
 
-def _load_balance_group(cfg, dims, meshes):
+def _load_balance_group(moe_opt: MoEOptConfig, dims: ParallelDims, meshes):
     """Whose tokens the routing statistics cover: every rank's (aux_loss_group=dp), else the EP group's
     or, when it is smaller, the TP group's (the ranks splitting one micro-batch); None: this rank's."""
-    if cfg.moe_opt.aux_loss_group == "dp" and dims.world > 1:
+    if moe_opt.aux_loss_group == "dp" and dims.world > 1:
         return meshes.tokens.get_group()
     if dims.tp_enabled and dims.tp > dims.ep:
         return meshes.tp.get_group()
@@ -158,11 +165,11 @@ class FSDP2Strategy(FormatCheckpoints, ModelParallelStrategy):
     after setup straight into the live shards.
     """
 
-    def __init__(self, backend: FSDP2Backend, **kwargs):
+    def __init__(self, backend: FSDP2Backend, model_cfg: ModelConfig, offload_experts: bool, **kwargs):
         dims = backend.dims  # Lightning's mesh (world / tp, tp) is valid on every layout; nothing reads it
         super().__init__(checkpoint_format=backend.checkpoint_format, dims=dims,
                          data_parallel_size=dims.world // dims.tp, tensor_parallel_size=dims.tp, **kwargs)
-        self.backend = backend
+        self.backend, self.model_cfg, self.offload_experts = backend, model_cfg, offload_experts
 
     def setup_environment(self) -> None:
         """Lightning's (the process group, its mesh), then the run's mesh."""
@@ -172,7 +179,7 @@ class FSDP2Strategy(FormatCheckpoints, ModelParallelStrategy):
     def model_to_device(self) -> None:
         """Everything to the device but the experts offloaded to host memory
         (moe.parallel.fsdp.experts_held_back)."""
-        if not self.backend.cfg.parallel.offload_experts:
+        if not self.offload_experts:
             return super().model_to_device()
         from moe.parallel.fsdp import experts_held_back
 
@@ -194,5 +201,6 @@ class FSDP2Strategy(FormatCheckpoints, ModelParallelStrategy):
             return checkpoint
         from moe.parallel.placement import load_full_checkpoint
 
-        load_full_checkpoint(self.lightning_module, list(self.optimizers), checkpoint)
+        load_full_checkpoint(self.lightning_module, list(self.optimizers), checkpoint, self.model_cfg,
+                             self.backend.dims.tp)
         return {**checkpoint, "state_dict": {}, "optimizer_states": [{}] * len(self.optimizers)}

@@ -10,16 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe.config.derived import (
-    PP_SCHEDULES,
-    data_parallel_size,
-    expert_dp_size,
-    layers_per_stage,
-    neuron_precision,
-    planning,
-    precision,
-    world_of,
-)
+from moe.config.derived import PP_SCHEDULES, expert_dp_size, layers_per_stage, neuron_precision, precision
 from moe.config.size import param_breakdown
 
 
@@ -105,12 +96,13 @@ class BackendSpec:
         """The key of the format a run with `ep` expert-parallel ranks writes."""
         return self.checkpoint_formats[ep > 1]
 
-    def pipeline_schedule(self, cfg) -> str:
+    def pipeline_schedule(self, parallel) -> str:
         """The schedule a pipelined run of this backend runs."""
-        return cfg.parallel.pp_schedule if len(self.pp_schedules) > 1 else self.pp_schedules[0]
+        return parallel.pp_schedule if len(self.pp_schedules) > 1 else self.pp_schedules[0]
 
-    def state_bytes(self, cfg) -> StateBytes:
-        run = precision(cfg.trainer, cfg.hardware)
+    def state_bytes(self, model, parallel, hardware, trainer) -> StateBytes:
+        """Bytes per parameter under the run's precision (`model` and `parallel`: NxD's preset and ZeRO-1)."""
+        run = precision(trainer, hardware)
         step = 0 if self.fused_adamw else 4
         if run.half is None:
             return StateBytes(4, 4, 8, "fp32 weights, grads and AdamW moments", step=step)
@@ -118,13 +110,14 @@ class BackendSpec:
             return StateBytes(2, 2, 4, f"{run.name}: half-precision weights, grads and moments", step=step)
         return StateBytes(4, 4, 8, f"{run.name} autocast: fp32 weights, grads and moments", step=step)
 
-    def comm_buffer_bytes(self, cfg) -> float:
-        """Bytes of communication buffers held through the backward, per device."""
+    def comm_buffer_bytes(self, model, parallel, hardware, trainer, dp: int) -> float:
+        """Bytes of communication buffers held through the backward, per device (`dp`, the data-parallel
+        degree: FSDP2's offloaded expert shards)."""
         return 0.0
 
-    def activation_bytes(self, cfg) -> int:
+    def activation_bytes(self, model, hardware, trainer) -> int:
         """Bytes per activation element: 4 for an fp32 (or fp64) run, else the half type's 2."""
-        return precision(cfg.trainer, cfg.hardware).activation_bytes
+        return precision(trainer, hardware).activation_bytes
 
 
 REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (moe/backends/deepspeed.py)
@@ -132,20 +125,20 @@ REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (mo
 
 @dataclass(frozen=True)
 class DeepSpeedSpec(BackendSpec):
-    def state_bytes(self, cfg) -> StateBytes:
-        run = precision(cfg.trainer, cfg.hardware)
+    def state_bytes(self, model, parallel, hardware, trainer) -> StateBytes:
+        run = precision(trainer, hardware)
         if run.mixed:  # DeepSpeed keeps half weights and grads, fp32 master + moments
             return StateBytes(2, 2, 12, f"{run.name} DeepSpeed: half weights, grads; fp32 master, moments",
                               step=4, grads_in_step=False)
-        return super().state_bytes(cfg)
+        return super().state_bytes(model, parallel, hardware, trainer)
 
-    def comm_buffer_bytes(self, cfg) -> float:
+    def comm_buffer_bytes(self, model, parallel, hardware, trainer, dp: int) -> float:
         """ZeRO's gradient reduction bucket: reduce_bucket_size elements of the model dtype, twice when
         overlap_comm (on GPU) double-buffers it (deepspeed 0.19.8 stage_1_and_2.py:3256-3278)."""
-        if cfg.parallel.zero_stage < 1:
+        if parallel.zero_stage < 1:
             return 0.0
-        model_dtype_bytes = self.state_bytes(cfg).param
-        return REDUCE_BUCKET_ELEMENTS * model_dtype_bytes * (2 if cfg.hardware.accelerator == "gpu" else 1)
+        model_dtype_bytes = self.state_bytes(model, parallel, hardware, trainer).param
+        return REDUCE_BUCKET_ELEMENTS * model_dtype_bytes * (2 if hardware.accelerator == "gpu" else 1)
 
 
 @dataclass(frozen=True)
@@ -154,20 +147,20 @@ class FSDP2Spec(BackendSpec):
     splits attention and dense MLPs only (moe.parallel.tensor_parallel)."""
 
     @staticmethod
-    def gathers_bf16(cfg) -> bool:
+    def gathers_bf16(trainer, hardware) -> bool:
         """bf16-mixed: FSDP2 gathers weights in bf16 for compute (reducing gradients in fp32); else fp32."""
-        run = precision(cfg.trainer, cfg.hardware)
+        run = precision(trainer, hardware)
         return run.mixed and run.half == "bfloat16"
 
-    def comm_buffer_bytes(self, cfg) -> float:
+    def comm_buffer_bytes(self, model, parallel, hardware, trainer, dp: int) -> float:
         """Weights FSDP2 holds gathered at the backward's peak, in the compute dtype: the root unit
         (embedding, final norm, LM head: FSDP2 does not reshard the root after the forward) and the largest
         block's share (its TP part, this EP rank's experts), two blocks with zero_stage 3 (the current one
         and the prefetched one), every block of the rank with 2 or under pipelining (torch's schedules
         keep a stage gathered until the step's last backward; offloaded experts reshard after each block);
         plus one block's unsharded fp32 gradient before its reduce-scatter."""
-        m, bd, p = cfg.model, param_breakdown(cfg.model), cfg.parallel
-        compute = 2 if self.gathers_bf16(cfg) else 4
+        m, bd, p = model, param_breakdown(model), parallel
+        compute = 2 if self.gathers_bf16(trainer, hardware) else 4
         n_moe, n_dense = bd.num_moe_layers, m.num_layers - bd.num_moe_layers
         attention = bd.attention / m.num_layers / p.tp
         experts = bd.experts / p.ep / n_moe if n_moe else 0
@@ -181,20 +174,19 @@ class FSDP2Spec(BackendSpec):
         copied_in = 0.0
         if p.offload_experts:  # each block's fp32 expert shard is copied in before its all-gather
             gathered = kept * max(rest_of_moe, dense_block) + kept_experts * experts
-            world = world_of(cfg.trainer, p, planning(cfg.dry_run, cfg.simulate))
-            expert_dp = expert_dp_size(data_parallel_size(p, world), p.tp, p.ep, self.ep_folds_tp)
+            expert_dp = expert_dp_size(dp, p.tp, p.ep, self.ep_folds_tp)
             copied_in = experts * 4 / max(1, expert_dp)
         return (bd.embedding + bd.lm_head + bd.final_norm + gathered) * compute + block * 4 + copied_in
 
 
 @dataclass(frozen=True)
 class NeuronSpec(BackendSpec):
-    def state_bytes(self, cfg) -> StateBytes:
+    def state_bytes(self, model, parallel, hardware, trainer) -> StateBytes:
         """ZeRO-1 (torch-xla's ZeroRedundancyOptimizer under NxD's) steps on its own copies of the weights'
         shards, in its optimizer dtype (torch_xla/distributed/zero_redundancy_optimizer.py:255-263 at
         v2.9.0): fp32, bf16 under XLA_USE_BF16; `mixed` makes them float64 for XLA_DOWNCAST_BF16 to hold
         in fp32 (NxD trainer/trainer.py:281-283), its master weights, with fp32 gradient accumulation."""
-        preset, zero1 = neuron_precision(cfg.hardware, cfg.model), cfg.parallel.zero_stage >= 1
+        preset, zero1 = neuron_precision(hardware, model), parallel.zero_stage >= 1
         if preset == "bf16_sr":
             return StateBytes(2, 2, 4 + 2 * zero1, "bf16 + stochastic rounding: bf16 weights, grads and "
                               "AdamW moments" + (", ZeRO-1's bf16 copy" if zero1 else ""))
@@ -205,8 +197,8 @@ class NeuronSpec(BackendSpec):
         return StateBytes(4, 4, 8 + 4 * zero1,
                           "fp32 weights, grads and moments" + (", ZeRO-1's copy" if zero1 else ""))
 
-    def activation_bytes(self, cfg) -> int:
-        return 4 if neuron_precision(cfg.hardware, cfg.model) == "fp32" else 2
+    def activation_bytes(self, model, hardware, trainer) -> int:
+        return 4 if neuron_precision(hardware, model) == "fp32" else 2
 
 
 LIGHTNING_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from moe.config.schema import ModelConfig, ParallelConfig
 from moe.parallel.apply import apply_ac, apply_compile, apply_ep, apply_load_balance_group, apply_token_shard
 from moe.parallel.placement import materialize_distributed
 
@@ -40,10 +41,10 @@ class Steps:
     fake_mode: Any = None  # the simulation's FakeTensorMode: storage is fake
 
 
-def parallelize(model: nn.Module, cfg, tp: int, steps: Steps) -> nn.Module:
-    """Apply `steps` to `model` (built on the meta device) in the one order; returns it. `tp` is the
-    tensor-parallel degree the materialised values are split for."""
-    par = cfg.parallel
+def parallelize(model: nn.Module, model_cfg: ModelConfig, parallel: ParallelConfig, tp: int,
+                steps: Steps) -> nn.Module:
+    """Apply `steps` to `model` (built on the meta device from `model_cfg`) in the one order; returns it.
+    `tp` is the tensor-parallel degree the materialised values are split for."""
     if steps.ep_group is not None:
         apply_ep(model, steps.ep_group)
     if steps.token_group is not None:
@@ -54,12 +55,12 @@ def parallelize(model: nn.Module, cfg, tp: int, steps: Steps) -> nn.Module:
         apply_tp(model, steps.tp_mesh, steps.sequence_parallel)
     if steps.load_balance_group is not None:
         apply_load_balance_group(model, steps.load_balance_group)
-    apply_ac(model, par.activation_checkpointing, par.activation_checkpointing_every_n)
-    if cfg.model.compile:
+    apply_ac(model, parallel.activation_checkpointing, parallel.activation_checkpointing_every_n)
+    if model_cfg.compile:
         apply_compile(model)
     if steps.shard is not None:
         steps.shard(model)
     if next(model.parameters()).is_meta:
         with steps.fake_mode or contextlib.nullcontext():
-            materialize_distributed(model, steps.device, steps.source, cfg.model, tp)
+            materialize_distributed(model, steps.device, steps.source, model_cfg, tp)
     return model

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe.config.schema import HardwareConfig, ModelConfig, MoEOptConfig, ParallelConfig, TrainerConfig
 from moe.errors import UserError
 from moe.model.stage import LayerSlice, PipelineStageModel
+from moe.parallel.dims import ParallelDims
 
 
 @dataclass
@@ -73,29 +75,32 @@ def check_stage_handshake(group) -> None:
                                 "(torch/distributed/pipelining/stage.py), which gloo aborts on")
 
 
-def build_pipeline(cfg, dims, meshes, parallelize_part: Callable[[nn.Module], None], device) -> Pipeline:
-    """This rank's stages, each parallelised by `parallelize_part` (moe.parallel.parallelize with the
-    backend's steps), and the schedule over the mesh's `pp` group."""
+def build_pipeline(model: ModelConfig, moe_opt: MoEOptConfig, parallel: ParallelConfig,
+                   trainer: TrainerConfig, hardware: HardwareConfig, seed: int, dims: ParallelDims, meshes,
+                   parallelize_part: Callable[[nn.Module], None], device) -> Pipeline:
+    """This rank's stages (built from model and moe_opt with `seed`), each parallelised by `parallelize_part`
+    (moe.parallel.parallelize with the backend's steps), and the schedule over the mesh's `pp` group; trainer
+    and hardware say the precision the stages exchange hidden states in."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
     from moe.config.specs import SPECS
 
-    n = cfg.parallel.pipeline_microbatches or cfg.trainer.accumulate_grad_batches
+    n = parallel.pipeline_microbatches or dims.accumulate_grad_batches
     group = meshes.pp.get_group()
     check_stage_handshake(group)
-    hidden_dtype = torch.bfloat16 if SPECS["fsdp2"].gathers_bf16(cfg) else torch.float32
+    hidden_dtype = torch.bfloat16 if SPECS["fsdp2"].gathers_bf16(trainer, hardware) else torch.float32
     parts, stages = [], []
     for stage in dims.stage_ids(meshes.pp.get_local_rank()):
         with torch.device("meta"):
-            part = PipelineStageModel(cfg.model, cfg.moe_opt, cfg.seed, dims.stage_layers(stage),
+            part = PipelineStageModel(model, moe_opt, seed, dims.stage_layers(stage),
                                       first=stage == 0, last=stage == dims.num_stages - 1)
         part.loss_scale, part.hidden_dtype = 1.0 / n, hidden_dtype
         parallelize_part(part)
-        if cfg.parallel.offload_experts:
+        if parallel.offload_experts:
             keep_offloaded_experts_reducing(part)
         parts.append(part)
-        inputs, outputs = stage_tensors(cfg, dims, part, n, hidden_dtype)
+        inputs, outputs = stage_tensors(model, dims, part, n, hidden_dtype)
         stages.append(PipelineStage(part, stage, dims.num_stages, device, input_args=inputs,
                                     output_args=outputs, group=group))
     schedule_class = get_schedule_class(dims.pp_schedule)
@@ -137,7 +142,8 @@ def keep_offloaded_experts_reducing(part: nn.Module) -> None:
     part.set_reshard_after_backward = set_reshard_after_backward
 
 
-def stage_tensors(cfg, dims, part: PipelineStageModel, n_microbatches: int, hidden_dtype):
+def stage_tensors(model: ModelConfig, dims: ParallelDims, part: PipelineStageModel, n_microbatches: int,
+                  hidden_dtype):
     """What a stage takes and gives for one micro-batch, on the meta device: given up front, the schedule
     infers nothing (inference would run a forward of every stage on an uninitialised tensor, through the
     MoE layers' all-to-alls, and count its routing). Token ids [b, S] into the first stage, hidden states
@@ -145,7 +151,7 @@ def stage_tensors(cfg, dims, part: PipelineStageModel, n_microbatches: int, hidd
     rows = dims.micro_batch_size * dims.accumulate_grad_batches // n_microbatches
     seq = dims.seq_len // (dims.tp if dims.sequence_parallel else 1)
     # requires_grad: the receiving stage's backward gives its input a gradient to send back
-    hidden = torch.empty(rows, seq, cfg.model.hidden_size, dtype=hidden_dtype, device="meta",
+    hidden = torch.empty(rows, seq, model.hidden_size, dtype=hidden_dtype, device="meta",
                          requires_grad=True)
     inputs = torch.empty(rows, dims.seq_len, dtype=torch.long, device="meta") if part.first else hidden
     outputs = torch.empty((), dtype=torch.float32, device="meta") if part.last else hidden

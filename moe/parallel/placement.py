@@ -134,13 +134,13 @@ def _without_wrappers(name: str) -> str:
 
 
 @torch.no_grad()
-def load_full_checkpoint(lit_module, optimizers: list, checkpoint: dict) -> None:
+def load_full_checkpoint(lit_module, optimizers: list, checkpoint: dict, model_cfg, tp: int) -> None:
     """A portable checkpoint (one file, every expert, torch's id-keyed optimizer state) into this rank's
-    live shards: the weights, then each parameter's optimizer state (created first if the optimizer
-    has none yet), then the param groups' hyper-parameters."""
+    live shards, split `tp` ways, of a network built from `model_cfg`: the weights, then each parameter's
+    optimizer state (created first if the optimizer has none yet), then the param groups' hyper-parameters."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    wheres = where_by_name(lit_module, lit_module.cfg.model, lit_module.backend.dims.tp)
+    wheres = where_by_name(lit_module, model_cfg, tp)
     live = lit_module.state_dict(keep_vars=True)
     for key, value in checkpoint["state_dict"].items():
         _fill_canonical(live[key], value, wheres.get(key))

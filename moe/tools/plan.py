@@ -24,7 +24,7 @@ from moe.config.derived import (
     trainer_world,
 )
 from moe.config.size import param_breakdown
-from moe.config.specs import spec_of
+from moe.config.specs import BackendSpec, spec_of
 from moe.model.fused_ce import CE_CHUNK_TOKENS
 from moe.parallel.dims import ParallelDims
 
@@ -34,7 +34,8 @@ GIB = 2**30
 # --------------------------------------------------------------------------- activations
 
 
-def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
+def activation_bytes(model, moe_opt, parallel, hardware, trainer, dims: ParallelDims, routing_skew: float,
+                     micro_batch: int) -> tuple[float, float, str]:
     """Activation bytes kept for backward by one pipeline stage: (first stage, last stage, note).
 
     Per token and layer, in elements of the activation dtype (Korthikanti et al. 2022,
@@ -60,31 +61,32 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
     (s*V/tp per sequence), or with BackendSpec.fused_cross_entropy one chunk's (CE_CHUNK_TOKENS)
     and the LM head's fp32 gradient, which the chunked head computes in the forward.
     """
-    m, p = cfg.model, cfg.parallel
-    e = spec_of(cfg.hardware).activation_bytes(cfg)
-    s, b, h, t = cfg.data.seq_len, micro_batch, m.hidden_size, p.tp
+    m, p, spec = model, parallel, spec_of(hardware)
+    e = spec.activation_bytes(model, hardware, trainer)
+    s, b, h, t = dims.seq_len, micro_batch, m.hidden_size, dims.tp
     qk_dim, v_dim = attention_dims(m)
     F, Fd = m.intermediate_size, dense_width(m)
-    sp = p.sequence_parallel and t > 1
-    cf = cfg.moe_opt.capacity_factor or 1.0  # dropless: one slot per assignment on average
+    sp = dims.sequence_parallel
+    cf = moe_opt.capacity_factor or 1.0  # dropless: one slot per assignment on average
+    load = hot_rank_load(moe_opt, dims, routing_skew)
 
     def split(replicated: float, sharded: float) -> float:  # elements per token on one device
         return (replicated + sharded) / t if sp else replicated + sharded / t
 
-    scores = 0.0 if spec_of(cfg.hardware).fused_attention else split(0, 2.5 * m.num_heads * s)
+    scores = 0.0 if spec.fused_attention else split(0, 2.5 * m.num_heads * s)
     if m.attention == "mla":  # per head: q, the expanded k and v, o's input; the latents stay whole under TP
         latents = 2 * (m.kv_lora_rank + (m.q_lora_rank or 0))
         attn = split(3 * h + latents, m.num_heads * (2 * qk_dim + 2 * v_dim)) + scores
     else:
         attn = split(3 * h, (h + 2 * m.num_kv_heads * qk_dim) + h) + scores
-    swiglu = spec_of(cfg.hardware).mlp_activations
+    swiglu = spec.mlp_activations
     dense = split(h, swiglu * Fd)
-    routed = m.top_k * cf * (2 * h + swiglu * F) * hot_rank_load(cfg)
+    routed = m.top_k * cf * (2 * h + swiglu * F) * load
     router = 8 * m.num_experts / e  # fp32 logits and probabilities
     moe = split(h, routed + swiglu * m.shared_expert_intermediate_size) + router
     moe_selective = split(h, m.top_k * cf * 2 * h) + router  # expert MLP internals recomputed
     layer_input = split(h, 0)
-    policy, moe_layer_alone = p.activation_checkpointing, spec_of(cfg.hardware).ac_wraps_moe_layer
+    policy, moe_layer_alone = p.activation_checkpointing, spec.ac_wraps_moe_layer
 
     def layer(i: int) -> float:
         is_moe = is_moe_layer(i, m)
@@ -98,41 +100,40 @@ def activation_bytes(cfg, micro_batch: int) -> tuple[float, float, str]:
             return attn - scores + (moe_selective if is_moe else dense)
         return attn + ffn
 
-    stage = range(layers_per_stage(m.num_layers, p.pp))  # the first stage; the others alike but for MoE
+    stage = range(layers_per_stage(m.num_layers, dims.pp))  # the first stage; the others alike but for MoE
     kept = sum(layer(i) for i in stage)
     recompute = max((attn + (moe if is_moe_layer(i, m) else dense)) - layer(i)
                     for i in stage)  # one checkpointed layer is live again during backward
     tokens = s * b
-    microbatches = p.pipeline_microbatches or cfg.trainer.accumulate_grad_batches
+    microbatches = p.pipeline_microbatches or dims.accumulate_grad_batches
     in_flight = 1.0
-    schedule = spec_of(cfg.hardware).pipeline_schedule(cfg)  # torch.distributed.pipelining's, or NxD's 1F1B
-    if p.pp > 1:
+    schedule = spec.pipeline_schedule(p)  # torch.distributed.pipelining's, or NxD's 1F1B
+    if dims.pp > 1:
         per_rank = stages_per_rank(schedule, p.pp_stages_per_rank)
-        in_flight = pipeline_in_flight(schedule, p.pp, per_rank, microbatches)
-    if spec_of(cfg.hardware).fused_cross_entropy:  # a chunk's fp32 logits and softmax, the head's fp32 gradient
+        in_flight = pipeline_in_flight(schedule, dims.pp, per_rank, microbatches)
+    if spec.fused_cross_entropy:  # a chunk's fp32 logits and softmax, the head's fp32 gradient
         logits = 2 * min(tokens, CE_CHUNK_TOKENS) * m.vocab_size * 4 + m.vocab_size * m.hidden_size * 4
     else:
         logits = 2 * tokens * m.vocab_size * 4 / t  # fp32 logits and the cross-entropy's log-probabilities
     note = f"{p.activation_checkpointing} checkpointing, micro-batch {b} x {s} tokens"
-    if hot_rank_load(cfg) != 1.0:
-        note += f", the hottest expert's rank at {hot_rank_load(cfg):.2f}x the rows (routing_skew)"
+    if load != 1.0:
+        note += f", the hottest expert's rank at {load:.2f}x the rows (routing_skew)"
     if sp:
         note += ", sequence parallel"
-    if p.pp > 1:
+    if dims.pp > 1:
         note += f", {schedule} keeps {in_flight:g} micro-batch(es) on the first stage"
     first = (kept * in_flight + recompute) * tokens * e
     last = (kept + recompute) * tokens * e + logits
     return first, last, note
 
 
-def hot_rank_load(cfg) -> float:
+def hot_rank_load(moe_opt, dims: ParallelDims, routing_skew: float) -> float:
     """Rows the rank holding the hottest expert receives, over a balanced rank's: its other experts at their
     share, the hot one at `routing_skew` times (dropless expert parallelism; a capacity caps every expert at
     its slots, and one process gets every row whatever the routing)."""
-    m, p = cfg.model, cfg.parallel
-    if cfg.moe_opt.capacity_factor is not None or p.ep == 1:
+    if moe_opt.capacity_factor is not None or dims.ep == 1:
         return 1.0
-    return hottest_rank_load(m.num_experts // p.ep, cfg.routing_skew)
+    return hottest_rank_load(dims.num_experts // dims.ep, routing_skew)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -249,16 +250,17 @@ class Plan:
         return "\n".join(lines)
 
 
-def memory_estimate(cfg, dims: ParallelDims) -> Memory:
+def memory_estimate(model, moe_opt, parallel, hardware, trainer, dims: ParallelDims,
+                    routing_skew: float) -> Memory:
     """Parameters, gradients, optimizer states and activations per device, in GiB."""
-    m, p = cfg.model, cfg.parallel
-    bd = param_breakdown(m)
+    p = parallel
+    bd = param_breakdown(model)
     ep, tp, pp, dp = dims.ep, dims.tp, dims.pp, dims.dp
     layer_dense = bd.attention + bd.routers + bd.shared_experts + bd.dense_mlp
     outer = bd.embedding + bd.lm_head + bd.final_norm
     if pp > 1:  # first stage holds the embedding, last the norm and lm_head (tied: both keep a copy)
         outer = max(bd.embedding, (bd.lm_head or bd.embedding) + bd.final_norm)
-    spec = spec_of(cfg.hardware)
+    spec = spec_of(hardware)
     if spec.tp_splits_all_weights:
         non_expert = (layer_dense / pp + outer) / tp
     else:  # TP splits attention and dense MLPs; the rest is whole on every TP rank
@@ -267,7 +269,7 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
     # holding the same ones (dims.expert_dp, TP ranks included)
     expert = bd.experts / pp / (ep if dims.ep_folds_tp else ep * tp)
 
-    bytes_ = spec.state_bytes(cfg)
+    bytes_ = spec.state_bytes(model, parallel, hardware, trainer)
     pb, gb, ob = bytes_.param, bytes_.grad, bytes_.optimizer
     shard = min(dp, p.hybrid_shard_degree or dp)
     expert_shard = min(dims.expert_dp, p.hybrid_shard_degree or dims.expert_dp)
@@ -290,8 +292,9 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
         grads = (non_expert + on_device) * 4
     optimizer = sharded(non_expert, on_device, 1) * ob
     step = sharded(non_expert, on_device, 1) * bytes_.step
-    host = offloaded / expert_shard * (pb + gb + ob) * cfg.hardware.devices_per_node
-    first, last, act_note = activation_bytes(cfg, cfg.trainer.micro_batch_size)
+    host = offloaded / expert_shard * (pb + gb + ob) * hardware.devices_per_node
+    first, last, act_note = activation_bytes(model, moe_opt, parallel, hardware, trainer, dims, routing_skew,
+                                             trainer.micro_batch_size)
     if p.zero_stage >= weights_from:
         replicas = f", {dp // shard} HSDP replicas" if dp > shard else ""
         sharding_note = (f"{spec.library}: dense states over {shard} ranks, expert states over "
@@ -304,39 +307,38 @@ def memory_estimate(cfg, dims: ParallelDims) -> Memory:
     return Memory(
         params=params / GIB, grads=grads / GIB, optimizer=optimizer / GIB,
         activations=max(first, last) / GIB, step=step / GIB, grads_in_step=bytes_.grads_in_step,
-        comm=spec.comm_buffer_bytes(cfg) / GIB,
-        capacity=float(cfg.hardware.device_memory_gib),
+        comm=spec.comm_buffer_bytes(model, parallel, hardware, trainer, dp) / GIB,
+        capacity=float(hardware.device_memory_gib),
         precision_note=f"{bytes_.note} ({pb}+{gb}+{ob} bytes/param)",
         activation_note=act_note, sharding_note=sharding_note,
-        fixed=float(cfg.hardware.fixed_memory_gib),
+        fixed=float(hardware.fixed_memory_gib),
         sharded_backward=spec.sharded_backward and pp == 1,
-        host_per_node=host / GIB, host_capacity=cfg.hardware.host_memory_gib,
+        host_per_node=host / GIB, host_capacity=hardware.host_memory_gib,
     )
 
 
-def memory_hints(cfg) -> list[str]:
+def memory_hints(parallel, trainer, spec: BackendSpec) -> list[str]:
     """What would lower the estimate, skipping what this backend cannot do or the config already does."""
-    p, spec = cfg.parallel, spec_of(cfg.hardware)
     hints = [f"parallel.zero_stage={spec.max_zero_stage} (states shard over dp)"] \
-        if p.zero_stage < spec.max_zero_stage else []
+        if parallel.zero_stage < spec.max_zero_stage else []
     able = {"ep": True, "tp": spec.tensor_parallel, "pp": spec.pipeline_parallel}
     degrees = [key for key, ok in able.items() if ok]
     hints.append("more " + " / ".join(f"parallel.{d}" for d in degrees))
-    if p.hybrid_shard_degree:
+    if parallel.hybrid_shard_degree:
         hints.append("a larger parallel.hybrid_shard_degree (null: shard over every data-parallel rank)")
-    if p.activation_checkpointing != "full":
+    if parallel.activation_checkpointing != "full":
         hints.append("parallel.activation_checkpointing=full")
-    if cfg.trainer.micro_batch_size > 1:
+    if trainer.micro_batch_size > 1:
         hints.append("a smaller trainer.micro_batch_size")
     return hints
 
 
 def make_plan(cfg, dims: ParallelDims) -> Plan:
     """The layout and memory estimate for a composed, validated config."""
-    p, hw = cfg.parallel, cfg.hardware
+    p, hw, spec = cfg.parallel, cfg.hardware, spec_of(cfg.hardware)
     launched = trainer_world(cfg.trainer)
     sizes = param_breakdown(cfg.model)
-    memory = memory_estimate(cfg, dims)
+    memory = memory_estimate(cfg.model, cfg.moe_opt, p, hw, cfg.trainer, dims, cfg.routing_skew)
     notes = []
     if launched != dims.world:
         notes.append(
@@ -346,7 +348,7 @@ def make_plan(cfg, dims: ParallelDims) -> Plan:
         )
     if memory.verdict != "fits":
         notes.append(f"warning: {memory.total:.2f} GiB is above 90% of the {memory.capacity:g} GiB of a "
-                     f"{hw.device_name}; to save memory: " + ", ".join(memory_hints(cfg)))
+                     f"{hw.device_name}; to save memory: " + ", ".join(memory_hints(p, cfg.trainer, spec)))
     if memory.host_verdict in ("tight", "does not fit"):
         notes.append(f"warning: the offloaded states take {memory.host_per_node:.0f} GiB of host memory per "
                      f"node, above 90% of its {memory.host_capacity:g} GiB: more nodes, or a smaller model")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from moe.config.derived import precision, precision_of
-from moe.config.specs import spec_of
+from moe.config.specs import BackendSpec, spec_of
 from moe.model.sync import assumed_skew
 from moe.outputs import atomic_path
 from moe.parallel.dims import ParallelDims
@@ -92,10 +92,10 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(before)
 
 
-def _param_dtype_and_autocast(cfg) -> tuple[torch.dtype, torch.dtype | None]:
+def _param_dtype_and_autocast(trainer, hardware) -> tuple[torch.dtype, torch.dtype | None]:
     """(dtype of the weights on the device, autocast dtype or None), as the backend trains."""
-    run = precision(cfg.trainer, cfg.hardware)
-    weights = run.half if run.mixed and spec_of(cfg.hardware).half_weights_when_mixed else run.param_dtype
+    run = precision(trainer, hardware)
+    weights = run.half if run.mixed and spec_of(hardware).half_weights_when_mixed else run.param_dtype
     autocast = run.autocast_dtype
     return getattr(torch, weights), None if autocast is None else getattr(torch, autocast)
 
@@ -112,9 +112,9 @@ def _local_shard_optimizer(optimizer, model) -> _Optimizer:
     return _Optimizer(optimizer, model, local_views=list(views.values()))
 
 
-def _zero_shards(cfg, dims: ParallelDims) -> tuple[int, int]:
+def _zero_shards(dims: ParallelDims) -> tuple[int, int]:
     """(ranks the dense optimizer state is split over, ranks the expert state is split over)."""
-    if cfg.parallel.zero_stage < 1:
+    if dims.zero_stage < 1:
         return 1, 1
     return dims.dp, dims.expert_dp
 
@@ -124,38 +124,43 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from moe.backends import backend_class
     from moe.model import MoETransformer
     from moe.module.optim import build_optimizer
     from moe.parallel.apply import moe_layers
     from moe.parallel.parallelize import parallelize
     from moe.parallel.pipeline import StageParts
 
-    rank, start = cfg.simulate_rank, time.perf_counter()
-    param_dtype, autocast = _param_dtype_and_autocast(cfg)
+    rank, start, spec = cfg.simulate_rank, time.perf_counter(), spec_of(cfg.hardware)
+    param_dtype, autocast = _param_dtype_and_autocast(cfg.trainer, cfg.hardware)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
     try:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # meta parameters become fake ones
+        # the backend's parallelize steps (moe.parallel.parallelize) on the fake ranks, storage fake
+        backend = backend_class(cfg.hardware)
+        steps = backend.simulated_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, cfg.trainer, dims, fake_mode)
         pipeline = None
         if dims.pp_enabled:  # this rank's stages, built on meta, parallelised and scheduled as training does
             with _default_dtype(param_dtype):
-                pipeline = _pipeline(cfg, dims, fake_mode)
+                pipeline = _pipeline(cfg.model, cfg.moe_opt, cfg.parallel, cfg.trainer, cfg.hardware,
+                                     cfg.seed, dims, steps)
             model, root = StageParts(pipeline.parts), pipeline.parts[0]
         else:
             with torch.device("meta"), _default_dtype(param_dtype):
                 model = root = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed)
-            parallelize(model, cfg, dims.tp, _steps(cfg, dims, fake_mode))  # the backend's, on fake ranks
+            parallelize(model, cfg.model, cfg.parallel, dims.tp, steps)  # the backend's, on fake ranks
         for layer in moe_layers(model):  # what a GPU runs in half precision; fake kernels exist for bf16 only
             layer.experts.use_grouped_mm = (autocast or param_dtype) == torch.bfloat16
         params_local = sum(_local_numel(p) for p in model.parameters())
 
         with fake_mode:
-            optimizer = _optimizer(cfg, dims, model, param_dtype, build_optimizer)
+            optimizer = _optimizer(cfg.optimizer, spec, dims, model, param_dtype, build_optimizer)
             rows = cfg.trainer.micro_batch_size
             if pipeline is not None:  # the schedule's micro-batch: the rank's step batch cut in n pieces
                 rows = rows * cfg.trainer.accumulate_grad_batches // pipeline.n_microbatches
             tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.data.seq_len))
         # FSDP2's tracker follows one forward per module a step: a pipeline runs one per micro-batch
-        fsdp_tracker = spec_of(cfg.hardware).sharded_backward and pipeline is None  # FSDP2 units: its own tracker
+        fsdp_tracker = spec.sharded_backward and pipeline is None  # FSDP2 units: its own tracker
         tracker = (_device_peak_tracker(root, optimizer.optimizer) if fsdp_tracker else
                    _device_peak_tracker(modules=pipeline is None))
         if fsdp_tracker:
@@ -195,7 +200,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         breakdown["Total"] += plan.memory.fixed
     # DeepSpeed's engine does not run here: its buckets are added as planned (FSDP2's gathered weights
     # are real tensors of the simulated step, counted by the tracker)
-    if plan.memory.comm and not spec_of(cfg.hardware).simulated_model_parallel:
+    if plan.memory.comm and not spec.simulated_model_parallel:
         breakdown[COMM] = plan.memory.comm
         breakdown["Total"] += plan.memory.comm
     result = Simulation(
@@ -218,21 +223,14 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     return result
 
 
-def _steps(cfg, dims: ParallelDims, fake_mode):
-    """The backend's parallelize steps (moe.parallel.parallelize) on the fake ranks, storage fake."""
-    from moe.backends import backend_class
-
-    return backend_class(cfg).simulated_steps(cfg, dims, fake_mode)
-
-
-def _pipeline(cfg, dims: ParallelDims, fake_mode):
+def _pipeline(model, moe_opt, parallel, trainer, hardware, seed: int, dims: ParallelDims, steps):
     """This rank's pipeline, built as training builds it (moe.parallel.pipeline.build_pipeline: its stages,
-    each parallelised by the backend's steps on the fake ranks, and the schedule over the mesh's pp dim)."""
+    each parallelised by the backend's `steps` on the fake ranks, and the schedule over the mesh's pp dim)."""
     from moe.parallel.parallelize import parallelize
     from moe.parallel.pipeline import build_pipeline
 
-    steps = _steps(cfg, dims, fake_mode)
-    return build_pipeline(cfg, dims, dims.meshes("cpu"), lambda part: parallelize(part, cfg, dims.tp, steps),
+    return build_pipeline(model, moe_opt, parallel, trainer, hardware, seed, dims, dims.meshes("cpu"),
+                          lambda part: parallelize(part, model, parallel, dims.tp, steps),
                           torch.device("cpu"))
 
 
@@ -368,13 +366,15 @@ class _Optimizer:
             self.model.zero_grad(set_to_none=True)
 
 
-def _optimizer(cfg, dims, model, param_dtype, build_optimizer) -> _Optimizer:
-    shards = spec_of(cfg.hardware).optimizer_shards
+def _optimizer(optimizer, spec: BackendSpec, dims: ParallelDims, model, param_dtype,
+               build_optimizer) -> _Optimizer:
+    """The optimizer `spec`'s backend steps, built from the `optimizer` section over `model`."""
+    shards = spec.optimizer_shards
     if shards == "dtensor":
-        return _local_shard_optimizer(build_optimizer(model, cfg.optimizer), model)
-    if shards != "zero" or (cfg.parallel.zero_stage < 1 and param_dtype == torch.float32):
-        return _Optimizer(build_optimizer(model, cfg.optimizer), model)
-    dense_shard, expert_shard = _zero_shards(cfg, dims)
+        return _local_shard_optimizer(build_optimizer(model, optimizer), model)
+    if shards != "zero" or (dims.zero_stage < 1 and param_dtype == torch.float32):
+        return _Optimizer(build_optimizer(model, optimizer), model)
+    dense_shard, expert_shard = _zero_shards(dims)
     dense = [p for p in model.parameters() if not getattr(p, "is_expert", False)]
     expert = [p for p in model.parameters() if getattr(p, "is_expert", False)]
     partitions = []
@@ -383,5 +383,5 @@ def _optimizer(cfg, dims, model, param_dtype, build_optimizer) -> _Optimizer:
             numel = -(-sum(p.numel() for p in params) // shard)
             partitions.append((torch.nn.Parameter(torch.empty(numel, dtype=torch.float32)), params))
     parts = [part for part, _ in partitions]
-    adamw = torch.optim.AdamW(parts, lr=cfg.optimizer.lr, fused=True)  # as build_optimizer gives DeepSpeed
+    adamw = torch.optim.AdamW(parts, lr=optimizer.lr, fused=True)  # as build_optimizer gives DeepSpeed
     return _Optimizer(adamw, model, partitions)

@@ -17,6 +17,7 @@ from neuronx_distributed.parallel_layers import mappings
 from neuronx_distributed.parallel_layers.loss_functions import parallel_cross_entropy
 from torch import nn
 
+from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.model.loss import lm_loss, router_loss
 from moe.model.model import Block, MoETransformer
 from moe.model.routing import RoutingStats
@@ -35,7 +36,7 @@ class StageBlock(Block):
     as leaves when tracing (src/neuronx_distributed/pipeline/model.py:585-586).
     """
 
-    def __init__(self, cfg, moe_opt, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, moe_opt: MoEOptConfig, layer_idx: int):
         super().__init__(cfg, moe_opt, layer_idx)
         self.moe_opt = moe_opt
         self.routing: list[RoutingStats] = []  # this step's statistics, until pop_routing

@@ -1,0 +1,77 @@
+"""Issue T: functions read the config sections they need, not the whole config.
+
+A source scan (fast, no imports) lists every function under moe/ that takes train.py's whole config: a
+parameter named `cfg` (a function that takes one section names it after the section, or annotates it with
+the section's schema class), or a read of a section off another object's config (`backend.cfg.parallel`).
+A class that holds the run's config (a Backend, LitMoE, NeuronLitMoE) takes it once, in its constructor; its
+methods' `self.cfg.<section>` reads, and a helper's reads of a LightningModule's own config (`module.cfg`,
+`pl_module.cfg`), are that holder's. The other entry points' configs (data_prep's PrepConfig, infer's
+InferConfig) are theirs, not train.py's.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = {"model", "moe_opt", "parallel", "hardware", "optimizer", "data", "trainer", "logger",
+            "callbacks", "seed", "run_name", "resume", "dry_run", "simulate", "simulate_rank", "routing_skew",
+            "allow_pickle", "lock_wait_s"}
+HOLDERS = {"self", "module", "pl_module", "lit_module"}  # a holder's own config (module docstring)
+NOT_TRAIN = ("moe/infer/", "moe/data/pipeline.py", "moe/config/rules/entries.py")  # other entry points
+PART_TYPES = ("ModelConfig", "MoEOptConfig", "ParallelConfig", "HardwareConfig", "OptimizerConfig",
+              "DataConfig", "TrainerConfig", "Section", "PrepConfig", "InferConfig")
+
+# Every function that takes the whole config, and why it must: entry points, the conversions of the whole,
+# and the few that combine every section (the planner, the simulation, the run itself).
+WHOLE = {
+    "moe/train/run.py": {"settle", "train", "_train"},  # the run
+    "moe/train/init_from_hf.py": {"apply_init_from_hf"},  # settles the model and data sections together
+    "moe/train/callbacks.py": {"build_callbacks", "key_config"},  # the run's callbacks; the report's keys
+    "moe/config/validate.py": {"validate"},  # the table of rules
+    "moe/config/rules/apply.py": {"apply_rule"},  # gives each rule what its parameters name
+    "moe/config/rules/run.py": {"check_known_keys", "check_finite"},  # walk every key
+    "moe/config/settled.py": {"settled_config"},  # the conversion to frozen dataclasses
+    "moe/config/upgrade.py": {"with_schema_defaults"},  # an older checkpoint's config, typed
+    "moe/parallel/dims.py": {"from_config", "validated_dims"},  # the layout from every section it reads
+    "moe/tools/plan.py": {"make_plan"},  # the planner
+    "moe/tools/simulate.py": {"simulate"},  # the simulation
+    "moe/backends/__init__.py": {"build_backend", "single_process_module"},  # build from a config
+    "moe/backends/base.py": {"__init__"},  # Backend holds the run's config
+    "moe/backends/deepspeed.py": {"__init__"},  # ... DeepSpeed's builds its strategy from it
+    "moe/backends/neuron/__init__.py": {"__init__"},  # ... trn1's sets the Neuron environment from it
+    "moe/module/lit_moe.py": {"__init__"},  # LitMoE holds it (and stores it in checkpoints)
+    "moe/backends/neuron/module.py": {"__init__"},  # NeuronLitMoE likewise
+}
+
+
+def _whole_config_readers() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "moe").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(NOT_TRAIN):
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+            cfg = next((a for a in args if a.arg == "cfg"), None)
+            takes = cfg is not None and not (cfg.annotation and ast.unparse(cfg.annotation) in PART_TYPES)
+            reaches = any(isinstance(node, ast.Attribute) and node.attr in SECTIONS
+                          and isinstance(node.value, ast.Attribute) and node.value.attr == "cfg"
+                          and not (isinstance(node.value.value, ast.Name) and node.value.value.id in HOLDERS)
+                          for node in ast.walk(fn))
+            if takes or reaches:
+                found.setdefault(rel, set()).add(fn.name)
+    return found
+
+
+def test_only_entry_points_and_combiners_take_the_whole_config():
+    found = _whole_config_readers()
+    extra = {f"{path}:{name}" for path, names in found.items() for name in names - WHOLE.get(path, set())}
+    assert not extra, ("these take train.py's whole config: give them the sections they read, named after "
+                       "them (or, if one truly combines every section, add it to WHOLE with why): "
+                       f"{sorted(extra)}")
+    gone = {f"{path}:{name}" for path, names in WHOLE.items() for name in names - found.get(path, set())}
+    assert not gone, f"no longer take the whole config: drop them from WHOLE: {sorted(gone)}"
+    assert sum(len(names) for names in WHOLE.values()) == 23
