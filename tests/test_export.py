@@ -176,7 +176,7 @@ def test_init_from_hf_takes_the_architecture_and_weights_from_the_dir(tmp_path, 
     hf = transformers_dir(tmp_path / "mix", tok_dir, window=5)
     cfg = train_cfg(tokenizer=None)
     cfg.model.init_from_hf, cfg.model.name, cfg.model.compile = str(tmp_path / "mix"), "mine", True
-    apply_init_from_hf(cfg)
+    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     m = cfg.model
     got = (m.hidden_size, m.num_layers, m.intermediate_size, m.sliding_window, m.vocab_size, m.rope_theta)
     assert got == (32, 2, 20, 5, V, 1e4)
@@ -200,19 +200,19 @@ def test_init_from_hf_refuses_a_data_tokenizer_with_other_ids(tmp_path, tok_dir)
     cfg = train_cfg(tokenizer=str(other))
     cfg.model.init_from_hf = str(tmp_path / "mix")
     with pytest.raises(UserError, match=r"data.tokenizer=.* ids that differ .*Fix: set data.tokenizer="):
-        apply_init_from_hf(cfg)
+        apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     same = train_cfg(tokenizer=str(tok_dir), format="chat")  # same ids: accepted as is
     same.model.init_from_hf = str(tmp_path / "mix")
-    apply_init_from_hf(same)
+    apply_init_from_hf(same.model, same.moe_opt, same.data, same.seed)
     assert same.data.tokenizer == str(tok_dir)
     bad = train_cfg()
     bad.model.init_from_hf = str(tmp_path / "nowhere")
     with pytest.raises(UserError, match="model.init_from_hf=.* has no config.json"):
-        apply_init_from_hf(bad)
+        apply_init_from_hf(bad.model, bad.moe_opt, bad.data, bad.seed)
     config = json.loads((tmp_path / "mix" / "config.json").read_text())
     yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 32}
     bad.model.init_from_hf = str(tmp_path / "mix")
     for key in ("rope_parameters", "rope_scaling"):  # as transformers 5 / 4.x write it
         (tmp_path / "mix" / "config.json").write_text(json.dumps(config | {key: yarn}))
         with pytest.raises(UserError, match="model.init_from_hf=.*rope_type"):
-            apply_init_from_hf(bad)
+            apply_init_from_hf(bad.model, bad.moe_opt, bad.data, bad.seed)

@@ -241,12 +241,13 @@ def test_init_from_hf_takes_a_deepseek_v3_directory(tmp_path):
     cfg = OmegaConf.structured(TrainConfig)
     cfg.data.tokenizer, cfg.model.init_from_hf = None, str(tmp_path / "ds")
     with pytest.raises(ConfigError) as err:
-        apply_init_from_hf(cfg)  # the default moe_opt: softmax, no groups
+        # the default moe_opt: softmax, no groups
+        apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     assert err.value.field == "moe_opt.score_function" and "moe_opt.num_groups=4" in err.value.fix
     for key, value in vars(model.moe_opt).items():
         if key != "name":
             cfg.moe_opt[key] = value
-    apply_init_from_hf(cfg)
+    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     m = cfg.model
     assert (m.attention, m.q_lora_rank, m.kv_lora_rank, m.first_k_dense_replace, m.dense_intermediate_size) \
         == ("mla", 16, 12, 1, 40)

@@ -452,7 +452,7 @@ def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_p
         tmp_path
     )
     cfg = compose_cfg(*TRN1, f"model.init_from_hf={tmp_path}")
-    apply_init_from_hf(cfg)
+    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     expected = from_hf(tmp_path).state_dict()
     for resuming, same in ((False, True), (True, False)):
         backend = NeuronBackend(cfg, validated_dims(cfg))

@@ -52,7 +52,7 @@ def test_meta_build_upcycles_each_rank_from_the_files(tmp_path):
     path, dense = dense_dir(tmp_path)
     cfg = compose_cfg(f"model.upcycle_from_hf={path}", "model.num_experts=4", "model.top_k=2",
                       "moe_opt=dropless", f"data.tokenizer={REPO}/data/sample")
-    apply_init_from_hf(cfg)
+    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     backend = build_backend(cfg, validated_dims(cfg))
     module = backend.build_module()
     backend.parallelize(module)
@@ -115,7 +115,7 @@ def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(
                  "model.upcycle_granularity=2", "moe_opt=dropless", "moe_opt.topk_scaling_factor=2",
                  f"data.tokenizer={REPO}/data/sample"]
     cfg = compose_cfg(*overrides)
-    apply_init_from_hf(cfg)
+    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     assert cfg.model.intermediate_size == 32
     backend = build_backend(cfg, validated_dims(cfg))
     module = backend.build_module()
@@ -126,4 +126,4 @@ def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(
         torch.testing.assert_close(module.model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)
     cfg = compose_cfg(*(o for o in overrides if "topk_scaling" not in o))
     with pytest.raises(UserError, match="moe_opt.topk_scaling_factor=2"):
-        apply_init_from_hf(cfg)
+        apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)

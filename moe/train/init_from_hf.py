@@ -22,10 +22,10 @@ from moe.paths import local_path
 KEEP_FROM_USER = ("name", "compile", "init_from_hf", "upcycle_from_hf", "upcycle_granularity")
 
 
-def apply_init_from_hf(cfg: DictConfig) -> str | None:
-    """`model.init_from_hf=DIR` or `model.upcycle_from_hf=DIR`: replace cfg.model's architecture with
-    DIR's config.json (in place, while the run settles its config; upcycling keeps the user's num_experts
-    and top_k). It takes the whole composed config: it settles the model and data sections together.
+def apply_init_from_hf(model: DictConfig, moe_opt, data: DictConfig, seed: int) -> str | None:
+    """`model.init_from_hf=DIR` or `model.upcycle_from_hf=DIR`: replace the model section's architecture
+    with DIR's config.json (in place, while the run settles its config; upcycling keeps the user's
+    num_experts and top_k).
 
     When DIR carries a tokenizer, an unset `data.tokenizer` is pointed at it (returned: a note for
     the user), and a data tokenizer whose ids disagree with it is refused (the model would read the
@@ -35,15 +35,15 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
     from moe.hf.dense import DenseUpcycle, read_dense_config
     from moe.hf.registry import converter_for
 
-    check_hf_start(cfg.model, cfg.moe_opt)
-    field = "model.upcycle_from_hf" if cfg.model.get("upcycle_from_hf") else "model.init_from_hf"
-    path = cfg.model.get("upcycle_from_hf") or cfg.model.init_from_hf
+    check_hf_start(model, moe_opt)
+    field = "model.upcycle_from_hf" if model.upcycle_from_hf else "model.init_from_hf"
+    path = model.upcycle_from_hf or model.init_from_hf
     if not path:
         return None
     try:
         if field == "model.upcycle_from_hf":
-            g = cfg.model.upcycle_granularity
-            upcycler = DenseUpcycle(cfg.model.num_experts, cfg.model.top_k, g,
+            g = model.upcycle_granularity
+            upcycler = DenseUpcycle(model.num_experts, model.top_k, g,
                                     granularity_field="model.upcycle_granularity")
             arch = asdict(upcycler.model_config(read_dense_config(path)))
         else:
@@ -56,23 +56,23 @@ def apply_init_from_hf(cfg: DictConfig) -> str | None:
         raise UserError(field, str(path), err.fix, problem=f"has {err.field}={err.value!r}, "
                         f"which {err.problem}") from err
     if field == "model.init_from_hf":
-        adapter.check_routing(hf_config, cfg.moe_opt, arch["top_k"])
+        adapter.check_routing(hf_config, moe_opt, arch["top_k"])
     from moe.hf.tensors import check_weights_dir
 
     check_weights_dir(Path(path).expanduser(), field)  # at start-up: an LFS pointer, a cut-short file
     for key, value in arch.items():
         if key not in KEEP_FROM_USER:
-            cfg.model[key] = value
+            setattr(model, key, value)
     if field == "model.init_from_hf":
-        check_weights_fit_config(cfg.model, cfg.moe_opt, cfg.seed, Path(path).expanduser(), field)
+        check_weights_fit_config(model, moe_opt, seed, Path(path).expanduser(), field)
     if not (Path(path) / "tokenizer.json").is_file():
         return None  # the data module still checks that the data's ids fit model.vocab_size
-    data_tok = _data_tokenizer_dir(cfg.data)
-    if data_tok is None and cfg.data.get("kind") != "prepared":
-        cfg.data.tokenizer = str(path)
+    data_tok = _data_tokenizer_dir(data)
+    if data_tok is None and data.kind != "prepared":
+        data.tokenizer = str(path)
         return f"{field}: tokenizing data with {path}'s tokenizer (set data.tokenizer to override)"
     if data_tok is not None:
-        _check_same_ids(data_tok, Path(path), cfg.data)
+        _check_same_ids(data_tok, Path(path), data)
     return None
 
 

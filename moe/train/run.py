@@ -45,7 +45,8 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
         return dims, note
     # CUDA for hardware=gpu, Neuron for trn1, logger packages, a W&B key
     check_environment(cfg.hardware, cfg.logger, planning(cfg.dry_run, cfg.simulate))
-    note = apply_init_from_hf(cfg)  # model.init_from_hf=DIR: architecture from DIR/config.json
+    # model.init_from_hf=DIR: architecture from DIR/config.json
+    note = apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     apply_prepared_meta(cfg.data)  # data=prepared: seq_len from DIR/meta.json
     dims = validated_dims(cfg)
     _SETTLED[composed] = (OmegaConf.to_container(cfg), dims, note)
