@@ -16,7 +16,15 @@ from moe.checkpoint.io import atomic_torch_save
 from moe.config import ModelConfig, MoEOptConfig
 from moe.hf import from_hf, to_hf
 from moe.model import MoETransformer
-from moe.model.expert_layout import EXPERT_LAYOUT, IN_OUT, LAYOUT_KEY, OUT_IN, storing, upgraded_state
+from moe.model.expert_layout import (
+    EXPERT_LAYOUT,
+    IN_OUT,
+    LAYOUT_KEY,
+    OUT_IN,
+    storing,
+    upgraded_checkpoint,
+    upgraded_state,
+)
 from moe.model.moe import Experts, grouped_mm_works
 
 CFG = ModelConfig(vocab_size=67, hidden_size=32, intermediate_size=20, num_layers=2, num_heads=4,
@@ -105,6 +113,21 @@ def test_a_checkpoint_in_todays_layout_loads_into_the_other(tmp_path, recorded):
     other.load_state_dict({k.removeprefix("model."): v for k, v in read["state_dict"].items()})
     with torch.no_grad():
         torch.testing.assert_close(other(IDS).logits_BSV, today(IDS).logits_BSV, rtol=0, atol=1e-6)
+
+
+def test_a_portable_checkpoints_adam_moments_turn_with_its_experts():
+    """Torch's optimizer state is keyed by number: its 3-D moments are the stacked experts' (the only 3-D
+    weights), so they turn with them; the step count and 2-D moments stay."""
+    w = torch.randn(4, 32, 40)
+    ckpt = {"state_dict": {"model.layers.0.ffn.experts.gate_up": w, "model.norm.weight": w[0, 0]},
+            "optimizer_states": [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": w, "exp_avg_sq": w},
+                                            1: {"exp_avg": w[0]}}}]}
+    with storing(OUT_IN):
+        up = upgraded_checkpoint(ckpt)
+    moments = up["optimizer_states"][0]["state"]
+    torch.testing.assert_close(moments[0]["exp_avg"], OUT_IN.from_in_out(w), rtol=0, atol=0)
+    assert moments[0]["exp_avg_sq"].shape == (4, 40, 32) and moments[0]["step"].item() == 3.0
+    assert moments[1]["exp_avg"].shape == (32, 40)
 
 
 def test_upgrading_turns_expert_tensors_and_their_moments_only():

@@ -159,10 +159,19 @@ def upgraded_state(state: dict, saved: ExpertLayout, name: Callable[[str], str] 
 
 
 def upgraded_checkpoint(checkpoint):
-    """In place: a Lightning-style checkpoint's weights in the stored layout, recorded as such. Its torch
-    optimizer state is keyed by number, not name, so expert moments saved in another layout stay as
-    they were (moe.checkpoint.sharded upgrades a sharded checkpoint's by name)."""
-    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
-        checkpoint["state_dict"] = upgraded_state(checkpoint["state_dict"], layout_of(checkpoint))
-        checkpoint[LAYOUT_KEY] = list(stored().dims)
+    """In place: a Lightning-style checkpoint's weights and Adam moments in the stored layout, recorded as
+    such (moe.checkpoint.sharded upgrades a sharded checkpoint's by name). Its torch optimizer state is keyed
+    by number, not name: a moment turns when it is 3-D, as only the stacked experts are among the weights
+    (checked on the checkpoint's own state_dict; else the moments stay as they were written)."""
+    if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict)):
+        return checkpoint
+    saved, layout, weights = layout_of(checkpoint), stored(), checkpoint["state_dict"]
+    checkpoint["state_dict"] = upgraded_state(weights, saved)
+    experts_only = all(layout.is_expert_tensor(k) for k, v in weights.items() if v.dim() == 3)
+    if saved.dims != layout.dims and experts_only:
+        for optimizer in checkpoint.get("optimizer_states") or []:
+            for moments in (optimizer.get("state") or {}).values():
+                moments.update({k: saved.convert(v, layout).contiguous() for k, v in moments.items()
+                                if isinstance(v, torch.Tensor) and v.dim() == 3})
+    checkpoint[LAYOUT_KEY] = list(layout.dims)
     return checkpoint
