@@ -262,3 +262,24 @@ def test_the_default_run_name_is_the_slurm_batch_jobs_on_every_task_and_the_time
                                          ("train_trn1.sbatch", "TRAINIUM.md")])
 def test_the_docs_show_the_sbatch_scripts_make_test_slurm_runs(script, doc):
     assert (REPO / "slurm" / script).read_text() in (REPO / "docs" / doc).read_text()
+
+
+def test_the_settled_config_is_frozen_and_changes_only_as_a_new_object():
+    """settled_config: the schema's dataclasses, read-only; `replaced` makes a changed frozen copy; a
+    checkpoint's plain dict reads back equal, a key a newer version dropped left out."""
+    import dataclasses
+
+    from moe.config.schema import TrainerConfig
+    from moe.config.settled import as_container, replaced, settled_config
+
+    cfg = settled_config(compose_cfg("trainer.max_steps=7"))
+    assert isinstance(cfg.trainer, TrainerConfig) and cfg.trainer.max_steps == 7
+    with pytest.raises(dataclasses.FrozenInstanceError, match="max_steps.*settled.replaced"):
+        cfg.trainer.max_steps = 8
+    longer = replaced(cfg.trainer, max_steps=9)
+    assert (longer.max_steps, cfg.trainer.max_steps) == (9, 7)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        longer.max_steps = 10
+    saved = as_container(cfg)
+    saved["trainer"]["a_dropped_key"] = 1
+    assert settled_config(saved) == cfg
