@@ -266,7 +266,8 @@ def test_the_docs_show_the_sbatch_scripts_make_test_slurm_runs(script, doc):
 
 def test_the_settled_config_is_frozen_and_changes_only_as_a_new_object():
     """settled_config: the schema's dataclasses, read-only; `replaced` makes a changed frozen copy; a
-    checkpoint's plain dict reads back equal, a key a newer version dropped left out."""
+    checkpoint's plain dict reads back equal, a key a newer version dropped left out, a choice outside its
+    type refused."""
     import dataclasses
 
     from moe.config.schema import TrainerConfig
@@ -283,3 +284,8 @@ def test_the_settled_config_is_frozen_and_changes_only_as_a_new_object():
     saved = as_container(cfg)
     saved["trainer"]["a_dropped_key"] = 1
     assert settled_config(saved) == cfg
+    saved["moe_opt"]["score_function"] = "tanh"  # a choice is a Literal type: a value outside it is refused
+    with pytest.raises(ConfigError) as err:
+        settled_config(saved)
+    assert (err.value.field, err.value.value, err.value.fix) == ("moe_opt.score_function", "tanh",
+                                                                  "use one of softmax, sigmoid")

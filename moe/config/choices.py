@@ -1,22 +1,53 @@
-"""The choices a config key takes, by name: what the rules check a value against and what the code reads.
+"""The choices a config key takes, as types: each a `Literal`, which the schema's field declares
+(`Annotated[str, Literal[...]]`: OmegaConf composes it as a str, moe.config.settled checks the run-time value
+against it) and whose values the rules check and the messages list (the tuples below, derived, never
+restated).
 
 Import-light on purpose (no torch, no backend specs): the model reads ROUTER_DTYPES, infer INFER_DTYPES.
 """
 from __future__ import annotations
 
-AC_POLICIES = ("none", "selective", "full", "every_n", "moe_only")
-DROP_POLICIES = ("probs", "position")
-ROUTER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # name -> torch attribute
-POSITION_ENCODINGS = ("rope", "alibi")
-ATTENTIONS = ("gqa", "mla")
+from typing import Literal, get_args
+
+AcPolicy = Literal["none", "selective", "full", "every_n", "moe_only"]
+DropPolicy = Literal["probs", "position"]
+RouterDtype = Literal["fp32", "bf16", "fp16"]
+PositionEncoding = Literal["rope", "alibi"]
+Attention = Literal["gqa", "mla"]
+AuxLossGroup = Literal["ep", "dp"]
+LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "none"]
+ScoreFunction = Literal["softmax", "sigmoid"]
+NeuronPrecision = Literal["auto", "bf16_sr", "mixed", "fp32"]  # auto: moe.config.derived.neuron_precision
+SpikeAction = Literal["warn", "skip", "rollback"]
+DataKind = Literal["prepared", "online"]
+DataFormat = Literal["text", "chat", "sentence"]
+Packing = Literal["concat", "pad"]
+BadRowPolicy = Literal["error", "skip", "repair"]
+InferDtype = Literal["auto", "fp32", "bf16", "fp16"]
+
+__all__ = [  # the types and their values (moe.config.validate re-exports them)
+    "AC_POLICIES", "ATTENTIONS", "AUX_LOSS_GROUPS", "BAD_ROW_POLICIES", "DATA_FORMATS", "DATA_KINDS",
+    "DROP_POLICIES", "INFER_DTYPES", "LOAD_BALANCING_TYPES", "MLA_DIMS", "NEURON_PRECISIONS", "PACKINGS",
+    "POSITION_ENCODINGS", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS", "AcPolicy", "Attention",
+    "AuxLossGroup", "BadRowPolicy", "DataFormat", "DataKind", "DropPolicy", "InferDtype", "LoadBalancingType",
+    "NeuronPrecision", "Packing", "PositionEncoding", "RouterDtype", "ScoreFunction", "SpikeAction",
+]
+
+AC_POLICIES = get_args(AcPolicy)
+DROP_POLICIES = get_args(DropPolicy)
+# name -> torch attribute
+ROUTER_DTYPES = dict(zip(get_args(RouterDtype), ("float32", "bfloat16", "float16"), strict=True))
+POSITION_ENCODINGS = get_args(PositionEncoding)
+ATTENTIONS = get_args(Attention)
 MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # required by mla
-AUX_LOSS_GROUPS = ("ep", "dp")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-NEURON_PRECISIONS = ("auto", "bf16_sr", "mixed", "fp32")  # auto: moe.config.specs.neuron_precision
-SPIKE_ACTIONS = ("warn", "skip", "rollback")
-DATA_KINDS = ("prepared", "online")
-DATA_FORMATS = ("text", "chat", "sentence")
-PACKINGS = ("concat", "pad")
-BAD_ROW_POLICIES = ("error", "skip", "repair")
-INFER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # besides auto
+AUX_LOSS_GROUPS = get_args(AuxLossGroup)
+LOAD_BALANCING_TYPES = get_args(LoadBalancingType)
+SCORE_FUNCTIONS = get_args(ScoreFunction)
+NEURON_PRECISIONS = get_args(NeuronPrecision)
+SPIKE_ACTIONS = get_args(SpikeAction)
+DATA_KINDS = get_args(DataKind)
+DATA_FORMATS = get_args(DataFormat)
+PACKINGS = get_args(Packing)
+BAD_ROW_POLICIES = get_args(BadRowPolicy)
+# besides auto: name -> torch attribute
+INFER_DTYPES = dict(zip(get_args(InferDtype)[1:], ("float32", "bfloat16", "float16"), strict=True))

@@ -6,10 +6,11 @@ wrong type fails at compose time. Value rules (formats, ranges) are `moe.config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from moe.config.choices import BadRowPolicy, DataFormat, Packing
 from moe.config.schema import DEFAULT_CHAT_TEMPLATE
 
 
@@ -19,7 +20,7 @@ class PrepConfig:
 
     input: Any = None  # file, glob, directory (raw files or save_to_disk), list of those, or a hub name
     output: Optional[str] = None  # output directory (written to a temp path, renamed at the end)
-    format: str = "text"  # text | chat | sentence
+    format: Annotated[str, DataFormat] = "text"
     text_column: str = "text"  # format=text: the column to read
     chat_template: str = DEFAULT_CHAT_TEMPLATE
     assistant_only_loss: bool = False  # format=chat: loss only on assistant tokens
@@ -27,12 +28,13 @@ class PrepConfig:
     vocab_size: Optional[int] = None  # train a byte-level BPE of this size on the input
     eos_token: Optional[str] = None  # null: tokenizer_config.json's, else <|endoftext|>, </s>, ...
     seq_len: int = 2048  # blocks hold seq_len + 1 tokens (inputs and shifted labels)
-    packing: str = "concat"  # concat (group_texts, EOS between rows) | pad (one row a block, masked)
+    # concat (group_texts, EOS between rows) | pad (one row a block, masked)
+    packing: Annotated[str, Packing] = "concat"
     val_fraction: float = 0.1  # share of rows held out for validation
     seed: int = 1234  # validation split seed
     # error | skip (bad rows dropped) | repair (undecodable bytes replaced by U+FFFD, other bad rows dropped);
     # both counted in meta.json
-    on_bad_row: str = "error"
+    on_bad_row: Annotated[str, BadRowPolicy] = "error"
     num_proc: int = 1  # processes for Dataset.map
     batch_size: int = 1000  # rows per map batch
     one_file_per_split: bool = False  # one Arrow file per split (Llama 2 7B trn1 recipe), not ~500 MB shards

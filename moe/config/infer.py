@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from hydra.core.config_store import ConfigStore
+
+from moe.config.choices import InferDtype
 
 
 @dataclass
@@ -28,7 +31,7 @@ class InferConfig:
     use_cache: bool = True  # false: recompute the whole sequence every step (slow; for checking)
     tokenizer: str | None = None  # tokenizer dir override; null: the checkpoint's / hf_dir's own
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | fp32 | bf16 | fp16
+    dtype: Annotated[str, InferDtype] = "auto"  # auto: bf16 on cuda, fp32 on cpu
     export_hf: str | None = None  # write a Mixtral directory here instead of generating
     overwrite: bool = False  # let export_hf replace an existing non-empty directory
     allow_pickle: bool = False  # load a checkpoint whose unpickling runs code (only one you trust)

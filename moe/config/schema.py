@@ -8,9 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 from hydra.core.config_store import ConfigStore
+
+from moe.config.choices import (
+    AcPolicy,
+    Attention,
+    AuxLossGroup,
+    DataFormat,
+    DataKind,
+    DropPolicy,
+    LoadBalancingType,
+    NeuronPrecision,
+    PositionEncoding,
+    RouterDtype,
+    ScoreFunction,
+    SpikeAction,
+)
 
 # The chat format of no_robots (the KARAKURI LM 8x7B Chat recipe); the default of data.chat_template,
 # data_prep's chat_template and infer's.
@@ -49,7 +64,7 @@ class ModelConfig(Section):
     num_kv_heads: int = 2
     head_dim: Optional[int] = None  # null = hidden_size // num_heads
     max_position_embeddings: int = 512
-    position_encoding: str = "rope"  # rope | alibi
+    position_encoding: Annotated[str, PositionEncoding] = "rope"
     rope_theta: float = 1.0e6
     sliding_window: Optional[int] = None
     rms_norm_eps: float = 1.0e-5
@@ -63,7 +78,7 @@ class ModelConfig(Section):
     # gqa: grouped-query attention (Mixtral) | mla: multi-head latent attention (DeepSeek-V2/V3,
     # moe/model/mla.py), which reads the five keys below (null = unset; each required by mla but
     # q_lora_rank, whose null means one q_proj instead of a query latent) and ignores num_kv_heads/head_dim
-    attention: str = "gqa"
+    attention: Annotated[str, Attention] = "gqa"
     q_lora_rank: Optional[int] = None  # DeepSeek-V3: 1536
     kv_lora_rank: Optional[int] = None  # the key/value latent per token; DeepSeek-V3: 512
     qk_nope_head_dim: Optional[int] = None  # key/query dims without position; DeepSeek-V3: 128
@@ -83,27 +98,28 @@ class MoEOptConfig(Section):
     capacity_factor: Optional[float] = 1.25  # null = dropless
     eval_capacity_factor: Optional[float] = None  # null = dropless at eval: the logits the HF export gives
     min_capacity: int = 4
-    drop_policy: str = "probs"  # probs (lowest probability dropped first) | position (latest tokens)
+    # probs (lowest probability dropped first) | position (latest tokens)
+    drop_policy: Annotated[str, DropPolicy] = "probs"
     aux_loss_coeff: float = 0.01  # Switch load-balance loss; raise to 0.1 if routing oscillates
     z_loss_coeff: float = 0.001  # ST-MoE router z-loss
     jitter_eps: float = 0.0  # multiplicative router-input noise U(1-eps, 1+eps), training only
-    router_dtype: str = "fp32"  # fp32 | bf16 | fp16 (fp32 recommended)
+    router_dtype: Annotated[str, RouterDtype] = "fp32"  # fp32 recommended
     normalize_top_k: Optional[bool] = None  # null: renormalise when top_k >= 2, raw prob for top-1
     # renormalise over the assignments a capacity kept (NxD, DeepSpeed): a token that lost one of its
     # experts gives the others its weight; false: the weights are normalised before drops (Megatron)
     normalize_after_drop: bool = False
     # load-balance statistics (f_i, P_i) over: ep = the expert-parallel group (this rank's tokens
     # when ep=1) | dp = every data-parallel rank (global-batch balancing; same loss as one process)
-    aux_loss_group: str = "ep"
+    aux_loss_group: Annotated[str, AuxLossGroup] = "ep"
     # aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the scores for top-k
     # selection only, moved by bias_update_rate * sign(mean load - load_i) after each optimizer step
     enable_expert_bias: bool = False
     bias_update_rate: float = 1.0e-3
     # aux_loss: the Switch loss over the batch (aux_loss_group's tokens) | seq_aux_loss: the same
     # loss per sequence, averaged (DeepSeek-V3's sequence-wise balance loss) | none
-    load_balancing_type: str = "aux_loss"
+    load_balancing_type: Annotated[str, LoadBalancingType] = "aux_loss"
     # softmax over the experts (Mixtral) | sigmoid per expert, the chosen k renormalised (DeepSeek-V3)
-    score_function: str = "softmax"
+    score_function: Annotated[str, ScoreFunction] = "softmax"
     # group-limited routing (DeepSeek-V3's node-limited routing): the experts in num_groups groups, the
     # group_top_k groups with the best top_k/group_top_k scores kept, top_k chosen inside them
     num_groups: Optional[int] = None
@@ -130,7 +146,7 @@ class ParallelConfig(Section):
     sequence_parallel: bool = False  # only meaningful with tp > 1
     zero_stage: int = 0  # 0 none, 1 optimizer states, 2 + gradients, 3 + parameters
     hybrid_shard_degree: Optional[int] = None  # shard ZeRO state within groups of this size
-    activation_checkpointing: str = "none"  # none | selective | full | every_n | moe_only
+    activation_checkpointing: Annotated[str, AcPolicy] = "none"
     activation_checkpointing_every_n: int = 1
     pipeline_microbatches: Optional[int] = None  # null = accumulate_grad_batches
     # fsdp2's torch.distributed.pipelining schedule (NxD runs its own 1F1B): 1F1B | GPipe (one stage per
@@ -168,7 +184,7 @@ class HardwareConfig(Section):
     peak_tflops: float = 0.5  # dense bf16 (fp32 on cpu) peak per device, for MFU
     precision: str = "32-true"  # Lightning precision string
     allow_tf32: bool = False
-    neuron_precision: str = "auto"  # auto | bf16_sr | mixed | fp32 (trn1 only; auto: mixed with MoE layers)
+    neuron_precision: Annotated[str, NeuronPrecision] = "auto"  # trn1 only; auto: mixed with MoE layers
     neuron_cc_flags: str = ""
     env: dict[str, str] = field(default_factory=dict)  # set before the accelerator starts
 
@@ -194,9 +210,9 @@ class DataConfig(Section):
     """Training data: a prepared Arrow dir, online packing of raw files, or the bundled sample."""
 
     name: str = "sample"
-    kind: str = "online"  # prepared | online
+    kind: Annotated[str, DataKind] = "online"
     path: Optional[str] = None  # prepared: data_prep output dir; online: raw file/glob/dir
-    format: str = "text"  # text | chat | sentence (online)
+    format: Annotated[str, DataFormat] = "text"  # online
     text_column: str = "text"
     tokenizer: Optional[str] = None  # tokenizer dir (tokenizer.json); prepared dirs carry their own
     seq_len: int = 128
@@ -236,7 +252,8 @@ class TrainerConfig(Section):
     max_nonfinite_steps: int = 10  # stop the run after this many non-finite steps in a row; 0 = never
     spike_factor: float = 3.0  # spike: step loss > factor x mean of the last spike_window losses; 0 = off
     spike_window: int = 50
-    spike_action: str = "warn"  # warn | skip (the update) | rollback (to the last checkpoint, skip since)
+    # warn | skip (the update) | rollback (to the last checkpoint, skip since)
+    spike_action: Annotated[str, SpikeAction] = "warn"
     spike_max_rollbacks: int = 3  # past this many rollbacks in a run, a spike is skipped instead
 
 

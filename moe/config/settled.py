@@ -9,11 +9,14 @@ here, once. Everything after reads these objects, section by section: assigning 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from typing import TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
 from moe.config.schema import Section, TrainConfig
+from moe.errors import ConfigError
 
 S = TypeVar("S", bound=Section)
 
@@ -30,14 +33,33 @@ def settled_config(cfg) -> TrainConfig:
     return freeze(OmegaConf.to_object(with_schema_defaults(cfg)))
 
 
-def freeze(section: S) -> S:
-    """`section` and the sections it holds, read-only from now on."""
+def freeze(section: S, path: str = "") -> S:
+    """`section` and the sections it holds, read-only from now on; each choice key holds one of its type's
+    values (validation has said so with its own words for a composed config; this holds for any other)."""
     for item in dataclasses.fields(section):
         value = getattr(section, item.name)
         if isinstance(value, Section):
-            freeze(value)
+            freeze(value, f"{path}{item.name}.")
+    for name, choices in choice_fields(type(section)).items():
+        value = getattr(section, name)
+        if value not in choices:
+            raise ConfigError(f"{path}{name}", value, f"use one of {', '.join(choices)}",
+                              problem="is not one of the values its type allows")
     object.__setattr__(section, "_frozen", True)
     return section
+
+
+@functools.cache
+def choice_fields(schema: type) -> dict[str, tuple[str, ...]]:
+    """The fields of `schema` declared `Annotated[str, Literal[...]]` (moe.config.choices), with their
+    values."""
+    fields = {}
+    for name, hint in typing.get_type_hints(schema, include_extras=True).items():
+        if typing.get_origin(hint) is typing.Annotated:
+            kind = hint.__metadata__[0]
+            if typing.get_origin(kind) is typing.Literal:
+                fields[name] = typing.get_args(kind)
+    return fields
 
 
 def replaced(section: S, **changes) -> S:
