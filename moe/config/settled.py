@@ -25,7 +25,7 @@ def settled_config(cfg) -> TrainConfig:
     """`cfg` as frozen dataclasses: the composed config, a config already settled (returned as is), or the
     plain dict a checkpoint stores (keys it lacks get today's defaults)."""
     if isinstance(cfg, TrainConfig):
-        return freeze(cfg)
+        return cfg if cfg.__dict__.get("_frozen") else freeze(cfg)
     if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is TrainConfig:
         return freeze(OmegaConf.to_object(cfg))
     from moe.config.upgrade import with_schema_defaults

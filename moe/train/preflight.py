@@ -21,7 +21,6 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from moe.errors import UserError
-from moe.train.run import settle
 
 MULTIRUN_FLAGS = {"-m", "--multirun"}
 PLUGIN_EXTRAS = {"sweeper/optuna": "optuna", "launcher/submitit": "slurm"}  # pyproject.toml's extras
@@ -33,6 +32,8 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
     flags = {arg for arg in argv if arg.startswith("-")}
     if flags - MULTIRUN_FLAGS:
         return None  # --help / --cfg / --info ...: Hydra's business
+    from moe.train.run import settle  # here, not at import: Hydra's own flags need none of the run's code
+
     if flags:
         check_sweep([arg for arg in argv if arg not in flags], config_dir, config_name)
         return None
@@ -54,6 +55,8 @@ def check_sweep(overrides: list[str], config_dir: str, config_name: str) -> None
     sweepers' search spaces (Optuna's ranges) are not enumerable: their base config is checked."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from moe.train.run import settle
 
     jobs = [overrides]
     try:
