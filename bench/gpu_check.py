@@ -85,13 +85,13 @@ def path_overrides(path: GpuPath, args) -> list[str]:
 def planned_tensor_gib(overrides: list[str]) -> float | None:
     """The planner's per-device peak for these overrides, less its fixed costs (CUDA context, NCCL
     buffers): what torch.cuda.max_memory_allocated measures."""
-    from moe.parallel.dims import validated_dims
     from moe.tools.plan import make_plan
     from moe.train.preflight import compose_config
+    from moe.train.run import settle
 
     try:
         cfg, _ = compose_config(overrides, str(REPO / "conf"), "train")
-        memory = make_plan(cfg, validated_dims(cfg)).memory
+        memory = make_plan(cfg, settle(cfg)[0]).memory
     except Exception as err:  # the run itself reports a bad config; the table shows "-"
         print(f"  (no plan for {' '.join(overrides)}: {err})")
         return None

@@ -36,19 +36,19 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, {repo!r})
 import moe.config
 from moe.backends import build_backend
-from moe.parallel.dims import validated_dims
 from moe.module.lit_moe import LitMoE
+from moe.train.run import settle
 
 world, ep, eager = {world}, {ep}, {eager}
 with initialize_config_dir(config_dir={conf!r}, version_base="1.3"):
     cfg = compose("train", overrides={overrides!r} + [f"parallel.ep={{ep}}", f"trainer.devices={{world}}",
                                                      f"hardware.devices_per_node={{world}}"])
-dims = validated_dims(cfg)
+dims, _ = settle(cfg)
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 torch.set_num_threads(2)
 start = time.perf_counter()
 backend = build_backend(cfg, dims)
-module = LitMoE(cfg, backend=backend) if eager else backend.build_module()
+module = LitMoE(backend) if eager else backend.build_module()
 backend.parallelize(module)
 seconds = time.perf_counter() - start
 held = sum(p.numel() for p in module.parameters())

@@ -98,12 +98,12 @@ def bare_loop(overrides: list[str], steps: int, warmup: int) -> tuple[float, int
     from moe.data import MoEDataModule
     from moe.model.model import MoETransformer
     from moe.module.optim import build_optimizer
-    from moe.parallel.dims import validated_dims
     from moe.parallel.grad_norm import clip_local_grads, global_grad_norm
+    from moe.train.run import settle
 
     run_dir = Path(tempfile.mkdtemp(prefix="train-vs-bare-"))
     cfg = compose([*overrides, f"trainer.max_steps={warmup + 1 + steps}"], run_dir)
-    dims = validated_dims(cfg)
+    dims, _ = settle(cfg)
     device = torch.device("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed).to(device)

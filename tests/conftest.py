@@ -151,6 +151,28 @@ def compose_cfg(*overrides: str, hydra: bool = False):
         return compose("train", overrides=list(overrides), return_hydra_config=hydra)
 
 
+def validated_dims(cfg):
+    """Every rule of moe.config.validate, then the run's ParallelDims: what train's settle does after its
+    environment and data checks."""
+    from moe.config.validate import validate
+    from moe.parallel.dims import ParallelDims
+
+    validate(cfg)
+    return ParallelDims.from_config(cfg)
+
+
+def single_process_module(cfg):
+    """A LitMoE built on its own, eagerly, in one process, with DDP's one-rank backend; `cfg` a config or
+    the plain dict a checkpoint stores."""
+    from moe.backends.ddp import DDPBackend
+    from moe.config.settled import settled_config
+    from moe.module import LitMoE
+    from moe.parallel.dims import ParallelDims
+
+    cfg = settled_config(cfg)
+    return LitMoE(DDPBackend(cfg, ParallelDims.from_config(cfg)))
+
+
 def free_port() -> int:
     """A free TCP port on loopback, for a test's own torch.distributed rendezvous."""
     with socket.socket() as s:

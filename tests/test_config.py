@@ -7,13 +7,12 @@ import re
 
 import pytest
 import yaml
-from conftest import REPO, compose_cfg, run_entry
+from conftest import REPO, compose_cfg, run_entry, validated_dims
 from omegaconf import OmegaConf
 
 import moe.config  # noqa: F401  (registers train_schema)
 from moe.config.validate import validate
 from moe.errors import ConfigError
-from moe.parallel.dims import validated_dims
 from moe.tools.plan import make_plan
 
 CONF = REPO / "conf"
@@ -231,8 +230,8 @@ def test_a_config_is_settled_once_per_process(monkeypatch, tmp_path):
     from moe.train.preflight import compose_config, preflight
 
     settled = []
-    validated_dims = run.validated_dims
-    monkeypatch.setattr(run, "validated_dims", lambda cfg: settled.append(cfg) or validated_dims(cfg))
+    validate = run.validate
+    monkeypatch.setattr(run, "validate", lambda cfg: settled.append(cfg) or validate(cfg))
     monkeypatch.setattr(run, "_SETTLED", {})
     overrides = [f"hydra.run.dir={tmp_path / 'run'}", "parallel=ep2", "trainer.devices=2"]
     cfg, dims = preflight(overrides, str(CONF))

@@ -102,8 +102,8 @@ def test_ep2_ddp_matches_single_process_and_its_sharded_checkpoint_reads_whole(e
     assert all(abs(a - b) <= 1e-3 * b for a, b in norms)  # expert grads summed over the EP group
 
     # each rank wrote its own 4 experts; read back whole, the checkpoint holds all 8 and their moments
-    from moe.backends import single_process_module
     from moe.checkpoint.picker import read_checkpoint
+    from tests.conftest import single_process_module
 
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_symlink() and sorted(p.name for p in last.resolve().glob("__*_0.distcp")) == [

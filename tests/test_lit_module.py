@@ -3,9 +3,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from moe.backends import single_process_module
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
 from moe.model.loss import router_loss_sum
+from tests.conftest import single_process_module
 
 
 def test_loss_is_ce_plus_coefficients_times_router_losses_of_every_layer():

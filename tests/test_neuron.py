@@ -20,8 +20,7 @@ import torch.distributed as dist
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
 from moe.config.validate import validate
 from moe.errors import ConfigError, UserError
-from moe.parallel.dims import validated_dims
-from tests.conftest import REPO, compose_cfg, free_port, run_entry
+from tests.conftest import REPO, compose_cfg, free_port, run_entry, validated_dims
 
 FAKES = REPO / "tests" / "fakes"
 FAKE_ENV = {"PYTHONPATH": str(FAKES)}
@@ -411,8 +410,8 @@ def test_mixtral_8x7b_is_built_on_the_meta_device(nxd):
 
 def test_each_parameter_gets_the_values_every_backend_starts_from(nxd):
     """param_init_fn fills NxD's model with moe.model.init's values: the same numbers as LitMoE's."""
-    from moe.backends import single_process_module
     from moe.checkpoint.nxd import our_name
+    from tests.conftest import single_process_module
 
     module = neuron_module()
     ours = single_process_module(compose_cfg("trainer.devices=2")).model.state_dict()
@@ -476,8 +475,8 @@ NXD_HEAVY_DROPS = ("moe_opt=nxd", "moe_opt.capacity_factor=0.5", "moe_opt.eval_c
 def test_loss_matches_litmoe_at_degree_1(nxd, moe_opt):
     """Dropless, NxD's capacity, and a capacity that drops a quarter of the assignments (where NxD's
     renormalisation over the kept experts, moe_opt.normalize_after_drop, decides the numbers)."""
-    from moe.backends import single_process_module
     from moe.backends.neuron.causal_lm import pop_routing
+    from tests.conftest import single_process_module
 
     module = neuron_module(*moe_opt)
     reference = single_process_module(compose_cfg(*module_routing(module.cfg)))
@@ -501,7 +500,7 @@ def test_validation_of_one_sequence_keeps_the_capacity(nxd):
     or a validation micro-batch of one sequence has "sequence length" 1, which NxD's eval runs as token
     generation, with no capacity (modules/moe/model.py:196, expert_mlps_v2.py:1469); make test-neuron
     measured it in NxD's real code as a validation loss 5e-5 off one process's."""
-    from moe.backends import single_process_module
+    from tests.conftest import single_process_module
 
     module = neuron_module(*NXD_HEAVY_DROPS)
     reference = single_process_module(compose_cfg(*module_routing(module.cfg)))

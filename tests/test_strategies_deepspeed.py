@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import compose_cfg
+from conftest import compose_cfg, validated_dims
 
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
 from moe.backends.deepspeed import DeepSpeedBackend, MoEDeepSpeedStrategy, deepspeed_config
@@ -21,7 +21,6 @@ from moe.config.validate import validate
 from moe.errors import ConfigError, UserError
 from moe.model import MoETransformer
 from moe.module.optim import build_optimizer
-from moe.parallel.dims import validated_dims
 from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -43,10 +43,9 @@ def test_upcycled_logits_equal_the_dense_models(tmp_path, kind):
 
 def test_meta_build_upcycles_each_rank_from_the_files(tmp_path):
     """The training path: Backend.build_module on meta, materialised from the dense files."""
-    from conftest import compose_cfg
+    from conftest import compose_cfg, validated_dims
 
     from moe.backends import build_backend
-    from moe.parallel.dims import validated_dims
     from moe.train.init_from_hf import apply_init_from_hf
 
     path, dense = dense_dir(tmp_path)
@@ -104,10 +103,9 @@ def test_fine_grained_upcycling_refuses_a_granularity_that_cannot_slice(tmp_path
 
 def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(tmp_path):
     """The meta-device path (each rank reads its slices) gives the same model as moe.hf.upcycle."""
-    from conftest import compose_cfg
+    from conftest import compose_cfg, validated_dims
 
     from moe.backends import build_backend
-    from moe.parallel.dims import validated_dims
     from moe.train.init_from_hf import apply_init_from_hf
 
     path, dense = dense_dir(tmp_path)

@@ -22,17 +22,4 @@ def build_backend(cfg, dims):
     """The backend of cfg.hardware.strategy, built for this run."""
     return backend_class(cfg.hardware)(cfg, dims)
 
-
-def single_process_module(cfg):
-    """A LitMoE built on its own, eagerly, in one process (tests, tools), with DDP's one-rank backend;
-    `cfg` a config or the plain dict a checkpoint stores."""
-    from moe.backends.ddp import DDPBackend
-    from moe.config.settled import settled_config
-    from moe.module import LitMoE
-    from moe.parallel.dims import ParallelDims
-
-    cfg = settled_config(cfg)
-    return LitMoE(cfg, DDPBackend(cfg, ParallelDims.from_config(cfg)))
-
-
-__all__ = ["backend_class", "build_backend", "single_process_module"]
+__all__ = ["backend_class", "build_backend"]

@@ -47,6 +47,11 @@ class Backend:
         self.cfg, self.dims = settled_config(cfg), dims
         self.expert_groups: ExpertGroups | None = None  # set by parallelize when ep > 1
         self._resuming = False  # set by build_module
+        self.prepare()
+
+    def prepare(self) -> None:
+        """What a backend sets up once when built, from `self.cfg` (its library, its environment); plain
+        PyTorch: nothing. Subclasses override this, not __init__, so the run's config is taken once."""
 
     @property
     def spec(self) -> BackendSpec:
@@ -74,7 +79,7 @@ class Backend:
         from moe.module import LitMoE
 
         self._resuming = resuming
-        return LitMoE(self.cfg, backend=self, on_meta=True, guard=guard)
+        return LitMoE(self, on_meta=True, guard=guard)
 
     def initial_source(self):
         """Where `materialize` takes values from: model.init_from_hf's (or upcycle_from_hf's) files on a

@@ -107,8 +107,7 @@ class DeepSpeedBackend(Backend):
 
     name = "deepspeed"
 
-    def __init__(self, cfg, dims):
-        super().__init__(cfg, dims)
+    def prepare(self) -> None:
         parallel, trainer, hardware = self.cfg.parallel, self.cfg.trainer, self.cfg.hardware
         # ZeRO or half precision: DeepSpeed computes the norm inside engine.step(), over its own partitions
         self.norm_after_step = not steps_plainly(parallel, trainer, hardware)
@@ -119,7 +118,7 @@ class DeepSpeedBackend(Backend):
                             "(or pip install -e '.[gpu]'), or use hardware=cpu",
                             problem="needs the deepspeed package, which is not installed") from err
         config = deepspeed_config(parallel, self.cfg.optimizer, trainer, hardware)
-        self.strategy = MoEDeepSpeedStrategy(config=config, dims=dims,
+        self.strategy = MoEDeepSpeedStrategy(config=config, dims=self.dims,
                                              checkpoint_format=self.checkpoint_format,
                                              process_group_backend=hardware.backend,
                                              logging_level=logging.WARNING,

@@ -1,5 +1,5 @@
 """Every rule train.py checks, in order: `validate(cfg)` raises ConfigError(field, value, fix) for the first
-one a composed config breaks, before anything is built (moe.parallel.dims.validated_dims then builds the
+one a composed config breaks, before anything is built (moe.train.run.settle then builds the
 run's ParallelDims). The rules live beside what they govern (moe/config/rules/: model, layout, backends,
 run, entries); this table is the one place their order is written, and the names below stay importable
 from here.

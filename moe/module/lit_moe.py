@@ -16,7 +16,7 @@ import lightning as L
 import torch
 
 from moe.config.schema import TrainConfig
-from moe.config.settled import as_container, settled_config
+from moe.config.settled import as_container
 from moe.model.model import ModelOutput, MoETransformer
 from moe.module.optim import build_optimizer, build_scheduler
 from moe.module.step_stats import StepStats, validation_loss
@@ -27,14 +27,15 @@ from moe.ranks import trainer_of
 
 
 class LitMoE(L.LightningModule):
-    def __init__(self, cfg: TrainConfig, backend, on_meta: bool = False, guard=None):
-        """backend: the run's (moe.backends.build_backend; moe.backends.single_process_module builds a
-        module on its own). on_meta: build the model on the meta device (no storage); the backend's
-        `parallelize` materialises this rank's shard in `configure_model` (Backend.build_module).
-        guard: the run's spike guard (moe.train.guard.SpikeGuard), which the step asks; None: none."""
+    def __init__(self, backend, on_meta: bool = False, guard=None):
+        """backend: the run's (moe.backends.build_backend; `LitMoE(DDPBackend(cfg, dims))` is a module on
+        its own, in one process), whose config the module reads: one config per run, held by the backend.
+        on_meta: build the model on the meta device (no storage); the backend's `parallelize` materialises
+        this rank's shard in `configure_model` (Backend.build_module). guard: the run's spike guard
+        (moe.train.guard.SpikeGuard), which the step asks; None: none."""
         super().__init__()
         self.automatic_optimization = False  # the step is ours: moe.module.train_step
-        self.cfg = settled_config(cfg)  # the run's settled config, frozen dataclasses: read, never edited
+        self.cfg: TrainConfig = backend.cfg  # the run's settled config (frozen dataclasses): read, not edited
         self.save_hyperparameters({"cfg": as_container(self.cfg)})
         self.backend = backend
         with torch.device("meta" if on_meta else "cpu"):

@@ -1,7 +1,7 @@
 """ParallelDims: every degree of a run's layout, computed once, and the process groups and meshes it implies.
 
-Built once from the validated config (`ParallelDims.from_config(cfg)`, or `validated_dims(cfg)` which
-validates first) and handed to everything that needs a degree, a rank's coordinates or a group: the
+Built once from the validated config (`ParallelDims.from_config(cfg)`, after moe.config.validate's rules:
+moe.train.run.settle) and handed to everything that needs a degree, a rank's coordinates or a group: the
 backends, the data module, the planner, the simulation, checkpoints. Nothing else derives a degree
 (torchtitan's ParallelDims is the model).
 
@@ -41,7 +41,6 @@ from moe.config.derived import (
     world_of,
 )
 from moe.config.specs import spec_of
-from moe.config.validate import validate
 
 
 @dataclass(frozen=True)
@@ -353,8 +352,3 @@ class ParallelDims:
         return Meshes(world=mesh, sparse=mesh, dense=dense, experts=experts, ep=view(ep_dims, "ep"),
                       tp=view(tp_dims, "tp"), dp=dp, tokens=tokens, pp=mesh["pp"])
 
-
-def validated_dims(cfg) -> ParallelDims:
-    """Every rule of moe.config.validate, then the run's ParallelDims."""
-    validate(cfg)
-    return ParallelDims.from_config(cfg)

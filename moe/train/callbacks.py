@@ -17,39 +17,41 @@ from pathlib import Path
 
 from moe.config.derived import precision_of
 from moe.config.settled import value_at
-from moe.config.size import flops_per_token, param_breakdown
+from moe.config.size import param_breakdown
 from moe.errors import UserError, first_line
 from moe.parallel.dims import ParallelDims
 
 
-def build_callbacks(cfg, run_dir: Path, dims: ParallelDims, backend, guard) -> list:
-    """guard: the run's moe.train.guard.SpikeGuard, which the module's step asks too."""
+def build_callbacks(trainer, callbacks: dict, run_dir: Path, dims: ParallelDims, backend, guard, *,
+                    flops_per_token: float, peak_tflops: float, key_config: dict) -> list:
+    """The run's callbacks, then `callbacks.<name>`'s. guard: the run's moe.train.guard.SpikeGuard, which
+    the module's step asks too; flops_per_token, peak_tflops (one device's) and key_config (the values a
+    report compares runs by): RunMetrics's MFU and summary."""
     from moe.train.console import StepProgressBar, bar_shown
     from moe.train.garbage import StepGarbageCollection
     from moe.train.metrics import RunMetrics
     from moe.train.preemption import PreemptionCheckpoint
     from moe.train.step_checkpoint import StepCheckpoint
 
-    callbacks = [
+    own = [
         RunMetrics(
-            run_dir, log_every_n_steps=cfg.trainer.log_every_n_steps, tokens_per_step=dims.tokens_per_step,
-            flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
-            peak_flops_total=cfg.hardware.peak_tflops * 1e12 * dims.world,
-            key_config=key_config(cfg, dims), guard=guard,
+            run_dir, log_every_n_steps=trainer.log_every_n_steps, tokens_per_step=dims.tokens_per_step,
+            flops_per_token=flops_per_token, peak_flops_total=peak_tflops * 1e12 * dims.world,
+            key_config=key_config, guard=guard,
         ),
         guard,
     ]
-    if cfg.trainer.save_checkpoints:
-        callbacks += [
-            steps := StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every_n_steps,
+    if trainer.save_checkpoints:
+        own += [
+            steps := StepCheckpoint(run_dir / "checkpoints", trainer.checkpoint_every_n_steps,
                                     **backend.checkpoint_options()),
             PreemptionCheckpoint(backend, steps),  # saves the step through StepCheckpoint unless it just did
         ]
-    if bar_shown(cfg.trainer.progress_bar):
-        callbacks.append(StepProgressBar(leave=True))
-    if cfg.trainer.gc_every_n_steps:
-        callbacks.append(StepGarbageCollection(cfg.trainer.gc_every_n_steps))
-    return callbacks + instantiate_group(cfg.callbacks, "callbacks")
+    if bar_shown(trainer.progress_bar):
+        own.append(StepProgressBar(leave=True))
+    if trainer.gc_every_n_steps:
+        own.append(StepGarbageCollection(trainer.gc_every_n_steps))
+    return own + instantiate_group(callbacks, "callbacks")
 
 
 def build_loggers(logger: dict) -> list:

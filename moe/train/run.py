@@ -15,13 +15,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from moe.config.schema import TrainConfig
+from moe.config.validate import validate
 from moe.errors import (
     COLLECTIVE_FAILED_EXIT,
     CollectiveFailed,
     log_to_files,
     stop_when_a_log_file_cannot_be_written,
 )
-from moe.parallel.dims import ParallelDims, validated_dims
+from moe.parallel.dims import ParallelDims
 
 _SETTLED: dict[str, tuple[dict, ParallelDims, str | None]] = {}  # config as composed -> what settle made
 
@@ -48,7 +49,8 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
     # model.init_from_hf=DIR: architecture from DIR/config.json
     note = apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     apply_prepared_meta(cfg.data)  # data=prepared: seq_len from DIR/meta.json
-    dims = validated_dims(cfg)
+    validate(cfg)  # every rule, in the table's order
+    dims = ParallelDims.from_config(cfg)
     _SETTLED[composed] = (OmegaConf.to_container(cfg), dims, note)
     return dims, note
 
@@ -86,9 +88,10 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
     from moe.checkpoint.formats import step_hint
     from moe.checkpoint.lightning_io import with_atomic_io
     from moe.checkpoint.picker import check_resume_compatible, find_resume_checkpoint, resolved_name
+    from moe.config.size import flops_per_token
     from moe.data import MoEDataModule
     from moe.data.tokenizer import copy_tokenizer_files
-    from moe.train.callbacks import build_callbacks, build_loggers
+    from moe.train.callbacks import build_callbacks, build_loggers, key_config
     from moe.train.console import bar_shown, configure_output
     from moe.train.environment import apply_torch_settings
     from moe.train.guard import RollbackRequested, SpikeGuard
@@ -130,7 +133,10 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
             check_val_every_n_epoch=None, limit_val_batches=cfg.trainer.limit_val_batches,
             num_sanity_val_steps=0, use_distributed_sampler=False,
             logger=build_loggers(cfg.logger) or False,
-            callbacks=build_callbacks(cfg, run_dir, dims, backend, guard),
+            callbacks=build_callbacks(
+                cfg.trainer, cfg.callbacks, run_dir, dims, backend, guard,
+                flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
+                peak_tflops=cfg.hardware.peak_tflops, key_config=key_config(cfg, dims)),
             default_root_dir=str(run_dir), enable_progress_bar=bar_shown(cfg.trainer.progress_bar),
             enable_checkpointing=False,  # the run's own StepCheckpoint (moe.train.step_checkpoint), if any
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,

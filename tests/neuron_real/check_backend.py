@@ -34,7 +34,9 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 import moe.config  # noqa: F401
-from moe.parallel.dims import validated_dims
+from moe.config.settled import settled_config
+from moe.config.validate import validate
+from moe.parallel.dims import ParallelDims
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOLERANCE = 1e-5  # relative to each tensor's largest value
@@ -51,6 +53,12 @@ failures: list[str] = []
 def compose_cfg(*overrides: str):
     with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
         return compose("train", overrides=list(overrides))
+
+
+def validated_dims(cfg) -> ParallelDims:
+    """Every rule of moe.config.validate, then the run's ParallelDims (as train's settle)."""
+    validate(cfg)
+    return ParallelDims.from_config(cfg)
 
 
 def close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
@@ -125,9 +133,10 @@ def reference_step(ref, stats: GroupStats, data: list[dict], micro: int) -> list
 def main(overrides: list[str]) -> int:
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
-    from moe.backends import single_process_module
+    from moe.backends.ddp import DDPBackend
     from moe.backends.neuron import NeuronBackend
     from moe.checkpoint.nxd import EXPERT_TENSORS, local_shard, our_name, split_of
+    from moe.module import LitMoE
 
     dist.init_process_group("gloo")  # Lightning's strategy does this in a run
     base = ["data.seq_len=32", "trainer.micro_batch_size=1", "trainer.accumulate_grad_batches=2", *OPTIMIZER]
@@ -151,7 +160,8 @@ def main(overrides: list[str]) -> int:
     local = {our_name(n): p for n, p in module.model.named_parameters() if p.requires_grad}
 
     ref_overrides = [o for o in overrides if not o.startswith(("parallel.", "hardware."))]
-    ref = single_process_module(compose_cfg(*base, *ref_overrides))
+    ref_cfg = settled_config(compose_cfg(*base, *ref_overrides))
+    ref = LitMoE(DDPBackend(ref_cfg, ParallelDims.from_config(ref_cfg)))  # eager, one process
     ref_opt = ref.configure_optimizers()
     ref_optimizer, ref_schedule = ref_opt["optimizer"], ref_opt["lr_scheduler"]["scheduler"]
     stats = GroupStats(ref.model, ep)

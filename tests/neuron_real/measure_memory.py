@@ -26,12 +26,11 @@ import cpu_mode  # noqa: F401  (applies the harness patches, README.md)
 import lightning as L
 import torch
 import torch.distributed as dist
-from check_backend import batch, compose_cfg
+from check_backend import batch, compose_cfg, validated_dims
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from moe.parallel.dims import validated_dims
 from moe.tools.plan import GIB, make_plan
 
 TOLERANCE = 0.20

@@ -31,13 +31,12 @@ class NeuronBackend(Backend):
     name = "neuron"
     norm_after_step = True  # NxD's optimizer computes the global norm inside its step
 
-    def __init__(self, cfg, dims):
-        super().__init__(cfg, dims)
+    def prepare(self) -> None:
         from moe.backends.neuron.env import neuron_env
 
-        self._env = neuron_env(cfg.hardware, cfg.model, cfg.trainer)
+        self._env = neuron_env(self.cfg.hardware, self.cfg.model, self.cfg.trainer)
         os.environ.update(self._env)  # before torch_xla starts: XLA reads these once
-        _import_nxd(cfg.hardware)
+        _import_nxd(self.cfg.hardware)
         self._skip = False
         self._nxd_config: dict | None = None
         self._source = None  # initial_values' source, chosen at the first parameter
@@ -87,7 +86,7 @@ class NeuronBackend(Backend):
         from moe.backends.neuron.module import NeuronLitMoE
 
         self._resuming = resuming
-        return NeuronLitMoE(self.cfg, self.nxd_config(), backend=self, guard=guard)
+        return NeuronLitMoE(self.nxd_config(), backend=self, guard=guard)
 
     def checkpoint_options(self) -> dict:
         """No last.ckpt copy: NxD keeps the newest keep_last_checkpoints tags, resume takes the newest."""

@@ -24,15 +24,15 @@ from neuronx_distributed.trainer import initialize_parallel_optimizer
 from moe.backends.neuron.causal_lm import pop_routing
 from moe.backends.neuron.layers import build_model
 from moe.config.schema import TrainConfig
-from moe.config.settled import as_container, settled_config
+from moe.config.settled import as_container
 from moe.module.optim import build_scheduler, param_groups
 from moe.module.step_stats import StepStats, validation_loss
 from moe.module.train_step import TrainStep, upgrade_loop_state
 
 
 class NeuronLitMoE(NeuronLTModule):
-    def __init__(self, cfg: TrainConfig, nxd_config: dict, backend, guard=None):
-        run_cfg = settled_config(cfg)  # frozen dataclasses: read, never edited (as LitMoE's)
+    def __init__(self, nxd_config: dict, backend, guard=None):
+        run_cfg: TrainConfig = backend.cfg  # the backend's frozen dataclasses: read, not edited (as LitMoE)
         sp = backend.dims.sequence_parallel
         super().__init__(
             nxd_config=nxd_config, opt_cls=torch.optim.AdamW, scheduler_cls=None,
