@@ -64,5 +64,9 @@ stage check_compile 170 $GC --timeout 160 --out /tmp/gc/c --only fsdp2_compile
 stage stack_compile_all 150 python3 bench/gpu_moe_stack.py --compile all
 # 7. the collector kept out of the step (trainer.gc_every_n_steps=50, torchtitan's gc_freq) beside stage 1's row
 stage check_ddp_gc 110 $GC --timeout 100 --gc-every 50 --out /tmp/gc/g --only ddp_bf16
+# 8. the routing weights in the SwiGLU (moe_opt.weights_in_activation) beside stage 3's row, then its loss
+#    curve beside today's combine (200 steps, bf16-mixed)
+stage stack_compile_weights_in_activation 120 python3 bench/gpu_moe_stack.py --compile --weights-in-activation
+stage loss_weights_in_activation 120 python3 bench/weights_in_activation.py --gpu --precision bf16-mixed
 echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
 grep -h "^|\|rc=\|SKIP\|^train.py runs\|FAILED\|failed:" "$LOG"

@@ -52,7 +52,8 @@ def build(args, device):
     else:
         cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=args.layers,
                           num_heads=32, num_kv_heads=8, num_experts=8, top_k=2, max_position_embeddings=4096)
-    opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
+    opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None,
+                       weights_in_activation=args.weights_in_activation)
     with torch.device(device):
         model = MoETransformer(cfg, opt, init_seed=0).to(torch.bfloat16)
     if args.fp8:
@@ -144,6 +145,9 @@ def main() -> None:
                              "routing, dispatch, combine and SwiGLU as regions; all: the MoE layers with "
                              "their blocks)")
     parser.add_argument("--profile", type=Path, default=None, help="write one step's profile table here")
+    parser.add_argument("--weights-in-activation", action="store_true",
+                        help="moe_opt.weights_in_activation: the routing weights in the experts' SwiGLU, the "
+                             "k outputs summed in bf16")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU (no figures)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.cpu_smoke:
@@ -165,7 +169,8 @@ def main() -> None:
           f"({sizes.active / 1e9:.2f}B active), micro-batch {args.micro_batch} x {seq}"
           + (f" x {args.accumulate} per step" if args.accumulate > 1 else "") + ", bf16"
           + (", fp8 attention linears" if args.fp8 else "")
-          + (f", compiled: {args.compile}" if args.compile else ""))
+          + (f", compiled: {args.compile}" if args.compile else "")
+          + (", routing weights in the SwiGLU" if args.weights_in_activation else ""))
     print("| routing | tokens/s | MFU (moe.config.size's count: no input embedding) |")
     print("|---|---|---|")
     for label, balanced in (("natural (the router's own picks)", False), ("forced balance", True)):

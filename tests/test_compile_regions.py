@@ -13,8 +13,9 @@ from moe.config.schema import MoEOptConfig
 from moe.model.moe import MoELayer
 
 
-def _layers(n: int, capacity_factor):
-    opt = MoEOptConfig(capacity_factor=capacity_factor, eval_capacity_factor=None, z_loss_coeff=1e-3)
+def _layers(n: int, capacity_factor, weights_in_activation: bool = False):
+    opt = MoEOptConfig(capacity_factor=capacity_factor, eval_capacity_factor=None, z_loss_coeff=1e-3,
+                       weights_in_activation=weights_in_activation)
     torch.manual_seed(0)
     layers = [MoELayer(32, 48, 8, 2, opt) for _ in range(n)]
     for layer in layers:
@@ -30,14 +31,16 @@ def _step(layer, x_BSH, autocast: bool = False):
     return y_BSH, stats, x_BSH.grad
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-mixed"])
-def test_compiled_regions_equal_eager_with_one_graph_per_region_for_every_layer(autocast):
+@pytest.mark.parametrize("autocast, fold", [(False, False), (True, False), (True, True)],
+                         ids=["fp32", "bf16-mixed", "bf16-mixed-weights-in-activation"])
+def test_compiled_regions_equal_eager_with_one_graph_per_region_for_every_layer(autocast, fold):
     """Capacity 1.0 drops assignments: the cut, the dropped rows and the drop statistics compile too. Under
     bf16-mixed (the GPU default) the experts run in bf16 and the compiled elementwise code rounds once where
-    eager rounds per op: equal within bf16's resolution."""
+    eager rounds per op: equal within bf16's resolution. fold: the routing weights ride in the compiled
+    SwiGLU (moe_opt.weights_in_activation)."""
     torch._dynamo.reset()
     counters.clear()
-    eager = _layers(3, capacity_factor=1.0)
+    eager = _layers(3, capacity_factor=1.0, weights_in_activation=fold)
     compiled = copy.deepcopy(eager)
     assert all(layer.compile_regions() for layer in compiled)
     x_BSH = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(1))

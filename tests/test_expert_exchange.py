@@ -45,12 +45,15 @@ def _check_exchange(rank, world):
     assert out.tolist() == expected
 
 
-def _check_against_one_process(rank, world, k, cf, policy, shared=0, eval_mode=False):
+def _check_against_one_process(rank, world, k, cf, policy, shared=0, eval_mode=False, fold=False):
+    """fold: the EP layer applies the routing weights in its experts' SwiGLU (each row's weight travels
+    with it), the one-process layer at the combine."""
     E, H, F, B, S = 4, 8, 12, 2, 8
     torch.manual_seed(0)
     opt = MoEOptConfig(capacity_factor=cf, eval_capacity_factor=cf, min_capacity=0, drop_policy=policy)
     ref = MoELayer(H, F, E, k, opt, shared_expert_intermediate_size=shared, init_range=0.3)
     ep = copy.deepcopy(ref)
+    ep.weights_in_activation = fold
     apply_ep(ep, dist.group.WORLD)
     lo, hi = rank * E // world, (rank + 1) * E // world
     assert ep.experts.gate_up.shape[0] == hi - lo and all(p.is_expert for p in ep.experts.parameters())
@@ -151,8 +154,8 @@ def test_ep2_more_routing_variants():
     _spawn(
         [
             {"k": 1, "cf": 1.0, "policy": "position", "shared": 6},
-            {"k": 1, "cf": None, "policy": "probs", "shared": 6},
+            {"k": 1, "cf": None, "policy": "probs", "shared": 6, "fold": True},
             {"k": 2, "cf": 1.0, "policy": "position", "eval_mode": True},
-            {"k": 3, "cf": 0.75, "policy": "probs"},
+            {"k": 3, "cf": 0.75, "policy": "probs", "fold": True},
         ]
     )

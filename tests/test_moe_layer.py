@@ -209,6 +209,27 @@ def test_grouped_mm_path_equals_loop_path(dtype):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_weights_in_the_activation_equal_weights_at_the_combine(dtype):
+    """moe_opt.weights_in_activation moves each routing weight before the (linear) down projection and sums
+    a token's k outputs unweighted: a reordering, so fp32 equals today's to rounding and bf16 stays within
+    a few of its roundings of the output's scale; outputs and every gradient (the router's through the
+    weights), dropless and with drops, on both expert kernels."""
+    kernels = (True, False) if grouped_mm_works(torch.device("cpu"), dtype) else (False,)
+    x, g = (t.to(dtype) for t in inputs())
+    for cf in (None, 0.75):
+        today, folded = make(2, cf).to(dtype), make(2, cf, weights_in_activation=True).to(dtype)
+        for grouped in kernels:
+            today.experts.use_grouped_mm = folded.experts.use_grouped_mm = grouped
+            y1, g1 = grads(today, x, g, lambda x, layer=today: layer(x)[0])
+            y2, g2 = grads(folded, x, g, lambda x, layer=folded: layer(x)[0])
+            for a, b in zip([y1, *g1], [y2, *g2], strict=True):
+                scale = a.float().abs().max().item()
+                ulps = 2e-6 if dtype == torch.float32 else 4 * 2 ** -8  # bf16: 8 bits of mantissa
+                torch.testing.assert_close(b.float(), a.float(), atol=ulps * scale, rtol=0)
+
+
 def test_shared_expert_is_added():
     torch.manual_seed(0)
     layer = MoELayer(H, FF, E, 2, MoEOptConfig(capacity_factor=None), shared_expert_intermediate_size=8)

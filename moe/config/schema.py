@@ -108,6 +108,9 @@ class MoEOptConfig(Section):
     # renormalise over the assignments a capacity kept (NxD, DeepSpeed): a token that lost one of its
     # experts gives the others its weight; false: the weights are normalised before drops (Megatron)
     normalize_after_drop: bool = False
+    # each expert row times its routing weight inside the SwiGLU, before the down projection (Megatron-Core's
+    # weighted SwiGLU), and a token's k outputs summed in their dtype; false: weighted in fp32 at the combine
+    weights_in_activation: bool = False
     # load-balance statistics (f_i, P_i) over: ep = the expert-parallel group (this rank's tokens
     # when ep=1) | dp = every data-parallel rank (global-batch balancing; same loss as one process)
     aux_loss_group: Annotated[str, AuxLossGroup] = "ep"

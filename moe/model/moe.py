@@ -182,11 +182,14 @@ class Experts(nn.Module):
         for p in self.parameters():
             p.is_expert, p.first_expert = True, first
 
-    def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor | list[int]) -> torch.Tensor:
+    def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor | list[int],
+                weights_M: torch.Tensor | None = None) -> torch.Tensor:
         """Rows sorted by expert, expert e owning the next counts_E[e] rows -> outputs [M, H]. counts_E is a
         long tensor, or Python ints where the dispatcher knows them (fixed buffers): then the per-expert
         loop reads nothing back from the device. Rows after the last expert's (dropped assignments) are
-        in no expert: their outputs are undefined (grouped GEMM) or zero (loop), and nobody reads them."""
+        in no expert: their outputs are undefined (grouped GEMM) or zero (loop), and nobody reads them.
+        weights_M [M, 1]: each row's routing weight, applied in the SwiGLU (moe_opt.weights_in_activation);
+        None: the outputs come out unweighted (the combine weights them)."""
         autocast = autocast_dtype(x_MH.device)  # bf16-mixed: the experts' matmuls run in bf16
         dtype = autocast or x_MH.dtype
         use_gmm = self.use_grouped_mm
@@ -204,12 +207,14 @@ class Experts(nn.Module):
             # what autocast's matmuls make too)
             activation = region(swiglu, self.compiled_activation)  # compiled: one fused kernel each way
             gate_up, down = (self.layout.as_in_out(w.to(dtype)) for w in (self.gate_up, self.down))
-            h_MF = activation(torch._grouped_mm(x_MH.to(dtype), gate_up, offs=offs_E))
+            h_MF = activation(torch._grouped_mm(x_MH.to(dtype), gate_up, offs=offs_E), weights_M)
             return torch._grouped_mm(h_MF, down, offs=offs_E)
         sizes = counts_E if isinstance(counts_E, list) else host_sizes(counts_E, x_MH.shape[0])  # one sync
-        *xs, rest = x_MH.split([*sizes, x_MH.shape[0] - sum(sizes)])
+        split = [*sizes, x_MH.shape[0] - sum(sizes)]
+        *xs, rest = x_MH.split(split)
+        ws = [None] * len(xs) if weights_M is None else weights_M.split(split)
         gate_up, down = self.layout.as_in_out(self.gate_up), self.layout.as_in_out(self.down)
-        ys = [swiglu(x @ gate_up[e]) @ down[e] for e, x in enumerate(xs)]
+        ys = [swiglu(x @ gate_up[e], ws[e]) @ down[e] for e, x in enumerate(xs)]
         return torch.cat([*ys, rest.new_zeros(rest.shape[0], down.shape[-1], dtype=ys[0].dtype)])
 
     def shard(self, first: int, count: int) -> None:
@@ -258,6 +263,7 @@ class MoELayer(nn.Module):
         self.score_function = moe_opt.score_function
         self.num_groups, self.group_top_k = moe_opt.num_groups, moe_opt.group_top_k
         self.topk_scaling_factor = moe_opt.topk_scaling_factor
+        self.weights_in_activation = moe_opt.weights_in_activation  # the experts weight their rows
         # what the RoutingStats are read for: a loss term carries gradient where its coefficient is not 0;
         # the expert bias reads the picks every step; `monitor` (the drop, load and entropy numbers) is on
         # unless the training step logs none of them (moe.module.lit_moe.LitMoE.training_step)
@@ -298,7 +304,8 @@ class MoELayer(nn.Module):
         compiled = self.compiled_regions and not generating  # generation's shapes change every token
         route, finish = region(MoELayer.route, compiled), region(MoELayer.finish, compiled)
         routed = route(self, x_TH, capacity)
-        y_MH = self.experts(routed.rows_MH, routed.counts_E)  # eager: its own FSDP unit, its grouped GEMM
+        # eager: its own FSDP unit, its grouped GEMM
+        y_MH = self.experts(routed.rows_MH, routed.counts_E, routed.weights_M)
         y_TH, stats = finish(self, y_MH, x_TH, routed, shard, x_BSH.shape[0], want_stats)
         return y_TH.view_as(x_BSH), stats
 
@@ -330,14 +337,15 @@ class MoELayer(nn.Module):
             weights_TK = F.normalize(weights_TK * keep_TK, p=1.0, dim=-1)  # NxD's eps: all dropped -> 0
 
         # 3. dispatch: the rows of the experts held here, in expert order
-        rows_MH, counts_E, ctx = self.dispatcher.dispatch(
-            x_TH, idx_TK, None if capacity is None else keep_TK, capacity, self.num_experts)
-        return Routed(rows_MH, counts_E, ctx, logits_TE, scores_TE, weights_TK, idx_TK, keep_TK)
+        rows_MH, counts_E, ctx, weights_M = self.dispatcher.dispatch(
+            x_TH, idx_TK, None if capacity is None else keep_TK, capacity, self.num_experts,
+            weights_TK if self.weights_in_activation else None)
+        return Routed(rows_MH, counts_E, ctx, weights_M, logits_TE, scores_TE, weights_TK, idx_TK, keep_TK)
 
     def finish(self, y_MH: torch.Tensor, x_TH: torch.Tensor, routed: Routed, shard: TokenShard | None,
                num_sequences: int, want_stats: bool) -> tuple[torch.Tensor, RoutingStats | None]:
         """The experts' outputs (plus the shared expert's) back in token order, then the statistics."""
-        y_TH = self.dispatcher.combine(y_MH, routed.weights_TK, routed.ctx)
+        y_TH = self.dispatcher.combine(y_MH, routed.weights_TK, routed.ctx, weighted=routed.weights_M is None)
         if self.shared_expert is not None:
             y_TH = y_TH + self.shared_expert(x_TH)
         if shard is not None:
@@ -364,6 +372,7 @@ class Routed(NamedTuple):
     rows_MH: torch.Tensor  # the experts' rows, sorted by expert
     counts_E: torch.Tensor | list[int]  # rows per local expert
     ctx: Any  # the dispatcher's return ticket
+    weights_M: torch.Tensor | None  # each row's routing weight [M, 1] where the experts apply it, else None
     logits_TE: torch.Tensor
     scores_TE: torch.Tensor
     weights_TK: torch.Tensor

@@ -336,20 +336,24 @@ def sort_rows(x_TH: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor, to
 
 
 def combine(y_MH: torch.Tensor, weights_TK: torch.Tensor, order_M: torch.Tensor, pos_N: torch.Tensor,
-            drops: bool = False):
+            drops: bool = False, weighted: bool = True):
     """Weighted sum of each token's expert outputs -> [T, H]; dropped assignments (pos_N at the zero row)
-    add zero, whatever the experts left in their rows."""
-    return weighted_sum(move_rows(y_MH, pos_N, order_M, pad=drops, pad_back=False), weights_TK)
+    add zero, whatever the experts left in their rows. weighted=False: the experts applied the weights."""
+    return weighted_sum(move_rows(y_MH, pos_N, order_M, pad=drops, pad_back=False), weights_TK, weighted)
 
 
-def weighted_sum(y_NH: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+def weighted_sum(y_NH: torch.Tensor, weights_TK: torch.Tensor, weighted: bool = True) -> torch.Tensor:
     """Each token's K outputs (rows of its assignments, in [T, K] order) weighted and summed -> [T, H].
 
-    Accumulates in fp32 for low-precision inputs.
+    Accumulates in fp32 for low-precision inputs. weighted=False (moe_opt.weights_in_activation: the
+    experts multiplied each row by its weight): the K rows summed in their own dtype, no fp32 copy of them
+    (torch's sum accumulates in fp32 and rounds once).
     """
     T, K = weights_TK.shape
-    acc = torch.float32 if y_NH.dtype in (torch.bfloat16, torch.float16) else y_NH.dtype
     y_TKH = y_NH.view(T, K, -1)
+    if not weighted:
+        return y_TKH[:, 0] if K == 1 else y_TKH.sum(1)
+    acc = torch.float32 if y_NH.dtype in (torch.bfloat16, torch.float16) else y_NH.dtype
     if K == 1:
         return (y_TKH[:, 0].to(acc) * weights_TK.to(acc)).to(y_NH.dtype)
     return (y_TKH.to(acc) * weights_TK.to(acc).unsqueeze(-1)).sum(1).to(y_NH.dtype)
@@ -371,7 +375,11 @@ def capacity_slots(idx_TK: torch.Tensor, keep_TK: torch.Tensor, num_experts: int
     return torch.empty_like(slot_sorted).scatter_(0, order_N, slot_sorted)
 
 
-def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, gate columns first."""
+def swiglu(h_N2F: torch.Tensor, weights_N1: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up, gate columns first; times each row's routing weight where given
+    (moe_opt.weights_in_activation: Megatron-Core's weighted SwiGLU; the down projection is linear, so the
+    expert's output comes out weighted), the weight cast to the rows' dtype."""
     gate, up = h_N2F.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if weights_N1 is None:
+        return F.silu(gate) * up
+    return F.silu(gate) * up * weights_N1.to(h_N2F.dtype)

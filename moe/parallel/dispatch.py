@@ -4,7 +4,8 @@
 of `group` (rank r holds experts [r*E/ep, (r+1)*E/ep)), and rows travel with
 `all_to_all_single` (moe.parallel.comm.exchange_rows): uneven splits when dropless (one host sync
 for the split sizes), fixed [E, C] buffers under a capacity (the one sync is the group's capacity).
-Installed by moe.parallel.apply.apply_ep.
+With moe_opt.weights_in_activation each row's routing weight travels beside it (one more exchange, of
+one fp32 value per row, as Megatron-Core sends its permuted probs). Installed by moe.parallel.apply.apply_ep.
 
 Shapes as moe.model.dispatch: T tokens, K picks, M kept assignments in expert order, R rows
 received from every EP rank, E experts in all, C slots per expert, X = E * C buffer slots.
@@ -70,27 +71,27 @@ class AllToAllDispatcher:
         return values
 
     def dispatch(self, x_TH: torch.Tensor, idx_TK: torch.Tensor, keep_TK: torch.Tensor | None,
-                 capacity: int | None, num_experts: int) -> Dispatched:
+                 capacity: int | None, num_experts: int,
+                 weights_TK: torch.Tensor | None = None) -> Dispatched:
         if capacity is None:
-            return self._dispatch_dropless(x_TH, idx_TK, num_experts)
-        return self._dispatch_fixed(x_TH, idx_TK, keep_TK, capacity, num_experts)
+            return self._dispatch_dropless(x_TH, idx_TK, num_experts, weights_TK)
+        return self._dispatch_fixed(x_TH, idx_TK, keep_TK, capacity, num_experts, weights_TK)
 
-    def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor,
-                ctx: _Exchanged | _Slotted) -> torch.Tensor:
+    def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, ctx: _Exchanged | _Slotted,
+                weighted: bool = True) -> torch.Tensor:
         if isinstance(ctx, _Exchanged):
             y_RH = move_rows(y_MH, ctx.arrival_R, ctx.by_expert_R)  # back to arrival order
             y_MH = exchange_rows(y_RH, ctx.recv_splits, ctx.sent_splits, self.group)
-            return combine_rows(y_MH, weights_TK, ctx.sorted.order_M, ctx.sorted.pos_N, ctx.sorted.drops)
-        E_local, C = y_MH.shape[0] // (self.ep * ctx.capacity), ctx.capacity
-        y_XH = y_MH.view(E_local, self.ep, C, -1).transpose(0, 1).reshape(self.ep * E_local * C, -1)
-        splits = even_splits(y_XH.shape[0], self.group)
-        back_XH = exchange_rows(y_XH, splits, splits, self.group)
-        return weighted_sum(move_rows(back_XH, ctx.slot_N, ctx.row_X, pad=True), weights_TK)  # dropped: 0
+            s = ctx.sorted
+            return combine_rows(y_MH, weights_TK, s.order_M, s.pos_N, s.drops, weighted)
+        back_XH = self._slots_back(y_MH, ctx.capacity)
+        back_NH = move_rows(back_XH, ctx.slot_N, ctx.row_X, pad=True)  # a dropped assignment: a zero row
+        return weighted_sum(back_NH, weights_TK, weighted)
 
-    def _dispatch_dropless(self, x_TH, idx_TK, num_experts):
+    def _dispatch_dropless(self, x_TH, idx_TK, num_experts, weights_TK):
         """Rows sorted by expert are also sorted by owning rank: send, then regroup by local expert."""
         local = num_experts // self.ep
-        x_MH, counts_E, sorted_ = sort_by_expert(x_TH, idx_TK, None, num_experts)
+        x_MH, counts_E, sorted_, weights_M = sort_by_expert(x_TH, idx_TK, None, num_experts, weights_TK)
         recv_counts, sent, received = self._host(  # the one sync
             lambda: exchange_counts(counts_E, self.group, x_MH.shape[0]))
         recv_RH = exchange_rows(x_MH, sent, received, self.group)
@@ -100,19 +101,36 @@ class AllToAllDispatcher:
         by_expert_R = torch.argsort(local_R, stable=True)
         arrival_R = inverse_index(by_expert_R, by_expert_R.numel())
         x_RH = move_rows(recv_RH, by_expert_R, arrival_R)
+        if weights_M is not None:
+            recv_R1 = exchange_rows(weights_M, sent, received, self.group)
+            weights_M = move_rows(recv_R1, by_expert_R, arrival_R)
         ctx = _Exchanged(sorted_, sent, received, by_expert_R, arrival_R)
-        return Dispatched(x_RH, recv_counts.view(self.ep, local).sum(0), ctx)
+        return Dispatched(x_RH, recv_counts.view(self.ep, local).sum(0), ctx, weights_M)
 
-    def _dispatch_fixed(self, x_TH, idx_TK, keep_TK, capacity, num_experts):
+    def _dispatch_fixed(self, x_TH, idx_TK, keep_TK, capacity, num_experts, weights_TK):
         """Fixed [E, C, H] buffers: kept assignment n goes to slot (expert, its rank within the expert),
         dropped ones nowhere; nothing is read back to the host (the buffers' size is known)."""
-        E, C, local, H = num_experts, capacity, num_experts // self.ep, x_TH.shape[-1]
+        E, C, H = num_experts, capacity, x_TH.shape[-1]
         K = idx_TK.shape[1]
         slot_N = capacity_slots(idx_TK, keep_TK, E, C)
         row_X = inverse_index(slot_N, E * C + 1)[:E * C]  # slot -> assignment (N = empty: a zero row)
         x_NH = x_TH.unsqueeze(1).expand(-1, K, -1).reshape(-1, H)  # backward: sums over the k copies
-        send_XH = move_rows(x_NH, row_X, slot_N, pad=True)
+        x_LRH = self._slots_out(move_rows(x_NH, row_X, slot_N, pad=True), C)
+        weights_M = None
+        if weights_TK is not None:  # each slot's weight travels as its row does (empty slots: 0)
+            weights_M = self._slots_out(move_rows(weights_TK.reshape(-1, 1), row_X, slot_N, pad=True), C)
+        return Dispatched(x_LRH, [self.ep * C] * (E // self.ep), _Slotted(slot_N, row_X, C), weights_M)
+
+    def _slots_out(self, send_XH: torch.Tensor, capacity: int) -> torch.Tensor:
+        """An [E * C] buffer in expert order -> the local experts' slots from every rank, by local expert."""
         splits = even_splits(send_XH.shape[0], self.group)
         recv_XH = exchange_rows(send_XH, splits, splits, self.group)  # [source rank][local expert][slot]
-        x_LRH = recv_XH.view(self.ep, local, C, H).transpose(0, 1).reshape(local * self.ep * C, H)
-        return Dispatched(x_LRH, [self.ep * C] * local, _Slotted(slot_N, row_X, C))
+        local = send_XH.shape[0] // (self.ep * capacity)
+        return recv_XH.view(self.ep, local, capacity, -1).transpose(0, 1).reshape(send_XH.shape[0], -1)
+
+    def _slots_back(self, y_MH: torch.Tensor, capacity: int) -> torch.Tensor:
+        """The local experts' outputs -> each source rank's [E * C] buffer, in expert order."""
+        E_local, C = y_MH.shape[0] // (self.ep * capacity), capacity
+        y_XH = y_MH.view(E_local, self.ep, C, -1).transpose(0, 1).reshape(self.ep * E_local * C, -1)
+        splits = even_splits(y_XH.shape[0], self.group)
+        return exchange_rows(y_XH, splits, splits, self.group)

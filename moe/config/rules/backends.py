@@ -126,6 +126,11 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
     need(r.topk_scaling_factor is None, "moe_opt.topk_scaling_factor", r.topk_scaling_factor,
          "set moe_opt.topk_scaling_factor=null on trn1",
          "is not available on trn1: neuronx-distributed's ExpertMLPs takes the affinities as they are")
+    need(not r.weights_in_activation, "moe_opt.weights_in_activation", True,
+         "set moe_opt.weights_in_activation=false on trn1",
+         "is not available on trn1: neuronx-distributed's ExpertMLPs weights the experts' outputs when it "
+         "unpermutes them, or the input of a top-1 expert (early_expert_affinity_modulation, "
+         "modules/moe/expert_mlps_v2.py:384-413), never inside the activation")
     check_neuron_precision(model, trainer, hardware, data)
     if p.ep > 1:
         check_neuron_expert_parallel(parallel, model, moe_opt)
