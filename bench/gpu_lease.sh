@@ -68,5 +68,7 @@ stage check_ddp_gc 110 $GC --timeout 100 --gc-every 50 --out /tmp/gc/g --only dd
 #    curve beside today's combine (200 steps, bf16-mixed)
 stage stack_compile_weights_in_activation 120 python3 bench/gpu_moe_stack.py --compile --weights-in-activation
 stage loss_weights_in_activation 120 python3 bench/weights_in_activation.py --gpu --precision bf16-mixed
+# 9. the whole compiled blocks replayed as CUDA graphs (the GPU's idle time between launches) beside stage 6's
+stage stack_compile_all_cuda_graphs 150 python3 bench/gpu_moe_stack.py --compile all --cuda-graphs
 echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
 grep -h "^|\|rc=\|SKIP\|^train.py runs\|FAILED\|failed:" "$LOG"

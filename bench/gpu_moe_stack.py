@@ -65,15 +65,18 @@ def build(args, device):
 
         apply_compile(model)
     elif args.compile == "all":  # the MoE layers too: in one process their shapes no longer depend on routing
+        mode = "reduce-overhead" if args.cuda_graphs else None  # each block's graphs replayed as CUDA graphs
         for block in model.layers:
-            block.compile()
+            block.compile(mode=mode)
     return model, cfg
 
 
 def train_step(model, ids, optimizer, micro_batches: int = 1) -> None:
     """One optimizer step over `micro_batches` forward + backward passes of `ids` (gradient accumulation, as
-    a real run's global batch: the update's cost is shared by them)."""
+    a real run's global batch: the update's cost is shared by them). Each micro-batch begins a new round of
+    CUDA graphs (--cuda-graphs: the last one's outputs are done with once its backward ran)."""
     for _ in range(micro_batches):
+        torch.compiler.cudagraph_mark_step_begin()  # nothing without CUDA graphs
         out = model(ids[:, :-1], labels_BS=ids[:, 1:])
         (out.loss / micro_batches).backward()
     optimizer.step()
@@ -145,6 +148,9 @@ def main() -> None:
                              "routing, dispatch, combine and SwiGLU as regions; all: the MoE layers with "
                              "their blocks)")
     parser.add_argument("--profile", type=Path, default=None, help="write one step's profile table here")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="with --compile all: torch.compile's reduce-overhead mode, each block's graphs "
+                             "captured and replayed as CUDA graphs (one process, dropless: static shapes)")
     parser.add_argument("--weights-in-activation", action="store_true",
                         help="moe_opt.weights_in_activation: the routing weights in the experts' SwiGLU, the "
                              "k outputs summed in bf16")
@@ -156,6 +162,9 @@ def main() -> None:
     if args.fp8 and (args.cpu_smoke or torch.cuda.get_device_capability() < (8, 9)):
         refuse("--fp8 needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: L40S, H100) and "
                "torchao; this run has none. Fix: drop --fp8, or run on such a card.")
+    if args.cuda_graphs and args.compile != "all":
+        refuse("--cuda-graphs captures whole compiled blocks and needs --compile all (with --compile the MoE "
+               "layers run eager between graphs). Fix: add --compile all.")
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     name = "CPU (smoke)" if args.cpu_smoke else torch.cuda.get_device_name()
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
@@ -170,6 +179,8 @@ def main() -> None:
           + (f" x {args.accumulate} per step" if args.accumulate > 1 else "") + ", bf16"
           + (", fp8 attention linears" if args.fp8 else "")
           + (f", compiled: {args.compile}" if args.compile else "")
+          + ((", CUDA graphs skipped (torch captures CUDA only)" if args.cpu_smoke else ", CUDA graphs")
+             if args.cuda_graphs else "")
           + (", routing weights in the SwiGLU" if args.weights_in_activation else ""))
     print("| routing | tokens/s | MFU (moe.config.size's count: no input embedding) |")
     print("|---|---|---|")
