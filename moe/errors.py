@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -114,6 +115,16 @@ def exit_on_user_error(main):
             raise
 
     return wrapper
+
+
+def describe_exit(code: int) -> str:
+    """A process's return code in words: "exit code 3", "killed by SIGKILL"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def log_to_files(message: str, level: int = logging.ERROR, exc_info=None) -> None:

@@ -20,16 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from moe.errors import describe_exit
+
 USER_ERROR_EXIT = 2  # moe.errors.exit_on_user_error
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def _override(cmd: list[str], key: str) -> str | None:

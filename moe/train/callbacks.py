@@ -1,8 +1,9 @@
 """The Trainer's callbacks and loggers: the run's own (always on), then the ones the config adds.
 
 Always: RunMetrics (metrics.csv, summary.json), SpikeGuard (its ledger and state; the step asks it),
-StepCheckpoint, PreemptionCheckpoint and, when trainer.progress_bar and stdout is a terminal, a progress
-bar over optimizer steps: the periphery, after each step (moe.module.train_step). Then every
+LocalRanks (the ranks this process launched, watched by the run rather than by Lightning), StepCheckpoint,
+PreemptionCheckpoint and, when trainer.progress_bar and stdout is a terminal, a progress bar over
+optimizer steps: the periphery, after each step (moe.module.train_step). Then every
 node of `callbacks.<name>` and `logger.<name>`, instantiated by Hydra from its `_target_`
 (lightning-hydra-template style):
 
@@ -29,6 +30,7 @@ def build_callbacks(trainer, callbacks: dict, run_dir: Path, dims: ParallelDims,
     report compares runs by): RunMetrics's MFU and summary."""
     from moe.train.console import StepProgressBar, bar_shown
     from moe.train.garbage import StepGarbageCollection
+    from moe.train.local_ranks import LOCAL_RANKS
     from moe.train.metrics import RunMetrics
     from moe.train.preemption import PreemptionCheckpoint
     from moe.train.step_checkpoint import StepCheckpoint
@@ -40,6 +42,7 @@ def build_callbacks(trainer, callbacks: dict, run_dir: Path, dims: ParallelDims,
             key_config=key_config, guard=guard,
         ),
         guard,
+        LOCAL_RANKS,  # the ranks this process launched, if any: watched by the run (moe.train.local_ranks)
     ]
     if trainer.save_checkpoints:
         own += [

@@ -7,6 +7,7 @@ the same config (Hydra composes again to make its run dir; its API takes no comp
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -95,6 +96,7 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
     from moe.train.console import bar_shown, configure_output
     from moe.train.environment import apply_torch_settings
     from moe.train.guard import RollbackRequested, SpikeGuard
+    from moe.train.local_ranks import LOCAL_RANKS
     from moe.train.preemption import Preempted
 
     configure_output(cfg.trainer.progress_bar)  # moe/train/console.py: one line each, a line per step
@@ -146,8 +148,12 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
             if resume_from:
                 say(f"resuming from {resume_from}{resolved_name(resume_from)} "
                     f"at step {step_hint(resume_from)}")
+        lost_peer = functools.partial(_lost_peer, timeout=cfg.parallel.collective_timeout_s,
+                                      ckpt_dir=ckpt_dir)
+        resume_path = str(resume_from) if resume_from else None
         try:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
+            with LOCAL_RANKS.watched(lost_peer):  # a launched rank's loss ends the run with exit 3
+                trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
             break
         except Preempted as err:
             if trainer.is_global_zero:
@@ -157,14 +163,10 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
             failed = err if isinstance(err, CollectiveFailed) else _collective_failure(err)
             if failed is None:
                 raise
-            timeout = cfg.parallel.collective_timeout_s
-            message = (f"error: {failed}. A peer rank died, or stalled longer than "
-                       f"parallel.collective_timeout_s={timeout:g} s; checkpoints are written whole or not "
-                       "at all. Relaunch the same command (or run it under python -m moe.supervise) to "
-                       f"resume from the newest good checkpoint in {ckpt_dir}")
+            message = lost_peer(str(failed))
             print(message, file=sys.stderr, flush=True)
             log_to_files(message)
-            _stop_local_ranks(trainer)
+            LOCAL_RANKS.stop()  # a stalled one would keep this process from exiting until its own timeout
             raise SystemExit(COLLECTIVE_FAILED_EXIT) from err
         except RollbackRequested as err:
             rolled_back = True
@@ -175,15 +177,11 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
     return run_dir
 
 
-def _stop_local_ranks(trainer) -> None:
-    """The ranks this process launched (Lightning's subprocess launcher): a stalled one would keep it from
-    exiting until its own collective timed out. SIGKILL, not SIGTERM: a pre-emption save would wait on the
-    lost peer; checkpoints are atomic, so nothing is left half-written."""
-    import signal
-
-    launcher = getattr(trainer.strategy, "launcher", None)
-    if launcher is not None and getattr(launcher, "procs", None):
-        launcher.kill(signal.SIGKILL)
+def _lost_peer(what: str, timeout: float, ckpt_dir: Path) -> str:
+    """The paragraph a run that lost a peer rank ends with (exit 3, retryable)."""
+    return (f"error: {what}. A peer rank died, or stalled longer than parallel.collective_timeout_s="
+            f"{timeout:g} s; checkpoints are written whole or not at all. Relaunch the same command (or run "
+            f"it under python -m moe.supervise) to resume from the newest good checkpoint in {ckpt_dir}")
 
 
 _TRANSPORT = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out")
