@@ -67,8 +67,12 @@ stage check_ddp_gc 110 $GC --timeout 100 --gc-every 50 --out /tmp/gc/g --only dd
 # 8. the routing weights in the SwiGLU (moe_opt.weights_in_activation) beside stage 3's row, then its loss
 #    curve beside today's combine (200 steps, bf16-mixed)
 stage stack_compile_weights_in_activation 120 python3 bench/gpu_moe_stack.py --compile --weights-in-activation
-stage loss_weights_in_activation 120 python3 bench/weights_in_activation.py --gpu --precision bf16-mixed
+stage loss_weights_in_activation 120 python3 bench/lever_loss.py --gpu --precision bf16-mixed
 # 9. the whole compiled blocks replayed as CUDA graphs (the GPU's idle time between launches) beside stage 6's
 stage stack_compile_all_cuda_graphs 150 python3 bench/gpu_moe_stack.py --compile all --cuda-graphs
+# 10. the experts' GEMMs in FP8 (moe_opt.fp8_experts, torch._scaled_grouped_mm) beside stage 3's row, then its
+#     loss beside bf16's on the card
+stage stack_compile_fp8_experts 120 python3 bench/gpu_moe_stack.py --compile --fp8-experts
+stage loss_fp8_experts 150 python3 bench/lever_loss.py --gpu --precision bf16-mixed --lever moe_opt.fp8_experts=true
 echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
 grep -h "^|\|rc=\|SKIP\|^train.py runs\|FAILED\|failed:" "$LOG"

@@ -4,6 +4,7 @@ FP8 (torchao's float8 training) as an option. docs/BENCHMARKS.md records the fig
 
     .venv/bin/python bench/gpu_moe_stack.py                      # on a CUDA GPU
     .venv/bin/python bench/gpu_moe_stack.py --fp8                # + torchao float8 linears (sm89+, torchao)
+    .venv/bin/python bench/gpu_moe_stack.py --fp8-experts        # the experts' GEMMs in FP8 (sm90+)
     .venv/bin/python bench/gpu_moe_stack.py --compile            # + compiled as model.compile=true does
     .venv/bin/python bench/gpu_moe_stack.py --compile all        # + the MoE layers compiled with their block
     .venv/bin/python bench/gpu_moe_stack.py --accumulate 8       # one SGD step per 8 micro-batches
@@ -53,7 +54,7 @@ def build(args, device):
         cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=args.layers,
                           num_heads=32, num_kv_heads=8, num_experts=8, top_k=2, max_position_embeddings=4096)
     opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None,
-                       weights_in_activation=args.weights_in_activation)
+                       weights_in_activation=args.weights_in_activation, fp8_experts=args.fp8_experts)
     with torch.device(device):
         model = MoETransformer(cfg, opt, init_seed=0).to(torch.bfloat16)
     if args.fp8:
@@ -154,6 +155,9 @@ def main() -> None:
     parser.add_argument("--weights-in-activation", action="store_true",
                         help="moe_opt.weights_in_activation: the routing weights in the experts' SwiGLU, the "
                              "k outputs summed in bf16")
+    parser.add_argument("--fp8-experts", action="store_true",
+                        help="moe_opt.fp8_experts: the experts' grouped GEMMs, forward and backward, in "
+                             "float8 e4m3, rowwise scales (torch._scaled_grouped_mm: compute capability 9+)")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU (no figures)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.cpu_smoke:
@@ -162,6 +166,13 @@ def main() -> None:
     if args.fp8 and (args.cpu_smoke or torch.cuda.get_device_capability() < (8, 9)):
         refuse("--fp8 needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: L40S, H100) and "
                "torchao; this run has none. Fix: drop --fp8, or run on such a card.")
+    if args.fp8_experts and not args.cpu_smoke:
+        from moe.model.fp8 import fp8_kernel
+
+        if not fp8_kernel(torch.device("cuda")):  # probed here, before anything compiles
+            refuse("--fp8-experts needs FP8 grouped GEMMs (torch._scaled_grouped_mm: CUDA compute capability "
+                   f"9.0+, H100/H200) and this card or torch has none ({torch.cuda.get_device_name()}, torch "
+                   f"{torch.__version__}). Fix: drop --fp8-experts, or run on such a card.")
     if args.cuda_graphs and args.compile != "all":
         refuse("--cuda-graphs captures whole compiled blocks and needs --compile all (with --compile the MoE "
                "layers run eager between graphs). Fix: add --compile all.")
@@ -181,7 +192,8 @@ def main() -> None:
           + (f", compiled: {args.compile}" if args.compile else "")
           + ((", CUDA graphs skipped (torch captures CUDA only)" if args.cpu_smoke else ", CUDA graphs")
              if args.cuda_graphs else "")
-          + (", routing weights in the SwiGLU" if args.weights_in_activation else ""))
+          + (", routing weights in the SwiGLU" if args.weights_in_activation else "")
+          + ((", FP8 experts (emulated)" if args.cpu_smoke else ", FP8 experts") if args.fp8_experts else ""))
     print("| routing | tokens/s | MFU (moe.config.size's count: no input embedding) |")
     print("|---|---|---|")
     for label, balanced in (("natural (the router's own picks)", False), ("forced balance", True)):

@@ -263,6 +263,10 @@ CONFIG_CASES = [
     (["hardware.device_memory_gib=0"], "hardware.device_memory_gib", "0.0", "must be positive", "in GiB"),
     (["trainer.save_checkpoints=false", "trainer.spike_action=rollback"], "trainer.spike_action",
      "'rollback'", "writes none", "trainer.save_checkpoints=true"),
+    (["moe_opt.fp8_experts=true", "trainer.precision=32-true"], "trainer.precision", "'32-true'",
+     "the FP8 expert GEMMs write bf16", "trainer.precision=bf16-mixed"),
+    (["moe_opt.fp8_experts=true", "trainer.precision=bf16-mixed", "model.intermediate_size=200"],
+     "model.intermediate_size", "200", "not a multiple of 16", "use a multiple of 16 (e.g. 208)"),
 ]
 
 ENVIRONMENT_CASES = [

@@ -270,6 +270,7 @@ def test_bf16_sr_is_refused_for_moe_models_and_auto_picks_mixed():
         ("moe_opt.num_groups=2 moe_opt.group_top_k=1", "moe_opt.num_groups"),
         ("moe_opt.topk_scaling_factor=2.5", "moe_opt.topk_scaling_factor"),
         ("moe_opt.weights_in_activation=true", "moe_opt.weights_in_activation"),
+        ("moe_opt.fp8_experts=true", "moe_opt.fp8_experts"),
         ("model=tiny_deepseek_v3 model.shared_expert_intermediate_size=0", "model.attention"),
     ],
 )

@@ -111,6 +111,9 @@ class MoEOptConfig(Section):
     # each expert row times its routing weight inside the SwiGLU, before the down projection (Megatron-Core's
     # weighted SwiGLU), and a token's k outputs summed in their dtype; false: weighted in fp32 at the combine
     weights_in_activation: bool = False
+    # the experts' grouped GEMMs (forward and both of the backward) with float8 e4m3 operands, rowwise scales
+    # (torchao's recipe, moe/model/fp8.py): CUDA compute capability 9.0+; emulated elsewhere (CPU smoke runs)
+    fp8_experts: bool = False
     # load-balance statistics (f_i, P_i) over: ep = the expert-parallel group (this rank's tokens
     # when ep=1) | dp = every data-parallel rank (global-batch balancing; same loss as one process)
     aux_loss_group: Annotated[str, AuxLossGroup] = "ep"

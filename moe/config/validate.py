@@ -47,6 +47,7 @@ from moe.config.rules.run import (
     check_activation_checkpointing,
     check_data,
     check_finite,
+    check_fp8_experts,
     check_guard,
     check_hf_start,
     check_instantiables,
@@ -72,7 +73,7 @@ RULES = [  # in order: keys and numbers, counts, the hardware, divisibility of t
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_activation_checkpointing,
     check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
-    BACKEND_RULES, check_hf_start, check_planning, check_simulate, check_waits,
+    BACKEND_RULES, check_fp8_experts, check_hf_start, check_planning, check_simulate, check_waits,
 ]
 
 
@@ -89,7 +90,8 @@ def validate(cfg) -> None:
 __all__ = [  # the rules, the table and the checks other entry points run
     "BACKEND_RULES", "FREE_FORM", "RULES", "SEED_RANGE", "apply_rule", "check_activation_checkpointing",
     "check_backend", "check_backend_degrees", "check_chat_template", "check_data", "check_degrees",
-    "check_dp_matches_world", "check_ep", "check_finite", "check_fsdp2", "check_global_batch", "check_guard",
+    "check_dp_matches_world", "check_ep", "check_finite", "check_fp8_experts", "check_fsdp2",
+    "check_global_batch", "check_guard",
     "check_hf_start", "check_hybrid_shard", "check_instantiables", "check_known_keys", "check_model",
     "check_model_split", "check_neuron", "check_neuron_expert_parallel", "check_neuron_precision",
     "check_offload", "check_optimizer", "check_overlap_comm", "check_planning", "check_pp_schedule",

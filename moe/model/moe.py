@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from moe.config.schema import normalizes
 from moe.model.dispatch import Dispatcher, LocalDispatcher, TokenShard
 from moe.model.expert_layout import ExpertLayout, stored
+from moe.model.fp8 import fp8_grouped_mm, fp8_kernel
 from moe.model.init import draw_base_seed, initialize
 from moe.model.mlp import SwiGLU
 from moe.model.routing import (
@@ -172,8 +173,10 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(layout.shape(num_experts, H, 2 * F)))
         self.down = nn.Parameter(torch.empty(layout.shape(num_experts, F, H)))
         self.use_grouped_mm: bool | None = None  # None: use it where grouped_mm_works()
-        self.kernel: str | None = None  # what the last forward ran: "grouped_mm" or "loop" (summary.json)
+        # what the last forward ran (summary.json): "grouped_mm", "loop", "fp8" or "fp8_emulated"
+        self.kernel: str | None = None
         self.compiled_activation = False  # the grouped GEMMs' SwiGLU compiled (MoELayer.compile_regions)
+        self.fp8 = False  # moe_opt.fp8_experts: both grouped GEMMs in FP8 (moe.model.fp8)
         self.mark_expert(first=0)
 
     def mark_expert(self, first: int):
@@ -190,6 +193,8 @@ class Experts(nn.Module):
         in no expert: their outputs are undefined (grouped GEMM) or zero (loop), and nobody reads them.
         weights_M [M, 1]: each row's routing weight, applied in the SwiGLU (moe_opt.weights_in_activation);
         None: the outputs come out unweighted (the combine weights them)."""
+        if self.fp8:
+            return self._fp8_forward(x_MH, counts_E, weights_M)
         autocast = autocast_dtype(x_MH.device)  # bf16-mixed: the experts' matmuls run in bf16
         dtype = autocast or x_MH.dtype
         use_gmm = self.use_grouped_mm
@@ -198,11 +203,7 @@ class Experts(nn.Module):
             use_gmm = same_dtype and grouped_mm_works(x_MH.device, dtype, self.layout)
         self.kernel = "grouped_mm" if use_gmm else "loop"
         if use_gmm:
-            if isinstance(counts_E, list):
-                ends = list(itertools.accumulate(counts_E))
-                offs_E = torch.tensor(ends, dtype=torch.int32, device=x_MH.device)
-            else:
-                offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+            offs_E = _group_ends(counts_E, x_MH.device)
             # under autocast in its dtype, as the per-expert matmuls below would run (the cast weights are
             # what autocast's matmuls make too)
             activation = region(swiglu, self.compiled_activation)  # compiled: one fused kernel each way
@@ -217,6 +218,15 @@ class Experts(nn.Module):
         ys = [swiglu(x @ gate_up[e], ws[e]) @ down[e] for e, x in enumerate(xs)]
         return torch.cat([*ys, rest.new_zeros(rest.shape[0], down.shape[-1], dtype=ys[0].dtype)])
 
+    def _fp8_forward(self, x_MH, counts_E, weights_M) -> torch.Tensor:
+        """Both GEMMs in FP8 from the stored weights (one rounding, to e4m3: under bf16-mixed not through bf16
+        first); bf16 out. The real kernel where the card has it, else its emulation (moe.model.fp8)."""
+        self.kernel = "fp8" if fp8_kernel(x_MH.device) else "fp8_emulated"
+        ends_E = _group_ends(counts_E, x_MH.device)
+        gate_up, down = self.layout.as_in_out(self.gate_up), self.layout.as_in_out(self.down)
+        h_MF = region(swiglu, self.compiled_activation)(fp8_grouped_mm(x_MH, gate_up, ends_E), weights_M)
+        return fp8_grouped_mm(h_MF, down, ends_E)
+
     def shard(self, first: int, count: int) -> None:
         """Keep experts [first, first+count) only (expert parallelism)."""
         dim = self.layout.expert_dim
@@ -224,6 +234,13 @@ class Experts(nn.Module):
         self.down = nn.Parameter(self.down.detach().narrow(dim, first, count).clone())
         self.num_experts = count
         self.mark_expert(first)
+
+
+def _group_ends(counts_E: torch.Tensor | list[int], device) -> torch.Tensor:
+    """Each expert's end row, int32 (the grouped GEMMs' offsets)."""
+    if isinstance(counts_E, list):
+        return torch.tensor(list(itertools.accumulate(counts_E)), dtype=torch.int32, device=device)
+    return torch.cumsum(counts_E, 0).to(torch.int32)
 
 
 def expert_kernel(model: nn.Module) -> str | None:
@@ -280,6 +297,7 @@ class MoELayer(nn.Module):
         self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps,
                              expert_bias=moe_opt.enable_expert_bias)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.experts.fp8 = moe_opt.fp8_experts
         self.shared_expert = None
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)

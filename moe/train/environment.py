@@ -25,12 +25,14 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def check_environment(hardware, logger, planning: bool) -> None:
-    """Raise a ConfigError naming the field when this machine cannot run the hardware or the loggers asked
-    for (a run that only plans needs neither)."""
+def check_environment(hardware, logger, moe_opt, planning: bool) -> None:
+    """Raise a ConfigError naming the field when this machine cannot run the hardware, the loggers or the
+    expert kernels asked for (a run that only plans needs none of them)."""
     if planning:
         return
     check_accelerator(hardware)
+    if moe_opt.fp8_experts and hardware.accelerator == "gpu":
+        _check_fp8_experts()
     for name, node in (logger or {}).items():
         target = node.get("_target_", "")
         packages = LOGGER_PACKAGES.get(target, ())
@@ -81,6 +83,21 @@ def _check_cuda(hardware) -> None:
                           "run it on the GPU nodes (with a CUDA build of torch), or use hardware=cpu here; "
                           "dry_run=true or simulate=true plan the GPU run on this machine",
                           problem=f"needs CUDA GPUs, and {why}")
+
+
+def _check_fp8_experts() -> None:
+    """On a GPU the FP8 expert GEMMs run on the card's kernel or not at all: their emulation, right for a CPU
+    smoke run, would cost a GPU run more than bf16 saves."""
+    import torch
+
+    from moe.model.fp8 import fp8_kernel
+
+    if not fp8_kernel(torch.device("cuda")):
+        raise ConfigError("moe_opt.fp8_experts", True,
+                          "set moe_opt.fp8_experts=false on this card, or run on one with FP8 grouped GEMMs "
+                          "(compute capability 9.0+: H100, H200)",
+                          problem=f"needs FP8 grouped GEMMs (torch._scaled_grouped_mm), and "
+                                  f"{torch.cuda.get_device_name()} with torch {torch.__version__} has none")
 
 
 ACCELERATOR_CHECKS = {"neuron": _check_nxd, "torch_neuron": _check_torch_neuron, "gpu": _check_cuda}

@@ -45,8 +45,9 @@ def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
         values, dims, note = _SETTLED[composed]
         cfg.merge_with(values)
         return dims, note
-    # CUDA for hardware=gpu, Neuron for trn1, logger packages, a W&B key
-    check_environment(cfg.hardware, cfg.logger, planning(cfg.dry_run, cfg.simulate))
+    # CUDA for hardware=gpu (and its FP8 kernel for moe_opt.fp8_experts), Neuron for trn1, logger packages,
+    # a W&B key
+    check_environment(cfg.hardware, cfg.logger, cfg.moe_opt, planning(cfg.dry_run, cfg.simulate))
     # model.init_from_hf=DIR: architecture from DIR/config.json
     note = apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
     apply_prepared_meta(cfg.data)  # data=prepared: seq_len from DIR/meta.json

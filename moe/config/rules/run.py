@@ -13,6 +13,7 @@ from moe.config.choices import (
     DATA_KINDS,
     SPIKE_ACTIONS,
 )
+from moe.config.derived import precision_of
 from moe.config.rules.base import check_seed, finite_number, need, one_of
 from moe.config.rules.entries import check_chat_template
 from moe.config.rules.model import validate_model
@@ -45,6 +46,22 @@ def check_activation_checkpointing(parallel) -> None:
 
 def check_model(model, moe_opt) -> None:
     validate_model(model, moe_opt)
+
+
+def check_fp8_experts(model, moe_opt, trainer, hardware) -> None:
+    """moe_opt.fp8_experts: bf16 around the FP8 GEMMs (their output is bf16), and the GEMMs' K and N (the
+    hidden and expert widths) in multiples of 16, as torch._scaled_grouped_mm needs (moe/model/fp8.py)."""
+    if not moe_opt.fp8_experts:
+        return
+    precision = precision_of(trainer, hardware)
+    need(precision in ("bf16-mixed", "bf16-true"), "trainer.precision", precision,
+         "use trainer.precision=bf16-mixed (or bf16-true) with moe_opt.fp8_experts=true, or set it false",
+         "does not go with moe_opt.fp8_experts: the FP8 expert GEMMs write bf16")
+    for field in ("hidden_size", "intermediate_size"):
+        size = getattr(model, field)
+        need(size % 16 == 0, f"model.{field}", size,
+             f"use a multiple of 16 (e.g. {(size + 15) // 16 * 16}), or set moe_opt.fp8_experts=false",
+             "is not a multiple of 16, as the FP8 grouped GEMM needs for its operands' K and N")
 
 
 def check_hf_start(model, moe_opt) -> None:
