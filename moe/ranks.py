@@ -10,6 +10,12 @@ def is_rank_zero() -> bool:
     return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
 
 
+def local_rank() -> int:
+    """This process's rank on its node (torchrun and Lightning: LOCAL_RANK, SLURM: SLURM_LOCALID), 0 before
+    a launcher set one."""
+    return int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0)
+
+
 def device_of(module):
     """Where this rank's parameters live: the strategy's device once a Trainer holds the module, else the
     CPU."""

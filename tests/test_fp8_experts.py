@@ -145,13 +145,14 @@ def test_train_py_runs_its_experts_in_fp8_and_says_so(train_here):
 
 
 def test_a_gpu_without_fp8_grouped_gemms_is_refused_not_emulated(monkeypatch):
-    """On a card the probe finds no FP8 kernel on (an A100), the run stops before it starts, naming the key."""
+    """A card the probe finds no FP8 kernel on (an A100): the run stops before it starts, naming the key."""
     from moe.config.schema import HardwareConfig
     from moe.errors import ConfigError
     from moe.train.environment import check_environment
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(fp8, "fp8_kernel", lambda device: False)
     gpu = HardwareConfig(name="gpu", accelerator="gpu")
     check_environment(gpu, {}, MoEOptConfig(), planning=False)  # off: nothing probed

@@ -167,7 +167,6 @@ def fp8_kernel(device: torch.device) -> bool:
         return False
     key = str(device)
     if key not in _SCALED_GROUPED_MM_OK:
-        _SCALED_GROUPED_MM_OK[key] = False  # the probe itself runs the emulation
         _SCALED_GROUPED_MM_OK[key] = _probe(device)
     return _SCALED_GROUPED_MM_OK[key]
 

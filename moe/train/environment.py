@@ -91,8 +91,10 @@ def _check_fp8_experts() -> None:
     import torch
 
     from moe.model.fp8 import fp8_kernel
+    from moe.ranks import local_rank
 
-    if not fp8_kernel(torch.device("cuda")):
+    # on this rank's own card: probing cuda:0 from every rank would put a CUDA context on it per rank
+    if not fp8_kernel(torch.device("cuda", local_rank() % torch.cuda.device_count())):
         raise ConfigError("moe_opt.fp8_experts", True,
                           "set moe_opt.fp8_experts=false on this card, or run on one with FP8 grouped GEMMs "
                           "(compute capability 9.0+: H100, H200)",
