@@ -52,7 +52,8 @@ FLOOR_TESTS ?= tests/test_gpu_paths.py tests/test_moe_layer.py tests/test_model.
   tests/test_fsdp2.py::test_every_fsdp2_layout_matches_one_process \
   tests/test_folded_ep.py::test_tp2_ep2_on_4_ranks_equals_one_process \
   tests/test_fsdp2_offload.py tests/test_fused_ce.py tests/test_routing.py tests/test_compile_regions.py \
-  tests/test_host_syncs.py::test_the_one_process_path_never_syncs tests/test_fp8_experts.py
+  tests/test_host_syncs.py::test_the_one_process_path_never_syncs tests/test_fp8_experts.py \
+  tests/test_fused_swiglu.py
 test-floor: ## every backend's parity tests, bf16 and the GPU emulations on the oldest stack pyproject admits (torch 2.9.0, Lightning 2.5.0: constraints-floor.txt; first run sets up 7.4 GB in FLOOR_VENV)
 	@VENV=$(FLOOR_VENV) bash tests/floor/setup.sh
 	$(FLOOR_VENV)/bin/python -m pytest -q -m '' $(FLOOR_TESTS) $(ARGS)

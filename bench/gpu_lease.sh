@@ -74,5 +74,7 @@ stage stack_compile_all_cuda_graphs 150 python3 bench/gpu_moe_stack.py --compile
 #     loss beside bf16's on the card
 stage stack_compile_fp8_experts 120 python3 bench/gpu_moe_stack.py --compile --fp8-experts
 stage loss_fp8_experts 150 python3 bench/lever_loss.py --gpu --precision bf16-mixed --lever moe_opt.fp8_experts=true
+# 11. the experts' SwiGLU as eager ops, the peer of stage 2's row (eager blocks: the fused Triton kernels)
+stage stack_eager_swiglu 90 python3 bench/gpu_moe_stack.py --swiglu eager
 echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
 grep -h "^|\|rc=\|SKIP\|^train.py runs\|FAILED\|failed:" "$LOG"

@@ -5,6 +5,7 @@ FP8 (torchao's float8 training) as an option. docs/BENCHMARKS.md records the fig
     .venv/bin/python bench/gpu_moe_stack.py                      # on a CUDA GPU
     .venv/bin/python bench/gpu_moe_stack.py --fp8                # + torchao float8 linears (sm89+, torchao)
     .venv/bin/python bench/gpu_moe_stack.py --fp8-experts        # the experts' GEMMs in FP8 (sm90+)
+    .venv/bin/python bench/gpu_moe_stack.py --swiglu eager       # the peer of the fused SwiGLU kernels
     .venv/bin/python bench/gpu_moe_stack.py --compile            # + compiled as model.compile=true does
     .venv/bin/python bench/gpu_moe_stack.py --compile all        # + the MoE layers compiled with their block
     .venv/bin/python bench/gpu_moe_stack.py --accumulate 8       # one SGD step per 8 micro-batches
@@ -158,6 +159,9 @@ def main() -> None:
     parser.add_argument("--fp8-experts", action="store_true",
                         help="moe_opt.fp8_experts: the experts' grouped GEMMs, forward and backward, in "
                              "float8 e4m3, rowwise scales (torch._scaled_grouped_mm: compute capability 9+)")
+    parser.add_argument("--swiglu", choices=["fused", "eager"], default="fused",
+                        help="the experts' SwiGLU outside torch.compile: the Triton kernels "
+                             "(moe/model/fused_swiglu.py, CUDA) or the eager formula")
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny shape on the CPU (no figures)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.cpu_smoke:
@@ -177,6 +181,9 @@ def main() -> None:
         refuse("--cuda-graphs captures whole compiled blocks and needs --compile all (with --compile the MoE "
                "layers run eager between graphs). Fix: add --compile all.")
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    import moe.model.fused_swiglu as fused_swiglu
+
+    fused_swiglu.ENABLED = args.swiglu == "fused"
     name = "CPU (smoke)" if args.cpu_smoke else torch.cuda.get_device_name()
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     model, cfg = build(args, device)
@@ -193,7 +200,8 @@ def main() -> None:
           + ((", CUDA graphs skipped (torch captures CUDA only)" if args.cpu_smoke else ", CUDA graphs")
              if args.cuda_graphs else "")
           + (", routing weights in the SwiGLU" if args.weights_in_activation else "")
-          + ((", FP8 experts (emulated)" if args.cpu_smoke else ", FP8 experts") if args.fp8_experts else ""))
+          + ((", FP8 experts (emulated)" if args.cpu_smoke else ", FP8 experts") if args.fp8_experts else "")
+          + (", eager SwiGLU" if args.swiglu == "eager" and not args.compile else ""))
     print("| routing | tokens/s | MFU (moe.config.size's count: no input embedding) |")
     print("|---|---|---|")
     for label, balanced in (("natural (the router's own picks)", False), ("forced balance", True)):

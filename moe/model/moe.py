@@ -33,6 +33,7 @@ from moe.config.schema import normalizes
 from moe.model.dispatch import Dispatcher, LocalDispatcher, TokenShard
 from moe.model.expert_layout import ExpertLayout, stored
 from moe.model.fp8 import fp8_grouped_mm, fp8_kernel
+from moe.model.fused_swiglu import activation as fused_activation
 from moe.model.init import draw_base_seed, initialize
 from moe.model.mlp import SwiGLU
 from moe.model.routing import (
@@ -206,7 +207,7 @@ class Experts(nn.Module):
             offs_E = _group_ends(counts_E, x_MH.device)
             # under autocast in its dtype, as the per-expert matmuls below would run (the cast weights are
             # what autocast's matmuls make too)
-            activation = region(swiglu, self.compiled_activation)  # compiled: one fused kernel each way
+            activation = self._activation(x_MH.device, dtype)
             gate_up, down = (self.layout.as_in_out(w.to(dtype)) for w in (self.gate_up, self.down))
             h_MF = activation(torch._grouped_mm(x_MH.to(dtype), gate_up, offs=offs_E), weights_M)
             return torch._grouped_mm(h_MF, down, offs=offs_E)
@@ -224,8 +225,15 @@ class Experts(nn.Module):
         self.kernel = "fp8" if fp8_kernel(x_MH.device) else "fp8_emulated"
         ends_E = _group_ends(counts_E, x_MH.device)
         gate_up, down = self.layout.as_in_out(self.gate_up), self.layout.as_in_out(self.down)
-        h_MF = region(swiglu, self.compiled_activation)(fp8_grouped_mm(x_MH, gate_up, ends_E), weights_M)
+        h_MF = self._activation(x_MH.device, torch.bfloat16)(fp8_grouped_mm(x_MH, gate_up, ends_E), weights_M)
         return fp8_grouped_mm(h_MF, down, ends_E)
+
+    def _activation(self, device: torch.device, dtype: torch.dtype) -> Callable:
+        """The grouped GEMMs' SwiGLU, one fused kernel each way: compiled with the MoE regions
+        (model.compile), else the Triton kernels on CUDA (moe.model.fused_swiglu), else the eager formula."""
+        if self.compiled_activation:
+            return region(swiglu, True)
+        return fused_activation(device, dtype)
 
     def shard(self, first: int, count: int) -> None:
         """Keep experts [first, first+count) only (expert parallelism)."""
