@@ -159,3 +159,15 @@ def test_a_gpu_without_fp8_grouped_gemms_is_refused_not_emulated(monkeypatch):
     with pytest.raises(ConfigError) as err:
         check_environment(gpu, {}, MoEOptConfig(fp8_experts=True), planning=False)
     assert err.value.field == "moe_opt.fp8_experts" and "A100" in str(err.value) and "H100" in str(err.value)
+
+
+def test_trn2_is_refused_naming_the_key(monkeypatch):
+    from moe.config.schema import HardwareConfig
+    from moe.errors import ConfigError
+    from moe.train import environment
+
+    monkeypatch.setattr(environment, "installed", lambda package: True)  # TorchNeuron, as on a trn2 image
+    trn2 = HardwareConfig(name="trn2", accelerator="torch_neuron")
+    with pytest.raises(ConfigError) as err:
+        environment.check_environment(trn2, {}, MoEOptConfig(fp8_experts=True), planning=False)
+    assert err.value.field == "moe_opt.fp8_experts" and "trn2" in str(err.value)

@@ -31,8 +31,9 @@ def check_environment(hardware, logger, moe_opt, planning: bool) -> None:
     if planning:
         return
     check_accelerator(hardware)
-    if moe_opt.fp8_experts and hardware.accelerator == "gpu":
-        _check_fp8_experts()
+    fp8_check = FP8_EXPERT_CHECKS.get(hardware.accelerator) if moe_opt.fp8_experts else None
+    if fp8_check is not None:
+        fp8_check()
     for name, node in (logger or {}).items():
         target = node.get("_target_", "")
         packages = LOGGER_PACKAGES.get(target, ())
@@ -103,6 +104,14 @@ def _check_fp8_experts() -> None:
 
 
 ACCELERATOR_CHECKS = {"neuron": _check_nxd, "torch_neuron": _check_torch_neuron, "gpu": _check_cuda}
+def _no_fp8_experts_on_torch_neuron() -> None:
+    raise ConfigError("moe_opt.fp8_experts", True, "set moe_opt.fp8_experts=false on trn2",
+                      problem="needs torch._scaled_grouped_mm, a CUDA kernel TorchNeuron does not have (its "
+                              "emulation, for CPU smoke runs, would cost a trn2 run more than bf16 saves)")
+
+
+# moe_opt.fp8_experts: what the accelerator must offer (the CPU runs the emulation; trn1: the rules refuse it)
+FP8_EXPERT_CHECKS = {"gpu": _check_fp8_experts, "torch_neuron": _no_fp8_experts_on_torch_neuron}
 
 
 def check_wandb_key(name: str) -> None:

@@ -45,13 +45,14 @@ class LocalRanks(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         launcher = trainer.strategy.launcher
         launched = getattr(launcher, "procs", None)
-        if not launched or self.procs:  # launched nobody, or adopted by an earlier fit of this process
+        if not launched:  # launched nobody (torchrun, srun; or a later fit of this process: launched before)
             return
         self.procs = list(launched)
         launched.clear()  # the observer's list: empty, so its next look finds nothing to kill
         launcher.procs = self.procs  # the launcher's own kill() still reaches them
-        self._thread = threading.Thread(target=self._watch, name="moe-local-ranks", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="moe-local-ranks", daemon=True)
+            self._thread.start()
 
     @contextmanager
     def watched(self, paragraph: Callable[[str], str]) -> Iterator[None]:
