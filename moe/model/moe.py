@@ -252,8 +252,9 @@ def _group_ends(counts_E: torch.Tensor | list[int], device) -> torch.Tensor:
 
 
 def expert_kernel(model: nn.Module) -> str | None:
-    """What the model's experts ran in their last forward: "grouped_mm", "loop", both joined by "+", or None
-    (no expert ran here: a dense model, or a backend with its own expert layer)."""
+    """What the model's experts ran in their last forward: "grouped_mm", "loop", "fp8" or "fp8_emulated"
+    (several joined by "+"), or None (no expert ran here: a dense model, or a backend with its own expert
+    layer)."""
     kernels = sorted({m.kernel for m in model.modules() if isinstance(m, Experts) and m.kernel})
     return "+".join(kernels) or None
 
