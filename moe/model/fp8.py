@@ -25,6 +25,7 @@ import itertools
 
 import torch
 
+from moe.model.probing import probing
 from moe.model.sync import host_sizes
 
 FP8 = torch.float8_e4m3fn
@@ -167,7 +168,8 @@ def fp8_kernel(device: torch.device) -> bool:
         return False
     key = str(device)
     if key not in _SCALED_GROUPED_MM_OK:
-        _SCALED_GROUPED_MM_OK[key] = _probe(device)
+        with probing(device.type):  # its reference matmuls in fp32, whatever autocast the caller runs under
+            _SCALED_GROUPED_MM_OK[key] = _probe(device)
     return _SCALED_GROUPED_MM_OK[key]
 
 

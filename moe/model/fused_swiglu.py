@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from moe.model.probing import probing
 from moe.model.routing import swiglu
 
 BLOCK = 1024  # columns of one row per program
@@ -36,8 +37,8 @@ def activation(device: torch.device, dtype: torch.dtype) -> Callable:
     if not ENABLED or device.type != "cuda" or torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return swiglu
     key = (str(device), dtype)
-    if key not in _WORKS:  # the probe needs autograd whatever its caller runs under (eval, inference)
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cuda", enabled=False):
+    if key not in _WORKS:  # the first forward may be an eval's, or recomputed under activation checkpointing
+        with probing(device.type):
             _WORKS[key] = _probe(device, dtype)
     return fused_swiglu if _WORKS[key] else swiglu
 

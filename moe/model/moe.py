@@ -36,6 +36,7 @@ from moe.model.fp8 import fp8_grouped_mm, fp8_kernel
 from moe.model.fused_swiglu import activation as fused_activation
 from moe.model.init import draw_base_seed, initialize
 from moe.model.mlp import SwiGLU
+from moe.model.probing import probing
 from moe.model.routing import (
     GroupSum,
     RoutingStats,
@@ -117,18 +118,12 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype, layout: ExpertLay
 
     Some builds lack a kernel for a device/dtype or reject some layouts (a right operand [E, in, out] viewed
     from [E, out, in] storage is column-major); then the experts fall back to a loop over contiguous slices.
-    The probe runs outside any autocast of its caller (inside one, the reference matmuls would run in the
-    autocast dtype, and a correct kernel would fail the comparison).
+    The probe runs apart from its caller's autograd and autocast state (moe.model.probing).
     """
     layout = layout or stored()
     key = (device.type, dtype, layout)
     if key not in _GROUPED_MM_OK:
-        # The probe checks the backward too, so it needs autograd even under no_grad; identity
-        # saved-tensor hooks keep its tensors away from an enclosing activation checkpoint,
-        # whose recomputation would otherwise count different saved tensors.
-        keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with (torch.inference_mode(False), torch.enable_grad(), keep,
-              torch.autocast(device_type=device.type, enabled=False)):
+        with probing(device.type):
             _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype, layout)
     return _GROUPED_MM_OK[key]
 
