@@ -132,8 +132,8 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
          "unpermutes them, or the input of a top-1 expert (early_expert_affinity_modulation, "
          "modules/moe/expert_mlps_v2.py:384-413), never inside the activation")
     need(not r.fp8_experts, "moe_opt.fp8_experts", True, "set moe_opt.fp8_experts=false on trn1",
-         "is not available on trn1: neuronx-distributed's ExpertMLPs runs its own expert GEMMs "
-         "(modules/moe/expert_mlps_v2.py), not ours")
+         "is not available on trn1: neuronx-distributed's ExpertMLPsV2 runs its own expert GEMMs "
+         "(modules/moe/expert_mlps_v2.py:1405 forward, by capacity factor or blockwise), not ours")
     check_neuron_precision(model, trainer, hardware, data)
     if p.ep > 1:
         check_neuron_expert_parallel(parallel, model, moe_opt)
