@@ -173,6 +173,97 @@ class DeepSpeedBackend(Backend):
         norm = self.strategy.deepspeed_engine.get_global_grad_norm()
         return None if norm is None else float(norm)
 
+    def grad_norm(self, module) -> torch.Tensor:
+        """The global norm of the gradients DeepSpeed's optimizer is about to step with, before clipping, as
+        that optimizer computes it in its step (inf where it is not finite), on the CPU: the spike guard
+        decides from it. Under ZeRO-1/2 and BF16_Optimizer the reduced gradients are in the optimizer's
+        partitions and buffers, not in `param.grad` (ZeRO-2 frees those in the backward), so the base norm
+        would miss a non-finite one there; the ZeRO optimizer's own norm of its partitions (its step's:
+        deepspeed 0.19.8 runtime/zero/stage_1_and_2.py:3039, unscaled as :3071) and BF16_Optimizer's of its
+        fp32 gradients (bf16_optimizer.py:389-398) are the numbers DeepSpeed clips by, the same on every rank.
+        Its step computes them again (no public way to hand it ours): one more pass over this rank's share of
+        the gradients and a scalar all-reduce a step, the price of deciding before the update. Its fp16/bf16
+        optimizer without ZeRO and the plain torch one step from `param.grad`, reduced over the data-parallel
+        ranks in the backward: the base norm."""
+        from deepspeed.runtime.utils import is_invalid_grad_norm
+
+        optimizer = self.strategy.deepspeed_engine.optimizer
+        kind = _optimizer_kind(optimizer)
+        if kind == "zero":
+            norm = optimizer.scaled_global_norm() / optimizer.loss_scale
+        elif kind == "bf16":
+            from deepspeed.runtime.utils import get_global_norm_of_tensors, get_norm_with_moe_layers
+
+            dense, experts = optimizer.get_grads_for_norm()
+            norm = get_global_norm_of_tensors(input_tensors=dense, mpu=optimizer.mpu,
+                                              norm_type=optimizer.norm_type)
+            if optimizer.has_moe_layers:
+                norm = get_norm_with_moe_layers(norm, mpu=optimizer.mpu, expert_tensors=experts,
+                                                norm_type=optimizer.norm_type)
+        else:
+            norm = super().grad_norm(module) / (getattr(optimizer, "loss_scale", None) or 1.0)
+        # DeepSpeed's norms mark a non-finite one -1 (runtime/utils.py:883 mask_nan_or_inf_with_val_inplace)
+        if is_invalid_grad_norm(norm):
+            return torch.tensor(float("inf"))
+        return torch.as_tensor(norm, dtype=torch.float32).detach().reshape(()).cpu()
+
+    def skip_update(self, module) -> None:
+        """Leave the weights, DeepSpeed's fp32 partitions and the optimizer's moments and step counts as they
+        are this step. DeepSpeed's optimizers step from their own gradient partitions and buffers, not from
+        `param.grad` (the fp16/bf16 one without ZeRO takes a missing gradient as zeros:
+        fp16/fused_optimizer.py:282-289, fp16/unfused_optimizer.py:218-222; AdamW moves on a zero gradient),
+        and the only way they skip a step is their overflow path: a non-finite gradient where they read it
+        makes `engine.step()` clear the gradients and leave everything else as it was
+        (zero/stage_1_and_2.py:3027-3068, bf16_optimizer.py:402-407, fp16/fused_optimizer.py:264-275 and
+        :151-161, fp16/unfused_optimizer.py:205-207 and :125-133); the engine counts it in `skipped_steps`
+        (engine.py:3534-3541). So this rank writes one NaN where its optimizer reads this step's gradient.
+        The plain torch optimizer (ZeRO off, fp32) skips a parameter without a gradient: the base clears
+        them. With fp16's dynamic loss scaling the overflow also counts against the loss scale (one
+        hysteresis step or a halving), as DeepSpeed's own overflows do."""
+        optimizer = self.strategy.deepspeed_engine.optimizer
+        kind = _optimizer_kind(optimizer)
+        if kind == "zero":  # the step reads averaged_gradients[group]: this rank's reduced partition
+            # (stage_1_and_2.py:3232 for the overflow check, :2951 for the norm); a NaN copy in place of one
+            # entry, which the overflow path drops (:3059-3061), leaves DeepSpeed's gradient buffers clean
+            for grads in optimizer.averaged_gradients.values():
+                if grads:
+                    grads[0] = torch.full_like(grads[0], float("nan"))
+                    return
+        elif kind == "bf16":  # the fp32 gradients its norm reads, zeroed by the overflow path (:605-610)
+            dense, experts = optimizer.get_grads_for_norm()
+            grads = [*dense, *(g for group in experts.values() for g in group)]
+            if grads:
+                grads[0].view(-1)[0] = float("nan")
+                return
+        elif kind == "half":  # param.grad, which its overflow check reads; set to None by its overflow path
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.view(-1)[0] = float("nan")
+                    return
+        else:
+            return super().skip_update(module)
+        # no gradient of this step on this rank (a partition without parameters): the overflow check and the
+        # norm are reduced over the data-parallel ranks, every other rank's NaN reaches this one's step
+
+
+def _optimizer_kind(optimizer) -> str:
+    """Which of DeepSpeed's optimizers the engine steps with (runtime/engine.py:2294-2366 at 0.19.8):
+    "zero" (ZeRO-1/2, DeepSpeedZeroOptimizer), "bf16" (BF16_Optimizer: ZeRO-1 with bf16 weights and fp32
+    gradient accumulation), "half" (fp16/bf16 without ZeRO: FP16_Optimizer or FP16_UnfusedOptimizer), or
+    "torch" (ZeRO off in fp32: the client's optimizer itself)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return "zero"
+    if isinstance(optimizer, BF16_Optimizer):
+        return "bf16"
+    if isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return "half"
+    return "torch"
+
 
 def zero_partition_globals():
     """The classes DeepSpeed's ZeRO optimizer state holds besides tensors (a rank's per_rank file, which this

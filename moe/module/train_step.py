@@ -35,7 +35,7 @@ class StepRecord:
     step: int  # 1-based: the optimizer step just taken
     logged: bool  # whether metrics.csv gets a row: then `means` and `grad_norm` were read back
     means: dict | None = None  # losses and routing statistics averaged over every rank
-    grad_norm: float = math.nan  # before clipping (DeepSpeed, NxD: the one their optimizer computed)
+    grad_norm: float = math.nan  # before clipping (DeepSpeed, NxD: their optimizer's; skipped: the guard's)
 
 
 def step_seed(seed: int, rank: int, step: int, micro: int) -> int:
@@ -142,6 +142,9 @@ class TrainStep:
         self.last = StepRecord(step=step, logged=logged)
         if logged:
             self.last.means = step_means(module)
-            logged_norm = backend.grad_norm_after_step(module) if backend.norm_after_step else float(norm)
+            # a skipped step's optimizer computed no norm (DeepSpeed's says inf, NxD's is the last step's):
+            # the guard's, which it decided from
+            after = backend.norm_after_step and not skipped
+            logged_norm = backend.grad_norm_after_step(module) if after else float(norm)
             self.last.grad_norm = math.nan if logged_norm is None else logged_norm
         return loss

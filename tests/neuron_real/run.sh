@@ -85,6 +85,18 @@ fi
 train train_py_resume 4 $TRAIN "hydra.run.dir=$RUNS/resumed"
 run resume_and_convert python "$HERE/check_run.py" "$RUNS/straight" "$RUNS/resumed"
 
+# a skipped step skips (skip_probe.py): train.py on tp 2 x ep 2 with ZeRO-1 and mixed precision's fp32 gradient
+# accumulation (the gradients in main_grad), step 2's gradient made non-finite on rank 0, step 3 skipped by the
+# rollback ledger; every rank's weights and ZeRO-1 state (moments, fp32 master shards) unchanged by both,
+# step 4 updating
+SKIP="hardware=trn1 trainer.devices=4 parallel.tp=2 $EP trainer=smoke trainer.max_steps=4 optimizer.warmup_steps=1
+      trainer.log_every_n_steps=1 trainer.limit_val_batches=0 trainer.save_checkpoints=false trainer.spike_factor=0
+      trainer.micro_batch_size=2 data.seq_len=32 model.hidden_size=64 model.intermediate_size=64 model.num_layers=2"
+if wanted skip_py; then python "$HERE/skip_probe.py" --ledger "$RUNS/skip"; fi
+train skip_py         4 $SKIP "hydra.run.dir=$RUNS/skip" "+callbacks.skip._target_=skip_probe.SkipProbe" \
+  "+callbacks.skip.out=$RUNS/skip/probe"
+run skip_check python "$HERE/skip_probe.py" "$RUNS/skip" 4
+
 # KARAKURI's recipe (experiment=karakuri_8x7b_trn1) at reduced width with its structure in 8 processes:
 # tp 2 x pp 2 x ep 2 (dp 2), 4 layers per pipeline stage, ALiBi, sequence parallel, ZeRO-1, MoE layers
 # checkpointed, mixed precision; `make compile-neuron` itself (10 steps, validation at step 5, nothing

@@ -106,8 +106,13 @@ class NeuronBackend(Backend):
 
     def grad_norm(self, module) -> torch.Tensor:
         """A norm of every rank's local gradients, the same on every rank: NaN or inf exactly when any
-        rank's gradient is, for the spike guard's decision (the logged norm is NxD's, after the step)."""
-        squares = [p.grad.detach().float().pow(2).sum() for p in module.parameters() if p.grad is not None]
+        rank's gradient is, for the spike guard's decision (the logged norm is NxD's, after the step). A
+        gradient is where NxD's optimizer reads it (neuronx-distributed v2.28.0 trainer/optimizer.py:101-119):
+        `param.grad`, else `main_grad`, the fp32 sum into which torch-xla's ZeRO-1 moves it in the backward
+        under mixed precision's use_fp32_grad_acc, leaving `param.grad` None (torch_xla 2.9.0
+        distributed/zero_redundancy_optimizer.py:199-217; NxD sets the hook, trainer/trainer.py:284-285)."""
+        grads = [p.grad if p.grad is not None else getattr(p, "main_grad", None) for p in module.parameters()]
+        squares = [g.detach().float().pow(2).sum() for g in grads if g is not None]
         local = torch.stack(squares).sum() if squares else torch.zeros((), device=module.device)
         return self.all_reduce(module, local.reshape(1), "sum")[0].sqrt()
 

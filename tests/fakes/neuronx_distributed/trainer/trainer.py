@@ -7,7 +7,11 @@ when pp > 1, then every module's parameters made empty CPU tensors of the same s
 activation checkpointing of the configured classes, and the NxDModel wrapper. The optimizer wrapper
 all-reduces gradients over the data-parallel group and clips as NxDOptimizer and torch-xla's
 ZeRO-1 optimizer do (trainer/optimizer.py:122-147; with ZeRO-1, max_norm from the optimizer keyword
-arguments, default 1.0, not optimizer_config's max_grad_norm).
+arguments, default 1.0, not optimizer_config's max_grad_norm). With ZeRO-1 and mixed precision's
+use_fp32_grad_acc (NxD's default with ZeRO-1, trainer.py:66-91, :284-285) each backward moves a
+parameter's gradient into its fp32 `main_grad` and leaves `param.grad` None, the step reads `main_grad` and
+zero_grad zeroes it, as torch-xla 2.9.0's ZeroRedundancyOptimizer with use_grad_acc_hook does
+(distributed/zero_redundancy_optimizer.py:199-217, :350-356, :488-494).
 """
 import torch
 import torch.distributed as dist
@@ -160,9 +164,15 @@ class NxDOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=False):
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        for p in _params(self):  # zero_redundancy_optimizer.py:488-494
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
 
     def step(self, closure=None):
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        accumulated = [p for p in _params(self) if hasattr(p, "main_grad")]
+        for p in accumulated:  # the fp32 sum stands in for the gradient (zero_redundancy_optimizer.py:350-356)
+            p.grad = p.main_grad.to(p.dtype, copy=True)
+        params = [p for p in _params(self) if p.grad is not None]
         group = parallel_state.get_data_parallel_group()
         dp = parallel_state.get_data_parallel_size()
         for p in params:  # data-parallel average (grads.py:259-327)
@@ -172,11 +182,32 @@ class NxDOptimizer(torch.optim.Optimizer):
         max_norm = self.max_norm if opt["zero_one_enabled"] else opt.get("max_grad_norm")
         if opt["grad_clipping"]:
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return self.optimizer.step()
+        result = self.optimizer.step()
+        for p in accumulated:  # the shards' gradients go (:409-410), the parameters had none
+            p.grad = None
+        return result
+
+
+def _params(optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _accumulate_in_fp32(param) -> None:
+    """torch-xla's gradient-accumulation hook (zero_redundancy_optimizer.py:199-217)."""
+    if not hasattr(param, "main_grad"):
+        param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    param.main_grad.add_(param.grad.to(torch.float32))
+    param.grad = None
 
 
 def initialize_parallel_optimizer(nxd_config, optimizer_class, parameters, **defaults):
-    max_norm = defaults.pop("max_norm", 1.0) if nxd_config["optimizer_config"]["zero_one_enabled"] else None
+    zero1 = nxd_config["optimizer_config"]["zero_one_enabled"]
+    max_norm = defaults.pop("max_norm", 1.0) if zero1 else None
     optimizer = NxDOptimizer(optimizer_class(parameters, **defaults), nxd_config)
     optimizer.max_norm = max_norm
+    mixed = nxd_config["mixed_precision_config"]
+    if zero1 and (mixed is None or mixed.get("use_fp32_grad_acc", True)):  # NxD defaults, trainer.py:66-91
+        for p in _params(optimizer):
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_accumulate_in_fp32)
     return optimizer
