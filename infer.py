@@ -24,4 +24,11 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    from moe.train.preflight import check_composes
+
+    # a composition error (unknown key, YAML slip, a config file in another encoding): one paragraph, exit 2
+    check_composes(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"), "infer", "infer.py")
     main()

@@ -33,9 +33,11 @@ def plan(cfg: DictConfig, dims, run_dir: str) -> None:
 
         print(make_plan(cfg, dims).render())
     else:
+        from moe.errors import on_interrupt
         from moe.tools.simulate import simulate
 
-        print(simulate(cfg, dims, run_dir).render())
+        with on_interrupt(f"the simulation stopped; {Path(run_dir) / 'simulation.json'} was not written"):
+            print(simulate(cfg, dims, run_dir).render())
         print(f"wrote {Path(run_dir) / 'simulation.json'}")
 
 

@@ -6,6 +6,7 @@ written to the run's train.log.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -91,13 +92,50 @@ class CollectiveFailed(Exception):
         super().__init__(f"rank {rank} stopped in {collective}: {first_line(cause, 240)}")
 
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT: what a shell reports for Ctrl-C, and what train.py exits with
+INTERRUPTED_DEFAULT = ("stopped before it finished; nothing was left half-written (every file is written "
+                       "under a temporary name and renamed into place)")
+
+
+@contextlib.contextmanager
+def on_interrupt(left: str):
+    """A Ctrl-C while the block runs ends the command with one line saying `left`: what it leaves behind and
+    what was cleaned ("output=DIR was not written: its temporary directory was removed"). The innermost
+    block's words win; exit_on_user_error prints them."""
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        if not hasattr(err, "left"):
+            err.left = left
+        raise
+
+
+def interrupted(err: KeyboardInterrupt) -> str:
+    """The one line a command stopped by Ctrl-C ends with (exit 130, as train.py's)."""
+    return f"interrupted (Ctrl-C): {getattr(err, 'left', INTERRUPTED_DEFAULT)}"
+
+
+def _stop_at_once(signum, frame) -> None:
+    os.write(2, b"second Ctrl-C: stopping now\n")
+    os._exit(INTERRUPTED_EXIT)
+
+
 def exit_on_user_error(main):
-    """Wrap an entry point: a UserError prints one paragraph to stderr and exits 2."""
+    """Wrap an entry point: a UserError prints one paragraph to stderr and exits 2; Ctrl-C (KeyboardInterrupt)
+    prints one line (`interrupted (Ctrl-C): <what is left>`, see on_interrupt) and exits 130; a second Ctrl-C
+    while the process ends stops it at once."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
+        except KeyboardInterrupt as err:
+            with contextlib.suppress(ValueError):  # not the main thread: Python delivers signals to it only
+                signal.signal(signal.SIGINT, _stop_at_once)
+            line = interrupted(err)
+            print(line, file=sys.stderr, flush=True)
+            log_to_files(line, level=logging.WARNING)
+            sys.exit(INTERRUPTED_EXIT)
         except UserError as err:
             print(f"error: {err}", file=sys.stderr)
             log_to_files(f"error: {err}")

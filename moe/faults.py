@@ -11,7 +11,11 @@ to show that a kill mid-save leaves the previous checkpoint to resume from.
 <rank> SIGKILLs itself, or sleeps, as it enters its <call>-th expert-parallel all-to-all (1-based), once
 per process; tests/test_collective_failure.py shows the peer then stops naming the rank and collective.
 `MOE_TEST_SIGNAL_IN_VALIDATION` ("SIGTERM", "SIGINT", ...): the process signals itself during its first
-validation pass (tests/test_kill_resume.py). Unset, nothing happens.
+validation pass (tests/test_kill_resume.py).
+`MOE_TEST_PAUSE_BEFORE_RENAME` ("<file or directory name>"): a write of the product to a path of that name
+(moe.outputs.atomic_path and publish, moe.checkpoint.io.atomic_torch_save) says so on stderr with its
+temporary file or directory written, and waits before renaming it into place, so that a test can press
+Ctrl-C there (tests/test_around_the_run.py). Unset, nothing happens.
 """
 from __future__ import annotations
 
@@ -19,10 +23,9 @@ import io
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 KILL_DURING_SAVE_ENV = "MOE_TEST_KILL_DURING_SAVE"
 FAULT_IN_ALL_TO_ALL_ENV = "MOE_TEST_FAULT_IN_ALL_TO_ALL"
@@ -72,6 +75,8 @@ def maybe_kill_during_save(obj: Any, path: Path, tmp: Path, step: int | None) ->
     spec = os.environ.get(KILL_DURING_SAVE_ENV)
     if not spec or step is None:
         return
+    import torch
+
     want_step, _, want_name = spec.partition(":")
     marker = path.with_name(f".{KILL_DURING_SAVE_ENV}-{step}")
     if int(want_step) != step or (want_name and want_name != path.name) or marker.exists():
@@ -87,3 +92,17 @@ def maybe_kill_during_save(obj: Any, path: Path, tmp: Path, step: int | None) ->
     print(f"{KILL_DURING_SAVE_ENV}: killing this process half-way through writing {tmp}", file=sys.stderr,
           flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+PAUSE_BEFORE_RENAME_ENV = "MOE_TEST_PAUSE_BEFORE_RENAME"
+
+
+def maybe_pause_before_rename(tmp: Path, path: Path) -> None:
+    """`MOE_TEST_PAUSE_BEFORE_RENAME=<name>`: before `tmp` is renamed to `path` (named <name>), say so on
+    stderr and wait (600 s at most): a test signals the process there, its temporary file or directory
+    written."""
+    if os.environ.get(PAUSE_BEFORE_RENAME_ENV) != Path(path).name:
+        return
+    sys.stderr.write(f"{PAUSE_BEFORE_RENAME_ENV}: {tmp} written, waiting before renaming it to {path}\n")
+    sys.stderr.flush()
+    time.sleep(600)

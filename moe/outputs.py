@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from moe.errors import UserError, write_failed
+from moe.faults import maybe_pause_before_rename
 
 MARKER = ".moe-output.json"
 PREPARED_DATA, HF_EXPORT = "prepared data", "Hugging Face export"
@@ -37,6 +38,7 @@ def atomic_path(path: str | Path, cleaned: str = "nothing was left under its nam
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
+        maybe_pause_before_rename(tmp, path)
         os.replace(tmp, path)
     except OSError as err:
         raise write_failed(path, err, cleaned=cleaned) from err
@@ -70,6 +72,7 @@ def publish(tmp: Path, out: Path, replace: bool = True) -> None:
     aside first and removed after. replace=False: one atomic rename, which the kernel refuses when another
     process published `out` meanwhile (two runs building one data cache): theirs stays whole and in place,
     and this raises a UserError (the caller removes `tmp`)."""
+    maybe_pause_before_rename(tmp, out)
     if not replace or not out.exists():
         try:
             os.rename(tmp, out)  # onto nothing or an empty directory; never onto a published one
@@ -105,13 +108,10 @@ def overlap(out: Path, read: Path) -> str | None:
     return None
 
 
-def check_output(field: str, out: str | Path, kind: str, overwrite: bool,
-                 reads: dict[str, str | Path | None], ours: Callable[[Path], bool] | None = None,
-                 flag: str = "overwrite=true") -> Path:
-    """Refuse (UserError, before any work) an output that would destroy what is read or owned by the user;
-    returns the output as an absolute path. `reads`: field name -> a path this command reads (None: unset);
-    `ours`: whether an existing output is one this product wrote as `kind` (default: its marker says so);
-    `flag`: how the command spells overwrite."""
+def check_apart(field: str, out: str | Path, kind: str, reads: dict[str, str | Path | None],
+                where: str = "a path") -> Path:
+    """Refuse (UserError) an output that is, holds or lies inside a path the command reads (`reads`: field
+    name -> path, None: unset), or lies in a training run directory; returns the output, absolute."""
     out = Path(out).expanduser().absolute()
     for read_field, read in reads.items():
         if read is None:
@@ -119,15 +119,28 @@ def check_output(field: str, out: str | Path, kind: str, overwrite: bool,
         read = Path(read).expanduser().absolute()
         relation = overlap(out, read)
         if relation:
-            raise UserError(field, str(out), f"write the {kind} to a directory outside {read_field}",
+            fix = (f"name another file for the {kind}: not {read_field}, nor a path inside it"
+                   if where == "a file" else f"write the {kind} to {where} outside {read_field}")
+            raise UserError(field, str(out), fix,
                             problem=f"{relation} {read_field}={read}, which this command reads: replacing "
                                     "it would destroy its own input")
     for parent in (out, *out.parents):
         if is_run_dir(parent):
-            where = "is" if parent == out else f"lies inside {parent}, which is"
+            inside = "is" if parent == out else f"lies inside {parent}, which is"
             raise UserError(field, str(out), f"write the {kind} outside the run directory, e.g. next to it",
-                            problem=f"{where} a training run directory (checkpoints, metrics, config): "
+                            problem=f"{inside} a training run directory (checkpoints, metrics, config): "
                                     "nothing is written into a run")
+    return out
+
+
+def check_output(field: str, out: str | Path, kind: str, overwrite: bool,
+                 reads: dict[str, str | Path | None], ours: Callable[[Path], bool] | None = None,
+                 flag: str = "overwrite=true") -> Path:
+    """Refuse (UserError, before any work) an output that would destroy what is read or owned by the user;
+    returns the output as an absolute path. `reads`: field name -> a path this command reads (None: unset);
+    `ours`: whether an existing output is one this product wrote as `kind` (default: its marker says so);
+    `flag`: how the command spells overwrite."""
+    out = check_apart(field, out, kind, reads, where="a directory")
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return out
     ours = (ours or (lambda path: path.is_dir() and written_kind(path) == kind))(out)

@@ -1,13 +1,14 @@
 """Which process this is, before any process group exists: from the launcher's environment (torchrun and
-Lightning set RANK and LOCAL_RANK, SLURM SLURM_PROCID). The checks and messages only one process should run
-at launch (the run lock, the resume checkpoint's verification) ask here."""
+Lightning set RANK and LOCAL_RANK, SLURM SLURM_PROCID; Lightning's multi-node form names the node in
+NODE_RANK). The checks and messages only one process should run at launch (the run lock, the resume
+checkpoint's verification) ask here."""
 from __future__ import annotations
 
 import os
 
 
 def is_rank_zero() -> bool:
-    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "NODE_RANK"))
 
 
 def local_rank() -> int:

@@ -121,16 +121,16 @@ def train_run(tmp_path):
 
 @pytest.fixture
 def train_here(tmp_path):
-    """`train_here(*overrides, run_dir=None)` trains through moe.train.run.train in this process, with the
-    config train.py's task gets (Hydra's run dir set): for tests that are not about the command line,
-    no subprocess and no interpreter start-up. Returns the run dir; the environment, the thread count,
-    Hydra's global state and the default process group are restored after each run."""
+    """`train_here(*overrides, run_dir=None, env=None)` trains through moe.train.run.train in this process,
+    with the config train.py's task gets (Hydra's run dir set; `env` set meanwhile): for tests that are not
+    about the command line, no subprocess and no interpreter start-up. Returns the run dir; the environment,
+    the thread count, Hydra's global state and the default process group are restored after each run."""
     from moe.train.preflight import compose_config
     from moe.train.run import train
 
-    def _run(*overrides: str, run_dir: Path | None = None) -> Path:
+    def _run(*overrides: str, run_dir: Path | None = None, env: dict | None = None) -> Path:
         run_dir = run_dir or tmp_path / "run"
-        with restored_process_state():
+        with restored_process_state(env):
             cfg, _ = compose_config([f"hydra.run.dir={run_dir}", *FAST_RUN, *overrides], str(REPO / "conf"),
                                     "train")
             return train(cfg, run_dir)

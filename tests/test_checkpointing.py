@@ -8,12 +8,10 @@ import sys
 import pytest
 import torch
 from conftest import REPO
-from omegaconf import OmegaConf
 
 from moe.checkpoint.io import CorruptCheckpoint, meta_path
 from moe.checkpoint.lightning_io import AtomicCheckpointIO, with_atomic_io
-from moe.checkpoint.picker import check_resume_compatible, find_resume_checkpoint, verify_checkpoint
-from moe.config import TrainConfig
+from moe.checkpoint.picker import find_resume_checkpoint, verify_checkpoint
 from moe.errors import UserError
 from moe.faults import KILL_DURING_SAVE_ENV
 from moe.module.train_step import step_seed
@@ -176,29 +174,6 @@ def test_remove_takes_the_sidecar_and_plugins_get_one_checkpoint_io(tmp_path):
     plugins = with_atomic_io([])
     assert len(plugins) == 1 and isinstance(plugins[0], AtomicCheckpointIO)
     assert with_atomic_io(plugins) == plugins  # a CheckpointIO already there (e.g. Neuron's) wins
-
-
-def _cfg(**model):
-    cfg = OmegaConf.structured(TrainConfig)
-    for key, value in model.items():
-        cfg.model[key] = value
-    return cfg
-
-
-def test_resume_with_a_changed_model_shape_names_the_field_and_the_fix(tmp_path):
-    saved = _cfg(hidden_size=64, intermediate_size=128, num_layers=2)
-    path = tmp_path / "last.ckpt"
-    torch.save(ckpt(5, OmegaConf.to_container(saved)), path)
-    same = _cfg(hidden_size=64, intermediate_size=128, num_layers=2, rope_theta=1e4)
-    check_resume_compatible(path, same.model, same.moe_opt)
-    with pytest.raises(UserError) as info:
-        wider = _cfg(hidden_size=96, intermediate_size=128, num_layers=2)
-        check_resume_compatible(path, wider.model, wider.moe_opt)
-    err = info.value
-    assert err.field == "model.hidden_size" and err.value == 96
-    assert "model.hidden_size=64" in err.problem and str(path) in err.problem
-    assert "tensor " in err.problem  # the first mismatching tensor and both shapes
-    assert "resume=false" in err.fix and "another run_name" in err.fix
 
 
 def test_step_seed_depends_on_every_coordinate():

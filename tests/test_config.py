@@ -240,21 +240,36 @@ def test_a_config_is_settled_once_per_process(monkeypatch, tmp_path):
     assert again.parallel == cfg.parallel and not (tmp_path / "run").exists()
 
 
-def test_the_default_run_name_is_the_slurm_batch_jobs_on_every_task_and_the_time_elsewhere(monkeypatch):
-    """Tasks of one batch job (and its requeued start) share a run dir; an interactive shell does not."""
-    from moe.config.run_name import default_run_name
-
+def test_the_default_run_name_is_the_experiments_on_every_task_and_launch(monkeypatch):
+    """The name is a function of the experiment the command composes, never of the time: every rank, node
+    and relaunch agrees on it; a SLURM batch job's name and id come first (a new submission is a new run,
+    a requeue finds its own), an interactive shell names runs as outside SLURM."""
     for name in ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(name, raising=False)
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", default_run_name())
+
+    def name(*overrides):
+        return compose_cfg(*overrides).run_name
+
+    default = name()
+    assert re.fullmatch(r"tiny-[0-9a-f]{8}", default) and name() == default
+    # how and how long it runs: the same experiment, the same run
+    for free in ("trainer.max_steps=7", "trainer.devices=2", "parallel=dp2", "hardware=cpu_fsdp2",
+                 "trainer.micro_batch_size=4", "logger=tensorboard", "model.compile=true"):
+        assert name(free) == default, free
+    # what it trains: another experiment, another run
+    others = {name(o) for o in ("optimizer.lr=1e-3", "seed=7", "moe_opt.capacity_factor=2.0",
+                                "model=tiny_switch", "data.seq_len=64")}
+    assert len(others) == 5 and default not in others
+    assert name("optimizer.lr=1e-3") == name("optimizer.lr=0.001")  # values, not spellings
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_JOB_NAME", "moe gpu")
-    assert default_run_name() == "moe_gpu-4242"
+    digest = default.split("-")[-1]
+    assert name() == f"moe_gpu-4242-{digest}"
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
-    assert default_run_name() == "moe_gpu-4240_2"
+    assert name() == f"moe_gpu-4240_2-{digest}"
     monkeypatch.setenv("SLURM_JOB_NAME", "interactive")
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", default_run_name())
+    assert name() == default
 
 
 @pytest.mark.parametrize("script, doc", [("train_gpu.sbatch", "CLUSTERS.md"),

@@ -83,7 +83,7 @@ def test_batches_are_shifted_blocks_with_masked_labels(tmp_path):
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == batch["labels"].shape == (2, 64)
     assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
-    ids, mask = dm.prepared.splits["train"].get(dm.train_sampler().micro_batch(0))
+    ids, mask = dm.prepared.splits["train"].get(dm.train_sampler().step_rows(0))
     assert torch.equal(batch["input_ids"], torch.from_numpy(ids[:, :-1]))
     expected = np.where(mask[:, 1:] == 1, ids[:, 1:], -100)
     assert torch.equal(batch["labels"], torch.from_numpy(expected))
@@ -102,9 +102,31 @@ def test_resume_continues_the_exact_sequence(dp_size):
     for rank in range(dp_size):
         full = stream(StreamSampler(n_items, batch, total=2 * n, seed=5, dp_rank=rank, dp_size=dp_size))
         first = stream(StreamSampler(n_items, batch, total=n, seed=5, dp_rank=rank, dp_size=dp_size))
-        rest = StreamSampler(n_items, batch, total=2 * n, seed=5, dp_rank=rank, dp_size=dp_size, start=n)
+        rest = StreamSampler(n_items, batch, total=2 * n, seed=5, dp_rank=rank, dp_size=dp_size, start_step=n,
+                             start_row=n * batch * dp_size)
         assert len(rest) == 2 * n  # Lightning counts the resumed batches as already fetched
         assert first + stream(rest) == full
+
+
+@pytest.mark.parametrize("before, after", [((8, 1, 1), (4, 2, 1)), ((4, 1, 2), (2, 1, 4)),
+                                           ((3, 2, 2), (2, 1, 1))],
+                         ids=["micro 8 -> 4 x accumulate 2", "dp 2 -> dp 4",
+                              "6 rows x dp 2 -> 2 rows on one rank"])
+def test_a_resume_at_another_batch_geometry_goes_on_at_the_next_row(before, after):
+    """The stream's position is rows consumed, so any (micro-batch, accumulation, dp) continues the same
+    order of rows exactly: the rows of every rank's steps, concatenated in stream order, are the stream."""
+    n_items, steps = 11, 4
+
+    def rows_in_order(micro, accum, dp, total, start_step=0, start_row=0):
+        ranks = [StreamSampler(n_items, micro * accum, total=total, seed=3, dp_rank=r, dp_size=dp,
+                               start_step=start_step, start_row=start_row) for r in range(dp)]
+        return [int(i) for parts in zip(*ranks, strict=True) for i in np.stack(parts, axis=1).reshape(-1)]
+
+    first = rows_in_order(*before, total=steps)
+    consumed = steps * before[0] * before[1] * before[2]
+    rest = rows_in_order(*after, total=steps + 5, start_step=steps, start_row=consumed)
+    whole = StreamSampler(n_items, 1, total=0, seed=3).items(np.arange(len(first) + len(rest)))
+    assert first + rest == whole.tolist()
 
 
 def test_stream_order_epochs_and_rank_sharding():
@@ -140,16 +162,19 @@ def test_datamodule_state_dict_resume_matches_an_uninterrupted_run(corpus, dp_si
         stream = StreamSampler(len(dm.prepared.splits["train"]), 4, total=2 * steps * accum, seed=1234,
                                dp_rank=rank, dp_size=dp_size)
         for step, rows in enumerate(full):
-            blocks = np.concatenate([stream.micro_batch(step * accum + m) for m in range(accum)])
+            blocks = np.concatenate([stream.step_rows(step * accum + m) for m in range(accum)])
             ids = dm.prepared.splits["train"].get(blocks)[0]
             assert torch.equal(rows["input_ids"], torch.from_numpy(ids[:, :-1]))
         first = module(cfg, **kw)
-        first.trainer = SimpleNamespace(global_step=steps)
+        first.trainer = SimpleNamespace(global_step=0)
+        first.train_dataloader()
+        first.trainer.global_step = steps
         state = first.state_dict()
-        assert state["micro_batches_consumed"] == steps * accum
+        assert state["rows_consumed"] == steps * accum * 4 * dp_size
         resumed = MoEDataModule(cfg, 4, **{**kw, "seed": 1234, "limit_val_batches": 3})
         resumed.setup("fit")
         resumed.load_state_dict(state)
+        resumed.trainer = SimpleNamespace(global_step=steps)  # Lightning restores the step before the loader
         assert same(full[:steps] + batches(resumed.train_dataloader()), full)
 
 
@@ -160,7 +185,7 @@ def test_dp_ranks_default_to_the_trainer():
     dm.setup("fit")
     assert (dm.dp_rank, dm.dp_size) == (1, 2)
     expected = StreamSampler(len(dm.prepared.splits["train"]), 4, 2, 1234, dp_rank=1, dp_size=2)
-    assert [b.tolist() for b in dm.train_sampler()] == [expected.micro_batch(i).tolist() for i in range(2)]
+    assert [b.tolist() for b in dm.train_sampler()] == [expected.step_rows(i).tolist() for i in range(2)]
 
 
 @pytest.mark.parametrize("rank, want", [(5, (0, 2)), (13, (1, 2))])

@@ -188,3 +188,31 @@ def test_a_directory_another_process_published_meanwhile_is_kept_whole(tmp_path)
     publish(second, out, replace=True)  # overwrite asked: replaced whole
     assert (out / "meta.json").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+
+
+def test_data_prep_output_that_is_its_tokenizer_dir_is_refused_and_deletes_nothing(tmp_path):
+    """Already refused before these tests (the tokenizer is one of `reads`): kept so."""
+    import shutil
+
+    work = user_dir(tmp_path)
+    tok = Path(shutil.copytree(SAMPLE_TOK, tmp_path / "tok"))
+    before = snapshot(tmp_path)
+    proc = run_entry("data_prep.py", f"input={work}/corpus.txt", f"output={tok}", f"tokenizer={tok}",
+                     "seq_len=16", "overwrite=true", here=True)
+    line = refused(proc, "is tokenizer=", str(tok))
+    assert line.startswith(f"error: output='{tok}'")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("export", ["hf", "hf/again"])
+def test_infer_export_over_or_inside_the_hf_dir_it_reads_is_refused(tmp_path, export):
+    """Already refused before these tests (hf_dir is one of `reads`): kept so."""
+    from moe.infer.export import export_hf
+    from tests.test_infer import tiny_model
+
+    hf = export_hf(tiny_model(), tmp_path / "hf", SAMPLE_TOK)
+    before = snapshot(tmp_path)
+    proc = run_entry("infer.py", f"hf_dir={hf}", f"export_hf={tmp_path / export}", "overwrite=true",
+                     here=True)
+    refused(proc, "export_hf=", "hf_dir=")
+    assert snapshot(tmp_path) == before

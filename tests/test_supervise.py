@@ -1,5 +1,4 @@
 """`python -m moe.supervise -- CMD` relaunches a crashed command with back-off and logs each restart."""
-import datetime as dt
 import os
 import signal
 import subprocess
@@ -8,7 +7,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, compose_cfg
 
 from moe.tools import supervise
 from moe.tools.supervise import Supervisor, prepare_command, relaunch_command
@@ -92,21 +91,23 @@ def test_sigterm_to_the_supervisor_reaches_the_command_and_stops_relaunching(tmp
     assert "stopped by SIGTERM" in err and "not restarting" in err
 
 
-def test_train_command_gets_a_fixed_run_name_and_relaunches_resume():
-    now = dt.datetime(2026, 1, 2, 3, 4, 5)
-    cmd, run_dir, note = prepare_command(["python", "train.py", "model=tiny"], now=now)
-    assert cmd[-1] == "run_name=supervised_2026-01-02_03-04-05"
-    assert run_dir == supervise.Path("runs/supervised_2026-01-02_03-04-05")
-    assert "relaunches resume the same run" in note
+def test_a_train_command_is_relaunched_as_it_is_into_the_run_dir_it_composes():
+    """No run name is added: the default one is the experiment's, the same at every launch."""
+    cmd, run_dir = prepare_command(["python", "train.py", "model=tiny_switch"])
+    assert cmd == ["python", "train.py", "model=tiny_switch"]
+    expected = compose_cfg("model=tiny_switch").run_name
+    assert run_dir == supervise.Path("runs", expected).absolute() and expected.startswith("tiny_switch-")
 
-    cmd, run_dir, note = prepare_command(["python", "train.py", "run_name=big", "resume=false"])
-    assert cmd == ["python", "train.py", "run_name=big", "resume=false"] and note is None
-    assert run_dir == supervise.Path("runs/big")
+    cmd, run_dir = prepare_command(["python", "train.py", "run_name=big", "resume=false"])
+    assert cmd == ["python", "train.py", "run_name=big", "resume=false"]
+    assert run_dir == supervise.Path("runs/big").absolute()
     assert relaunch_command(cmd) == ["python", "train.py", "run_name=big", "resume=true"]
 
-    cmd, run_dir, _ = prepare_command(["python", "train.py", "hydra.run.dir=/tmp/x"])
-    assert "run_name" not in " ".join(cmd) and run_dir == supervise.Path("/tmp/x")
-    assert prepare_command(["bash", "job.sh"]) == (["bash", "job.sh"], None, None)
+    assert prepare_command(["torchrun", "--nproc_per_node=2", "train.py", "hydra.run.dir=/tmp/x"])[1] == \
+        supervise.Path("/tmp/x")
+    typo = ["python", "train.py", "model=nope"]
+    assert prepare_command(typo) == (typo, None)  # train.py itself will say what is wrong
+    assert prepare_command(["bash", "job.sh"]) == (["bash", "job.sh"], None)
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from moe.errors import UserError, write_failed
-from moe.faults import maybe_kill_during_save
+from moe.faults import maybe_kill_during_save, maybe_pause_before_rename
 from moe.outputs import atomic_path
 
 TMP_SUFFIX = ".tmp"
@@ -101,6 +101,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> dict:
             f.flush()
             os.fsync(f.fileno())
         record = {"sha256": writer.sha.hexdigest(), "bytes": writer.size, "global_step": step}
+        maybe_pause_before_rename(tmp, path)
         remove(meta)  # a stale sidecar must never vouch for the new file
         os.replace(tmp, path)
         with open(meta_tmp, "w") as f:
@@ -112,6 +113,10 @@ def atomic_torch_save(obj: Any, path: str | Path) -> dict:
         remove(tmp)
         remove(meta_tmp)
         raise unwritable(path, err) from err
+    except BaseException:  # Ctrl-C (KeyboardInterrupt) mid-write: no half file left beside the checkpoint
+        remove(tmp)
+        remove(meta_tmp)
+        raise
     fsync_dir(path.parent)
     return record
 

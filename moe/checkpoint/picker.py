@@ -1,8 +1,8 @@
 """The one place that picks a checkpoint: to resume from, to generate or export from, to consolidate.
 
 `find_resume_checkpoint` takes the newest checkpoint of a run that verifies, in any format
-(moe.checkpoint.formats), and says on stderr why it passed over any other; `check_resume_compatible`
-refuses one whose model shapes differ from the config. `resolve_checkpoint` turns what a user typed
+(moe.checkpoint.formats), and says on stderr why it passed over any other (which config may resume it is
+the resume contract's: moe.train.launches). `resolve_checkpoint` turns what a user typed
 (`last`, a run dir, a file, a directory) into one checkpoint, and `read_checkpoint` reads it whole,
 verified first. train.py's resume, infer.py, its export and `python -m moe.tools.consolidate` go
 through these, so every format is detected, verified and read the same way everywhere.
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from moe.checkpoint import nxd, sharded
-from moe.checkpoint.formats import FORMATS, PORTABLE, candidates, format_of, load, recency, step_hint
+from moe.checkpoint.formats import FORMATS, PORTABLE, candidates, format_of, recency, step_hint
 from moe.checkpoint.io import CorruptCheckpoint, check_zip_crc, meta_path
 from moe.errors import UserError
 from moe.ranks import is_rank_zero
@@ -150,32 +150,3 @@ def lightning_part(ckpt_path: str | Path) -> Path:
         return ckpt_path
     state = ckpt_path / sharded.TRAINER_STATE
     return state if state.exists() else ckpt_path / nxd.USER_CONTENT
-
-
-def check_resume_compatible(ckpt_path: str | Path, model, moe_opt) -> None:
-    """Raise UserError naming the field, both values and the fix when the model shapes of the `model` and
-    `moe_opt` sections differ from the checkpoint's."""
-    from moe.config.settled import section_values, settled_config
-    from moe.model.model import state_shapes
-
-    ckpt_path = Path(ckpt_path)
-    saved = (load(lightning_part(ckpt_path)).get("hyper_parameters") or {}).get("cfg")
-    if not saved or "model" not in saved:
-        return
-    saved_model, saved = saved["model"], settled_config(saved)
-    old, new = state_shapes(saved.model, saved.moe_opt), state_shapes(model, moe_opt)
-    if old == new:
-        return
-    current = section_values(model)
-    changed = [k for k, v in current.items() if k in saved_model and saved_model[k] != v]
-    key = next((k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)), "?")
-    tensor = f"tensor {key}: checkpoint {old.get(key, 'absent')}, config {new.get(key, 'absent')}"
-    fix = (f"train with the checkpoint's settings, or start a new run: resume=false (overwrites "
-           f"{ckpt_path.parent}) or another run_name")
-    if changed:
-        field = changed[0]
-        raise UserError(f"model.{field}", current[field], fix,
-                        problem=f"differs from the checkpoint being resumed ({ckpt_path}, model.{field}="
-                                f"{saved_model[field]!r}; {tensor})")
-    raise UserError("model", current["name"], fix,
-                    problem=f"does not match the checkpoint being resumed ({ckpt_path}; {tensor})")

@@ -279,8 +279,9 @@ class TrainConfig(Section):
     logger: dict[str, Any] = field(default_factory=dict)
     callbacks: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
-    # run dir is runs/<run_name>; the launch time, or inside a SLURM batch job `<job name>-<job id>`
-    # (the same for every task and across requeues: moe/config/run_name.py)
+    # run dir is runs/<run_name>; the experiment's name, `<model.name>-<digest of what it trains>` (inside a
+    # SLURM batch job `<job name>-<job id>-<digest>`): the same for every rank, node and relaunch
+    # (moe/config/run_name.py)
     run_name: str = "${default_run_name:}"
     dry_run: bool = False
     # simulate=true: one rank's real training step at the configured size with fake tensors on this CPU

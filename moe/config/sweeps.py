@@ -27,11 +27,26 @@ def _package(path: Path) -> str:
     return "_global_"
 
 
+# Sweep files that do not load (a YAML slip, another encoding): name -> (path, error). Registering runs at
+# import, for every train.py command: such a file is left out, and `+sweep=<name>` says why
+# (moe.train.preflight.composition_error), instead of every command stopping on the file's traceback.
+UNREADABLE: dict[str, tuple[Path, Exception]] = {}
+
+
 def register_sweeps(sweeps_dir: Path | str = SWEEPS_DIR) -> list[str]:
-    """Register each `sweeps_dir/*.yaml` as `sweep/<stem>`; returns the names registered."""
+    """Register each `sweeps_dir/*.yaml` as `sweep/<stem>`; returns the names registered (an unreadable file
+    is left out and kept in UNREADABLE)."""
+    import yaml
+
     names = []
     for path in sorted(Path(sweeps_dir).glob("*.yaml")):
-        ConfigStore.instance().store(group="sweep", name=path.stem, node=OmegaConf.load(path),
-                                     package=_package(path), provider="moe.sweeps")
+        try:
+            node, package = OmegaConf.load(path), _package(path)
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            UNREADABLE[path.stem] = (path, err)
+            continue
+        UNREADABLE.pop(path.stem, None)
+        ConfigStore.instance().store(group="sweep", name=path.stem, node=node, package=package,
+                                     provider="moe.sweeps")
         names.append(path.stem)
     return names

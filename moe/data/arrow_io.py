@@ -10,6 +10,7 @@ On disk (a `datasets.DatasetDict.save_to_disk` directory):
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,25 @@ class Prepared:
 
 
 DAMAGED_FIX = "prepare it again (python data_prep.py ... output=DIR overwrite=true), or restore a copy"
+ONLINE_CACHE_ENV = "MOE_DATA_CACHE"
+
+
+def online_cache_root() -> Path:
+    """Where train.py's online packing (data.kind=online) keeps what it builds, one directory per config,
+    tokenizer and input files: $MOE_DATA_CACHE, else ~/.cache/moe/data (moe.data.datamodule.cache_root)."""
+    return Path(os.environ.get(ONLINE_CACHE_ENV) or Path.home() / ".cache" / "moe" / "data").expanduser()
+
+
+def damaged(field: str, path: Path, problem: str) -> UserError:
+    """Prepared data that cannot be read, as one paragraph. An entry of the online cache is named as such:
+    train.py built it and builds it again once it is deleted (a user never ran data_prep.py for it)."""
+    path = Path(path)
+    if path.parent.absolute() == online_cache_root().absolute():
+        return UserError(ONLINE_CACHE_ENV, str(path.parent), f"delete {path} (the next train.py start packs "
+                         f"data.path into it again), or set {ONLINE_CACHE_ENV} to another directory",
+                         problem=f"holds a damaged entry of the online data cache, {path.name} "
+                                 f"(it {problem})")
+    return UserError(field, str(path), DAMAGED_FIX, problem=problem)
 
 
 def read_meta(path: str | Path, field: str = "data.path") -> dict:
@@ -130,7 +150,7 @@ def read_meta(path: str | Path, field: str = "data.path") -> dict:
         meta = json.loads(meta_file.read_text())
         int(meta["seq_len"])
     except (ValueError, KeyError, TypeError) as err:
-        raise UserError(field, str(path), DAMAGED_FIX, problem=f"has a damaged meta.json ({err})") from err
+        raise damaged(field, path, f"has a damaged meta.json ({err})") from err
     return meta
 
 
@@ -144,13 +164,13 @@ def load_prepared(path: str | Path, field: str = "data.path") -> Prepared:
         dd = datasets.load_from_disk(str(path))
         splits = {name: PackedBlocks(dd[name], block_len) for name in SPLITS if name in dd}
     except (OSError, ValueError, KeyError, pa.ArrowException) as err:
-        raise UserError(field, str(path), DAMAGED_FIX, problem=f"cannot be read: a shard is missing, cut "
-                        f"short or corrupt ({type(err).__name__}: {first_line(err)})") from err
+        raise damaged(field, path, f"cannot be read: a shard is missing, cut short or corrupt "
+                      f"({type(err).__name__}: {first_line(err)})") from err
     for name, blocks in splits.items():
         recorded = meta.get("splits", {}).get(name, {}).get("blocks")
         if recorded is not None and recorded != len(blocks):
-            raise UserError(field, str(path), DAMAGED_FIX, problem=f"holds {len(blocks)} {name} blocks where "
-                            f"meta.json records {recorded}: a shard is missing or cut short")
+            raise damaged(field, path, f"holds {len(blocks)} {name} blocks where meta.json records "
+                          f"{recorded}: a shard is missing or cut short")
     return Prepared(path, meta, splits)
 
 

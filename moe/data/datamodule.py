@@ -131,7 +131,10 @@ class MoEDataModule(L.LightningDataModule):
         self.val_micro_batches = val_micro_batches
         self.max_steps, self.seed, self.limit_val_batches = max_steps, seed, limit_val_batches
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.resume_micro_batches = 0
+        # where this launch's stream begins: the step its sampler starts at (None: not made yet) and the rows
+        # every rank consumed before it (a resume sets it)
+        self.start_step: int | None = None
+        self.start_row = 0
         self.prepared = None
         if data_cfg.kind == "prepared":
             if not data_cfg.path:
@@ -244,12 +247,20 @@ class MoEDataModule(L.LightningDataModule):
             return trainer.global_rank, trainer.world_size
         return self.dims.dp_rank(trainer.global_rank), self.dims.dp
 
+    @property
+    def rows_per_step(self) -> int:
+        """Rows one optimizer step takes from the stream, every data-parallel rank together."""
+        return self.micro_batch_size * self.accumulate * self.dp_size
+
     def train_sampler(self) -> StreamSampler:
-        """A step's rows at a time: the stream's micro-batches k*A .. k*A+A-1 of this rank are step k's."""
+        """A step's rows at a time (its micro-batches, in order), from the restored step and stream
+        position."""
+        trainer = getattr(self, "trainer", None)
+        self.start_step = trainer.global_step if trainer is not None else 0
         return StreamSampler(len(self.prepared.splits["train"]), self.micro_batch_size * self.accumulate,
                              total=self.max_steps, seed=self.seed, shuffle=self.cfg.shuffle,
-                             dp_rank=self.dp_rank, dp_size=self.dp_size,
-                             start=self.resume_micro_batches // self.accumulate)
+                             dp_rank=self.dp_rank, dp_size=self.dp_size, start_step=self.start_step,
+                             start_row=self.start_row)
 
     def _loader(self, blocks: PackedBlocks, sampler) -> DataLoader:
         workers = self.cfg.num_workers
@@ -270,14 +281,19 @@ class MoEDataModule(L.LightningDataModule):
 
     # ---- resume ----
     def state_dict(self) -> dict:
+        """The stream's position in rows every rank consumed together (any batch geometry resumes at the
+        next row), and what the stream is (its seed, its block count)."""
         trainer = getattr(self, "trainer", None)
-        consumed = trainer.global_step * self.accumulate if trainer is not None else self.resume_micro_batches
-        return {"micro_batches_consumed": int(consumed), "dp_size": self.dp_size, "seed": self.seed,
+        steps = 0 if trainer is None or self.start_step is None else trainer.global_step - self.start_step
+        return {"rows_consumed": int(self.start_row + steps * self.rows_per_step), "seed": self.seed,
                 "train_blocks": len(self.prepared.splits["train"]) if self.prepared else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.resume_micro_batches = int(state_dict["micro_batches_consumed"])
-        saved = {k: state_dict.get(k) for k in ("dp_size", "seed")}
-        if saved["dp_size"] not in (None, self.dp_size) or saved["seed"] not in (None, self.seed):
-            log.warning("resuming with a different data order (saved %s, now dp_size=%s seed=%s): the stream "
-                        "position is kept, the blocks at it differ", saved, self.dp_size, self.seed)
+        if "rows_consumed" in state_dict:
+            self.start_row = int(state_dict["rows_consumed"])
+        else:  # written before the position was kept in rows: per-rank micro-batches of today's size
+            self.start_row = (int(state_dict["micro_batches_consumed"]) * self.micro_batch_size
+                              * int(state_dict.get("dp_size") or self.dp_size or 1))
+        if state_dict.get("seed") not in (None, self.seed):
+            log.warning("resuming with a different data order (saved seed %s, now %s): the stream position "
+                        "is kept, the blocks at it differ", state_dict["seed"], self.seed)

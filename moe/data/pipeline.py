@@ -30,7 +30,7 @@ from moe.data.arrow_io import SPLITS, SplitWriter, save_splits, token_dtype
 from moe.data.formats import BENIGN, FormatSpec, check_columns, needed_columns, render_batch
 from moe.data.packing import ConcatPacker, PadPacker
 from moe.data.sources import RawData, load_raw
-from moe.errors import UserError, WriteFailed, write_errno, write_failed
+from moe.errors import UserError, WriteFailed, on_interrupt, write_errno, write_failed
 from moe.outputs import PREPARED_DATA, check_output, mark, publish
 
 META_VERSION = 1
@@ -309,12 +309,14 @@ def prepare(cfg, progress: bool = True) -> Path:
     if not progress:
         datasets.disable_progress_bars()
     try:
-        work = tmp / "_work"
-        meta = build(cfg, tmp, work, progress)
-        shutil.rmtree(work)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        mark(tmp, PREPARED_DATA)
-        publish(tmp, out, replace=cfg.overwrite)
+        with on_interrupt(f"{out} was not written (its temporary directory was removed; data already there "
+                          "is as it was)"):
+            work = tmp / "_work"
+            meta = build(cfg, tmp, work, progress)
+            shutil.rmtree(work)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            mark(tmp, PREPARED_DATA)
+            publish(tmp, out, replace=cfg.overwrite)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, WriteFailed) or (isinstance(err, OSError) and write_errno(err) is not None):

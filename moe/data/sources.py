@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 import datasets
 
 from moe.errors import UserError, write_errno, write_failed
+from moe.inputs import encoding_problem, wide_encoding
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv",
             ".txt": "text", ".text": "text"}
@@ -202,7 +203,14 @@ def _undecodable_lines(path: str) -> list[int]:
 
 
 def _checked_bytes(path: str, on_bad_row: str, out_dir: Path, raw: RawData) -> str:
-    """`path`, or a copy of it without (skip) or with repaired (repair) lines of undecodable bytes."""
+    """`path`, or a copy of it without (skip) or with repaired (repair) lines of undecodable bytes. A file in
+    UTF-16 or UTF-32 is refused whatever on_bad_row says: its first line does not decode and every other one
+    decodes into text with a NUL between its letters, which would be trained on."""
+    wide = wide_encoding(path)
+    if wide:
+        problem, fix = encoding_problem(path)
+        raise UserError("input", path, fix, problem=f"cannot be read: {problem} (on_bad_row=skip or repair "
+                        "would keep every line but the first as text with NULs between the letters)")
     bad = set(_undecodable_lines(path))
     if not bad:
         return path
@@ -246,7 +254,8 @@ def _clean_copy(path: str, builder: str, out_dir: Path, skipped: Counter) -> str
 
 
 def _load_files(builder: str, files: list[str], cache_dir: Path, num_proc: int) -> datasets.Dataset:
-    kwargs = {"encoding": "utf-8"} if builder in ("text", "csv", "tsv") else {}
+    # utf-8-sig: a byte-order mark some editors put first (U+FEFF) is dropped, not tokenized into row 0
+    kwargs = {"encoding": "utf-8-sig"} if builder in ("text", "csv", "tsv") else {}
     if builder == "tsv":  # datasets' csv builder with tabs
         builder, kwargs["delimiter"] = "csv", "\t"
     if builder == "text":

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from moe.data.formats import TURN_SEPARATOR, FormatSpec
 from moe.errors import UserError
+from moe.inputs import load_json
 from moe.outputs import atomic_path
 
 EOS = "<|endoftext|>"
@@ -47,7 +48,14 @@ def read_tokenizer(path: str | Path, field: str = "tokenizer") -> tuple[Tokenize
         raise UserError(field, str(file), "pass a valid Hugging Face tokenizer.json",
                         problem=f"could not be loaded ({err})") from err
     config_file = file.parent / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = {}
+    if config_file.is_file():
+        fix = ("restore tokenizer_config.json, or delete it (the end-of-text token is then looked up in the "
+               "vocabulary, or given as eos_token=TOKEN)")
+        config = load_json(config_file, field, str(path), fix)
+        if not isinstance(config, dict):
+            raise UserError(field, str(path), fix, problem=f"cannot be read: {config_file} holds a JSON "
+                            f"{type(config).__name__}, not an object")
     return tok, config
 
 

@@ -108,13 +108,33 @@ def check_weights_file(path: Path, field: str) -> None:
                         f"the {8 + header_len + end} its header describes")
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def weight_map(path: Path, field: str) -> dict[str, str]:
+    """The index's tensor -> shard file map; an index that is not JSON, or holds no such map, is a UserError
+    naming the file and what to do (a cut-short download, a hand edit)."""
+    from moe.errors import UserError
+    from moe.inputs import load_json
+
+    index = Path(path) / INDEX
+    fix = ("download the directory again; if its model.safetensors alone holds all the weights, delete "
+           f"{INDEX} instead")
+    record = load_json(index, field, str(path), fix)
+    mapping = record.get("weight_map") if isinstance(record, dict) else None
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise UserError(field, str(path), fix, problem=f"cannot be read: {index} holds no weight_map of "
+                        "tensor names to safetensors files")
+    return mapping
+
+
 def check_weights_dir(path: Path, field: str) -> None:
     """Every safetensors file a save_pretrained directory names (one file, or its index's)."""
     path = Path(path)
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX
     names = {"model.safetensors"}
     if index.is_file():
-        names = set(json.loads(index.read_text())["weight_map"].values())
+        names = set(weight_map(path, field).values())
     elif not (path / "model.safetensors").exists() and (path / "pytorch_model.bin").exists():
         return  # not safetensors: its loader says what it makes of the file
     for name in sorted(names):
@@ -127,9 +147,9 @@ class SafetensorsDir:
     def __init__(self, path: str | Path, field: str = "model.init_from_hf"):
         self.path = Path(path)
         check_weights_dir(self.path, field)
-        index = self.path / "model.safetensors.index.json"
+        index = self.path / INDEX
         if index.is_file():
-            self.file_of = json.loads(index.read_text())["weight_map"]
+            self.file_of = weight_map(self.path, field)
         else:
             from safetensors import safe_open
 

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from moe.data.tokenizer import chat_template_jinja, check_vocab, load_hf_tokenizer
-from moe.errors import write_errno, write_failed
+from moe.errors import on_interrupt, write_errno, write_failed
 from moe.model import MoETransformer
 from moe.outputs import HF_EXPORT, check_output, mark, publish
 
@@ -44,10 +44,12 @@ def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_tem
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        hf.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        mark(tmp, HF_EXPORT)
-        publish(tmp, out, replace=overwrite)
+        with on_interrupt(f"export_hf={out} was not written (its temporary directory was removed; an export "
+                          "already there is as it was)"):
+            hf.save_pretrained(str(tmp), safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+            mark(tmp, HF_EXPORT)
+            publish(tmp, out, replace=overwrite)
     except Exception as err:  # safetensors wraps the file system's refusal in its own error
         if write_errno(err) is None:
             raise

@@ -8,7 +8,6 @@ moe.checkpoint.picker's (`resolve_checkpoint`, `read_checkpoint`).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -88,12 +87,22 @@ def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None) -> 
                         "its model*.safetensors)", problem=f"could not be loaded ({first})") from err
 
 
-def generation_eos_ids(path: str | Path) -> list[int]:
-    """eos_token_id(s) from generation_config.json / config.json, when the directory names them."""
+def generation_eos_ids(path: str | Path, field: str = "hf_dir") -> list[int]:
+    """eos_token_id(s) from generation_config.json / config.json, when the directory names them; a damaged
+    file is a UserError naming it."""
+    from moe.inputs import load_json
+
     ids: list[int] = []
     for name in ("generation_config.json", "config.json"):
         file = Path(path) / name
         if file.is_file():
-            value = json.loads(file.read_text()).get("eos_token_id")
+            fix = ("restore generation_config.json, or delete it (the eos ids then come from config.json)"
+                   if name == "generation_config.json" else "restore config.json from the model's source")
+            record = load_json(file, field, str(path), fix)
+            value = record.get("eos_token_id") if isinstance(record, dict) else None
+            if not (value is None or isinstance(value, int) or
+                    isinstance(value, list) and all(isinstance(v, int) for v in value)):
+                raise UserError(field, str(path), fix, problem=f"cannot be read: {file} has eos_token_id="
+                                f"{value!r}, not a token id or a list of them")
             ids += [value] if isinstance(value, int) else list(value or [])
     return list(dict.fromkeys(ids))

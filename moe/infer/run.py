@@ -20,13 +20,14 @@ from moe.config.rules.entries import validate_infer
 from moe.config.schema import DEFAULT_CHAT_TEMPLATE
 from moe.data.formats import FormatSpec
 from moe.data.tokenizer import check_vocab, load_hf_tokenizer, template_markers
-from moe.errors import UserError, first_line
+from moe.errors import UserError, first_line, on_interrupt
 from moe.hf.registry import exporter_for
 from moe.infer.export import export_hf
 from moe.infer.generate import Generation, generate, left_pad
 from moe.infer.load import generation_eos_ids, model_from_checkpoint, model_from_hf_dir
+from moe.inputs import read_text
 from moe.model import MoETransformer
-from moe.outputs import HF_EXPORT, atomic_path, check_output
+from moe.outputs import HF_EXPORT, atomic_path, check_apart, check_output
 from moe.paths import local_path
 
 
@@ -125,7 +126,8 @@ def read_prompts(cfg) -> list[str]:
         if not path.is_file():
             raise UserError("prompts_file", cfg.prompts_file, "pass an existing .txt or .jsonl file",
                             problem="does not exist")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        text = read_text(path, "prompts_file", cfg.prompts_file)  # UTF-8; another encoding is named
+        lines = [line for line in text.splitlines() if line.strip()]
         if path.suffix == ".jsonl":
             for number, line in enumerate(lines, 1):
                 try:
@@ -146,15 +148,18 @@ def read_prompts(cfg) -> list[str]:
     return prompts
 
 
-def check_output_file(output_file: str | None) -> None:
-    """output_file can be written: its parent directory is made, and a directory or an unwritable place is
-    refused before anything is generated (a finished generation is never lost to it)."""
+def check_output_file(output_file: str | None, reads: dict | None = None) -> None:
+    """output_file can be written: its parent directory is made, and a directory, an unwritable place, a path
+    the command reads (`reads`: field -> path; the prompts file, the checkpoint, the model or tokenizer
+    directory) or a place in a training run are refused before anything is generated (a finished generation
+    is never lost to it, and it never replaces what it was generated from)."""
     if not output_file:
         return
     path = Path(output_file).expanduser()
     if path.is_dir():
         raise UserError("output_file", output_file, "name a file, e.g. out/completions.jsonl",
                         problem="is a directory")
+    check_apart("output_file", output_file, "completions", reads or {}, where="a file")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -183,7 +188,7 @@ def run(cfg) -> list[dict] | Path:
         check_output("export_hf", cfg.export_hf, HF_EXPORT, cfg.overwrite, reads)
     else:  # before loading: the prompts, and that the results can be written
         prompts = read_prompts(cfg)
-        check_output_file(cfg.output_file)
+        check_output_file(cfg.output_file, {**reads, "prompts_file": cfg.prompts_file})
     loaded = load(cfg)
     if cfg.export_hf:
         reads["ckpt" if cfg.ckpt else "hf_dir"] = loaded.source  # ckpt=last resolved
@@ -199,7 +204,9 @@ def run(cfg) -> list[dict] | Path:
     else:
         texts = [chat_prefix(p, loaded.chat_template) if cfg.chat else p for p in prompts]
     rendered = cfg.chat and loaded.tokenizer_template
-    results, runs = generate_texts(loaded, texts, cfg, add_special_tokens=not rendered)
+    with on_interrupt(f"generation stopped; output_file={cfg.output_file} was not written" if cfg.output_file
+                      else "generation stopped; nothing was written"):
+        results, runs = generate_texts(loaded, texts, cfg, add_special_tokens=not rendered)
     for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
         print(f"=== [{i}] {prompt}\n{res['completion']}")
     total, seconds = sum(g.num_new_tokens for g in runs), sum(g.seconds for g in runs)
@@ -209,7 +216,8 @@ def run(cfg) -> list[dict] | Path:
           f"{total / max(seconds, 1e-9):.1f} tokens/s ({loaded.model.cfg.name}, {dtype}, {param.device}, "
           f"batch_size={cfg.batch_size}, prefill {sum(g.prefill_s for g in runs):.2f} s)")
     if cfg.output_file:
-        with atomic_path(cfg.output_file) as tmp:
+        with on_interrupt(f"output_file={cfg.output_file} was not written (no temporary file was left); the "
+                          "completions are printed above"), atomic_path(cfg.output_file) as tmp:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in results))
     return results
 

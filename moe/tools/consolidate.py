@@ -18,7 +18,7 @@ from pathlib import Path
 from moe.checkpoint.formats import PORTABLE, format_of
 from moe.checkpoint.picker import read_checkpoint, resolve_checkpoint
 from moe.checkpoint.trust import set_allow_pickle
-from moe.errors import UserError, exit_on_user_error
+from moe.errors import UserError, exit_on_user_error, on_interrupt
 from moe.outputs import check_output
 
 KEPT = ("state_dict", "hyper_parameters", "hparams_name", "global_step", "epoch", "pytorch-lightning_version")
@@ -51,8 +51,10 @@ def convert(src: str, out: str, overwrite: bool = False) -> Path:
     source = checkpoint_dir(src)
     out_path = check_output("OUT", out, "portable checkpoint", overwrite, {"SRC": src},
                             ours=is_torch_checkpoint, flag="--overwrite")
-    ckpt = read_checkpoint(source)
-    PORTABLE.write({k: ckpt[k] for k in KEPT if k in ckpt}, out_path)  # atomic, with its sha256 sidecar
+    with on_interrupt(f"OUT={out_path} was not written (no temporary file was left; a file already there is "
+                      "as it was)"):
+        ckpt = read_checkpoint(source)
+        PORTABLE.write({k: ckpt[k] for k in KEPT if k in ckpt}, out_path)  # atomic, with its sha256 sidecar
     print(f"{source} (step {ckpt['global_step']}) -> {out_path}")
     return out_path
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
+import io
 import math
 import re
 import sys
@@ -22,7 +22,8 @@ import numpy as np
 import yaml
 
 from moe.config.schema import MoEOptConfig
-from moe.errors import UserError, exit_on_user_error
+from moe.errors import UserError, exit_on_user_error, on_interrupt
+from moe.inputs import load_json, load_yaml
 from moe.outputs import atomic_path
 from moe.tools.advisor import WHAT_IF_FACTORS, Advice, RoutingLog, advise, routing_log_from_rows
 
@@ -68,11 +69,15 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def damaged_fix(path: Path) -> str:
+    return f"restore {path.name} from a copy, or delete it: the report then uses what else the run dir holds"
+
+
 def _read_overrides(path: Path) -> dict[str, str]:
     if not path.exists():
         return {}
     overrides = {}
-    for item in yaml.safe_load(path.read_text()) or []:
+    for item in load_yaml(path, "DIR", str(path.parent.parent), damaged_fix(path)) or []:
         key, _, value = str(item).lstrip("+~").partition("=")
         if not key.startswith("hydra."):
             overrides[key] = value
@@ -82,15 +87,21 @@ def _read_overrides(path: Path) -> dict[str, str]:
 def load_run(path: Path, label: str | None = None) -> Run:
     """Read one run dir; missing files give empty fields (a failed or running job still gets a row)."""
     path = Path(path)
-    summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").exists() else {}
+    summary = load_json(path / "summary.json", "DIR", str(path), damaged_fix(path / "summary.json")) \
+        if (path / "summary.json").exists() else {}
+    if not isinstance(summary, dict):
+        raise UserError("DIR", str(path), damaged_fix(path / "summary.json"),
+                        problem=f"cannot be read: {path / 'summary.json'} holds a JSON "
+                                f"{type(summary).__name__}, not the object train.py writes")
     config = _flatten(summary.get("config") or {})
     hydra_cfg = path / ".hydra" / "config.yaml"
     if hydra_cfg.exists():
-        config.update(_flatten(yaml.safe_load(hydra_cfg.read_text()) or {}))
+        config.update(_flatten(load_yaml(hydra_cfg, "DIR", str(path), damaged_fix(hydra_cfg)) or {}))
     rows = []
     if (path / "metrics.csv").exists():
-        with (path / "metrics.csv").open(newline="") as f:
-            rows = list(csv.DictReader(f))
+        # bytes a crash left at its end (NULs, noise) make rows of no numbers, which the report skips
+        text = (path / "metrics.csv").read_text(errors="replace")
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
     train = [r for r in rows if not math.isnan(_num(r.get("loss")))]
     val = [(int(_num(r["step"])), _num(r["val_loss"])) for r in rows
            if not math.isnan(_num(r.get("val_loss")))]
@@ -377,10 +388,12 @@ def report(directory: str | Path, target: float = 0.01, from_step: int = 0) -> l
                         "logged a step", problem="holds no run (no metrics.csv or summary.json under it)")
     for path in {root, *paths}:
         check_own_report(path / "report.md")
-    if paths == [root]:
-        return report_run(load_run(root, root.name), target, from_step)
-    runs = [load_run(p, str(p.relative_to(root))) for p in paths]
-    return report_sweep(root, runs, target, from_step)
+    with on_interrupt("the report is unfinished: each report.md and plot already written is whole, none was "
+                      "left half-written; run the same command again"):
+        if paths == [root]:
+            return report_run(load_run(root, root.name), target, from_step)
+        runs = [load_run(p, str(p.relative_to(root))) for p in paths]
+        return report_sweep(root, runs, target, from_step)
 
 
 @exit_on_user_error

@@ -6,14 +6,22 @@ dir, so supervision is only: run, and on a non-zero exit wait (exponential back-
 run again, up to --max-restarts times, logging each restart to stderr and to
 `<run dir>/restarts.log`. Exit 2 is a user error (bad config or input): never retried.
 
-A train.py command without `run_name=` or `hydra.run.dir=` gets a fixed `run_name=` added,
-because the default run name is a timestamp and a relaunch would otherwise start a new run.
+The command is relaunched as it is: train.py's default run name is the experiment's (moe/config/run_name.py),
+the same at every launch, so a relaunch resumes the same run with or without `run_name=`; the run dir
+(for restarts.log) is what train.py composes from the command's arguments.
 `resume=false` is honoured on the first launch and turned into `resume=true` on relaunches.
+
+The command runs in a process group of its own, so a Ctrl-C at the terminal (which signals the whole
+foreground group) reaches it once, forwarded by the supervisor, not twice: train.py reads a second SIGINT as
+"stop now, without a checkpoint". Its standard input is /dev/null: a command in a background group that read
+the terminal would be stopped (SIGTTIN) instead of running. A signal during the back-off wait stops
+supervision at once, without a relaunch.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import signal
 import subprocess
 import sys
@@ -23,31 +31,33 @@ from pathlib import Path
 from moe.errors import describe_exit
 
 USER_ERROR_EXIT = 2  # moe.errors.exit_on_user_error
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)  # SIGHUP: the terminal closed
+# Popen's process_group is Python 3.11's; setpgrp in the child is what it does (one thread here)
+OWN_PROCESS_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
-def _override(cmd: list[str], key: str) -> str | None:
-    for arg in cmd:
-        if arg.startswith(f"{key}="):
-            return arg.split("=", 1)[1]
-    return None
+class _StopWaiting(Exception):
+    """A signal came during the back-off wait: supervision ends without a relaunch."""
 
 
-def prepare_command(cmd: list[str], now: dt.datetime | None = None) -> tuple:
-    """(command to run, run dir if known, note for the user) for a train.py command line."""
-    cmd = list(cmd)
-    if not any(Path(a).name == "train.py" for a in cmd):
-        return cmd, None, None
-    note = None
-    run_dir = _override(cmd, "hydra.run.dir")
-    run_name = _override(cmd, "run_name")
-    if run_dir is None and run_name is None:
-        run_name = f"supervised_{(now or dt.datetime.now()).strftime('%Y-%m-%d_%H-%M-%S')}"
-        cmd.append(f"run_name={run_name}")
-        note = (f"added run_name={run_name} so that relaunches resume the same run (pass run_name= or "
-                "hydra.run.dir= to choose it)")
-    if run_dir is None and run_name is not None and "$" not in run_name:
-        run_dir = f"runs/{run_name}"  # conf/train.yaml: hydra.run.dir = runs/${run_name}
-    return cmd, Path(run_dir) if run_dir and "$" not in run_dir else None, note
+def prepare_command(cmd: list[str]) -> tuple[list[str], Path | None]:
+    """(command to run, its run dir if known) for a command line that launches train.py: the run dir Hydra
+    will make for the arguments after train.py, composed as train.py's preflight composes them."""
+    script = next((i for i, a in enumerate(cmd) if Path(a).name == "train.py"), None)
+    if script is None:
+        return list(cmd), None
+    from moe.errors import UserError
+    from moe.train.preflight import compose_config, hydra_command
+
+    conf = str(Path(cmd[script]).resolve().parent / "conf")
+    try:
+        where = hydra_command(cmd[script + 1:], conf, "train")
+        if where is None or where[3]:
+            return list(cmd), None
+        overrides, config_dir, config_name, _ = where
+        return list(cmd), compose_config(overrides, config_dir, config_name)[1]
+    except (UserError, SystemExit):  # train.py itself says what is wrong, and exits 2
+        return list(cmd), None
 
 
 def relaunch_command(cmd: list[str]) -> list[str]:
@@ -62,6 +72,7 @@ class Supervisor:
         self.max_restarts, self.backoff, self.max_backoff = max_restarts, backoff, max_backoff
         self.proc: subprocess.Popen | None = None
         self.stopping: int | None = None  # a signal the supervisor itself received
+        self.backing_off = False  # between two launches: a signal ends the wait
 
     def log(self, message: str) -> None:
         line = f"[{dt.datetime.now().isoformat(timespec='seconds')}] supervise: {message}"
@@ -75,11 +86,12 @@ class Supervisor:
         self.stopping = signum
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signum)
+        elif self.backing_off:
+            raise _StopWaiting
 
     def run(self) -> int:
         """Launch until success, a user error, a signal to the supervisor or --max-restarts; the exit code."""
-        forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-        previous = {sig: signal.signal(sig, self._forward) for sig in forwarded}
+        previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
         try:
             return self._loop()
         finally:
@@ -89,7 +101,8 @@ class Supervisor:
     def _loop(self) -> int:
         restarts, cmd = 0, self.cmd
         while True:
-            self.proc = subprocess.Popen(cmd)
+            # its own process group: a terminal's Ctrl-C reaches it through _forward only, once
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, **OWN_PROCESS_GROUP)
             code = self.proc.wait()
             if code == 0:
                 if restarts:
@@ -110,7 +123,18 @@ class Supervisor:
             restarts += 1
             delay = min(self.max_backoff, self.backoff * 2 ** (restarts - 1))
             self.log(f"{describe_exit(code)}; restart {restarts}/{self.max_restarts} in {delay:g}s")
-            time.sleep(delay)
+            self.backing_off = True
+            try:
+                if self.stopping is None:
+                    time.sleep(delay)
+            except _StopWaiting:
+                pass
+            finally:
+                self.backing_off = False
+            if self.stopping is not None:
+                self.log(f"stopped by {signal.Signals(self.stopping).name} while waiting to relaunch; not "
+                         "restarting")
+                return 128 + self.stopping
             cmd = relaunch_command(cmd)
 
 
@@ -140,11 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --max-restarts={args.max_restarts} --backoff={args.backoff} must not be negative. "
               "Fix: pass 0 or more", file=sys.stderr)
         return USER_ERROR_EXIT
-    cmd, run_dir, note = prepare_command(cmd)
-    supervisor = Supervisor(cmd, args.max_restarts, args.backoff, args.max_backoff, args.run_dir or run_dir)
-    if note:
-        supervisor.log(note)
-    return supervisor.run()
+    cmd, run_dir = prepare_command(cmd)
+    return Supervisor(cmd, args.max_restarts, args.backoff, args.max_backoff, args.run_dir or run_dir).run()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ without updating. The ledger outlives a crash, so a relaunch honours it too.
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections import deque
@@ -26,6 +25,7 @@ import lightning as L
 
 from moe.checkpoint.io import write_json_atomic
 from moe.errors import UserError
+from moe.inputs import load_json
 from moe.module.step_stats import step_means
 
 LEDGER = "rollbacks.json"
@@ -43,10 +43,21 @@ class RollbackRequested(Exception):
 
 
 def read_ledger(run_dir: Path) -> list[dict]:
+    """The run's rollbacks so far; a ledger that is not what this module writes (a crash of the disk, a hand
+    edit) is a UserError naming it: guessing would train batches a rollback skipped, or skip good ones."""
     path = Path(run_dir) / LEDGER
     if not path.exists():
         return []
-    return json.loads(path.read_text())["rollbacks"]
+    fix = (f"restore {LEDGER} from a copy; or, to forget the rollbacks (the batches they skipped are then "
+           "trained again), delete it, or start the run afresh with resume=false")
+    record = load_json(path, "hydra.run.dir", str(run_dir), fix)
+    events = record.get("rollbacks") if isinstance(record, dict) else None
+    if not isinstance(events, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("spike_step"), int) and
+            isinstance(e.get("from_step"), int) for e in events):
+        raise UserError("hydra.run.dir", str(run_dir), fix, problem=f"cannot be read: {path} holds no list "
+                        "of rollbacks (spike_step, from_step), as the loss-spike guard writes")
+    return events
 
 
 def skipped_by_rollbacks(events: list[dict]) -> set[int]:
@@ -67,6 +78,8 @@ class SpikeGuard(L.Callback):
         self.counts = dict.fromkeys(COUNT_KEYS, 0)
         self.skip_steps: set[int] = set()
         self._last_saved_step: int | None = None
+        if not fresh:  # a damaged ledger is refused before the trainer starts (read again at its start)
+            read_ledger(self.run_dir)
 
     @classmethod
     def from_config(cls, trainer, run_dir, fresh: bool) -> SpikeGuard:

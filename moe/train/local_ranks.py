@@ -67,11 +67,18 @@ class LocalRanks(Callback):
             with self._report_lock:
                 self._paragraph = None
 
-    def stop(self) -> None:
+    def stop(self, trainer=None) -> None:
         """SIGKILL the launched ranks still running: a stalled one would keep this process from exiting until
         its own collective timed out. Not SIGTERM: a pre-emption save would wait on the lost peer;
-        checkpoints are atomic, so nothing is left half-written."""
-        for proc in self.procs:
+        checkpoints are atomic, so nothing is left half-written. `trainer`: also the ranks its launcher
+        started that were not adopted yet (the fit failed while they joined)."""
+        launched = getattr(trainer.strategy.launcher, "procs", None) if trainer is not None else None
+        unadopted = list(launched or [])
+        if launched:
+            # Lightning's observer holds this list: a rank killed here must not make it SIGKILL this process
+            # too (launchers/subprocess_script.py:234), which would replace its exit status
+            launched.clear()
+        for proc in [*self.procs, *unadopted]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
 

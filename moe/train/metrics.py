@@ -155,6 +155,9 @@ class RunMetrics(L.Callback):
             write_json_atomic(self.run_dir / "summary.json", summary)
 
     def summary(self, steps: int, peak_mib: float) -> dict:
+        from moe.train.launches import read_launches, reports_by_steps
+
+        changed = reports_by_steps(read_launches(self.run_dir), steps)
         rows = read_metrics(self.metrics_path)
         train = [r for r in rows if r["loss"] not in ("", None)]
         val = [float(r["val_loss"]) for r in rows if r["val_loss"] not in ("", None)]
@@ -178,7 +181,10 @@ class RunMetrics(L.Callback):
             "tokens_per_s": throughput,
             "mfu": throughput * self.flops_per_token / self.peak_flops_total if throughput else None,
             "peak_memory_mib": peak_mib,
-            "config": self.key_config,
+            # a value is stated only where every step the run kept trained with it; one a relaunch changed is
+            # stated per range of steps (launches.json holds each launch's whole config)
+            "config": {key: value for key, value in self.key_config.items() if key not in changed},
+            "config_by_steps": changed,
         }
 
 

@@ -89,7 +89,8 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
     from moe.backends import build_backend
     from moe.checkpoint.formats import step_hint
     from moe.checkpoint.lightning_io import with_atomic_io
-    from moe.checkpoint.picker import check_resume_compatible, find_resume_checkpoint, resolved_name
+    from moe.checkpoint.picker import find_resume_checkpoint, resolved_name
+    from moe.config.settled import as_container
     from moe.config.size import flops_per_token
     from moe.data import MoEDataModule
     from moe.data.tokenizer import copy_tokenizer_files
@@ -97,6 +98,8 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
     from moe.train.console import bar_shown, configure_output
     from moe.train.environment import apply_torch_settings
     from moe.train.guard import RollbackRequested, SpikeGuard
+    from moe.train.launch_world import port_in_use, port_taken, rendezvous_port
+    from moe.train.launches import NothingToTrain, check_relaunch, record_launch
     from moe.train.local_ranks import LOCAL_RANKS
     from moe.train.preemption import Preempted
 
@@ -104,10 +107,15 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
 
     ckpt_dir = run_dir / "checkpoints"
     resume_from = find_resume_checkpoint(ckpt_dir) if cfg.resume else None  # newest that verifies
+    try:  # train.py's preflight asked before Hydra wrote; a run started in-process (a sweep job) asks here
+        changed = check_relaunch(run_dir, as_container(cfg), cfg.data, cfg.trainer.max_steps, resume_from)
+    except NothingToTrain as done:
+        if is_rank_zero():
+            say(f"note: {done}")
+        return run_dir
+    reports = key_config(cfg, dims)
     rolled_back = False
     while True:  # once, plus once per loss-spike rollback (moe/train/guard.py)
-        if resume_from:
-            check_resume_compatible(resume_from, cfg.model, cfg.moe_opt)
         backend = build_backend(cfg, dims)
         os.environ.update(backend.env())
         apply_torch_settings(cfg.hardware)
@@ -124,6 +132,8 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
         datamodule.check_model(cfg.model)
         if not locks and is_rank_zero():  # the checks that need no run dir have passed: the run starts
             locks.append(RunLock(run_dir, cfg.lock_wait_s))
+            record_launch(run_dir, as_container(cfg), cfg.data, step_hint(resume_from) if resume_from else 0,
+                          changed, reports, world=dims.world)
         guard = SpikeGuard.from_config(cfg.trainer, run_dir, fresh=not cfg.resume and not rolled_back)
         module = backend.build_module(resuming=bool(resume_from), guard=guard)
         parts = backend.trainer_parts()
@@ -139,13 +149,14 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
             callbacks=build_callbacks(
                 cfg.trainer, cfg.callbacks, run_dir, dims, backend, guard,
                 flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
-                peak_tflops=cfg.hardware.peak_tflops, key_config=key_config(cfg, dims)),
+                peak_tflops=cfg.hardware.peak_tflops, key_config=reports),
             default_root_dir=str(run_dir), enable_progress_bar=bar_shown(cfg.trainer.progress_bar),
             enable_checkpointing=False,  # the run's own StepCheckpoint (moe.train.step_checkpoint), if any
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,
         )
-        if trainer.is_global_zero:
-            copy_tokenizer_files(datamodule.tokenizer_dir, run_dir / "tokenizer")  # all inference needs
+        if trainer.is_global_zero:  # the run's tokenizer, all inference needs: a resumed run's stays as it is
+            if not resume_from or not (run_dir / "tokenizer").is_dir():
+                copy_tokenizer_files(datamodule.tokenizer_dir, run_dir / "tokenizer")
             if resume_from:
                 say(f"resuming from {resume_from}{resolved_name(resume_from)} "
                     f"at step {step_hint(resume_from)}")
@@ -161,6 +172,9 @@ def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list)
                 say(f"{err}; relaunch the same command to resume from {ckpt_dir}")
             raise SystemExit(err.exit_code) from err
         except (CollectiveFailed, RuntimeError, torch.distributed.DistError) as err:
+            if port_in_use(err):  # the rendezvous could not open its port (taken since the preflight looked)
+                LOCAL_RANKS.stop(trainer)
+                raise port_taken(rendezvous_port()) from err
             failed = err if isinstance(err, CollectiveFailed) else _collective_failure(err)
             if failed is None:
                 raise
