@@ -7,7 +7,7 @@ ARGS ?=
 TEST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train data test test-slow test-slurm test-neuron test-floor gpu-check coverage smoke sweep-smoke report bench lint compile-neuron clean
+.PHONY: help setup train data test test-slow test-slurm test-multinode test-neuron test-floor gpu-check coverage smoke sweep-smoke report bench lint compile-neuron clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -32,9 +32,12 @@ test-slow: $(STAMP) ## slow tests: multi-process equivalence, kill-and-resume, e
 	$(PY) -m pytest -q -m slow $(ARGS)
 
 SLURM_TOOLS = munged slurmctld slurmd sbatch
-test-slurm: $(STAMP) ## a real one-node SLURM cluster (needs root and Debian's munge slurmctld slurmd slurm-client): the sbatch scripts in slurm/ train, pre-empt, requeue and resume; a submitit sweep (about 2 minutes)
+test-slurm: $(STAMP) ## a real SLURM cluster, two slurmd on this host (needs root and Debian's munge slurmctld slurmd slurm-client): the sbatch scripts in slurm/ train (one node and two), pre-empt, requeue and resume; a submitit sweep (about 3 minutes)
 	@for t in $(SLURM_TOOLS); do command -v $$t >/dev/null || { echo "make test-slurm needs $$t: apt-get install munge slurmctld slurmd slurm-client (as root)"; exit 2; }; done
 	$(PY) -m pytest -q -m slurm tests/slurm $(ARGS)
+
+test-multinode: $(STAMP) ## two torchrun nodes on this host (c10d rendezvous, one slower to start): DDP with EP and FSDP2 HSDP across the nodes equal one process, a worker SIGKILLed on one node and torchrun's restart resumes it exactly in one run dir, nodes with other arguments refused (about 2 minutes)
+	$(PY) -m pytest -q -m multinode tests/multinode --durations=0 $(ARGS)
 
 coverage: $(STAMP) ## the fast suite with line coverage of moe/ (in-process code; report in htmlcov/)
 	$(PY) -m pytest -q --cov=moe --cov-report=term:skip-covered --cov-report=html $(ARGS)

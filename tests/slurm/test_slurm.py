@@ -1,9 +1,10 @@
-"""The cluster engine for real: a one-node SLURM cluster (tests/slurm/cluster.sh, Debian's slurmctld,
-slurmd and munge) runs the sbatch scripts users submit (slurm/, docs/CLUSTERS.md, docs/TRAINIUM.md):
-(a) 2 tasks with parallel=dp2 train; (b) the same job pre-empted with SIGUSR1 mid-run saves, requeues
-itself and its requeued start resumes with the uninterrupted run's losses, step for step; (c) a
-submitit sweep runs each point as a SLURM job; (d) the trn1 form (srun of torchrun per node) trains at
-2 processes. `make test-slurm`; about 2 minutes, most of it SLURM's delay before a requeued job starts.
+"""The cluster engine for real: a SLURM cluster of two nodes on this host (tests/slurm/cluster.sh, Debian's
+slurmctld, a slurmd per node and munge) runs the sbatch scripts users submit (slurm/, docs/CLUSTERS.md,
+docs/TRAINIUM.md): (a) 2 tasks on one node with parallel=dp2 train; (b) the same job pre-empted with SIGUSR1
+mid-run saves, requeues itself and its requeued start resumes with the uninterrupted run's losses, step for
+step; (c) a submitit sweep runs each point as a SLURM job; (d) the trn1 form (srun of torchrun per node)
+trains at 2 processes; (e) the GPU script at --nodes=2, a task on each node, trains (a)'s first steps.
+`make test-slurm`; about 3 minutes, most of it SLURM's delay before a requeued job starts.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, trained_rows
+from conftest import REPO, compose_cfg, trained_rows
 
 pytestmark = pytest.mark.slurm
 
@@ -88,11 +89,12 @@ def test_the_gpu_sbatch_script_trains_two_tasks_as_one_dp2_world(uninterrupted):
 
 def test_sigusr1_saves_requeues_and_the_requeued_job_resumes_step_for_step(slurm, uninterrupted, tmp_path):
     """(b): `scancel --signal=USR1` mid-run: the step is checkpointed, rank 0 requeues the job, and the
-    requeued start (same job id, so the same default run dir, runs/moe-gpu-<id>) resumes from it."""
+    requeued start (same job id, so the same default run dir, runs/moe-gpu-<id>-<digest>) resumes from it."""
     log = tmp_path / "job.out"
     job = sbatch(slurm, *ON_CPU, "--ntasks-per-node=2", "--open-mode=append", f"--output={log}",
                  "slurm/train_gpu.sbatch", *RUN)
-    run_dir = REPO / "runs" / f"moe-gpu-{job}"
+    digest = compose_cfg(*RUN).run_name.rsplit("-", 1)[1]  # the experiment's: the same inside the job
+    run_dir = REPO / "runs" / f"moe-gpu-{job}-{digest}"
     try:
         deadline = time.time() + TIMEOUT
         while not any(s >= 3 for s, _ in losses(run_dir)):
@@ -143,3 +145,24 @@ def test_the_trn1_launch_form_srun_of_torchrun_trains_at_two_processes(slurm, tm
     wait_until_done(env, job, log)
     assert "MEMBER: 2/2" in read(log)
     assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_the_gpu_sbatch_script_at_two_nodes_trains_the_one_node_runs_steps(slurm, uninterrupted, tmp_path):
+    """(e): slurm/train_gpu.sbatch at --nodes=2 --ntasks-per-node=1 (trainer.num_nodes=2 from SLURM_NNODES,
+    Lightning's MASTER_ADDR the job's first node): one dp2 world across the two nodes' slurmd trains (a)'s
+    run, whose 2 tasks shared one node. Its first 3 steps: their learning rates (the 2-step warm-up, then the
+    peak) do not depend on max_steps, and a process here has 2 intra-op threads (cores / tasks per node: two
+    processes on 2 cores run 10x slower than (a)'s one thread each), so matmuls sum in another order from
+    (a)'s, 2e-6 apart by step 4 (measured)."""
+    log = tmp_path / "job.out"
+    job = sbatch(slurm, "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0",
+                 f"--output={log}", "slurm/train_gpu.sbatch", *RUN, "trainer.max_steps=3",
+                 f"hydra.run.dir={tmp_path}/run")
+    wait_until_done(slurm, job, log)
+    assert job_field(slurm, job, "NumNodes") == "2", job_field(slurm, job, "NodeList")
+    text = read(log)
+    assert "MEMBER: 1/2" in text and "MEMBER: 2/2" in text, text
+    got = losses(tmp_path / "run")
+    assert [s for s, _ in got] == [1, 2, 3]
+    for (step, loss), (_, ref) in zip(got, uninterrupted[:3], strict=True):
+        assert loss == pytest.approx(ref, abs=1e-5), f"step {step}: {loss} at 2 nodes vs {ref} at 1"
