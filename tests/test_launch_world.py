@@ -4,12 +4,15 @@ mismatch is one paragraph and exit 2 with no run dir, never a rendezvous that wa
 come. train.py runs in this process (its real __main__: preflight, Hydra), with the launcher's variables."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
-from conftest import run_entry
+from conftest import FAST_RUN, REPO, run_entry
 from test_bad_inputs import assert_user_error
 
 LAUNCHERS = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -103,8 +106,38 @@ def test_a_port_taken_after_the_preflight_stops_the_launched_ranks_and_exits_2(t
     assert not _ranks_of(run_dir), "the launched rank 1 was left running"
 
 
-def _ranks_of(run_dir) -> list[str]:
-    found = subprocess.run(["pgrep", "-f", f"hydra.run.dir=\"?{run_dir}"], capture_output=True, text=True)
+@pytest.mark.slow
+def test_a_rank_lightning_launched_ends_with_rank_0_however_rank_0_ends(tmp_path):
+    """rank 0 SIGKILLed (nothing of it runs to stop its ranks): the rank it launched is gone within seconds
+    (the kernel's PR_SET_PDEATHSIG), instead of waiting in its rendezvous or a collective for a peer that is
+    gone, up to parallel.collective_timeout_s."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={run_dir}", "parallel=dp2",
+               "trainer.devices=2", "trainer.max_steps=100000", *FAST_RUN]
+    rank0 = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not _ranks_of(run_dir, "train_ddp_process_1") and time.monotonic() < deadline:
+            assert rank0.poll() is None, "rank 0 ended before it launched rank 1"
+            time.sleep(0.1)
+        launched = _ranks_of(run_dir, "train_ddp_process_1")
+        assert launched, "rank 0 launched no rank within 120 s"
+        time.sleep(1.0)  # rank 1 past its start-up, in the launch or the fit
+        rank0.kill()
+        rank0.wait()
+        deadline = time.monotonic() + 10
+        while _ranks_of(run_dir, "train_ddp_process_1") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _ranks_of(run_dir, "train_ddp_process_1"), "rank 1 outlived rank 0"
+    finally:
+        rank0.kill()
+        for pid in _ranks_of(run_dir):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def _ranks_of(run_dir, name: str = "") -> list[str]:
+    found = subprocess.run(["pgrep", "-f", f"hydra.run.dir=\"?{run_dir}\"? .*{name}"], capture_output=True,
+                           text=True)
     return found.stdout.split()
 
 

@@ -26,7 +26,6 @@ slow = pytest.mark.slow  # two processes, 10-30 s each
 
 CASES = [  # (overrides, the subprocess's environment: None trains in this process)
     pytest.param(("hardware=cpu", "trainer.devices=1"), None, id="ddp_1_rank"),
-    pytest.param(("hardware=cpu", "parallel=dp2", *TWO), {}, id="ddp_2_ranks", marks=slow),
     pytest.param(("hardware=cpu_fsdp2", *TWO), {}, id="fsdp2", marks=slow),
     pytest.param(("hardware=cpu_fsdp2", "parallel.pp=2", "trainer.accumulate_grad_batches=2", *TWO), {},
                  id="fsdp2_pp2", marks=slow),

@@ -19,8 +19,9 @@ import errno
 import json
 import os
 import socket
+import sys
 
-from moe.errors import UserError
+from moe.errors import COLLECTIVE_FAILED_EXIT, UserError
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT")
@@ -45,6 +46,22 @@ def launched_by_rank_zero() -> bool:
     """A rank Lightning's own launcher started (LOCAL_RANK > 0 without torchrun or srun): rank 0 checked the
     launch before it started this one."""
     return not torchrun() and not srun() and int(os.environ.get("LOCAL_RANK") or 0) > 0
+
+
+def end_with_rank_zero() -> None:
+    """A rank Lightning's own launcher started ends when rank 0, its parent, does, however rank 0 ends (a
+    SIGKILL included): the kernel sends it SIGKILL then (Linux's PR_SET_PDEATHSIG), instead of leaving it to
+    wait in a collective for a peer that is gone until its timeout. Checkpoints are written whole or not at
+    all, so nothing is left half-written."""
+    import ctypes
+    import signal
+
+    if not launched_by_rank_zero() or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1  # linux/prctl.h
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # rank 0 ended before the request was made: this rank was handed to init
+        os._exit(COLLECTIVE_FAILED_EXIT)
 
 
 def launcher_name() -> str:

@@ -42,7 +42,9 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
         return None  # --help / --cfg / --info ...: Hydra's business
     overrides, config_dir, config_name, multirun = where
     from moe.config.settled import as_container, settled_config
-    from moe.train.launch_world import agree
+    from moe.train.launch_world import agree, end_with_rank_zero
+
+    end_with_rank_zero()  # a rank Lightning's launcher started: gone with rank 0, however rank 0 ends
     from moe.train.run import settle  # here, not at import: Hydra's own flags need none of the run's code
 
     if multirun:
