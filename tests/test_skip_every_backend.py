@@ -1,7 +1,8 @@
 """A skipped step skips on every backend: the spike guard's skip (moe.module.train_step: `guard.skips`, then
 `backend.skip_update`) leaves the weights and the optimizer state bit for bit as they were, on DDP, FSDP2,
-FSDP2 pipelined, DeepSpeed ZeRO-0/1/2 in fp32 and bf16, and trn1 (neuronx-distributed's fakes), and a
-non-finite gradient under a finite loss is caught on each; the next step updates.
+FSDP2 pipelined, DeepSpeed ZeRO-0/1/2 in fp32 and bf16, and trn1 (on neuronx-distributed's real code:
+tests/neuron_real, `make test-neuron`), and a non-finite gradient under a finite loss is caught on each; the
+next step updates.
 
 One real train.py run per backend, 4 steps of the tiny model: step 2's gradient made non-finite on rank 0
 (a hook on a backward), step 3 skipped by the guard with a finite gradient (the rollback ledger), step 4
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import FAST_RUN, REPO, run_entry
+from tests.conftest import FAST_RUN, run_entry
 from tests.neuron_real.skip_probe import STEPS, problems, write_ledger
 
 TINY = ("model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=2", "model.num_heads=2",
@@ -21,7 +22,6 @@ TINY = ("model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=
         "trainer.save_checkpoints=false", "trainer.spike_factor=0", "seed=3")
 TWO = ("trainer.devices=2", "hardware.devices_per_node=2")
 DEEPSPEED = ("hardware=cpu_deepspeed", "parallel=ep2", *TWO)  # experts in DeepSpeed's MoE groups too
-FAKES = {"PYTHONPATH": str(REPO / "tests" / "fakes")}
 slow = pytest.mark.slow  # two processes, 10-30 s each
 
 CASES = [  # (overrides, the subprocess's environment: None trains in this process)
@@ -32,10 +32,8 @@ CASES = [  # (overrides, the subprocess's environment: None trains in this proce
     *[pytest.param((*DEEPSPEED, f"parallel.zero_stage={zero}", *precision), {},
                    id=f"deepspeed_zero{zero}_{'bf16' if precision else 'fp32'}", marks=slow)
       for zero in (0, 1, 2) for precision in ((), ("trainer.precision=bf16-mixed",))],
-    pytest.param(("hardware=trn1", "trainer.devices=2"), FAKES, id="trn1", marks=slow),
-    # ZeRO-1 with mixed precision's fp32 gradient accumulation: the gradients are in `main_grad`
-    pytest.param(("hardware=trn1", "trainer.devices=2", "parallel.zero_stage=1"), FAKES, id="trn1_zero1",
-                 marks=slow),
+    # trn1: the same probe on neuronx-distributed's real code, ZeRO-1 with mixed precision's fp32 gradient
+    # accumulation (the gradients in `main_grad`), in `make test-neuron` (tests/neuron_real/run.sh skip_py)
 ]
 
 

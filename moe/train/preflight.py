@@ -42,7 +42,7 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
         return None  # --help / --cfg / --info ...: Hydra's business
     overrides, config_dir, config_name, multirun = where
     from moe.config.settled import as_container, settled_config
-    from moe.train.launch_world import agree, end_with_rank_zero
+    from moe.train.launch_world import agree, check_launch_world, end_with_rank_zero, launched_by_rank_zero
 
     end_with_rank_zero()  # a rank Lightning's launcher started: gone with rank 0, however rank 0 ends
     from moe.train.run import settle  # here, not at import: Hydra's own flags need none of the run's code
@@ -57,10 +57,20 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
         dims, _ = settle(cfg)  # its note is train()'s to print, once
         settled = settled_config(cfg)
         mine = as_container(settled)
-        verdict = None if cfg.dry_run or cfg.simulate else check_launch(
-            run_dir, mine, settled.trainer, settled.data, settled.resume, settled.lock_wait_s)
+        launch = not (cfg.dry_run or cfg.simulate or launched_by_rank_zero())  # a plan launches nothing
+        if launch:  # every rank of a launch sees its launcher's world alike: each says so, none waits
+            check_launch_world(settled.trainer.devices, settled.trainer.num_nodes)
     except UserError as err:
+        if dims is not None:  # the launcher's world
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
         verdict = (2, f"error: {err}")
+    else:
+        try:
+            verdict = None if cfg.dry_run or cfg.simulate else check_launch(
+                run_dir, mine, settled.data, settled.trainer.max_steps, settled.resume, settled.lock_wait_s)
+        except UserError as err:
+            verdict = (2, f"error: {err}")
     verdict = agree(mine, str(run_dir or ""), verdict)  # torchrun: rank 0's decision is every rank's
     if verdict is not None:
         code, message = verdict
@@ -332,20 +342,20 @@ def misspelt(message: str, field: str) -> str | None:
     return None
 
 
-def check_launch(run_dir: Path, config: dict, trainer, data, resume: bool, lock_wait_s: float | None):
-    """Before Hydra touches the run dir: the launcher's world (`trainer`'s devices and nodes), a run dir that
-    cannot be created, a live run's lock, and a relaunch the resume contract refuses in `config` (the
-    settled config, as_container) or that has nothing to train (moe.train.launches). Returns what to do
-    instead of the run (exit code, message), or None to go on; a refusal raises UserError."""
+def check_launch(run_dir: Path, config: dict, data, max_steps: int, resume: bool,
+                 lock_wait_s: float | None) -> tuple[int, str] | None:
+    """Before Hydra touches the run dir: a run dir that cannot be created, a live run's lock, and a relaunch
+    the resume contract refuses in `config` (the settled config, as_container) or that has nothing to train
+    (moe.train.launches). Returns what to do instead of the run (exit code, message), or None to go on; a
+    refusal raises UserError."""
     from moe.checkpoint.picker import find_resume_checkpoint, newest_checkpoint
     from moe.ranks import is_rank_zero
-    from moe.train.launch_world import check_launch_world, follows_rank_zero, launched_by_rank_zero
+    from moe.train.launch_world import follows_rank_zero, launched_by_rank_zero
     from moe.train.launches import NothingToTrain, check_relaunch
 
     check_writable(run_dir)
     if launched_by_rank_zero():
         return None  # Lightning's own launcher: rank 0 checked all of this before it started this rank
-    check_launch_world(trainer.devices, trainer.num_nodes)
     if follows_rank_zero():
         return None  # torchrun: rank 0 judges the run dir for every rank (agree)
     if is_rank_zero():  # one run per directory: refuse a live run's before Hydra rewrites its .hydra/
@@ -358,7 +368,7 @@ def check_launch(run_dir: Path, config: dict, trainer, data, resume: bool, lock_
         resume_from = (find_resume_checkpoint(ckpt_dir, quiet=True) if is_rank_zero()
                        else newest_checkpoint(ckpt_dir))
     try:
-        check_relaunch(run_dir, config, data, trainer.max_steps, resume_from)
+        check_relaunch(run_dir, config, data, max_steps, resume_from)
     except NothingToTrain as done:
         return 0, f"note: {done}"
     return None
