@@ -172,7 +172,7 @@ def validated_dims(cfg):
 def single_process_module(cfg):
     """A LitMoE built on its own, eagerly, in one process, with DDP's one-rank backend; `cfg` a config or
     the plain dict a checkpoint stores."""
-    from moe.backends.ddp import DDPBackend
+    from moe.backends.ddp.backend import DDPBackend
     from moe.config.settled import settled_config
     from moe.module import LitMoE
     from moe.parallel.dims import ParallelDims

@@ -4,7 +4,7 @@ batch (tests/_parity.py), every step's loss within BF16_TOL.
 bf16 keeps 8 bits of mantissa (unit roundoff 2^-8 = 0.4%): each layout's autocast matmuls differ from fp32
 by that much per product, and the differences compound over 20 AdamW steps. Gradients are reduced and
 accumulated in fp32 on all three backends (FSDP2's reduce_dtype; DeepSpeed's communication_data_type and
-grad_accum_dtype, moe.backends.deepspeed.deepspeed_config; DDP reduces what autocast's fp32 weights give).
+grad_accum_dtype (deepspeed_config, moe/backends/deepspeed); DDP reduces what autocast's fp32 weights give).
 Measured (2026-11-26): DDP 0.0021, DeepSpeed EP 2 + ZeRO-2 0.0078, FSDP2 TP 2 x EP 2 0.0042 (losses near
 5-6: at most 0.15%).
 """

@@ -37,7 +37,7 @@ def _loss(model, ids):
 def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from moe.backends.fsdp2 import fsdp2_steps
+    from moe.backends.fsdp2.backend import fsdp2_steps
     from moe.model.model import MoETransformer
     from moe.model.moe import Experts
     from moe.parallel.apply import WRAPPED

@@ -162,11 +162,12 @@ def test_a_gpu_without_fp8_grouped_gemms_is_refused_not_emulated(monkeypatch):
 
 
 def test_trn2_is_refused_naming_the_key(monkeypatch):
+    from moe.backends import accelerators
     from moe.config.schema import HardwareConfig
     from moe.errors import ConfigError
     from moe.train import environment
 
-    monkeypatch.setattr(environment, "installed", lambda package: True)  # TorchNeuron, as on a trn2 image
+    monkeypatch.setattr(accelerators, "installed", lambda package: True)  # TorchNeuron, as on a trn2 image
     trn2 = HardwareConfig(name="trn2", accelerator="torch_neuron")
     with pytest.raises(ConfigError) as err:
         environment.check_environment(trn2, {}, MoEOptConfig(fp8_experts=True), planning=False)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from conftest import free_port
 
-from moe.backends.fsdp2 import FSDP2Strategy
+from moe.backends.fsdp2.backend import FSDP2Strategy
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.model.model import MoETransformer
 from moe.parallel.fsdp import apply_fsdp, experts_held_back

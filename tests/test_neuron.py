@@ -61,7 +61,7 @@ def nxd(nxd_fakes):
 
 def backend_for(*overrides: str):
     """The trn1 backend (hardware=trn1, 2 devices unless overridden) with NxD's config made."""
-    from moe.backends.neuron import NeuronBackend
+    from moe.backends.neuron.backend import NeuronBackend
 
     cfg = compose_cfg(*TRN1, *overrides)
     backend = NeuronBackend(cfg, validated_dims(cfg))
@@ -139,7 +139,7 @@ class _NoHFTracer:
 
 
 def test_transformers_5_is_named_not_reported_as_missing_package(monkeypatch):
-    from moe.backends.neuron import _import_nxd
+    from moe.backends.neuron.backend import _import_nxd
 
     monkeypatch.delitem(sys.modules, "neuronx_distributed", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_NoHFTracer(), *sys.meta_path])
@@ -442,7 +442,7 @@ def test_nxd_experts_get_the_same_values_whatever_layout_we_store(nxd):
 def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_path):
     """model.init_from_hf on trn1: each rank's param_init_fn reads its shard from DIR's safetensors
     (moe.hf.tensor_source), so the model NxD trains holds DIR's weights; a resumed run does not."""
-    from moe.backends.neuron import NeuronBackend
+    from moe.backends.neuron.backend import NeuronBackend
     from moe.checkpoint.nxd import our_name
     from moe.hf import from_hf, to_hf
     from moe.model.model import MoETransformer

@@ -127,7 +127,7 @@ def test_a_schedule_only_the_torch_native_backend_runs_is_refused_elsewhere():
 def _rank(rank: int, world: int, extra: tuple) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from moe.backends.fsdp2 import fsdp2_steps
+    from moe.backends.fsdp2.backend import fsdp2_steps
     from moe.parallel.apply import WRAPPED
     from moe.parallel.comm import sum_grads
     from moe.parallel.dims import ParallelDims

@@ -15,7 +15,7 @@ import pytest
 from conftest import compose_cfg, validated_dims
 
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
-from moe.backends.deepspeed import DeepSpeedBackend, MoEDeepSpeedStrategy, deepspeed_config
+from moe.backends.deepspeed.backend import DeepSpeedBackend, MoEDeepSpeedStrategy, deepspeed_config
 from moe.checkpoint.picker import read_checkpoint
 from moe.config.validate import validate
 from moe.errors import ConfigError, UserError
@@ -84,7 +84,7 @@ def test_regroup_marks_experts_and_splits_param_groups():
     backend = backend_of("hardware=cpu_deepspeed", "parallel=ep2", "trainer.devices=2")
     model = MoETransformer(backend.cfg.model, backend.cfg.moe_opt)
     optimizer = build_optimizer(model, backend.cfg.optimizer)
-    backend.strategy._lightning_module = SimpleNamespace(parameters=model.parameters)
+    backend.trainer_parts().strategy._lightning_module = SimpleNamespace(parameters=model.parameters)
     backend.prepare_optimizer(optimizer)
 
     experts = [p for p in model.parameters() if getattr(p, "is_expert", False)]

@@ -17,9 +17,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from moe.backends.registry import SPECS
 from moe.config.schema import HardwareConfig, MoEOptConfig, ParallelConfig, TrainConfig, TrainerConfig
 from moe.config.settled import settled_config
-from moe.config.specs import SPECS, BackendSpec
+from moe.config.specs import BackendSpec
 from moe.parallel.dims import ExpertGroups, ParallelDims
 from moe.parallel.parallelize import Steps, parallelize
 from moe.ranks import device_of
@@ -59,6 +60,8 @@ class Backend:
 
     # -- what Trainer gets ------------------------------------------------------------------------
     def trainer_parts(self) -> TrainerParts:
+        """What Trainer gets; every backend builds its Lightning strategy here, once, when the run builds
+        its Trainer (a backend that reads its strategy later keeps it as `self.strategy`)."""
         raise NotImplementedError
 
     def num_threads(self) -> int | None:

@@ -425,7 +425,7 @@ class DeepSpeed(Format):
     consolidation (lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict)."""
 
     name = "DeepSpeed directory"
-    key = "deepspeed"
+    key = "deepspeed_directory"  # read only: no backend writes it (BackendSpec.checkpoint_formats)
     MODEL_STATES = "mp_rank_00_model_states.pt"
 
     def detect(self, path: Path) -> bool:

@@ -1,17 +1,18 @@
-"""What each backend can do, readable without importing it: the validator and the planner ask here.
+"""What a backend can do, readable without importing it: the validator and the planner ask its spec.
 
 `hardware.strategy` names a backend. Its spec says which parallel degrees and ZeRO stages
 it really implements (a degree it would ignore is refused at validation, never planned for)
 and how many bytes each parameter's weight, gradient and optimizer state take under a
-precision. The backends themselves (moe/backends/<name>.py) import their heavy libraries
-only when a run builds them.
+precision. This module holds the shape every spec shares; each backend's own spec is in its
+package (moe/backends/<name>/spec.py), which moe.backends.registry finds by hardware.strategy. The
+backends themselves (moe/backends/<name>/backend.py) import their heavy libraries only when a run
+builds them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe.config.derived import PP_SCHEDULES, expert_dp_size, layers_per_stage, neuron_precision, precision
-from moe.config.size import param_breakdown
+from moe.config.derived import precision
 
 
 @dataclass(frozen=True)
@@ -120,116 +121,4 @@ class BackendSpec:
         return precision(trainer, hardware).activation_bytes
 
 
-REDUCE_BUCKET_ELEMENTS = 200_000_000  # ZeRO's reduce and all-gather buckets (moe/backends/deepspeed.py)
-
-
-@dataclass(frozen=True)
-class DeepSpeedSpec(BackendSpec):
-    def state_bytes(self, model, parallel, hardware, trainer) -> StateBytes:
-        run = precision(trainer, hardware)
-        if run.mixed:  # DeepSpeed keeps half weights and grads, fp32 master + moments
-            return StateBytes(2, 2, 12, f"{run.name} DeepSpeed: half weights, grads; fp32 master, moments",
-                              step=4, grads_in_step=False)
-        return super().state_bytes(model, parallel, hardware, trainer)
-
-    def comm_buffer_bytes(self, model, parallel, hardware, trainer, dp: int) -> float:
-        """ZeRO's gradient reduction bucket: reduce_bucket_size elements of the model dtype, twice when
-        overlap_comm (on GPU) double-buffers it (deepspeed 0.19.8 stage_1_and_2.py:3256-3278)."""
-        if parallel.zero_stage < 1:
-            return 0.0
-        model_dtype_bytes = self.state_bytes(model, parallel, hardware, trainer).param
-        return REDUCE_BUCKET_ELEMENTS * model_dtype_bytes * (2 if hardware.accelerator == "gpu" else 1)
-
-
-@dataclass(frozen=True)
-class FSDP2Spec(BackendSpec):
-    """FSDP2 shards weights from zero_stage 2 on (2 keeps them gathered from forward to backward); TP
-    splits attention and dense MLPs only (moe.parallel.tensor_parallel)."""
-
-    @staticmethod
-    def gathers_bf16(trainer, hardware) -> bool:
-        """bf16-mixed: FSDP2 gathers weights in bf16 for compute (reducing gradients in fp32); else fp32."""
-        run = precision(trainer, hardware)
-        return run.mixed and run.half == "bfloat16"
-
-    def comm_buffer_bytes(self, model, parallel, hardware, trainer, dp: int) -> float:
-        """Weights FSDP2 holds gathered at the backward's peak, in the compute dtype: the root unit
-        (embedding, final norm, LM head: FSDP2 does not reshard the root after the forward) and the largest
-        block's share (its TP part, this EP rank's experts), two blocks with zero_stage 3 (the current one
-        and the prefetched one), every block of the rank with 2 or under pipelining (torch's schedules
-        keep a stage gathered until the step's last backward; offloaded experts reshard after each block);
-        plus one block's unsharded fp32 gradient before its reduce-scatter."""
-        m, bd, p = model, param_breakdown(model), parallel
-        compute = 2 if self.gathers_bf16(trainer, hardware) else 4
-        n_moe, n_dense = bd.num_moe_layers, m.num_layers - bd.num_moe_layers
-        attention = bd.attention / m.num_layers / p.tp
-        experts = bd.experts / p.ep / n_moe if n_moe else 0
-        rest_of_moe = attention + (bd.routers + bd.shared_experts) / n_moe if n_moe else 0
-        dense_block = attention + bd.dense_mlp / n_dense / p.tp if n_dense else 0
-        block = max(rest_of_moe + experts, dense_block)
-        layers = layers_per_stage(m.num_layers, p.pp)
-        kept = layers if p.zero_stage == 2 or p.pp > 1 else min(2, layers)
-        kept_experts = min(2, layers) if p.offload_experts else kept
-        gathered = kept * block
-        copied_in = 0.0
-        if p.offload_experts:  # each block's fp32 expert shard is copied in before its all-gather
-            gathered = kept * max(rest_of_moe, dense_block) + kept_experts * experts
-            expert_dp = expert_dp_size(dp, p.tp, p.ep, self.ep_folds_tp)
-            copied_in = experts * 4 / max(1, expert_dp)
-        return (bd.embedding + bd.lm_head + bd.final_norm + gathered) * compute + block * 4 + copied_in
-
-
-@dataclass(frozen=True)
-class NeuronSpec(BackendSpec):
-    def state_bytes(self, model, parallel, hardware, trainer) -> StateBytes:
-        """ZeRO-1 (torch-xla's ZeroRedundancyOptimizer under NxD's) steps on its own copies of the weights'
-        shards, in its optimizer dtype (torch_xla/distributed/zero_redundancy_optimizer.py:255-263 at
-        v2.9.0): fp32, bf16 under XLA_USE_BF16; `mixed` makes them float64 for XLA_DOWNCAST_BF16 to hold
-        in fp32 (NxD trainer/trainer.py:281-283), its master weights, with fp32 gradient accumulation."""
-        preset, zero1 = neuron_precision(hardware, model), parallel.zero_stage >= 1
-        if preset == "bf16_sr":
-            return StateBytes(2, 2, 4 + 2 * zero1, "bf16 + stochastic rounding: bf16 weights, grads and "
-                              "AdamW moments" + (", ZeRO-1's bf16 copy" if zero1 else ""))
-        if preset == "mixed" and zero1:
-            return StateBytes(2, 4, 12, "mixed: bf16 weights, fp32 grad accumulation, fp32 master + moments")
-        if preset == "mixed":  # NxD keeps master weights with ZeRO-1 only (nxd_config.py)
-            return StateBytes(2, 2, 4, "mixed without ZeRO-1: bf16 weights, grads and AdamW moments")
-        return StateBytes(4, 4, 8 + 4 * zero1,
-                          "fp32 weights, grads and moments" + (", ZeRO-1's copy" if zero1 else ""))
-
-    def activation_bytes(self, model, hardware, trainer) -> int:
-        return 4 if neuron_precision(hardware, model) == "fp32" else 2
-
-
 LIGHTNING_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true")
-
-SPECS: dict[str, BackendSpec] = {
-    "ddp": BackendSpec(
-        name="ddp", library="PyTorch DDP", max_zero_stage=0, tensor_parallel=False, pipeline_parallel=False,
-        hybrid_shard=False, precisions=LIGHTNING_PRECISIONS, backend="moe.backends.ddp:DDPBackend"),
-    "deepspeed": DeepSpeedSpec(
-        name="deepspeed", library="DeepSpeed", max_zero_stage=2,  # ZeRO-3 rejects DeepSpeed's native MoE
-        tensor_parallel=False, pipeline_parallel=False, hybrid_shard=False,
-        precisions=("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"),
-        backend="moe.backends.deepspeed:DeepSpeedBackend", overlap_comm=True, half_weights_when_mixed=True,
-        optimizer_shards="zero",
-        zero_limit="optimizer states and gradients sharded, with expert parallelism for the experts: "
-                   "DeepSpeed ZeRO-3 does not support MoE"),
-    "fsdp2": FSDP2Spec(  # FSDP2 shards weights too (ZeRO-3 class); pipelining: torch.distributed.pipelining
-        name="fsdp2", library="PyTorch FSDP2 + DTensor", max_zero_stage=3, tensor_parallel=True,
-        pipeline_parallel=True, hybrid_shard=True,
-        precisions=("32-true", "bf16-mixed"), weights_sharded_from=2, tp_splits_all_weights=False,
-        backend="moe.backends.fsdp2:FSDP2Backend", ep_folds_tp=True, pp_schedules=PP_SCHEDULES,
-        pp_accumulates_full_grads=True, offload_experts=True, sharded_backward=True,
-        optimizer_shards="dtensor", simulated_model_parallel=True, checkpoint_formats=("sharded", "sharded")),
-    "neuron": NeuronSpec(  # what its expert parallelism needs: moe.config.validate.check_neuron
-        name="neuron", library="neuronx-distributed", max_zero_stage=1, tensor_parallel=True,
-        pipeline_parallel=True, hybrid_shard=False, precisions=None,
-        fused_attention=False, fused_cross_entropy=False, fused_adamw=False, ac_wraps_moe_layer=True,
-        backend="moe.backends.neuron:NeuronBackend", mlp_activations=3, checkpoint_formats=("nxd", "nxd")),
-}
-
-
-def spec_of(hardware) -> BackendSpec:
-    """The spec of hardware.strategy (validate has checked the name)."""
-    return SPECS[hardware.strategy]

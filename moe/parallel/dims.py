@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe.backends.registry import spec_of
 from moe.config.derived import (
     data_parallel_size,
     expert_dp_size,
@@ -40,7 +41,6 @@ from moe.config.derived import (
     stages_per_rank,
     world_of,
 )
-from moe.config.specs import spec_of
 
 
 @dataclass(frozen=True)

@@ -84,12 +84,12 @@ def build_pipeline(model: ModelConfig, moe_opt: MoEOptConfig, parallel: Parallel
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
-    from moe.config.specs import SPECS
+    from moe.backends.fsdp2.spec import FSDP2Spec
 
     n = parallel.pipeline_microbatches or dims.accumulate_grad_batches
     group = meshes.pp.get_group()
     check_stage_handshake(group)
-    hidden_dtype = torch.bfloat16 if SPECS["fsdp2"].gathers_bf16(trainer, hardware) else torch.float32
+    hidden_dtype = torch.bfloat16 if FSDP2Spec.gathers_bf16(trainer, hardware) else torch.float32
     parts, stages = [], []
     for stage in dims.stage_ids(meshes.pp.get_local_rank()):
         with torch.device("meta"):

@@ -4,7 +4,7 @@ The canonical tensor is what one process holds: every expert, fused projections 
 and [gate | up] order. A live tensor is one of
 - a plain tensor: the whole canonical tensor, or, for experts under expert parallelism, experts
   [first_expert, first_expert + E_local) of it;
-- a DTensor (FSDP2 and/or TP, moe/backends/fsdp2.py): a chunk of its own global tensor (found with
+- a DTensor (FSDP2 and/or TP, moe/backends/fsdp2/backend.py): a chunk of its own global tensor (found with
   torch's compute_local_shape_and_global_offset), whose rows are experts [first_expert, ...) or, for
   a fused projection, TP-interleaved (moe.parallel.tensor_parallel).
 

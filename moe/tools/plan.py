@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe.backends.registry import spec_of
 from moe.config.derived import (
     attention_dims,
     dense_width,
@@ -24,7 +25,7 @@ from moe.config.derived import (
     trainer_world,
 )
 from moe.config.size import param_breakdown
-from moe.config.specs import BackendSpec, spec_of
+from moe.config.specs import BackendSpec
 from moe.model.fused_ce import CE_CHUNK_TOKENS
 from moe.parallel.dims import ParallelDims
 

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe.backends.registry import spec_of
 from moe.config.derived import precision, precision_of
-from moe.config.specs import BackendSpec, spec_of
+from moe.config.specs import BackendSpec
 from moe.model.sync import assumed_skew
 from moe.outputs import atomic_path
 from moe.parallel.dims import ParallelDims

@@ -133,8 +133,8 @@ def reference_step(ref, stats: GroupStats, data: list[dict], micro: int) -> list
 def main(overrides: list[str]) -> int:
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
-    from moe.backends.ddp import DDPBackend
-    from moe.backends.neuron import NeuronBackend
+    from moe.backends.ddp.backend import DDPBackend
+    from moe.backends.neuron.backend import NeuronBackend
     from moe.checkpoint.nxd import EXPERT_TENSORS, local_shard, our_name, split_of
     from moe.module import LitMoE
 

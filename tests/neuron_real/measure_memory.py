@@ -72,7 +72,7 @@ class LiveBytes(TorchDispatchMode):
 def main(overrides: list[str]) -> int:
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
-    from moe.backends.neuron import NeuronBackend
+    from moe.backends.neuron.backend import NeuronBackend
     from moe.backends.neuron.strategy import shards, zero1_parts
 
     dist.init_process_group("gloo")

@@ -46,7 +46,7 @@ class NeuronLitMoE(NeuronLTModule):
         self.val_loss = float("nan")  # the last validation pass's, over every rank
         self.pp = backend.dims.pp
         self.schedule = NxDPipelineSchedule() if self.pp > 1 else None
-        self.expert_bias = None  # no aux-loss-free balancing on trn1 (moe.config.validate.check_neuron)
+        self.expert_bias = None  # no aux-loss-free balancing on trn1 (moe.backends.neuron.rules)
         self.train_step = TrainStep(self, guard)
 
     def configure_optimizers(self):

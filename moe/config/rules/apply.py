@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import inspect
 
+from moe.backends.registry import spec_of
 from moe.config.derived import data_parallel_size, planning, world_of
-from moe.config.specs import spec_of
 
 
 def apply_rule(rule, cfg) -> None:

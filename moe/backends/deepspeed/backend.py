@@ -43,12 +43,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from moe.backends.base import Backend, TrainerParts
 from moe.backends.checkpoints import FormatCheckpoints
+from moe.backends.deepspeed.spec import REDUCE_BUCKET_ELEMENTS
 from moe.checkpoint.formats import DeepSpeed as DeepSpeedDirectory
 from moe.checkpoint.formats import format_at, in_place
 from moe.checkpoint.trust import load_trusted
 from moe.config.derived import precision, precision_of
 from moe.config.schema import HardwareConfig, OptimizerConfig, ParallelConfig, TrainerConfig
-from moe.config.specs import REDUCE_BUCKET_ELEMENTS
 from moe.errors import UserError
 from moe.parallel.comm import set_collective_timeout
 from moe.parallel.dims import ExpertGroups
@@ -117,16 +117,17 @@ class DeepSpeedBackend(Backend):
             raise UserError("hardware.strategy", "deepspeed", "pip install deepspeed -c constraints.txt "
                             "(or pip install -e '.[gpu]'), or use hardware=cpu",
                             problem="needs the deepspeed package, which is not installed") from err
+
+    def trainer_parts(self) -> TrainerParts:
+        parallel, trainer, hardware = self.cfg.parallel, self.cfg.trainer, self.cfg.hardware
         config = deepspeed_config(parallel, self.cfg.optimizer, trainer, hardware)
         self.strategy = MoEDeepSpeedStrategy(config=config, dims=self.dims,
                                              checkpoint_format=self.checkpoint_format,
                                              process_group_backend=hardware.backend,
                                              logging_level=logging.WARNING,
                                              timeout=set_collective_timeout(parallel.collective_timeout_s))
-
-    def trainer_parts(self) -> TrainerParts:
-        return TrainerParts(accelerator=self.cfg.hardware.accelerator, strategy=self.strategy,
-                            precision=precision_of(self.cfg.trainer, self.cfg.hardware), plugins=[])
+        return TrainerParts(accelerator=hardware.accelerator, strategy=self.strategy,
+                            precision=precision_of(trainer, hardware), plugins=[])
 
     def make_expert_groups(self) -> ExpertGroups:
         """DeepSpeed's own EP / expert-DP groups, laid out as moe.parallel.dims's (consecutive EP ranks)."""

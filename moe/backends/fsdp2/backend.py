@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from moe.backends.base import Backend, TrainerParts
 from moe.backends.checkpoints import FormatCheckpoints
+from moe.backends.fsdp2.spec import FSDP2Spec
 from moe.config.derived import precision_of
 from moe.config.schema import HardwareConfig, ModelConfig, MoEOptConfig, ParallelConfig, TrainerConfig
 from moe.parallel.comm import set_collective_timeout
@@ -35,20 +36,26 @@ from moe.ranks import device_of
 
 class FSDP2Backend(Backend):
     name = "fsdp2"
-    meshes: Meshes | None = None  # the run's, built with the process group (FSDP2Strategy.setup_environment)
 
     def trainer_parts(self) -> TrainerParts:
         parallel = self.cfg.parallel
-        strategy = FSDP2Strategy(self, model_cfg=self.cfg.model, offload_experts=parallel.offload_experts,
-                                 process_group_backend=self.cfg.hardware.backend,
-                                 timeout=set_collective_timeout(parallel.collective_timeout_s))
+        self.strategy = FSDP2Strategy(self.dims, checkpoint_format=self.checkpoint_format,
+                                      model_cfg=self.cfg.model, offload_experts=parallel.offload_experts,
+                                      process_group_backend=self.cfg.hardware.backend,
+                                      timeout=set_collective_timeout(parallel.collective_timeout_s))
         accelerator = self.cfg.hardware.accelerator
         if accelerator == "torch_neuron":  # Lightning has none for TorchNeuron's device
             from moe.backends.torch_neuron import TorchNeuronAccelerator
 
             accelerator = TorchNeuronAccelerator()
-        return TrainerParts(accelerator=accelerator, strategy=strategy,
+        return TrainerParts(accelerator=accelerator, strategy=self.strategy,
                             precision=precision_of(self.cfg.trainer, self.cfg.hardware), plugins=[])
+
+    @property
+    def meshes(self) -> Meshes:
+        """The run's mesh, which its strategy builds with the process group
+        (FSDP2Strategy.setup_environment)."""
+        return self.strategy.meshes
 
     def parallelize_steps(self, module) -> Steps:
         if self.dims.ep_enabled:
@@ -118,9 +125,7 @@ def mixed_precision(trainer: TrainerConfig, hardware: HardwareConfig):
     """FSDP2's policy: bf16-mixed gathers weights in bf16 for compute and reduces gradients in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from moe.config.specs import SPECS
-
-    if SPECS["fsdp2"].gathers_bf16(trainer, hardware):
+    if FSDP2Spec.gathers_bf16(trainer, hardware):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
@@ -160,21 +165,23 @@ class FSDP2Strategy(FormatCheckpoints, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy on our mesh (ParallelDims.meshes) with our sharded checkpoints.
 
     Lightning builds a 2-D (data_parallel, tensor_parallel) mesh over every rank and saves DCP with its own
-    layout; the run's mesh has the PP, EP and HSDP dims too (`backend.meshes`, what everything here reads),
-    and checkpoints are canonical (moe/checkpoint/sharded.py, through moe.backends.checkpoints), restored
-    after setup straight into the live shards.
+    layout; the run's mesh has the PP, EP and HSDP dims too (`meshes`, what this strategy and its backend
+    read), and checkpoints are canonical (moe/checkpoint/sharded.py, through moe.backends.checkpoints),
+    restored after setup straight into the live shards.
     """
 
-    def __init__(self, backend: FSDP2Backend, model_cfg: ModelConfig, offload_experts: bool, **kwargs):
-        dims = backend.dims  # Lightning's mesh (world / tp, tp) is valid on every layout; nothing reads it
-        super().__init__(checkpoint_format=backend.checkpoint_format, dims=dims,
-                         data_parallel_size=dims.world // dims.tp, tensor_parallel_size=dims.tp, **kwargs)
-        self.backend, self.model_cfg, self.offload_experts = backend, model_cfg, offload_experts
+    meshes: Meshes | None = None  # the run's, built with the process group (setup_environment)
+
+    def __init__(self, dims: ParallelDims, model_cfg: ModelConfig, offload_experts: bool, **kwargs):
+        # Lightning's mesh (world / tp, tp) is valid on every layout; nothing reads it
+        super().__init__(dims=dims, data_parallel_size=dims.world // dims.tp, tensor_parallel_size=dims.tp,
+                         **kwargs)
+        self.model_cfg, self.offload_experts = model_cfg, offload_experts
 
     def setup_environment(self) -> None:
         """Lightning's (the process group, its mesh), then the run's mesh."""
         super().setup_environment()
-        self.backend.meshes = self.backend.dims.meshes(self.root_device.type)
+        self.meshes = self.dims.meshes(self.root_device.type)
 
     def model_to_device(self) -> None:
         """Everything to the device but the experts offloaded to host memory
@@ -188,7 +195,7 @@ class FSDP2Strategy(FormatCheckpoints, ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
-        dp = self.backend.meshes.dp
+        dp = self.meshes.dp
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
@@ -202,5 +209,5 @@ class FSDP2Strategy(FormatCheckpoints, ModelParallelStrategy):
         from moe.parallel.placement import load_full_checkpoint
 
         load_full_checkpoint(self.lightning_module, list(self.optimizers), checkpoint, self.model_cfg,
-                             self.backend.dims.tp)
+                             self.dims.tp)
         return {**checkpoint, "state_dict": {}, "optimizer_states": [{}] * len(self.optimizers)}
