@@ -22,12 +22,10 @@ from moe.train.preflight import preflight
 FAILED_JOBS: list[str] = []  # sweep jobs of this process that stopped on an error (the sweep goes on)
 
 
-def plan(cfg: DictConfig, dims, run_dir: str) -> None:
+def plan(settled, run_dir: str) -> None:
     """dry_run=true prints the layout and memory plan; simulate=true runs the real parallelize on fake
-    tensors and writes simulation.json into the run dir."""
-    from moe.config.settled import settled_config
-
-    cfg = settled_config(cfg)
+    tensors and writes simulation.json into the run dir (`settled`: moe.train.run.settle's)."""
+    cfg, dims = settled.config, settled.dims
     if cfg.dry_run:
         from moe.tools.plan import make_plan
 
@@ -68,18 +66,18 @@ def job(cfg: DictConfig) -> float | None:
 
     run_dir = HydraConfig.get().runtime.output_dir
     if cfg.dry_run or cfg.simulate:  # a simulation, or a dry run inside a multirun
-        dims, note = settle(cfg)
-        if note:
+        settled = settle(cfg)
+        for note in settled.notes:
             say(note)
-        plan(cfg, dims, run_dir)
+        plan(settled, run_dir)
         return None
     return objective(train(cfg, run_dir=run_dir))
 
 
 if __name__ == "__main__":
     settled = preflight(sys.argv[1:], str(Path(__file__).resolve().parent / "conf"))  # errors: exit 2, no dir
-    if settled is not None and settled[0].dry_run:  # the plan, before Hydra makes a run dir
-        plan(*settled, run_dir="")
+    if settled is not None and settled.config.dry_run:  # the plan, before Hydra makes a run dir
+        plan(settled, run_dir="")
         sys.exit(0)
     main()
     if FAILED_JOBS:

@@ -91,7 +91,8 @@ def planned_tensor_gib(overrides: list[str]) -> float | None:
 
     try:
         cfg, _ = compose_config(overrides, str(REPO / "conf"), "train")
-        memory = make_plan(cfg, settle(cfg)[0]).memory
+        settled = settle(cfg)
+        memory = make_plan(settled.config, settled.dims).memory
     except Exception as err:  # the run itself reports a bad config; the table shows "-"
         print(f"  (no plan for {' '.join(overrides)}: {err})")
         return None

@@ -43,11 +43,11 @@ world, ep, eager = {world}, {ep}, {eager}
 with initialize_config_dir(config_dir={conf!r}, version_base="1.3"):
     cfg = compose("train", overrides={overrides!r} + [f"parallel.ep={{ep}}", f"trainer.devices={{world}}",
                                                      f"hardware.devices_per_node={{world}}"])
-dims, _ = settle(cfg)
+settled = settle(cfg)
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 torch.set_num_threads(2)
 start = time.perf_counter()
-backend = build_backend(cfg, dims)
+backend = build_backend(settled.config, settled.dims)
 module = LitMoE(backend) if eager else backend.build_module()
 backend.parallelize(module)
 seconds = time.perf_counter() - start

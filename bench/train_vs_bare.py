@@ -102,8 +102,8 @@ def bare_loop(overrides: list[str], steps: int, warmup: int) -> tuple[float, int
     from moe.train.run import settle
 
     run_dir = Path(tempfile.mkdtemp(prefix="train-vs-bare-"))
-    cfg = compose([*overrides, f"trainer.max_steps={warmup + 1 + steps}"], run_dir)
-    dims, _ = settle(cfg)
+    settled = settle(compose([*overrides, f"trainer.max_steps={warmup + 1 + steps}"], run_dir))
+    cfg, dims = settled.config, settled.dims
     device = torch.device("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=cfg.seed).to(device)

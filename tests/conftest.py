@@ -16,10 +16,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 FAST_RUN = ("trainer.progress_bar=false", "trainer.log_every_n_steps=1")
 
-# A suite started in the background by a non-interactive shell (`make test-slow &`, `(pytest ... &)`) inherits
-# SIGINT ignored, and exec keeps an ignored signal ignored: every command a test starts would ignore the Ctrl-C
-# the Ctrl-C tests press, and pause until its own timeout. A handler is reset to the default at exec, so each
-# command starts as it would from a terminal.
+# A suite started in the background by a non-interactive shell (`make test-slow &`, `(pytest ... &)`)
+# inherits SIGINT ignored, and exec keeps an ignored signal ignored: every command a test starts would ignore
+# the Ctrl-C the Ctrl-C tests press, and pause until its own timeout. A handler is reset to the default at
+# exec, so each command starts as it would from a terminal.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 

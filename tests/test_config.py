@@ -234,10 +234,62 @@ def test_a_config_is_settled_once_per_process(monkeypatch, tmp_path):
     monkeypatch.setattr(run, "validate", lambda cfg: settled.append(cfg) or validate(cfg))
     monkeypatch.setattr(run, "_SETTLED", {})
     overrides = [f"hydra.run.dir={tmp_path / 'run'}", "parallel=ep2", "trainer.devices=2"]
-    cfg, dims = preflight(overrides, str(CONF))
+    first = preflight(overrides, str(CONF))
     again, _ = compose_config(overrides, str(CONF), "train")  # what Hydra hands the task
-    assert run.settle(again) == (dims, None) and len(settled) == 1
-    assert again.parallel == cfg.parallel and not (tmp_path / "run").exists()
+    assert run.settle(again) is first and len(settled) == 1 and first.notes == ()
+    assert first.config.parallel.ep == 2 and not (tmp_path / "run").exists()
+
+
+def test_every_rule_names_what_validate_can_give_it():
+    """validate passes each rule what its parameters name: a section or top-level key of the config, `cfg`
+    (the whole, for the rules that walk every key), or a value derived from the config; a parameter named
+    otherwise would fail only when its rule first runs."""
+    import dataclasses
+    import inspect
+
+    from moe.config.schema import TrainConfig
+    from moe.config.validate import BACKEND_RULES, RULES
+
+    givable = {f.name for f in dataclasses.fields(TrainConfig)} | {"cfg", "planning", "world", "dp", "spec"}
+    rules = [r for r in RULES if r is not BACKEND_RULES] + list(BACKEND_RULES.values())
+    unknown = {f"{rule.__name__}({name})" for rule in rules for name in inspect.signature(rule).parameters
+               if name not in givable}
+    assert not unknown, unknown
+
+
+def test_settle_derives_into_a_copy_and_leaves_the_composed_config_as_it_is(monkeypatch, tmp_path):
+    """What model.init_from_hf's directory (its architecture) and data=prepared (its seq_len) fix comes back
+    as values merged into a copy: the settled config holds them, frozen; the config as composed is
+    unchanged, so Hydra's and the preflight's copies stay what the user wrote."""
+    import dataclasses
+
+    import moe.train.run as run
+    from moe.data import prepare
+    from moe.hf import to_hf
+    from moe.model import MoETransformer
+
+    monkeypatch.setattr(run, "_SETTLED", {})
+    hf_dir = tmp_path / "mix"
+    dir_cfg = compose_cfg("model.num_layers=2", "model.hidden_size=64", "moe_opt=dropless")
+    to_hf(MoETransformer(dir_cfg.model, dir_cfg.moe_opt, init_seed=1)).save_pretrained(hf_dir)
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"the {i} quick brown fox jumps over the lazy dog {i}.\n" for i in range(300)))
+    data_dir = prepare({"input": str(text), "seq_len": 32, "val_fraction": 0.1,
+                        "output": str(tmp_path / "prep"), "tokenizer": str(REPO / "data" / "sample")},
+                       progress=False)
+    cases = {
+        "init_from_hf": ([f"model.init_from_hf={hf_dir}", "moe_opt=dropless"],
+                         lambda c: (c.model.num_layers, c.model.hidden_size), (2, 64)),
+        "prepared": (["data=prepared", f"data.path={data_dir}"], lambda c: c.data.seq_len, 32),
+    }
+    for name, (overrides, derived, settled_value) in cases.items():
+        composed = compose_cfg(*overrides)
+        before, composed_value = OmegaConf.to_yaml(composed), derived(composed)
+        settled = run.settle(composed)
+        assert derived(settled.config) == settled_value != composed_value, name
+        assert OmegaConf.to_yaml(composed) == before, name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            settled.config.data.seq_len = 8
 
 
 def test_the_default_run_name_is_the_experiments_on_every_task_and_launch(monkeypatch):

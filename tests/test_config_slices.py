@@ -26,10 +26,9 @@ PART_TYPES = ("ModelConfig", "MoEOptConfig", "ParallelConfig", "HardwareConfig",
 # Every function that takes the whole config, and why it must: entry points, the conversions of the whole,
 # and the few that combine every section (the planner, the simulation, the run itself).
 WHOLE = {
-    "moe/train/run.py": {"settle", "train", "_train"},  # the run
+    "moe/train/run.py": {"settle", "settled_of", "train", "_train"},  # the run
     "moe/train/callbacks.py": {"key_config"},  # the values a report compares runs by, from every section
-    "moe/config/validate.py": {"validate"},  # the table of rules
-    "moe/config/rules/apply.py": {"apply_rule"},  # gives each rule what its parameters name
+    "moe/config/validate.py": {"validate"},  # the table of rules, each given what its parameters name
     "moe/config/rules/run.py": {"check_known_keys", "check_finite"},  # walk every key
     "moe/config/settled.py": {"settled_config"},  # the conversion to frozen dataclasses
     "moe/config/upgrade.py": {"with_schema_defaults"},  # an older checkpoint's config, typed

@@ -11,12 +11,12 @@ from moe.config import ModelConfig, MoEOptConfig, TrainConfig
 from moe.data.tokenizer import chat_template_jinja, save_tokenizer, train_bpe
 from moe.errors import ConfigError, UserError
 from moe.hf import tensor_source
+from moe.hf.start import hf_start
 from moe.infer.export import export_hf
 from moe.infer.generate import generate, left_pad
 from moe.infer.load import model_from_hf_dir
 from moe.infer.run import chat_prefix
 from moe.model import MoETransformer
-from moe.train.init_from_hf import apply_init_from_hf
 
 V = 300  # tokenizer below has 290 ids; the model keeps 10 spare rows as trained models may
 TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
@@ -176,12 +176,14 @@ def test_init_from_hf_takes_the_architecture_and_weights_from_the_dir(tmp_path, 
     hf = transformers_dir(tmp_path / "mix", tok_dir, window=5)
     cfg = train_cfg(tokenizer=None)
     cfg.model.init_from_hf, cfg.model.name, cfg.model.compile = str(tmp_path / "mix"), "mine", True
-    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
-    m = cfg.model
+    start = hf_start(cfg.model, cfg.moe_opt, cfg.data)  # values: the config as composed stays as it is
+    m = OmegaConf.merge(cfg.model, start.model)
     got = (m.hidden_size, m.num_layers, m.intermediate_size, m.sliding_window, m.vocab_size, m.rope_theta)
-    assert got == (32, 2, 20, 5, V, 1e4)
-    assert cfg.model.name == "mine" and cfg.model.compile is True  # the user's own fields stay
-    assert cfg.data.tokenizer == str(tmp_path / "mix")  # unset data tokenizer -> the model's own
+    assert got == (32, 2, 20, 5, V, 1e4) and cfg.model.hidden_size != 32
+    assert m.name == "mine" and m.compile is True  # the user's own fields stay
+    assert start.data == {"tokenizer": str(tmp_path / "mix")}  # unset data tokenizer -> the model's own
+    assert start.note.startswith("model.init_from_hf: tokenizing data with")
+    cfg.model = m
     with torch.device("meta"):  # as training builds it: each tensor read from the files as it is filled
         model = MoETransformer(cfg.model, MoEOptConfig(capacity_factor=None, eval_capacity_factor=None))
     model.materialize("cpu", tensor_source(cfg.model.init_from_hf, cfg.model))
@@ -200,19 +202,18 @@ def test_init_from_hf_refuses_a_data_tokenizer_with_other_ids(tmp_path, tok_dir)
     cfg = train_cfg(tokenizer=str(other))
     cfg.model.init_from_hf = str(tmp_path / "mix")
     with pytest.raises(UserError, match=r"data.tokenizer=.* ids that differ .*Fix: set data.tokenizer="):
-        apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
+        hf_start(cfg.model, cfg.moe_opt, cfg.data)
     same = train_cfg(tokenizer=str(tok_dir), format="chat")  # same ids: accepted as is
     same.model.init_from_hf = str(tmp_path / "mix")
-    apply_init_from_hf(same.model, same.moe_opt, same.data, same.seed)
-    assert same.data.tokenizer == str(tok_dir)
+    assert hf_start(same.model, same.moe_opt, same.data).data == {}  # data.tokenizer stays
     bad = train_cfg()
     bad.model.init_from_hf = str(tmp_path / "nowhere")
     with pytest.raises(UserError, match="model.init_from_hf=.* has no config.json"):
-        apply_init_from_hf(bad.model, bad.moe_opt, bad.data, bad.seed)
+        hf_start(bad.model, bad.moe_opt, bad.data)
     config = json.loads((tmp_path / "mix" / "config.json").read_text())
     yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 32}
     bad.model.init_from_hf = str(tmp_path / "mix")
     for key in ("rope_parameters", "rope_scaling"):  # as transformers 5 / 4.x write it
         (tmp_path / "mix" / "config.json").write_text(json.dumps(config | {key: yarn}))
         with pytest.raises(UserError, match="model.init_from_hf=.*rope_type"):
-            apply_init_from_hf(bad.model, bad.moe_opt, bad.data, bad.seed)
+            hf_start(bad.model, bad.moe_opt, bad.data)

@@ -79,7 +79,7 @@ def test_the_8x22b_preset_runs_no_expert_matmul_twice():
     expert row computed on one rank), and every TP and EP group is inside one node."""
     from moe.train.run import settle
 
-    dims, _ = settle(compose_cfg("experiment=mixtral_8x22b_gpu_fsdp2", "dry_run=true"))
+    dims = settle(compose_cfg("experiment=mixtral_8x22b_gpu_fsdp2", "dry_run=true")).dims
     assert (dims.world, dims.tp, dims.ep, dims.moe_token_split) == (64, 2, 8, 2)
     for name in ("TP", "EP"):
         assert {dims.nodes_spanned(ranks) for ranks in dims.group(name).ranks} == {1}, name

@@ -234,7 +234,7 @@ def test_init_from_hf_takes_a_deepseek_v3_directory(tmp_path):
     from omegaconf import OmegaConf
 
     from moe.config.schema import TrainConfig
-    from moe.train.init_from_hf import apply_init_from_hf
+    from moe.hf.start import hf_start
 
     model = ours()
     to_hf(model).save_pretrained(tmp_path / "ds")
@@ -242,12 +242,11 @@ def test_init_from_hf_takes_a_deepseek_v3_directory(tmp_path):
     cfg.data.tokenizer, cfg.model.init_from_hf = None, str(tmp_path / "ds")
     with pytest.raises(ConfigError) as err:
         # the default moe_opt: softmax, no groups
-        apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
+        hf_start(cfg.model, cfg.moe_opt, cfg.data)
     assert err.value.field == "moe_opt.score_function" and "moe_opt.num_groups=4" in err.value.fix
     for key, value in vars(model.moe_opt).items():
         if key != "name":
             cfg.moe_opt[key] = value
-    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
-    m = cfg.model
+    m = OmegaConf.merge(cfg.model, hf_start(cfg.model, cfg.moe_opt, cfg.data).model)
     assert (m.attention, m.q_lora_rank, m.kv_lora_rank, m.first_k_dense_replace, m.dense_intermediate_size) \
         == ("mla", 16, 12, 1, 40)

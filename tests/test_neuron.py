@@ -62,9 +62,10 @@ def nxd(nxd_fakes):
 def backend_for(*overrides: str):
     """The trn1 backend (hardware=trn1, 2 devices unless overridden) with NxD's config made."""
     from moe.backends.neuron.backend import NeuronBackend
+    from moe.train.run import settled_of
 
-    cfg = compose_cfg(*TRN1, *overrides)
-    backend = NeuronBackend(cfg, validated_dims(cfg))
+    settled = settled_of(compose_cfg(*TRN1, *overrides))
+    backend = NeuronBackend(settled.config, settled.dims)
     backend.nxd_config()  # initialises NxD's parallel state when torch.distributed is up
     return backend
 
@@ -446,17 +447,16 @@ def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_p
     from moe.checkpoint.nxd import our_name
     from moe.hf import from_hf, to_hf
     from moe.model.model import MoETransformer
-    from moe.train.init_from_hf import apply_init_from_hf
+    from moe.train.run import settled_of
 
     cfg = compose_cfg(*TRN1)
     to_hf(MoETransformer(cfg.model, compose_cfg("moe_opt=dropless").moe_opt, init_seed=7)).save_pretrained(
         tmp_path
     )
-    cfg = compose_cfg(*TRN1, f"model.init_from_hf={tmp_path}")
-    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
+    settled = settled_of(compose_cfg(*TRN1, f"model.init_from_hf={tmp_path}"))
     expected = from_hf(tmp_path).state_dict()
     for resuming, same in ((False, True), (True, False)):
-        backend = NeuronBackend(cfg, validated_dims(cfg))
+        backend = NeuronBackend(settled.config, settled.dims)
         module = attached(backend, backend.build_module(resuming=resuming))
         got = {our_name(k): v for k, v in module.model.state_dict().items()}
         assert all(torch.equal(got[k], v) for k, v in expected.items()) is same

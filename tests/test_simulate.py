@@ -17,9 +17,8 @@ def simulated(run_dir, *overrides: str) -> tuple[dict, str]:
     from moe.tools.simulate import simulate
     from moe.train.run import settle
 
-    cfg = compose_cfg("simulate=true", *overrides)
-    dims, _ = settle(cfg)
-    report = simulate(cfg, dims, run_dir).render()
+    settled = settle(compose_cfg("simulate=true", *overrides))
+    report = simulate(settled.config, settled.dims, run_dir).render()
     return json.loads((run_dir / "simulation.json").read_text()), report
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import compose_cfg, validated_dims
+from conftest import compose_cfg
 
 import moe.config  # noqa: F401  (registers the typed schemas with Hydra)
 from moe.backends.deepspeed.backend import DeepSpeedBackend, MoEDeepSpeedStrategy, deepspeed_config
@@ -66,8 +66,10 @@ def test_zero3_with_moe_and_hybrid_shard_are_refused():
 
 
 def backend_of(*overrides: str) -> DeepSpeedBackend:
-    cfg = compose_cfg(*overrides)
-    return DeepSpeedBackend(cfg, validated_dims(cfg))
+    from moe.train.run import settled_of
+
+    settled = settled_of(compose_cfg(*overrides))
+    return DeepSpeedBackend(settled.config, settled.dims)
 
 
 def test_lightning_fills_accumulation_into_the_config():

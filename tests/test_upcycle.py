@@ -43,16 +43,15 @@ def test_upcycled_logits_equal_the_dense_models(tmp_path, kind):
 
 def test_meta_build_upcycles_each_rank_from_the_files(tmp_path):
     """The training path: Backend.build_module on meta, materialised from the dense files."""
-    from conftest import compose_cfg, validated_dims
+    from conftest import compose_cfg
 
     from moe.backends import build_backend
-    from moe.train.init_from_hf import apply_init_from_hf
+    from moe.train.run import settled_of
 
     path, dense = dense_dir(tmp_path)
-    cfg = compose_cfg(f"model.upcycle_from_hf={path}", "model.num_experts=4", "model.top_k=2",
-                      "moe_opt=dropless", f"data.tokenizer={REPO}/data/sample")
-    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
-    backend = build_backend(cfg, validated_dims(cfg))
+    settled = settled_of(compose_cfg(f"model.upcycle_from_hf={path}", "model.num_experts=4", "model.top_k=2",
+                                     "moe_opt=dropless", f"data.tokenizer={REPO}/data/sample"))
+    backend = build_backend(settled.config, settled.dims)
     module = backend.build_module()
     backend.parallelize(module)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
@@ -103,19 +102,18 @@ def test_fine_grained_upcycling_refuses_a_granularity_that_cannot_slice(tmp_path
 
 def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(tmp_path):
     """The meta-device path (each rank reads its slices) gives the same model as moe.hf.upcycle."""
-    from conftest import compose_cfg, validated_dims
+    from conftest import compose_cfg
 
     from moe.backends import build_backend
-    from moe.train.init_from_hf import apply_init_from_hf
+    from moe.train.run import settled_of
 
     path, dense = dense_dir(tmp_path)
     overrides = [f"model.upcycle_from_hf={path}", "model.num_experts=8", "model.top_k=4",
                  "model.upcycle_granularity=2", "moe_opt=dropless", "moe_opt.topk_scaling_factor=2",
                  f"data.tokenizer={REPO}/data/sample"]
-    cfg = compose_cfg(*overrides)
-    apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
-    assert cfg.model.intermediate_size == 32
-    backend = build_backend(cfg, validated_dims(cfg))
+    settled = settled_of(compose_cfg(*overrides))
+    assert settled.config.model.intermediate_size == 32
+    backend = build_backend(settled.config, settled.dims)
     module = backend.build_module()
     backend.parallelize(module)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
@@ -124,4 +122,4 @@ def test_fine_grained_upcycling_from_the_command_line_builds_the_sliced_experts(
         torch.testing.assert_close(module.model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)
     cfg = compose_cfg(*(o for o in overrides if "topk_scaling" not in o))
     with pytest.raises(UserError, match="moe_opt.topk_scaling_factor=2"):
-        apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
+        settled_of(cfg)

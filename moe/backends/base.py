@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from moe.backends.registry import SPECS
 from moe.config.schema import HardwareConfig, MoEOptConfig, ParallelConfig, TrainConfig, TrainerConfig
-from moe.config.settled import settled_config
 from moe.config.specs import BackendSpec
 from moe.parallel.dims import ExpertGroups, ParallelDims
 from moe.parallel.parallelize import Steps, parallelize
@@ -45,7 +44,7 @@ class Backend:
     norm_after_step: ClassVar[bool] = False
 
     def __init__(self, cfg: TrainConfig, dims: ParallelDims):
-        self.cfg, self.dims = settled_config(cfg), dims
+        self.cfg, self.dims = cfg, dims  # the run's settled config (moe.train.run.settle froze it)
         self.expert_groups: ExpertGroups | None = None  # set by parallelize when ep > 1
         self._resuming = False  # set by build_module
         self.prepare()

@@ -23,7 +23,7 @@ from moe.config.specs import BackendSpec
 class Registered:
     spec: BackendSpec
     # what its library refuses beyond the spec, with the fix: a rule of moe.config.validate's table, called
-    # with what its parameters name (moe.config.rules.apply); None: its spec says it all
+    # with what its parameters name (moe.config.validate); None: its spec says it all
     rules: Callable[..., None] | None = None
 
 

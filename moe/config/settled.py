@@ -1,10 +1,11 @@
 """The run's config once settled: the schema's dataclasses (moe.config.schema), frozen.
 
-Hydra composes an OmegaConf config, typed by the schema at composition; the run settles what it derives
-into it (moe.train.run.settle: an HF directory's architecture, prepared data's seq_len) and converts it
-here, once. Everything after reads these objects, section by section: assigning to a field raises
-(dataclasses.FrozenInstanceError), and a changed config is a new object (`replaced`). A checkpoint stores
-`as_container`'s plain dict, which `settled_config` reads back (older ones through moe.config.upgrade).
+Hydra composes an OmegaConf config, typed by the schema at composition; the run sets what it derives in
+a copy of it (moe.train.run.settle: an HF directory's architecture, prepared data's seq_len), validates the
+copy and freezes it, once (`freeze`). Everything after reads these objects, section by section: assigning
+to a field raises (dataclasses.FrozenInstanceError), and a changed config is a new object (`replaced`). A
+checkpoint stores `as_container`'s plain dict, which `settled_config` reads back (older ones through
+moe.config.upgrade).
 """
 from __future__ import annotations
 

@@ -174,11 +174,12 @@ def load_prepared(path: str | Path, field: str = "data.path") -> Prepared:
     return Prepared(path, meta, splits)
 
 
-def apply_prepared_meta(data) -> None:
-    """For `data=prepared`, take data.seq_len from DIR/meta.json so validation checks the real length (in
-    place, while the run settles its config).
+def prepared_facts(data) -> dict:
+    """For `data=prepared`, what DIR/meta.json fixes of the data section: {"seq_len": ...}, so validation
+    checks the real length (merged into a copy of the config while the run settles it); {} otherwise.
 
     A missing directory is left for the DataModule to report (a dry run does not need the data).
     """
     if data.kind == "prepared" and data.path and (Path(data.path) / "meta.json").is_file():
-        data.seq_len = int(read_meta(data.path)["seq_len"])
+        return {"seq_len": int(read_meta(data.path)["seq_len"])}
+    return {}

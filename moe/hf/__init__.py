@@ -7,6 +7,7 @@
     moe/hf/registry.py     model_type -> adapter; our attention -> the family we export to
     moe/hf/convert.py      to_hf, from_hf, tensor_source, read_hf_config
     moe/hf/tensors.py      shared keys, lazy safetensors reads
+    moe/hf/start.py        model.init_from_hf / upcycle_from_hf: what a run settles from the directory
 
 The names below are the public API (`moe.hf.from_hf`, `moe.hf.to_hf`, `moe.hf.upcycle`, ...).
 """

@@ -30,9 +30,10 @@ PLUGIN_EXTRAS = {"sweeper/optuna": "optuna", "launcher/submitit": "slurm"}  # py
 
 def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
     """Compose and settle `argv`'s config as Hydra will (its own flags --config-dir/-cd, --config-name/-cn,
-    --config-path/-cp included): (cfg, ParallelDims), or None for a multirun (every job checked) and for
-    Hydra's flags that run nothing (--help, --cfg, ...). A config error prints one paragraph and exits 2; a
-    run with nothing left to train says so and exits 0; both before anything is written."""
+    --config-path/-cp included): its Settled (moe.train.run.settle), or None for a multirun (every job
+    checked) and for Hydra's flags that run nothing (--help, --cfg, ...). A config error prints one
+    paragraph and exits 2; a run with nothing left to train says so and exits 0; both before anything is
+    written."""
     try:
         where = hydra_command(argv, config_dir, config_name)
     except UserError as err:
@@ -41,7 +42,7 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
     if where is None:
         return None  # --help / --cfg / --info ...: Hydra's business
     overrides, config_dir, config_name, multirun = where
-    from moe.config.settled import as_container, settled_config
+    from moe.config.settled import as_container
     from moe.train.launch_world import agree, check_launch_world, end_with_rank_zero, launched_by_rank_zero
 
     end_with_rank_zero()  # a rank Lightning's launcher started: gone with rank 0, however rank 0 ends
@@ -50,25 +51,25 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
     if multirun:
         check_sweep(overrides, config_dir, config_name)
         return None
-    cfg = dims = run_dir = None
+    settled = run_dir = None
     mine: dict = {}
     try:
         cfg, run_dir = compose_config(overrides, config_dir, config_name)
-        dims, _ = settle(cfg)  # its note is train()'s to print, once
-        settled = settled_config(cfg)
-        mine = as_container(settled)
-        launch = not (cfg.dry_run or cfg.simulate or launched_by_rank_zero())  # a plan launches nothing
+        settled = settle(cfg)  # its notes are train()'s to say, once
+        config = settled.config
+        mine = as_container(config)
+        launch = not (config.dry_run or config.simulate or launched_by_rank_zero())  # a plan launches nothing
         if launch:  # every rank of a launch sees its launcher's world alike: each says so, none waits
-            check_launch_world(settled.trainer.devices, settled.trainer.num_nodes)
+            check_launch_world(config.trainer.devices, config.trainer.num_nodes)
     except UserError as err:
-        if dims is not None:  # the launcher's world
+        if settled is not None:  # the launcher's world
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
         verdict = (2, f"error: {err}")
     else:
         try:
-            verdict = None if cfg.dry_run or cfg.simulate else check_launch(
-                run_dir, mine, settled.data, settled.trainer.max_steps, settled.resume, settled.lock_wait_s)
+            verdict = None if config.dry_run or config.simulate else check_launch(
+                run_dir, mine, config.data, config.trainer.max_steps, config.resume, config.lock_wait_s)
         except UserError as err:
             verdict = (2, f"error: {err}")
     verdict = agree(mine, str(run_dir or ""), verdict)  # torchrun: rank 0's decision is every rank's
@@ -77,7 +78,7 @@ def preflight(argv: list[str], config_dir: str, config_name: str = "train"):
         if message:
             print(message, file=sys.stderr)
         sys.exit(code)
-    return cfg, dims
+    return settled
 
 
 def hydra_command(argv: list[str], config_dir: str, config_name: str):

@@ -1,4 +1,5 @@
-"""cfg -> settle (validate) -> ParallelDims -> backend -> DataModule + module -> Trainer.fit -> run dir.
+"""composed cfg -> settle (derive, validate, freeze: Settled) -> backend -> DataModule + module -> Trainer.fit
+-> run dir.
 
 `train.py` is a thin Hydra entry point around `train(cfg, run_dir)` (and the dry run and simulation,
 which plan instead of training); tests call it too. A config is settled once per process:
@@ -7,10 +8,12 @@ the same config (Hydra composes again to make its run dir; its API takes no comp
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -25,59 +28,77 @@ from moe.errors import (
 )
 from moe.parallel.dims import ParallelDims
 
-_SETTLED: dict[str, tuple[dict, ParallelDims, str | None]] = {}  # config as composed -> what settle made
+
+@dataclass(frozen=True)
+class Settled:
+    """What a run settles from the config as composed: the config it runs with (frozen dataclasses), its
+    ParallelDims, and the notes for the user (train says them once)."""
+
+    config: TrainConfig
+    dims: ParallelDims
+    notes: tuple[str, ...] = ()
 
 
-def settle(cfg: DictConfig) -> tuple[ParallelDims, str | None]:
-    """What a run settles before anything else (train, and train.py's preflight): what the machine must
-    offer, the architecture of model.init_from_hf / upcycle_from_hf, a prepared dataset's seq_len, then
-    every rule of validate; `cfg` is updated in place. Returns the ParallelDims and a note for the user,
-    if any. Once per process: a config equal to one settled before gets that one's values."""
+_SETTLED: dict[str, Settled] = {}  # config as composed -> what settle made of it
+
+
+def settle(cfg: DictConfig) -> Settled:
+    """What a run settles before anything else (train, train.py's preflight and its plans): what the
+    machine must offer, then `settled_of`; `cfg`, the config as composed, is left as it is. Once per
+    process: a config equal to one settled before gets that one's Settled."""
     from moe.checkpoint.trust import set_allow_pickle
     from moe.config.derived import planning
-    from moe.data.arrow_io import apply_prepared_meta
     from moe.train.environment import check_environment
-    from moe.train.init_from_hf import apply_init_from_hf
 
     set_allow_pickle(cfg.allow_pickle)  # every checkpoint this process reads: weights-only unless allowed
-    composed = OmegaConf.to_yaml(cfg)
-    if composed in _SETTLED:
-        values, dims, note = _SETTLED[composed]
-        cfg.merge_with(values)
-        return dims, note
-    # CUDA for hardware=gpu (and its FP8 kernel for moe_opt.fp8_experts), Neuron for trn1, logger packages,
-    # a W&B key
-    check_environment(cfg.hardware, cfg.logger, cfg.moe_opt, planning(cfg.dry_run, cfg.simulate))
-    # model.init_from_hf=DIR: architecture from DIR/config.json
-    note = apply_init_from_hf(cfg.model, cfg.moe_opt, cfg.data, cfg.seed)
-    apply_prepared_meta(cfg.data)  # data=prepared: seq_len from DIR/meta.json
-    validate(cfg)  # every rule, in the table's order
-    dims = ParallelDims.from_config(cfg)
-    _SETTLED[composed] = (OmegaConf.to_container(cfg), dims, note)
-    return dims, note
+    key = OmegaConf.to_yaml(cfg)
+    if key not in _SETTLED:
+        # CUDA for hardware=gpu (and its FP8 kernel for moe_opt.fp8_experts), Neuron for trn1, logger
+        # packages, a W&B key
+        check_environment(cfg.hardware, cfg.logger, cfg.moe_opt, planning(cfg.dry_run, cfg.simulate))
+        _SETTLED[key] = settled_of(cfg)
+    return _SETTLED[key]
+
+
+def settled_of(cfg: DictConfig) -> Settled:
+    """`cfg` settled, on any machine: a copy of it with what it implies (model.init_from_hf /
+    upcycle_from_hf's architecture and tokenizer, moe.hf.start; a prepared dataset's seq_len,
+    moe.data.arrow_io.prepared_facts), every rule of validate on that copy (in the table's order, each in
+    the words of the config as composed), the copy frozen, and its ParallelDims. `cfg` is not edited."""
+    from moe.config.settled import freeze
+    from moe.data.arrow_io import prepared_facts
+    from moe.hf.start import hf_start
+
+    start = hf_start(cfg.model, cfg.moe_opt, cfg.data)
+    changes = {**{f"model.{key}": value for key, value in start.model.items()},
+               **{f"data.{key}": value for key, value in {**start.data, **prepared_facts(cfg.data)}.items()}}
+    merged = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        OmegaConf.update(merged, key, value, merge=False)  # replaced whole, as setting the key would
+    validate(merged)
+    config = freeze(OmegaConf.to_object(merged))  # the one place the run's config is frozen
+    return Settled(config, ParallelDims.from_config(config), (start.note,) if start.note else ())
 
 
 def train(cfg: DictConfig, run_dir: str | Path) -> Path:
     """Settle the config, then train into `run_dir`, holding its lock (moe.train.run_lock) from before the
     first thing the run writes to its end."""
-    from moe.config.settled import settled_config
-
     stop_when_a_log_file_cannot_be_written()  # train.log on a full disk: one paragraph, exit 2
-    dims, note = settle(cfg)
+    settled = settle(cfg)
     locks: list = []
     try:  # settled: from here the run reads frozen dataclasses and never edits its config
-        return _train(settled_config(cfg), Path(run_dir), dims, note, locks)
+        return _train(settled.config, settled.dims, settled.notes, Path(run_dir), locks)
     finally:
         for lock in locks:
             lock.release()
 
 
-def _train(cfg: TrainConfig, run_dir: Path, dims, note: str | None, locks: list) -> Path:
+def _train(cfg: TrainConfig, dims: ParallelDims, notes: tuple[str, ...], run_dir: Path, locks: list) -> Path:
     from moe.ranks import is_rank_zero
     from moe.train.console import say
     from moe.train.run_lock import RunLock
 
-    if note:
+    for note in notes:
         say(note)
     from moe.module.optim import warmup_note
 

@@ -142,7 +142,7 @@ def main(overrides: list[str]) -> int:
     base = ["data.seq_len=32", "trainer.micro_batch_size=1", "trainer.accumulate_grad_batches=2", *OPTIMIZER]
     cfg = compose_cfg("hardware=trn1", f"trainer.devices={dist.get_world_size()}", "parallel.zero_stage=0",
                       *base, *overrides)
-    backend = NeuronBackend(cfg, validated_dims(cfg))
+    backend = NeuronBackend(settled_config(cfg), validated_dims(cfg))
     module = backend.build_module()
     parts = backend.trainer_parts()  # NxD's setup reads its trainer's strategy (lightning/module.py:112)
     trainer = L.Trainer(accelerator=parts.accelerator, strategy=parts.strategy, plugins=parts.plugins,

@@ -74,11 +74,12 @@ def main(overrides: list[str]) -> int:
 
     from moe.backends.neuron.backend import NeuronBackend
     from moe.backends.neuron.strategy import shards, zero1_parts
+    from moe.config.settled import settled_config
 
     dist.init_process_group("gloo")
     cfg = compose_cfg(*overrides, f"trainer.devices={dist.get_world_size()}")
     dims = validated_dims(cfg)
-    backend = NeuronBackend(cfg, dims)
+    backend = NeuronBackend(settled_config(cfg), dims)
     module = backend.build_module()
     parts = backend.trainer_parts()
     trainer = L.Trainer(accelerator=parts.accelerator, strategy=parts.strategy, plugins=parts.plugins,

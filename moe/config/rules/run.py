@@ -64,23 +64,6 @@ def check_fp8_experts(model, moe_opt, trainer, hardware) -> None:
              "is not a multiple of 16, as the FP8 grouped GEMM needs for its operands' K and N")
 
 
-def check_hf_start(model, moe_opt) -> None:
-    """model.init_from_hf / upcycle_from_hf: one of them; fine-grained upcycling (granularity g) starts
-    equal to the dense model only with the top-k weights scaled by g (moe/hf/dense.py)."""
-    m = model
-    upcycle = m.upcycle_from_hf
-    need(not (m.init_from_hf and upcycle), "model.upcycle_from_hf", upcycle,
-         "set only one of model.init_from_hf (a Mixtral or DeepSeek-V3 directory) and "
-         "model.upcycle_from_hf (a dense one)", "is set together with model.init_from_hf")
-    g = m.upcycle_granularity
-    if upcycle and g > 1:
-        scaling = moe_opt.topk_scaling_factor
-        need(scaling == g, "moe_opt.topk_scaling_factor", scaling,
-             f"set moe_opt.topk_scaling_factor={g}: each of a copy's {g} slices then gets weight "
-             f"1/{g} x {g}, and the start equals the dense model",
-             f"does not match model.upcycle_granularity={g}")
-
-
 def check_seq_len(model, data) -> None:
     m, seq_len = model, data.seq_len
     need(seq_len >= 1, "data.seq_len", seq_len, "use a positive sequence length such as 2048",
