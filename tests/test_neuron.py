@@ -519,6 +519,12 @@ def test_validation_of_one_sequence_keeps_the_capacity(nxd):
 
 
 # -- what had silently changed on trn1 ----------------------------------------------------------------------
+def test_neuron_lit_moe_has_every_member_the_step_drives(nxd):
+    from tests.test_train_step import step_module_members
+
+    assert step_module_members() <= set(dir(neuron_module()))
+
+
 def test_a_skip_the_spike_guard_asked_for_leaves_the_weights_and_the_next_step_updates(nxd):
     """The backend's skip_update leaves the step's optimizer step out (NxD's optimizers have none that updates
     nothing); the precision plugin, which knows no skip, still runs it, and the next step updates."""
