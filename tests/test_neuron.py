@@ -547,7 +547,8 @@ def test_a_skip_the_spike_guard_asked_for_leaves_the_weights_and_the_next_step_u
             module.backend.skip_update(module)
         NeuronPrecision().optimizer_step(optimizer, module, closure=lambda: None)
         after = held()
-        return len(before) != len(after) or any(not torch.equal(b, a) for b, a in zip(before, after))
+        return len(before) != len(after) or any(not torch.equal(b, a)
+                                                for b, a in zip(before, after, strict=True))
 
     assert [step(skip) for skip in (False, True, False)] == [True, False, True]
     assert "step" not in vars(optimizer)  # the class's step again

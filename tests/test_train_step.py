@@ -22,8 +22,8 @@ def step_module_members() -> set[str]:
 
 
 def test_the_step_reaches_its_module_through_at_most_six_declared_members_which_litmoe_has():
-    """Whatever TrainStep reads of its module is a member of StepModule (NeuronLitMoE's: tests/test_neuron.py);
-    the backend and the guard it asks are its own."""
+    """Whatever TrainStep reads of its module is a member of StepModule (NeuronLitMoE has them too:
+    tests/test_neuron.py); the backend and the guard it asks are its own."""
     from omegaconf import OmegaConf
 
     from moe.config import ModelConfig, TrainConfig

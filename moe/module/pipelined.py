@@ -1,9 +1,9 @@
 """A pipelined model's part of the step (moe.parallel.pipeline): the schedule runs every micro-batch.
 
 The step (moe.module.train_step) hands the step's micro-batches and its statistics to `forward_backward`,
-where the schedule runs the forward and backward of all of them at once, in its own order. The step statistics are sums and
-counts (moe.module.step_stats): each stage adds its own MoE layers' routing and router terms, the last
-stage the LM losses and their count.
+where the schedule runs the forward and backward of all of them at once, in its own order. The step
+statistics are sums and counts (moe.module.step_stats): each stage adds its own MoE layers' routing and
+router terms, the last stage the LM losses and their count.
 """
 from __future__ import annotations
 

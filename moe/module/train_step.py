@@ -104,7 +104,7 @@ class StepModule(Protocol):
     """The module the step drives (LitMoE, NeuronLitMoE: moe.module.shared_hooks): a LightningModule under
     manual optimization, around the model it trains."""
 
-    trainer: Any  # Lightning's Trainer: the step's number, this rank's, the LR schedule (lr_scheduler_configs)
+    trainer: Any  # Lightning's Trainer: the step's number, the rank, the LR schedule (lr_scheduler_configs)
     model: nn.Module  # what trains: its MoE layers are monitored, their replays cleared, their bias balanced
     schedule: Schedule | None  # a pipeline's, which runs every micro-batch itself; None: the step does
 
@@ -212,8 +212,10 @@ class TrainStep:
     def means(self) -> dict[str, float]:
         """The step's losses and routing statistics averaged over every rank: one all-reduce and one host
         read, the first time a step asks (moe.module.step_stats.step_means)."""
-        model, moe_opt = self.cfg.model, self.cfg.moe_opt
-        return step_means(self.stats, lambda t: self.backend.all_reduce(self.module, t, "sum"), model, moe_opt)
+        def sum_over_ranks(totals: torch.Tensor) -> torch.Tensor:
+            return self.backend.all_reduce(self.module, totals, "sum")
+
+        return step_means(self.stats, sum_over_ranks, self.cfg.model, self.cfg.moe_opt)
 
     def mean_loss(self) -> float:
         """The step's loss averaged over micro-batches and ranks (what the spike guard decides from)."""

@@ -4,8 +4,9 @@ running mean, is counted, logged and, as configured, skipped or rolled back.
 Decided once per optimizer step by `skips`, which the step calls (moe.module.train_step) after the
 gradients are synchronised, from the step's loss averaged over micro-batches and ranks and the global
 gradient norm, so every rank decides the same; with both checks off (trainer.skip_nonfinite=false,
-trainer.spike_factor=0) only the rollback ledger's steps are skipped, and the loss is not read. As a callback it keeps what lives beside the step: the
-rollback ledger at the run's start, its state in every checkpoint, the step last saved.
+trainer.spike_factor=0) only the rollback ledger's steps are skipped, and the loss is not read. As a
+callback it keeps what lives beside the step: the rollback ledger at the run's start, its state in every
+checkpoint, the step last saved.
 Skipping an update is the backend's (Backend.skip_update): the weights and the optimizer state stay
 bit for bit as they are (no weight decay either); the step counter, the schedule and the data stream
 move on as if the step had run, so the data order of later steps never changes.

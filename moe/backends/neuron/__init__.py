@@ -132,16 +132,16 @@ class NeuronBackend(Backend):
         return math.nan if after is None else float(after)
 
     def skip_update(self, module) -> None:
-        """This step's optimizer step is left out, here: NxD's optimizers have no step that leaves the update
-        out, whatever the gradients hold. NxDOptimizer.step hands on to torch-xla's ZeRO-1, which steps every
-        shard that has a gradient, clips, and fails where none has one (neuronx-distributed v2.28.0
-        trainer/optimizer.py:122-147; torch_xla 2.9.0 distributed/zero_redundancy_optimizer.py:419-438;
-        NxD's clip takes a parameter's gradient, parallel_layers/grads.py:126-127 and :238-239), and under
-        mixed precision the gradients sit in the fp32 `main_grad`, which AdamW would move on even zeroed.
-        So the optimizer's `step` for this one call updates nothing (the attribute goes with that call): the
-        step's `optimizer.step()` still runs Lightning's count, the precision plugin and its graph cut, and
-        leaves the weights, the moments and ZeRO-1's fp32 master shards as they are; the next step's
-        zero_grad clears the gradients."""
+        """This step's NxD optimizer step is left out, here, whatever the gradients hold: NxD's optimizers
+        have no step that updates nothing. NxDOptimizer.step hands on to torch-xla's ZeRO-1 (neuronx-
+        distributed v2.28.0 trainer/optimizer.py:122-147), which steps every shard with a gradient or a
+        `main_grad` (torch_xla 2.9.0 distributed/zero_redundancy_optimizer.py:339-356, :403-438): zeroed,
+        AdamW still moves the moments and decays the weights; with none at all NxD's ZeRO-1 clipping fails
+        (optimizer/zero_redundancy_optimizer.py:71-105 -> parallel_layers/grads.py:126-127). So the
+        optimizer's `step` is, for this one call, one that updates nothing (the attribute goes with that
+        call): the step's `optimizer.step()` still counts the step (Lightning) and runs the precision plugin
+        and its graph cut, and the weights, the moments and ZeRO-1's fp32 master shards stay as they are;
+        the next step's zero_grad clears the gradients."""
         optimizer = module.trainer.optimizers[0]  # NxDOptimizer: the precision plugin calls its step()
 
         def left_out(closure=None):

@@ -75,8 +75,8 @@ class NeuronLitMoE(SharedHooks, NeuronLTModule):
         return super().training_step(rows, batch_idx)
 
     def micro_batch_loss(self, batch: dict):
-        """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch (NxDCausalLM's). NxD's MoE
-        layers compute their statistics on every forward (moe/backends/neuron/moe_layer.py)."""
+        """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch (NxDCausalLM's). NxD's
+        MoE layers compute their statistics on every forward (moe/backends/neuron/moe_layer.py)."""
         loss, lm = self.model(batch["input_ids"], batch["labels"])
         return loss, lm, pop_routing(self.model.modules())
 
@@ -99,8 +99,8 @@ class NxDPipelineSchedule:
 
     def forward_backward(self, module, micro_batches: list[dict], stats: StepStats,
                          count_picks) -> torch.Tensor:
-        """The step's loss on the last stage; the routing of this stage's MoE layers (no expert picks to count:
-        no aux-loss-free balancing on trn1)."""
+        """The step's loss on the last stage; the routing of this stage's MoE layers (no expert picks to
+        count: no aux-loss-free balancing on trn1)."""
         ids, labels = (torch.cat([b[k] for b in micro_batches]) for k in ("input_ids", "labels"))
         loss = module.model.run_train(input_ids=ids, labels=labels)  # None off the last stage
         if loss is not None:
