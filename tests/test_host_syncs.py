@@ -113,20 +113,37 @@ def test_a_training_step_computes_the_gradient_norm_once(train_here, monkeypatch
     assert calls == [0, 1, 2]
 
 
-def test_a_training_step_reduces_its_statistics_once(train_here, monkeypatch):
-    """The spike guard and the metrics read one set of step means (one collective, one host sync a step);
-    a step that is not logged reads nothing more back."""
+GUARD_OFF = ("trainer.skip_nonfinite=false", "trainer.spike_factor=0")  # the spike guard's checks off
+
+
+@pytest.mark.parametrize("guard, reads", [((), [1, 2, 3, 4]), (GUARD_OFF, [1, 4])],
+                         ids=["guard_checks_on", "guard_checks_off"])
+def test_a_training_step_reads_its_statistics_back_once_and_only_where_they_are_read(
+        train_here, monkeypatch, guard, reads):
+    """The spike guard and metrics.csv read one set of step means (one collective, one host read a step). A
+    step that is not logged reads nothing back, unless the guard's checks are on: they decide from every
+    step's loss (moe.train.guard.SpikeGuard.skips). Logged here: steps 1 and 4 (the first and the last)."""
     from moe.backends.base import Backend
+    from moe.module.train_step import TrainStep
 
-    sums = []
-    real = Backend.all_reduce
+    reduced, synced = [], {}  # the steps (1-based) that summed over ranks; each step's host syncs
+    real_reduce, real_step = Backend.all_reduce, TrainStep.__call__
 
-    def counted(self, module, tensor, op, stage_only=False):
+    def counted_reduce(self, module, tensor, op, stage_only=False):
         if op == "sum":
-            sums.append(module.trainer.global_step)
-        return real(self, module, tensor, op, stage_only)
+            reduced.append(len(synced))
+        return real_reduce(self, module, tensor, op, stage_only)
 
-    monkeypatch.setattr(Backend, "all_reduce", counted)
+    def counted_step(self, rows):
+        synced[len(synced) + 1] = []
+        with counting_syncs() as counter:
+            loss = real_step(self, rows)
+        synced[len(synced)] = counter.syncs
+        return loss
+
+    monkeypatch.setattr(Backend, "all_reduce", counted_reduce)
+    monkeypatch.setattr(TrainStep, "__call__", counted_step)
     train_here("trainer.max_steps=4", "trainer.limit_val_batches=0", "trainer.save_checkpoints=false",
-               "trainer.log_every_n_steps=10")
-    assert sums == [0, 1, 2, 3]
+               "trainer.log_every_n_steps=10", *guard)
+    assert reduced == reads  # the step means' sum over ranks
+    assert [step for step, syncs in synced.items() if syncs] == reads, synced

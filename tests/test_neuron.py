@@ -519,26 +519,39 @@ def test_validation_of_one_sequence_keeps_the_capacity(nxd):
 
 
 # -- what had silently changed on trn1 ----------------------------------------------------------------------
-def test_a_skip_the_spike_guard_asked_for_leaves_the_weights(nxd):
-    """NxD's precision plugin steps without the closure; ours skips the update when the step's guard
-    said so (Backend.skip_update), and steps otherwise."""
+def test_neuron_lit_moe_has_every_member_the_step_drives(nxd):
+    from tests.test_train_step import step_module_members
+
+    assert step_module_members() <= set(dir(neuron_module()))
+
+
+def test_a_skip_the_spike_guard_asked_for_leaves_the_weights_and_the_next_step_updates(nxd):
+    """The backend's skip_update leaves the step's optimizer step out (NxD's optimizers have none that updates
+    nothing); the precision plugin, which knows no skip, still runs it, and the next step updates."""
     from moe.backends.neuron.strategy import NeuronPrecision
 
     module = neuron_module()
     optimizer = module.configure_optimizers()[0][0]
+    module.trainer.strategy.optimizers = [optimizer]
     batch = batch_of(module.cfg)
 
+    def held() -> list[torch.Tensor]:  # the weights, Adam's moments and step counts
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return [t.detach().clone() for t in [*module.model.parameters(), *state]]
+
     def step(skip: bool) -> bool:
-        before = [p.detach().clone() for p in module.model.parameters()]
+        before = held()
+        optimizer.zero_grad()
         module.model(batch["input_ids"], batch["labels"])[0].backward()
         if skip:
             module.backend.skip_update(module)
         NeuronPrecision().optimizer_step(optimizer, module, closure=lambda: None)
-        return any(not torch.equal(b, p) for b, p in zip(before, module.model.parameters(), strict=True))
+        after = held()
+        return len(before) != len(after) or any(not torch.equal(b, a)
+                                                for b, a in zip(before, after, strict=True))
 
-    assert step(skip=False)
-    assert not step(skip=True)
-    assert all(p.grad is None or not p.grad.any() for p in module.model.parameters())
+    assert [step(skip) for skip in (False, True, False)] == [True, False, True]
+    assert "step" not in vars(optimizer)  # the class's step again
 
 
 @pytest.mark.parametrize("zero", ["parallel.zero_stage=0", "parallel.zero_stage=1"])

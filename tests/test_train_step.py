@@ -1,15 +1,41 @@
-"""The optimizer step (moe.module.train_step): a step's rows cut into its micro-batches in order, and
-accumulation that equals one larger batch (each micro-batch's loss divided once by their count)."""
+"""The optimizer step (moe.module.train_step): the module it drives reached through six declared members, a
+step's rows cut into its micro-batches in order, and accumulation that equals one larger batch (each
+micro-batch's loss divided once by their count)."""
 from __future__ import annotations
+
+import ast
+import inspect
 
 import pytest
 import torch
-from conftest import trained_rows
+from conftest import single_process_module, trained_rows
 
-from moe.module.train_step import micro_batches
+from moe.module.train_step import StepModule, TrainStep, micro_batches
 
 EXACT = ("moe_opt=dropless", "moe_opt.aux_loss_coeff=0", "moe_opt.z_loss_coeff=0", "trainer.max_steps=3",
          "trainer.limit_val_batches=0", "trainer.save_checkpoints=false", "optimizer.grad_clip=0.5")
+
+
+def step_module_members() -> set[str]:
+    """The members StepModule declares (typing.get_protocol_members from Python 3.13 on)."""
+    return {name for name in {*StepModule.__annotations__, *vars(StepModule)} if not name.startswith("_")}
+
+
+def test_the_step_reaches_its_module_through_at_most_six_declared_members_which_litmoe_has():
+    """Whatever TrainStep reads of its module is a member of StepModule (NeuronLitMoE has them too:
+    tests/test_neuron.py); the backend and the guard it asks are its own."""
+    from omegaconf import OmegaConf
+
+    from moe.config import ModelConfig, TrainConfig
+
+    members = step_module_members()
+    assert len(members) <= 6, sorted(members)
+    source = ast.parse(inspect.getsource(TrainStep))
+    reached = {node.attr for node in ast.walk(source) if isinstance(node, ast.Attribute)
+               and ast.unparse(node.value) in ("module", "self.module")}
+    assert reached == members
+    cfg = OmegaConf.structured(TrainConfig(model=ModelConfig(num_layers=2), run_name="t"))
+    assert members <= set(dir(single_process_module(cfg)))
 
 
 def test_a_steps_rows_are_cut_into_its_micro_batches_in_order():

@@ -39,9 +39,6 @@ class Backend:
     """Plain PyTorch semantics; subclasses override what their library does differently."""
 
     name: ClassVar[str]
-    # True where the optimizer computes the gradient norm inside its step and reports it after
-    # (DeepSpeed, NxD): there gradients are not in `param.grad` for `grad_norm` to read.
-    norm_after_step: ClassVar[bool] = False
 
     def __init__(self, cfg: TrainConfig, dims: ParallelDims):
         self.cfg, self.dims = cfg, dims  # the run's settled config (moe.train.run.settle froze it)
@@ -174,14 +171,17 @@ class Backend:
         return global_grad_norm(module.model.parameters(), experts, ep_group, module.device).cpu()
 
     def skip_update(self, module) -> None:
-        """Leave parameters and optimizer moments as they are this step (moe.train.guard): with no
-        gradient, AdamW updates nothing (no weight decay either)."""
+        """The spike guard skips this step (moe.train.guard): after this the step's `optimizer.step()` must
+        leave the weights and the optimizer state bit for bit as they are (the step is still counted). With no
+        gradient, torch's AdamW updates nothing (no weight decay, no moments, no step count either)."""
         for p in module.parameters():
             p.grad = None
 
-    def grad_norm_after_step(self, module) -> float | None:
-        """With `norm_after_step`: the norm the optimizer computed in its last step."""
-        return None
+    def logged_grad_norm(self, module, norm: torch.Tensor) -> float:
+        """The step's gradient norm for metrics.csv, read after the optimizer stepped (a logged step that was
+        not skipped): `norm`, grad_norm's before clipping, where the step computed it; DeepSpeed and NxD
+        report the one their optimizer computed inside its step."""
+        return float(norm)
 
     def all_reduce(self, module, tensor: torch.Tensor, op: str, stage_only: bool = False) -> torch.Tensor:
         """`tensor` summed (op "sum") or maxed ("max") over every rank (`stage_only`: every rank of this

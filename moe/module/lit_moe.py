@@ -1,8 +1,9 @@
 """LitMoE: the LightningModule that trains `moe.model.MoETransformer` on DDP, DeepSpeed and FSDP2.
 
 Its training_step is one optimizer step, moe.module.train_step.TrainStep (manual optimization: Lightning
-hands it one step's rows); the objective is the model's `ModelOutput.loss` (CE + every MoE layer's router
-terms), the optimizer and schedule moe.module.optim's; how the model is spread over devices is the
+hands it one step's rows; what it shares with NeuronLitMoE is moe.module.shared_hooks); the objective is
+the model's `ModelOutput.loss` (CE + every MoE layer's router terms), the optimizer and schedule
+moe.module.optim's; how the model is spread over devices is the
 backend's business (moe/backends), which parallelises it in `configure_model` and answers what differs
 by hardware inside the step and in checkpoints. The Neuron backend trains the same model, loss, optimizer
 groups and step through its own NxD module (moe/backends/neuron/module.py).
@@ -15,37 +16,25 @@ import math
 import lightning as L
 import torch
 
-from moe.config.schema import TrainConfig
-from moe.config.settled import as_container
 from moe.model.model import ModelOutput, MoETransformer
 from moe.module.optim import build_optimizer, build_scheduler
-from moe.module.step_stats import StepStats, validation_loss
-from moe.module.train_step import TrainStep, upgrade_loop_state
+from moe.module.shared_hooks import SharedHooks
 from moe.parallel.apply import moe_layers
 from moe.parallel.comm import apply_collective_timeout
 from moe.ranks import trainer_of
 
 
-class LitMoE(L.LightningModule):
+class LitMoE(SharedHooks, L.LightningModule):
     def __init__(self, backend, on_meta: bool = False, guard=None):
         """backend: the run's (moe.backends.build_backend; `LitMoE(DDPBackend(cfg, dims))` is a module on
-        its own, in one process), whose config the module reads: one config per run, held by the backend.
-        on_meta: build the model on the meta device (no storage); the backend's `parallelize` materialises
-        this rank's shard in `configure_model` (Backend.build_module). guard: the run's spike guard
-        (moe.train.guard.SpikeGuard), which the step asks; None: none."""
+        its own, in one process). on_meta: build the model on the meta device (no storage); the backend's
+        `parallelize` materialises this rank's shard in `configure_model` (Backend.build_module). guard: the
+        run's spike guard, which the step asks; None: none (moe.module.shared_hooks)."""
         super().__init__()
-        self.automatic_optimization = False  # the step is ours: moe.module.train_step
-        self.cfg: TrainConfig = backend.cfg  # the run's settled config (frozen dataclasses): read, not edited
-        self.save_hyperparameters({"cfg": as_container(self.cfg)})
-        self.backend = backend
+        self.train_on(backend, guard)
         with torch.device("meta" if on_meta else "cpu"):
             self.model = MoETransformer(self.cfg.model, self.cfg.moe_opt, init_seed=self.cfg.seed)
-        self.step_stats, self.val_stats = StepStats(), StepStats()
-        self.val_loss = float("nan")  # the last validation pass's, over every rank
         self._parallelized = False
-        self.expert_bias = None  # moe.module.expert_bias.ExpertBiasUpdate, made at the first step
-        self.schedule = None  # moe.module.pipelined.PipelineSchedule, set by a backend that pipelines
-        self.train_step = TrainStep(self, guard)
 
     def configure_model(self) -> None:
         """Parallelise once the process group exists, before the strategy wraps the model."""
@@ -71,29 +60,15 @@ class LitMoE(L.LightningModule):
         return out.loss, out.lm_loss, out.routing
 
     def training_step(self, rows: dict, batch_idx: int) -> torch.Tensor:
-        """One optimizer step over this rank's rows of it (moe.module.train_step)."""
-        loss = self.train_step(rows)
+        """The step (SharedHooks), and its loss on the progress bar."""
+        loss = super().training_step(rows, batch_idx)
         if self.trainer.progress_bar_callback is not None:  # only the bar reads it (2 ms a step on a CPU)
             self.log("loss", loss, prog_bar=True, logger=False, batch_size=self.cfg.trainer.micro_batch_size)
         return loss
 
-    def monitor_routing(self, on: bool) -> None:
-        """Whether the MoE layers compute their drop, load and entropy numbers: only for a step that
-        metrics.csv logs (the losses and the expert bias get what they read either way)."""
-        for layer in moe_layers(self.model):
-            layer.monitor = on
-
-    def count_expert_picks(self, routing: list) -> None:
-        """One micro-batch's picks per expert, for the aux-loss-free balancing (moe.module.expert_bias)."""
-        if self.cfg.moe_opt.enable_expert_bias:
-            if self.expert_bias is None:
-                from moe.module.expert_bias import ExpertBiasUpdate
-
-                self.expert_bias = ExpertBiasUpdate(self.model, self.cfg.moe_opt.bias_update_rate)
-            self.expert_bias.add(routing)
-
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        self.monitor_routing(False)  # validation reads the LM loss alone
+        for layer in moe_layers(self.model):  # validation reads the LM loss alone
+            layer.monitor = False
         if self.schedule is not None:
             return self.schedule.validation_step(self, batch)
         out = self.model(batch["input_ids"], labels_BS=batch["labels"])
@@ -101,10 +76,10 @@ class LitMoE(L.LightningModule):
         return out.lm_loss
 
     def on_validation_epoch_end(self) -> None:
-        """`val_loss` for the progress bar, loggers and callbacks (EarlyStopping): the mean over every
-        rank's batches, as metrics.csv has it. It is the same on every rank, so Lightning's mean over ranks
-        (sync_dist, without which it warns in a multi-process run) keeps it."""
-        self.val_loss = validation_loss(self)
+        """`val_loss` (SharedHooks) for the progress bar, loggers and callbacks (EarlyStopping) too. It is the
+        same on every rank, so Lightning's mean over ranks (sync_dist, without which it warns in a
+        multi-process run) keeps it."""
+        super().on_validation_epoch_end()
         if not math.isnan(self.val_loss):
             self.log("val_loss", self.val_loss, prog_bar=True, sync_dist=True)
 
@@ -119,7 +94,7 @@ class LitMoE(L.LightningModule):
         self.backend.on_save_checkpoint(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        upgrade_loop_state(checkpoint)  # before Lightning restores its loops from it
+        super().on_load_checkpoint(checkpoint)  # the loop counters first (SharedHooks)
         if trainer_of(self) is not None:  # schedulers exist when the strategy restores after setup
             from moe.module.optim import fit_scheduler_states
 

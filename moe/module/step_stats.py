@@ -1,7 +1,8 @@
 """Per-optimizer-step accumulation of losses and routing statistics, as sums and counts.
 
-The module adds each micro-batch's losses and each MoE layer's RoutingStats; the metrics
-callback sums the sums and the counts over every rank in one collective and divides. Sums and
+The step (moe.module.train_step) adds each micro-batch's losses and each MoE layer's RoutingStats, and
+on a step that reads them (a logged one, or the spike guard's) sums the sums and the counts over every
+rank in one collective and divides. Sums and
 counts (not local means) are what make that right on any layout: a pipeline stage that holds
 no loss adds a count of 0, a stage adds only its own MoE layers, and tensor-parallel ranks,
 which hold the same values, weigh in equally in numerator and denominator. Nothing here
@@ -11,11 +12,13 @@ is synchronised once a step, not once a micro-batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
+from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.config.size import param_breakdown
 from moe.model.loss import router_loss
 
@@ -72,8 +75,10 @@ class StepStats:
         self.add_routing(routing, tokens)
         self.micro_batches += 1
 
-    def totals(self, device) -> torch.Tensor:
-        """[sum of every key..., its count...]: one fp32 tensor on `device` to sum-reduce over ranks."""
+    def totals(self) -> torch.Tensor:
+        """[sum of every key..., its count...]: one fp32 tensor to sum-reduce over ranks, on the device its
+        sums are on (the CPU where none is a tensor), so that building it reads nothing back."""
+        device = next((v.device for v in self.sums.values() if torch.is_tensor(v)), "cpu")
         values = [torch.as_tensor(self.sums[k], dtype=torch.float32).reshape(()).to(device) for k in KEYS]
         counts = torch.tensor(self._counts(), dtype=torch.float32, device=device)
         return torch.cat([torch.stack(values), counts])
@@ -105,29 +110,28 @@ def means_from_totals(totals: torch.Tensor) -> dict[str, float]:
             for k, total, count in zip(KEYS, sums, counts, strict=True)}
 
 
-def step_means(module) -> dict[str, float]:
-    """This step's losses and routing statistics, averaged over every rank (one sum-reduce, once a step: the
-    spike guard and metrics.csv share it).
+def step_means(stats: StepStats, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor], model: ModelConfig,
+               moe_opt: MoEOptConfig) -> dict[str, float]:
+    """The step's losses and routing statistics in `stats`, averaged over every rank: one sum-reduce and one
+    host read, once a step however often asked (the spike guard and metrics.csv share them).
 
     Where no rank reported the LM loss (NxD's pipeline returns the loss alone), it is the loss less
     every MoE layer's router term at the step's mean load-balance and z-losses.
     """
-    stats = module.step_stats
     if stats.means is not None:
         return stats.means
-    means = means_from_totals(module.backend.all_reduce(module, stats.totals(module.device), "sum"))
+    means = means_from_totals(sum_over_ranks(stats.totals()))
     stats.means = means
     if math.isnan(means["lm_loss"]) and not math.isnan(means["aux_loss"]):
-        per_layer = router_loss(SimpleNamespace(aux_loss=means["aux_loss"], z_loss=means["z_loss"]),
-                                module.cfg.moe_opt)
-        means["lm_loss"] = means["loss"] - param_breakdown(module.cfg.model).num_moe_layers * per_layer
+        per_layer = router_loss(SimpleNamespace(aux_loss=means["aux_loss"], z_loss=means["z_loss"]), moe_opt)
+        means["lm_loss"] = means["loss"] - param_breakdown(model).num_moe_layers * per_layer
     return means
 
 
 def validation_loss(module) -> float:
     """The LM loss over every rank's batches of the validation pass just run (one sum-reduce, every rank
     takes part), NaN where no rank holds one; the pass's sums start anew."""
-    totals = module.backend.all_reduce(module, module.val_stats.totals(module.device), "sum")
+    totals = module.backend.all_reduce(module, module.val_stats.totals(), "sum")
     module.val_stats.reset()
     return means_from_totals(totals)["lm_loss"]
 

@@ -8,24 +8,34 @@ step below does the rest, top to bottom, as torchtitan's `train_step` does:
     (once) -> the spike guard's decision -> clip -> optimizer step -> expert-bias update -> LR step -> the
     step's numbers for metrics.csv
 
-What differs by hardware is a method of the backend (moe.backends.base.Backend): `micro_batch_sync` (DDP
-holds its all-reduce until the last micro-batch, DeepSpeed its reduction), `sync_grads` (what the
-library leaves to us: experts over expert-DP, partial gradients over TP, AMP's unscale), `grad_norm`,
-`clip_gradients`, `skip_update`, `all_reduce`. A pipelined model runs every micro-batch's forward and
-backward inside its schedule (`module.schedule`, moe.module.pipelined). Checkpoints, pre-emption, the
-progress bar and metrics.csv's row are callbacks after the step (moe.train.callbacks): the periphery.
+The step drives a module (`StepModule`: six members, LitMoE's and NeuronLitMoE's) on a backend
+(`StepBackend`, moe.backends.base.Backend), and owns what lives for one step: its sums and counts
+(moe.module.step_stats), the expert picks of the aux-loss-free balancing (moe.module.expert_bias) and the
+record metrics.csv reads. What differs by hardware is a method of the backend, each complete on its own:
+`micro_batch_sync` (DDP holds its all-reduce until the last micro-batch, DeepSpeed its reduction, NxD cuts
+its graph), `sync_grads` (what the library leaves to us: experts over expert-DP, partial gradients over TP,
+AMP's unscale), `grad_norm`, `clip_gradients`, `skip_update` (after which `optimizer.step()` leaves the
+weights and the optimizer state as they are), `logged_grad_norm`, `all_reduce`. A pipelined model runs
+every micro-batch's forward and backward inside its schedule (`module.schedule`, moe.module.pipelined).
+Checkpoints, pre-emption, the progress bar and metrics.csv's row are callbacks after the step
+(moe.train.callbacks): the periphery.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from moe.module.step_stats import logs_step, step_means
-from moe.parallel.apply import clear_replays
+from moe.config.schema import TrainConfig
+from moe.module.step_stats import StepStats, logs_step, step_means
+from moe.parallel.apply import clear_replays, moe_layers
 
 
 @dataclass
@@ -33,9 +43,11 @@ class StepRecord:
     """What metrics.csv's row of a step reads (moe.train.metrics.RunMetrics)."""
 
     step: int  # 1-based: the optimizer step just taken
-    logged: bool  # whether metrics.csv gets a row: then `means` and `grad_norm` were read back
+    logged: bool  # whether metrics.csv gets a row: then everything below was read back
     means: dict | None = None  # losses and routing statistics averaged over every rank
     grad_norm: float = math.nan  # before clipping (DeepSpeed, NxD: their optimizer's; skipped: the guard's)
+    tokens_per_expert: list = field(default_factory=list)  # [moe_layer][expert] of this rank's last forward
+    tokens_per_forward: int = 0  # the tokens of that forward
 
 
 def step_seed(seed: int, rank: int, step: int, micro: int) -> int:
@@ -79,34 +91,82 @@ def micro_batches(rows: dict, size: int) -> list[dict]:
     return [dict(zip(pieces, parts, strict=True)) for parts in zip(*pieces.values(), strict=True)]
 
 
+class Schedule(Protocol):
+    """A pipeline's schedule (moe.module.pipelined, NxD's in moe/backends/neuron/module.py)."""
+
+    def forward_backward(self, module: StepModule, micro_batches: list[dict], stats: StepStats,
+                         count_picks: Callable[[list], None]) -> torch.Tensor:
+        """Every micro-batch's forward and backward; their numbers into `stats`, each micro-batch's routing
+        to `count_picks`; the step's mean loss where this rank holds it, else 0."""
+
+
+class StepModule(Protocol):
+    """The module the step drives (LitMoE, NeuronLitMoE: moe.module.shared_hooks): a LightningModule under
+    manual optimization, around the model it trains."""
+
+    trainer: Any  # Lightning's Trainer: the step's number, the rank, the LR schedule (lr_scheduler_configs)
+    model: nn.Module  # what trains: its MoE layers are monitored, their replays cleared, their bias balanced
+    schedule: Schedule | None  # a pipeline's, which runs every micro-batch itself; None: the step does
+
+    def micro_batch_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+        """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch."""
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """Lightning's backward, through its strategy and precision (AMP's scaling, DeepSpeed's engine)."""
+
+    def optimizers(self) -> Any:
+        """Lightning's wrapper of the optimizer: its `step()` goes through the strategy and the precision
+        plugin and counts the step (the Trainer's global_step)."""
+
+
+class StepBackend(Protocol):
+    """What the step asks of the hardware's backend (moe.backends.base.Backend, its docs say each one)."""
+
+    cfg: TrainConfig
+
+    def micro_batch_sync(self, module, last: bool) -> contextlib.AbstractContextManager: ...
+    def sync_grads(self, module) -> None: ...
+    def grad_norm(self, module) -> torch.Tensor: ...
+    def clip_gradients(self, module, norm: torch.Tensor, max_norm: float) -> None: ...
+    def skip_update(self, module) -> None: ...
+    def logged_grad_norm(self, module, norm: torch.Tensor) -> float: ...
+    def all_reduce(self, module, tensor: torch.Tensor, op: str, stage_only: bool = False) -> torch.Tensor: ...
+
+
+class Guard(Protocol):
+    """The spike guard (moe.train.guard.SpikeGuard)."""
+
+    def skips(self, step: int, trainer, grad_norm: torch.Tensor, step_loss: Callable[[], float]) -> bool: ...
+
+
 class TrainStep:
-    """The optimizer step of `module` (LitMoE or NeuronLitMoE) on its backend.
+    """The optimizer step of `module` on `backend`, and what lives for one step: its statistics (`stats`),
+    the expert picks it counts (`expert_bias`) and, after it, its record (`last`). The guard (None: no guard)
+    decides whether the update is taken."""
 
-    The module gives the pieces: its run's `cfg`, `micro_batch_loss(batch) -> (loss, lm_loss, routing)`,
-    `schedule` (a pipeline's, else None), `step_stats`, `count_expert_picks` and `expert_bias`,
-    `monitor_routing`; the guard (moe.train.guard.SpikeGuard, None: no guard) decides whether the update is
-    taken.
-    """
-
-    def __init__(self, module, guard=None):
-        self.module, self.backend, self.cfg, self.guard = module, module.backend, module.cfg, guard
+    def __init__(self, module: StepModule, backend: StepBackend, guard: Guard | None = None):
+        self.module, self.backend, self.cfg, self.guard = module, backend, backend.cfg, guard
+        self.stats = StepStats()
+        self.expert_bias = None  # moe.module.expert_bias.ExpertBiasUpdate, made at the first step that picks
         self.last: StepRecord | None = None
 
     def __call__(self, rows: dict) -> torch.Tensor:
         """The next optimizer step on this rank's rows of it; returns the step's mean loss (detached)."""
         module, backend, cfg = self.module, self.backend, self.cfg
-        step, rank = module.trainer.global_step + 1, module.trainer.global_rank  # step: 1-based
-        optimizer, scheduler = module.optimizers(), module.lr_schedulers()
+        trainer = module.trainer
+        step, rank = trainer.global_step + 1, trainer.global_rank  # step: 1-based
+        optimizer = module.optimizers()
         logged = logs_step(step, cfg.trainer.log_every_n_steps, cfg.trainer.max_steps)
-        module.step_stats.reset()
-        module.monitor_routing(logged)  # the drop, load and entropy numbers only where metrics.csv reads them
+        self.stats = StepStats()
+        for layer in moe_layers(module.model):  # the drop, load and entropy numbers only where metrics.csv
+            layer.monitor = logged  # reads them (NxD's layers compute theirs on every forward)
         optimizer.zero_grad()
 
         # 1. forward and backward of every micro-batch (a pipeline's schedule runs them all at once)
         batches = micro_batches(rows, cfg.trainer.micro_batch_size)
         if module.schedule is not None:
             torch.manual_seed(step_seed(cfg.seed, rank, step - 1, 0))
-            loss = module.schedule.forward_backward(module, batches)
+            loss = module.schedule.forward_backward(module, batches, self.stats, self.count_expert_picks)
         else:
             losses = []
             for i, batch in enumerate(batches):
@@ -115,9 +175,8 @@ class TrainStep:
                 with backend.micro_batch_sync(module, last=i == len(batches) - 1):
                     loss, lm_loss, routing = module.micro_batch_loss(batch)
                     module.manual_backward(loss / len(batches))
-                module.step_stats.add(loss=loss, lm_loss=lm_loss, routing=routing,
-                                      tokens=batch["input_ids"].numel())
-                module.count_expert_picks(routing)
+                self.stats.add(loss=loss, lm_loss=lm_loss, routing=routing, tokens=batch["input_ids"].numel())
+                self.count_expert_picks(routing)
                 losses.append(loss.detach())
             loss = torch.stack(losses).mean()
 
@@ -126,25 +185,47 @@ class TrainStep:
         norm = backend.grad_norm(module)
 
         # 3. the spike guard decides from the step's loss over every rank and the norm; else clip
-        skipped = self.guard is not None and self.guard.skips(step, module, norm)
+        skipped = self.guard is not None and self.guard.skips(step, trainer, norm, self.mean_loss)
         if skipped:
-            backend.skip_update(module)
+            backend.skip_update(module)  # the step below then leaves weights and optimizer state as they are
         elif cfg.optimizer.grad_clip:  # DeepSpeed and NxD clip inside their optimizer's step instead
             backend.clip_gradients(module, norm, float(cfg.optimizer.grad_clip))
 
         # 4. the update: weights, then the routers' expert bias, then the learning rate
         optimizer.step()
-        if module.expert_bias is not None:  # every rank of the stage holds these layers
-            module.expert_bias.step(lambda t: backend.all_reduce(module, t, "sum", stage_only=True))
-        scheduler.step()
+        if self.expert_bias is not None:  # every rank of the stage holds these layers
+            self.expert_bias.step(lambda t: backend.all_reduce(module, t, "sum", stage_only=True))
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler.step()
 
         # 5. the step's numbers for metrics.csv: read back from the device only on a logged step
         self.last = StepRecord(step=step, logged=logged)
         if logged:
-            self.last.means = step_means(module)
+            self.last.means = self.means()
             # a skipped step's optimizer computed no norm (DeepSpeed's says inf, NxD's is the last step's):
             # the guard's, which it decided from
-            after = backend.norm_after_step and not skipped
-            logged_norm = backend.grad_norm_after_step(module) if after else float(norm)
-            self.last.grad_norm = math.nan if logged_norm is None else logged_norm
+            self.last.grad_norm = float(norm) if skipped else backend.logged_grad_norm(module, norm)
+            self.last.tokens_per_expert = self.stats.tokens_per_expert()
+            self.last.tokens_per_forward = self.stats.last_tokens_per_forward
         return loss
+
+    def means(self) -> dict[str, float]:
+        """The step's losses and routing statistics averaged over every rank: one all-reduce and one host
+        read, the first time a step asks (moe.module.step_stats.step_means)."""
+        def sum_over_ranks(totals: torch.Tensor) -> torch.Tensor:
+            return self.backend.all_reduce(self.module, totals, "sum")
+
+        return step_means(self.stats, sum_over_ranks, self.cfg.model, self.cfg.moe_opt)
+
+    def mean_loss(self) -> float:
+        """The step's loss averaged over micro-batches and ranks (what the spike guard decides from)."""
+        return self.means()["loss"]
+
+    def count_expert_picks(self, routing: list) -> None:
+        """One micro-batch's picks per expert, for the aux-loss-free balancing (moe.module.expert_bias)."""
+        if self.cfg.moe_opt.enable_expert_bias:
+            if self.expert_bias is None:
+                from moe.module.expert_bias import ExpertBiasUpdate
+
+                self.expert_bias = ExpertBiasUpdate(self.module.model, self.cfg.moe_opt.bias_update_rate)
+            self.expert_bias.add(routing)

@@ -3,11 +3,13 @@ running mean, is counted, logged and, as configured, skipped or rolled back.
 
 Decided once per optimizer step by `skips`, which the step calls (moe.module.train_step) after the
 gradients are synchronised, from the step's loss averaged over micro-batches and ranks and the global
-gradient norm, so every rank decides the same. As a callback it keeps what lives beside the step: the
-rollback ledger at the run's start, its state in every checkpoint, the step last saved.
-Skipping an update sets every gradient to None: AdamW then leaves parameters and moments
-untouched (no weight decay either); the step counter, the schedule and the data stream move
-on as if the step had run, so the data order of later steps never changes.
+gradient norm, so every rank decides the same; with both checks off (trainer.skip_nonfinite=false,
+trainer.spike_factor=0) only the rollback ledger's steps are skipped, and the loss is not read. As a
+callback it keeps what lives beside the step: the rollback ledger at the run's start, its state in every
+checkpoint, the step last saved.
+Skipping an update is the backend's (Backend.skip_update): the weights and the optimizer state stay
+bit for bit as they are (no weight decay either); the step counter, the schedule and the data stream
+move on as if the step had run, so the data order of later steps never changes.
 
 Rollback (PaLM's recipe): the spike step M and every step since the last checkpoint N are
 recorded in `<run_dir>/rollbacks.json`, `RollbackRequested` unwinds `Trainer.fit`, and
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -26,7 +29,6 @@ import lightning as L
 from moe.checkpoint.io import write_json_atomic
 from moe.errors import UserError
 from moe.inputs import load_json
-from moe.module.step_stats import step_means
 
 LEDGER = "rollbacks.json"
 COUNT_KEYS = ("skipped_steps", "spikes", "nonfinite_steps", "rollbacks")
@@ -112,13 +114,23 @@ class SpikeGuard(L.Callback):
         self.counts["rollbacks"] += len(later)
 
     # -- the decision, once per optimizer step -------------------------------------------------
-    def skips(self, step: int, pl_module, grad_norm) -> bool:
+    @property
+    def reads_loss(self) -> bool:
+        """Whether a step's decision needs its loss: the non-finite check or the spike check is on."""
+        return self.skip_nonfinite or bool(self.factor)
+
+    def skips(self, step: int, trainer, grad_norm, step_loss: Callable[[], float]) -> bool:
         """Whether optimizer step `step` (1-based) leaves the weights as they are (the caller then skips
-        the update); a rollback raises RollbackRequested, too many non-finite steps in a row a UserError."""
-        trainer = pl_module.trainer
+        the update); a rollback raises RollbackRequested, too many non-finite steps in a row a UserError.
+        `step_loss()`: the step's loss averaged over micro-batches and every rank."""
         if step in self.skip_steps:
             return self._skip(f"step {step}: update skipped (rolled back past a loss spike)", trainer)
-        loss = step_means(pl_module)["loss"]
+        if not self.reads_loss:
+            return False
+        # The checks need the loss of every step, before its update, the same on every rank: one all-reduce
+        # and one host read a step (shared with metrics.csv's row on a logged step). Without them
+        # (trainer.skip_nonfinite=false, trainer.spike_factor=0) nothing is read back on an unlogged step.
+        loss = step_loss()
         if self.skip_nonfinite and not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
             self.counts["nonfinite_steps"] += 1
             self.nonfinite_in_a_row += 1

@@ -46,7 +46,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class RunMetrics(L.Callback):
-    """Reduces each optimizer step's StepStats over ranks and writes metrics.csv and summary.json.
+    """Writes metrics.csv's row of each logged optimizer step from the step's record (its means over every
+    rank, read back by the step, moe.module.train_step.StepRecord), and summary.json.
 
     `guard` (moe.train.guard.SpikeGuard, optional) supplies the skipped-step and spike counters.
     """
@@ -72,7 +73,6 @@ class RunMetrics(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._last_step = self._start_step = trainer.global_step
         self._last_time = time.perf_counter()
-        pl_module.step_stats.reset()
         if trainer.is_global_zero:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             kept = [r for r in read_metrics(self.metrics_path) if int(r["step"]) <= trainer.global_step]
@@ -107,7 +107,6 @@ class RunMetrics(L.Callback):
         if step - steps_done > self._start_step:  # the first step after (re)start includes warm-up
             self._timed_steps += steps_done
             self._timed_seconds += seconds
-        stats = pl_module.step_stats
         tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
         if trainer.progress_bar_callback is not None:  # only the bar reads it
             pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
@@ -120,8 +119,8 @@ class RunMetrics(L.Callback):
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * self.flops_per_token / self.peak_flops_total,
             "val_loss": "",
-            "tokens_per_expert": json.dumps(stats.tokens_per_expert()),
-            "tokens_per_forward": stats.last_tokens_per_forward,
+            "tokens_per_expert": json.dumps(record.tokens_per_expert),
+            "tokens_per_forward": record.tokens_per_forward,
         }
         counts = self.guard.counts if self.guard else {}  # cumulative over the run
         row.update(skipped_steps=counts.get("skipped_steps", 0), spikes=counts.get("spikes", 0))

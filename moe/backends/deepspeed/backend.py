@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -169,10 +170,13 @@ class DeepSpeedBackend(Backend):
         if not self.norm_after_step:
             super().clip_gradients(module, norm, max_norm)
 
-    def grad_norm_after_step(self, module) -> float | None:
-        """The global grad norm DeepSpeed computed in its last step (before clipping), or None."""
-        norm = self.strategy.deepspeed_engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
+    def logged_grad_norm(self, module, norm: torch.Tensor) -> float:
+        """Under ZeRO or half precision the global grad norm DeepSpeed computed in its step (before clipping;
+        NaN where it has none), else the step's."""
+        if not self.norm_after_step:
+            return float(norm)
+        after = self.strategy.deepspeed_engine.get_global_grad_norm()
+        return math.nan if after is None else float(after)
 
     def grad_norm(self, module) -> torch.Tensor:
         """The global norm of the gradients DeepSpeed's optimizer is about to step with, before clipping, as

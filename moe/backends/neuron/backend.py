@@ -13,6 +13,7 @@ unless hardware=trn1 runs.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -29,7 +30,6 @@ INSTALL_HINT = ("run on a trn1 instance in the Neuron SDK 2.28 environment (the 
 
 class NeuronBackend(Backend):
     name = "neuron"
-    norm_after_step = True  # NxD's optimizer computes the global norm inside its step
 
     def prepare(self) -> None:
         from moe.backends.neuron.env import neuron_env
@@ -37,7 +37,6 @@ class NeuronBackend(Backend):
         self._env = neuron_env(self.cfg.hardware, self.cfg.model, self.cfg.trainer)
         os.environ.update(self._env)  # before torch_xla starts: XLA reads these once
         _import_nxd(self.cfg.hardware)
-        self._skip = False
         self._nxd_config: dict | None = None
         self._source = None  # initial_values' source, chosen at the first parameter
 
@@ -126,16 +125,30 @@ class NeuronBackend(Backend):
     def clip_gradients(self, module, norm, max_norm: float) -> None:
         """NxD's optimizer clips inside its step (optimizer_config max_grad_norm; ZeRO-1: its max_norm)."""
 
-    def grad_norm_after_step(self, module) -> float | None:
-        norm = module.optimizers().grad_norm  # NxDOptimizer.grad_norm (trainer/optimizer.py:26-28)
-        return None if norm is None else float(norm)
+    def logged_grad_norm(self, module, norm) -> float:
+        """The norm NxD's optimizer computed inside its step (before clipping; NaN where it has none):
+        NxDOptimizer.grad_norm (trainer/optimizer.py:26-28)."""
+        after = module.trainer.optimizers[0].grad_norm
+        return math.nan if after is None else float(after)
 
     def skip_update(self, module) -> None:
-        self._skip = True  # moe.backends.neuron.strategy.NeuronPrecision skips the step
+        """This step's NxD optimizer step is left out, here, whatever the gradients hold: NxD's optimizers
+        have no step that updates nothing. NxDOptimizer.step hands on to torch-xla's ZeRO-1 (neuronx-
+        distributed v2.28.0 trainer/optimizer.py:122-147), which steps every shard with a gradient or a
+        `main_grad` (torch_xla 2.9.0 distributed/zero_redundancy_optimizer.py:339-356, :403-438): zeroed,
+        AdamW still moves the moments and decays the weights; with none at all NxD's ZeRO-1 clipping fails
+        (optimizer/zero_redundancy_optimizer.py:71-105 -> parallel_layers/grads.py:126-127). So the
+        optimizer's `step` is, for this one call, one that updates nothing (the attribute goes with that
+        call): the step's `optimizer.step()` still counts the step (Lightning) and runs the precision plugin
+        and its graph cut, and the weights, the moments and ZeRO-1's fp32 master shards stay as they are;
+        the next step's zero_grad clears the gradients."""
+        optimizer = module.trainer.optimizers[0]  # NxDOptimizer: the precision plugin calls its step()
 
-    def take_skip(self) -> bool:
-        skip, self._skip = self._skip, False
-        return skip
+        def left_out(closure=None):
+            del optimizer.step  # the class's step again from the next step on
+            return None
+
+        optimizer.step = left_out
 
 
 @contextlib.contextmanager

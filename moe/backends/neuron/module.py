@@ -23,16 +23,14 @@ from neuronx_distributed.trainer import initialize_parallel_optimizer
 
 from moe.backends.neuron.causal_lm import pop_routing
 from moe.backends.neuron.layers import build_model
-from moe.config.schema import TrainConfig
-from moe.config.settled import as_container
 from moe.module.optim import build_scheduler, param_groups
-from moe.module.step_stats import StepStats, validation_loss
-from moe.module.train_step import TrainStep, upgrade_loop_state
+from moe.module.shared_hooks import SharedHooks
+from moe.module.step_stats import StepStats
 
 
-class NeuronLitMoE(NeuronLTModule):
+class NeuronLitMoE(SharedHooks, NeuronLTModule):
     def __init__(self, nxd_config: dict, backend, guard=None):
-        run_cfg: TrainConfig = backend.cfg  # the backend's frozen dataclasses: read, not edited (as LitMoE)
+        run_cfg = backend.cfg  # the backend's frozen dataclasses: read, not edited (as LitMoE)
         sp = backend.dims.sequence_parallel
         super().__init__(
             nxd_config=nxd_config, opt_cls=torch.optim.AdamW, scheduler_cls=None,
@@ -40,14 +38,9 @@ class NeuronLitMoE(NeuronLTModule):
             grad_accum_steps=run_cfg.trainer.accumulate_grad_batches,
             train_batch_size=run_cfg.trainer.micro_batch_size, manual_opt=True,
         )
-        self.save_hyperparameters({"cfg": as_container(run_cfg)})
-        self.cfg, self.backend = run_cfg, backend
-        self.step_stats, self.val_stats = StepStats(), StepStats()
-        self.val_loss = float("nan")  # the last validation pass's, over every rank
+        self.train_on(backend, guard)
         self.pp = backend.dims.pp
         self.schedule = NxDPipelineSchedule() if self.pp > 1 else None
-        self.expert_bias = None  # no aux-loss-free balancing on trn1 (moe.backends.neuron.rules)
-        self.train_step = TrainStep(self, guard)
 
     def configure_optimizers(self):
         """moe.module.optim's groups over this rank's parameters, NxD's optimizer, our schedule."""
@@ -77,20 +70,15 @@ class NeuronLitMoE(NeuronLTModule):
                 group["lr"] = lr
 
     def training_step(self, rows: dict, batch_idx: int):
-        """One optimizer step over this rank's rows of it (moe.module.train_step)."""
+        """The step (SharedHooks), in an XLA graph of its own: what ran before it is executed first."""
         xm.mark_step()
-        return self.train_step(rows)
+        return super().training_step(rows, batch_idx)
 
     def micro_batch_loss(self, batch: dict):
-        """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch (NxDCausalLM's)."""
+        """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch (NxDCausalLM's). NxD's
+        MoE layers compute their statistics on every forward (moe/backends/neuron/moe_layer.py)."""
         loss, lm = self.model(batch["input_ids"], batch["labels"])
         return loss, lm, pop_routing(self.model.modules())
-
-    def monitor_routing(self, on: bool) -> None:
-        """NxD's MoE layers compute their statistics on every forward (moe/backends/neuron/moe_layer.py)."""
-
-    def count_expert_picks(self, routing: list) -> None:
-        """No aux-loss-free balancing on trn1."""
 
     def validation_step(self, batch: dict, batch_idx: int):
         """LM loss (router terms are not computed in eval); metrics sum it over ranks. With pipeline
@@ -104,21 +92,18 @@ class NeuronLitMoE(NeuronLTModule):
             self.val_stats.add_losses(lm, lm)
         return lm
 
-    def on_validation_epoch_end(self) -> None:
-        self.val_loss = validation_loss(self)  # metrics.csv's (moe.train.metrics.RunMetrics)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        upgrade_loop_state(checkpoint)  # before Lightning restores its loops from it
-
 
 
 class NxDPipelineSchedule:
     """NxD's pipeline runs every micro-batch of the step in `run_train` (pipeline/model.py:1974-2000)."""
 
-    def forward_backward(self, module, micro_batches: list[dict]):
+    def forward_backward(self, module, micro_batches: list[dict], stats: StepStats,
+                         count_picks) -> torch.Tensor:
+        """The step's loss on the last stage; the routing of this stage's MoE layers (no expert picks to
+        count: no aux-loss-free balancing on trn1)."""
         ids, labels = (torch.cat([b[k] for b in micro_batches]) for k in ("input_ids", "labels"))
         loss = module.model.run_train(input_ids=ids, labels=labels)  # None off the last stage
         if loss is not None:
-            module.step_stats.add_losses(loss)
-        module.step_stats.add_routing(pop_routing(module.model.modules()), ids.numel() // len(micro_batches))
+            stats.add_losses(loss)
+        stats.add_routing(pop_routing(module.model.modules()), ids.numel() // len(micro_batches))
         return loss.detach() if loss is not None else torch.zeros(())

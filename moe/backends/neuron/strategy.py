@@ -17,8 +17,8 @@ Read against neuronx-distributed v2.28.0 (src/neuronx_distributed/lightning/) an
   restart them from the bf16 weights. They are saved under MASTER_WEIGHTS in each rank's optimizer
   file and copied back into the shards after NxD's load: the run continues as it would have.
 - The precision plugin: NxD's optimizer_step calls optimizer.step() and never the closure
-  (lightning/precision_plugin.py:18-26); ours skips the update when the spike guard said so (the step,
-  moe.module.train_step, asked it before), then ends the step's XLA graph.
+  (lightning/precision_plugin.py:18-26); ours runs Lightning's closure, then NxD's, then ends the step's
+  XLA graph.
 """
 from __future__ import annotations
 
@@ -106,14 +106,11 @@ def shards(zero1) -> list:
 
 
 class NeuronPrecision(NeuronXLAPrecisionPlugin):
-    """NxD's plugin, with a skipped update when the backend was told to skip this step (moe.train.guard),
-    and the optimizer step's XLA graph executed at its end."""
+    """NxD's plugin (lightning/precision_plugin.py:18-26), with the optimizer step's XLA graph executed at its
+    end. A step the spike guard skips is the backend's (NeuronBackend.skip_update), not this plugin's."""
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         closure()  # manual optimization: Lightning's do-nothing closure
-        if model.backend.take_skip():
-            optimizer.zero_grad()
-            return None
         result = optimizer.step()
         xm.mark_step()
         return result
