@@ -1,8 +1,8 @@
 """Every rule train.py checks, in order: `validate(cfg)` raises ConfigError(field, value, fix) for the first
 one a composed config breaks, before anything is built (moe.train.run.settle then builds the
-run's ParallelDims). The rules live beside what they govern (moe/config/rules/: model, layout, backends,
-run, entries); this table is the one place their order is written, and the names below stay importable
-from here.
+run's ParallelDims). The rules live beside what they govern (moe/config/rules/: architecture, layout,
+backends, training, entries); this table is the one place their order is written, and the names below
+stay importable from here.
 
 A rule's parameters say what it reads (`validate` passes each what it names): the config's sections or
 top-level keys it checks (`parallel`, `model`, `seed`), the values derived from the config it needs
@@ -18,6 +18,13 @@ import inspect
 from moe.backends.registry import spec_of
 from moe.config.choices import *  # noqa: F403  (the choices, as importable from here as before)
 from moe.config.derived import data_parallel_size, planning, world_of
+from moe.config.rules.architecture import (
+    validate_gqa,
+    validate_groups,
+    validate_mla,
+    validate_model,
+    validate_routing,
+)
 from moe.config.rules.backends import (
     BACKEND_RULES,
     check_backend,
@@ -26,7 +33,6 @@ from moe.config.rules.backends import (
     check_overlap_comm,
     check_pp_schedule,
 )
-from moe.config.rules.base import SEED_RANGE, check_seed
 from moe.config.rules.entries import check_chat_template, validate_infer, validate_prep
 from moe.config.rules.layout import (
     check_degrees,
@@ -41,14 +47,8 @@ from moe.config.rules.layout import (
     check_world_divisible,
     check_zero_stage,
 )
-from moe.config.rules.model import (
-    validate_gqa,
-    validate_groups,
-    validate_mla,
-    validate_model,
-    validate_routing,
-)
-from moe.config.rules.run import (
+from moe.config.rules.refusals import SEED_RANGE, check_seed
+from moe.config.rules.training import (
     FREE_FORM,
     check_activation_checkpointing,
     check_data,
