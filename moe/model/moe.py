@@ -52,11 +52,8 @@ from moe.model.routing import (
 )
 from moe.model.sync import host_sizes
 
-__all__ = ["Router", "Experts", "MoEFeedForward", "MoELayer", "RoutingStats", "SharedExpert",
+__all__ = ["Router", "Experts", "MoEFeedForward", "MoELayer", "RoutingStats",
            "autocast_dtype", "expert_kernel", "grouped_mm_works"]
-
-SharedExpert = SwiGLU  # kept name: the shared expert is the one dense MLP (moe.model.mlp)
-
 
 @runtime_checkable
 class MoEFeedForward(Protocol):
