@@ -18,7 +18,7 @@ from moe.errors import exit_on_user_error
 def main(cfg: DictConfig) -> None:
     import json
 
-    from moe.data.pipeline import prepare
+    from moe.data.prep_pipeline import prepare
 
     out = prepare(cfg)
     meta = json.loads((out / "meta.json").read_text())

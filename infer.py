@@ -18,7 +18,7 @@ from moe.errors import exit_on_user_error
 @hydra.main(config_path="conf", config_name="infer", version_base="1.3")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
-    from moe.infer.run import run
+    from moe.infer.command import run
 
     run(cfg)
 

@@ -10,7 +10,7 @@ from moe.config import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
 from moe.model import MoETransformer
 from moe.parallel.apply import CheckpointWrapper, apply_ac, apply_compile, apply_ep
-from moe.parallel.dispatch import AllToAllDispatcher
+from moe.parallel.expert_exchange import AllToAllDispatcher
 
 CFG = ModelConfig(vocab_size=53, hidden_size=32, intermediate_size=24, num_layers=4, num_heads=4,
                   num_kv_heads=2, num_experts=4, top_k=2, moe_layer_frequency=2)

@@ -383,7 +383,7 @@ def online_cache_entry(tmp_path: Path, monkeypatch) -> tuple[Path, list[str]]:
     """An online data cache entry built as train.py builds it (MOE_DATA_CACHE under tmp_path), and the
     overrides of a run that uses it."""
     from moe.data.datamodule import online_cache_dir, online_prep_config
-    from moe.data.pipeline import prepare
+    from moe.data.prep_pipeline import prepare
 
     (tmp_path / "corpus.txt").write_text("".join(f"document {i}: the quick brown fox.\n" for i in range(300)))
     monkeypatch.setenv("MOE_DATA_CACHE", str(tmp_path / "cache"))

@@ -637,7 +637,7 @@ def test_init_from_a_dir_whose_config_says_more_experts_than_its_weights_hold(tm
 
 
 def test_infer_from_an_hf_dir_whose_weights_file_is_empty(tmp_path):
-    from moe.infer.run import run
+    from moe.infer.command import run
 
     hf = hf_dir_with(tmp_path, b"")
     code, err = exit_of(run, icfg(hf_dir=str(hf), prompt="hello"))
@@ -703,7 +703,7 @@ def icfg(**kw):
 
 
 def test_infer_prompts_file_with_a_prompt_that_is_not_text(tmp_path):
-    from moe.infer.run import run
+    from moe.infer.command import run
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "fine"}\n{"prompt": 123}\n')
@@ -712,7 +712,7 @@ def test_infer_prompts_file_with_a_prompt_that_is_not_text(tmp_path):
 
 
 def test_infer_output_file_that_is_a_directory_is_refused_before_generating(tmp_path):
-    from moe.infer.run import run
+    from moe.infer.command import run
 
     code, err = exit_of(run, icfg(ckpt=str(tmp_path / "never-loaded.ckpt"), prompt="hi",
                                   output_file=str(tmp_path)))
@@ -720,7 +720,7 @@ def test_infer_output_file_that_is_a_directory_is_refused_before_generating(tmp_
 
 
 def test_infer_seed_numpy_would_refuse(tmp_path):
-    from moe.infer.run import run
+    from moe.infer.command import run
 
     code, err = exit_of(run, icfg(ckpt="last", prompt="hi", seed=-1))
     assert_user_error(code, err, "seed", "-1", "from 0 to 4294967295", "is not a seed numpy accepts")

@@ -247,8 +247,9 @@ def test_every_rule_names_what_validate_can_give_it():
     import dataclasses
     import inspect
 
+    from moe.config.rules.backends import BACKEND_RULES
     from moe.config.schema import TrainConfig
-    from moe.config.validate import BACKEND_RULES, RULES
+    from moe.config.validate import RULES
 
     givable = {f.name for f in dataclasses.fields(TrainConfig)} | {"cfg", "planning", "world", "dp", "spec"}
     rules = [r for r in RULES if r is not BACKEND_RULES] + list(BACKEND_RULES.values())

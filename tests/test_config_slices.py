@@ -19,7 +19,7 @@ SECTIONS = {"model", "moe_opt", "parallel", "hardware", "optimizer", "data", "tr
             "callbacks", "seed", "run_name", "resume", "dry_run", "simulate", "simulate_rank", "routing_skew",
             "allow_pickle", "lock_wait_s"}
 HOLDERS = {"self", "module", "pl_module", "lit_module"}  # a holder's own config (module docstring)
-NOT_TRAIN = ("moe/infer/", "moe/data/pipeline.py", "moe/config/rules/entries.py")  # other entry points
+NOT_TRAIN = ("moe/infer/", "moe/data/prep_pipeline.py", "moe/config/rules/entries.py")  # other entry points
 PART_TYPES = ("ModelConfig", "MoEOptConfig", "ParallelConfig", "HardwareConfig", "OptimizerConfig",
               "DataConfig", "TrainerConfig", "Section", "PrepConfig", "InferConfig")
 
@@ -29,7 +29,7 @@ WHOLE = {
     "moe/train/run.py": {"settle", "settled_of", "train", "_train"},  # the run
     "moe/train/callbacks.py": {"key_config"},  # the values a report compares runs by, from every section
     "moe/config/validate.py": {"validate"},  # the table of rules, each given what its parameters name
-    "moe/config/rules/run.py": {"check_known_keys", "check_finite"},  # walk every key
+    "moe/config/rules/training.py": {"check_known_keys", "check_finite"},  # walk every key
     "moe/config/settled.py": {"settled_config"},  # the conversion to frozen dataclasses
     "moe/config/upgrade.py": {"with_schema_defaults"},  # an older checkpoint's config, typed
     "moe/parallel/dims.py": {"from_config"},  # the layout from every section it reads

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe.data.formats import FormatSpec, check_columns, render_batch, render_row
+from moe.data.text_formats import FormatSpec, check_columns, render_batch, render_row
 from moe.errors import UserError
 
 CHAT = FormatSpec("chat")

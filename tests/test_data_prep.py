@@ -8,8 +8,7 @@ import datasets
 import numpy as np
 import pytest
 
-from moe.data import load_prepared, prepare
-from moe.data import pipeline as pipeline_mod
+from moe.data import load_prepared, prep_pipeline, prepare
 from moe.data.sample_corpus import chat_rows, corpus_lines
 from moe.data.tokenizer import read_tokenizer
 from moe.errors import UserError
@@ -184,7 +183,7 @@ def test_output_is_written_atomically(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline_mod, "save_splits", interrupted)
+    monkeypatch.setattr(prep_pipeline, "save_splits", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prep(tmp_path, "never", input=src)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt", "out"]  # no output, no temp dir

@@ -12,10 +12,10 @@ from moe.data.tokenizer import chat_template_jinja, save_tokenizer, train_bpe
 from moe.errors import ConfigError, UserError
 from moe.hf import tensor_source
 from moe.hf.start import hf_start
+from moe.infer.command import chat_prefix
 from moe.infer.export import export_hf
 from moe.infer.generate import generate, left_pad
 from moe.infer.load import model_from_hf_dir
-from moe.infer.run import chat_prefix
 from moe.model import MoETransformer
 
 V = 300  # tokenizer below has 290 ids; the model keeps 10 spare rows as trained models may
@@ -87,7 +87,7 @@ def test_exported_tokenizer_and_chat_template(tmp_path, tok_dir):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
     rendered = tok.apply_chat_template(messages, tokenize=False)
-    # same text training renders (moe.data.formats): system joins the first prompt, turns joined by "\n"
+    # same text training renders (moe.data.text_formats): system joins the first prompt, turns joined by "\n"
     assert rendered == chat_prefix("be brief\nhi", TEMPLATE) + "hello" + "\n" + chat_prefix("bye", TEMPLATE)
     assert chat_template_jinja("Q: {prompt} A: {completion}<|endoftext|>")  # renders any template
 

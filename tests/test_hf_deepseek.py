@@ -221,7 +221,7 @@ def test_generation_with_the_kv_cache_equals_the_full_forward():
     ({"first_k_dense_replace": 4}, "model.first_k_dense_replace"),
 ])
 def test_mla_and_dense_layer_keys_are_checked(kw, field):
-    from moe.config.validate import validate_model
+    from moe.config.rules.architecture import validate_model
 
     with pytest.raises(ConfigError) as err:
         validate_model(replace(ours().cfg, **kw))

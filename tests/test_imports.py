@@ -91,15 +91,15 @@ def test_no_import_cycles():
 
 
 def test_the_model_imports_its_own_rules_not_the_run_table_nor_the_backends_specs():
-    """moe/model checks a model config with moe.config.rules.model; the whole table (moe.config.validate) and
-    what backends can do (moe.backends.registry, moe.config.specs) are the run's, so building a model never
-    loads them."""
+    """moe/model checks a model config with moe.config.rules.architecture; the whole table
+    (moe.config.validate) and what backends can do (moe.backends.registry, moe.config.specs) are the
+    run's, so building a model never loads them."""
     edges, reached, todo = graph(), set(), [m for m in graph() if m.startswith("moe.model")]
     while todo:
         module = todo.pop()
         for target in edges[module] - reached:
             reached.add(target)
             todo.append(target)
-    assert "moe.config.rules.model" in reached
+    assert "moe.config.rules.architecture" in reached
     assert not reached & {"moe.config.validate", "moe.config.specs", "moe.config.rules.backends",
                           "moe.backends.registry"}

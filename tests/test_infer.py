@@ -12,9 +12,9 @@ from moe.checkpoint.picker import resolve_checkpoint
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
 from moe.config.infer import InferConfig
 from moe.errors import UserError
+from moe.infer.command import load, run
 from moe.infer.generate import generate
 from moe.infer.load import model_from_checkpoint
-from moe.infer.run import load, run
 from moe.model import MoETransformer
 
 SAMPLE_TOK = "data/sample"  # bundled tokenizer, 512 ids

@@ -277,7 +277,7 @@ def test_parameters_shapes_marks_and_init():
     ],
 )
 def test_config_errors(kwargs, field):
-    """What the model checks when it is built (moe.config.validate.validate_model)."""
+    """What the model checks when it is built (moe.config.rules.architecture.validate_model)."""
     top_k = kwargs.pop("top_k", 2)
     with pytest.raises(ConfigError) as err:
         MoETransformer(ModelConfig(hidden_size=H, intermediate_size=FF, num_experts=E, top_k=top_k),
@@ -297,8 +297,8 @@ def same_contract(impl, protocol) -> None:
 
 
 def test_the_local_and_all_to_all_dispatchers_implement_the_dispatcher_contract():
-    from moe.model.dispatch import Dispatched, Dispatcher, LocalDispatcher
-    from moe.parallel.dispatch import AllToAllDispatcher
+    from moe.model.dispatcher import Dispatched, Dispatcher, LocalDispatcher
+    from moe.parallel.expert_exchange import AllToAllDispatcher
 
     for impl in (LocalDispatcher, AllToAllDispatcher):
         same_contract(impl, Dispatcher)

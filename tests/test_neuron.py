@@ -804,7 +804,7 @@ def test_nxd_moe_layer_implements_the_feed_forward_contract(nxd_fakes):
     contract, as moe.model.moe.MoELayer does."""
     from test_moe_layer import same_contract
 
-    from moe.backends.neuron.moe_layer import NxDMoELayer
+    from moe.backends.neuron.nxd_moe_layer import NxDMoELayer
     from moe.model.moe import MoEFeedForward
 
     same_contract(NxDMoELayer, MoEFeedForward)

@@ -44,7 +44,7 @@ def refused(proc, *words: str) -> str:
 
 
 def prep(**cfg) -> Path:
-    from moe.data.pipeline import prepare
+    from moe.data.prep_pipeline import prepare
 
     return prepare({"tokenizer": SAMPLE_TOK, "seq_len": 16, "val_fraction": 0.0, **cfg}, progress=False)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe.config import MoEOptConfig
-from moe.config.validate import validate_routing
+from moe.config.rules.architecture import validate_routing
 from moe.errors import ConfigError
 from moe.model.routing import (
     apply_capacity,

@@ -10,7 +10,7 @@ from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from moe.config import ModelConfig, MoEOptConfig
-from moe.config.validate import validate_groups, validate_routing
+from moe.config.rules.architecture import validate_groups, validate_routing
 from moe.errors import ConfigError
 from moe.hf import check_exportable
 from moe.model import MoETransformer

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO, compose_cfg, trained_rows
 
-from moe.config.validate import check_guard
+from moe.config.rules.training import check_guard
 from moe.errors import ConfigError
 from moe.module.lit_moe import LitMoE
 from moe.train.guard import LEDGER

@@ -18,8 +18,8 @@ from test_infer import icfg, save_ckpt, tiny_model
 
 from moe.checkpoint.trust import PickleRefused, check_dcp_metadata, set_allow_pickle
 from moe.errors import UserError
+from moe.infer.command import run
 from moe.infer.load import model_from_checkpoint
-from moe.infer.run import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,7 +25,7 @@ Packing = Literal["concat", "pad"]
 BadRowPolicy = Literal["error", "skip", "repair"]
 InferDtype = Literal["auto", "fp32", "bf16", "fp16"]
 
-__all__ = [  # the types and their values (moe.config.validate re-exports them)
+__all__ = [  # the types and their values
     "AC_POLICIES", "ATTENTIONS", "AUX_LOSS_GROUPS", "BAD_ROW_POLICIES", "DATA_FORMATS", "DATA_KINDS",
     "DROP_POLICIES", "INFER_DTYPES", "LOAD_BALANCING_TYPES", "MLA_DIMS", "NEURON_PRECISIONS", "PACKINGS",
     "POSITION_ENCODINGS", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS", "AcPolicy", "Attention",

@@ -1,7 +1,7 @@
 """Typed schema of `data_prep.py`'s config (top-level keys), registered in Hydra's ConfigStore.
 
 `conf/data_prep/data_prep.yaml` puts `data_prep_schema` first in its defaults, so an unknown key or a
-wrong type fails at compose time. Value rules (formats, ranges) are `moe.config.validate.validate_prep`.
+wrong type fails at compose time. Value rules (formats, ranges) are `moe.config.rules.entries.validate_prep`.
 """
 from __future__ import annotations
 

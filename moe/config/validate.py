@@ -1,8 +1,8 @@
 """Every rule train.py checks, in order: `validate(cfg)` raises ConfigError(field, value, fix) for the first
 one a composed config breaks, before anything is built (moe.train.run.settle then builds the
-run's ParallelDims). The rules live beside what they govern (moe/config/rules/: model, layout, backends,
-run, entries); this table is the one place their order is written, and the names below stay importable
-from here.
+run's ParallelDims). The rules live beside what they govern (moe/config/rules/: architecture, layout,
+backends, training, entries) and are imported from there; this table is the one place their order is
+written.
 
 A rule's parameters say what it reads (`validate` passes each what it names): the config's sections or
 top-level keys it checks (`parallel`, `model`, `seed`), the values derived from the config it needs
@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 
 from moe.backends.registry import spec_of
-from moe.config.choices import *  # noqa: F403  (the choices, as importable from here as before)
 from moe.config.derived import data_parallel_size, planning, world_of
 from moe.config.rules.backends import (
     BACKEND_RULES,
@@ -26,8 +25,6 @@ from moe.config.rules.backends import (
     check_overlap_comm,
     check_pp_schedule,
 )
-from moe.config.rules.base import SEED_RANGE, check_seed
-from moe.config.rules.entries import check_chat_template, validate_infer, validate_prep
 from moe.config.rules.layout import (
     check_degrees,
     check_dp_matches_world,
@@ -36,20 +33,10 @@ from moe.config.rules.layout import (
     check_hybrid_shard,
     check_model_split,
     check_sequence_parallel,
-    check_untied_embeddings,
-    check_whole_kv_heads,
     check_world_divisible,
     check_zero_stage,
 )
-from moe.config.rules.model import (
-    validate_gqa,
-    validate_groups,
-    validate_mla,
-    validate_model,
-    validate_routing,
-)
-from moe.config.rules.run import (
-    FREE_FORM,
+from moe.config.rules.training import (
     check_activation_checkpointing,
     check_data,
     check_finite,
@@ -99,17 +86,4 @@ def validate(cfg) -> None:
                     for name in inspect.signature(rule).parameters})
 
 
-__all__ = [  # the rules, the table and the checks other entry points run
-    "BACKEND_RULES", "FREE_FORM", "RULES", "SEED_RANGE", "check_activation_checkpointing",
-    "check_backend", "check_backend_degrees", "check_chat_template", "check_data", "check_degrees",
-    "check_dp_matches_world", "check_ep", "check_finite", "check_fp8_experts",
-    "check_global_batch", "check_guard",
-    "check_hybrid_shard", "check_instantiables", "check_known_keys", "check_model",
-    "check_model_split",
-    "check_offload", "check_optimizer", "check_overlap_comm", "check_planning", "check_pp_schedule",
-    "check_schedule", "check_seed", "check_seeds", "check_seq_len", "check_sequence_parallel",
-    "check_simulate", "check_trainer_counts", "check_untied_embeddings", "check_waits",
-    "check_whole_kv_heads", "check_world_divisible", "check_zero_stage", "validate", "validate_gqa",
-    "validate_groups", "validate_infer", "validate_mla", "validate_model", "validate_prep",
-    "validate_routing",
-]
+__all__ = ["RULES", "validate"]

@@ -9,7 +9,7 @@ import importlib
 
 _EXPORTS = {
     "MoEDataModule": "moe.data.datamodule",
-    "prepare": "moe.data.pipeline",
+    "prepare": "moe.data.prep_pipeline",
     "PrepConfig": "moe.config.data_prep",
     "load_prepared": "moe.data.arrow_io",
     "PackedBlocks": "moe.data.arrow_io",

@@ -26,7 +26,7 @@ from moe.config.data_prep import PrepConfig
 from moe.config.rules.entries import validate_prep
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import PackedBlocks, load_prepared, read_meta
-from moe.data.pipeline import content_config, digest, prepare
+from moe.data.prep_pipeline import content_config, digest, prepare
 from moe.data.sampler import StreamSampler, validation_batches
 from moe.data.sources import describe_sources, resolve
 from moe.errors import UserError, WriteFailed

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from moe.data.formats import TURN_SEPARATOR, FormatSpec
+from moe.data.text_formats import TURN_SEPARATOR, FormatSpec
 from moe.errors import UserError
 from moe.inputs import load_json
 from moe.outputs import atomic_path
@@ -162,7 +162,7 @@ def check_vocab(tokenizer, vocab_size: int, field: str, path) -> None:
 def chat_template_jinja(template: str) -> str:
     """Our `{prompt}`/`{completion}` template as a transformers chat template (same text as training).
 
-    System messages join the next user prompt, turns are separated as in moe.data.formats;
+    System messages join the next user prompt, turns are separated as in moe.data.text_formats;
     a user turn ends with the template's assistant header, so generation starts right after it.
     """
     head, mid, tail = FormatSpec("chat", chat_template=template).template_parts

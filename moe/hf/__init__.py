@@ -4,7 +4,7 @@
     moe/hf/mixtral.py      Mixtral <-> our GQA models (and the Llama family's config and keys)
     moe/hf/deepseek_v3.py  DeepSeek-V3 <-> our MLA models
     moe/hf/dense.py        dense Mistral/Llama -> MoE by upcycling
-    moe/hf/registry.py     model_type -> adapter; our attention -> the family we export to
+    moe/hf/families.py     model_type -> adapter; our attention -> the family we export to
     moe/hf/convert.py      to_hf, from_hf, tensor_source, read_hf_config
     moe/hf/tensors.py      shared keys, lazy safetensors reads
     moe/hf/start.py        model.init_from_hf / upcycle_from_hf: what a run settles from the directory
@@ -22,7 +22,7 @@ from moe.hf.convert import (
     to_hf,
 )
 from moe.hf.dense import upcycle
-from moe.hf.registry import IMPORTABLE
+from moe.hf.families import IMPORTABLE
 
 __all__ = ["IMPORTABLE", "check_exportable", "from_hf", "hf_config_from_model_config", "model_config_from_hf",
            "moe_opt_from_hf", "read_hf_config", "tensor_source", "to_hf", "upcycle"]

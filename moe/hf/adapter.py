@@ -15,7 +15,7 @@ Writing (the families we export to, `ExportAdapter`):
     model_class()                                 the transformers class (MixtralForCausalLM, ...)
 
 `hf_config` is a transformers config object or its config.json as a dict (tensors.config_value
-reads either). The adapters are registered by model_type in moe/hf/registry.py.
+reads either). The adapters are registered by model_type in moe/hf/families.py.
 """
 from __future__ import annotations
 

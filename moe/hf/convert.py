@@ -16,7 +16,7 @@ import torch
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError, UserError, first_line
 from moe.hf.dense import DenseUpcycle
-from moe.hf.registry import CONVERTERS, IMPORTABLE, UPCYCLERS, converter_for, exporter_for
+from moe.hf.families import CONVERTERS, IMPORTABLE, UPCYCLERS, converter_for, exporter_for
 from moe.hf.tensors import SafetensorsDir, is_stacked, load_local
 
 

@@ -39,7 +39,7 @@ def hf_start(model, moe_opt, data) -> HFStart:
     note for the user), and a data tokenizer whose ids disagree with it is refused."""
     from moe.hf.convert import read_hf_config
     from moe.hf.dense import DenseUpcycle, read_dense_config
-    from moe.hf.registry import converter_for
+    from moe.hf.families import converter_for
     from moe.hf.tensors import check_weights_dir
 
     check_hf_start(model, moe_opt)

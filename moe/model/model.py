@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from moe.config.derived import dense_width, is_moe_layer
-from moe.config.rules.model import validate_model
+from moe.config.rules.architecture import validate_model
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.model.attention import (  # noqa: F401 (re-exported: moe.model.model's names before the split)
     Attention,

@@ -3,7 +3,7 @@
 Read top to bottom: `Router` scores experts, `Experts` holds the experts' SwiGLU weights as
 stacked tensors and runs rows already sorted by expert, `MoELayer.forward` ties them
 together. The maths (top-k, capacity, drops, losses, stats) lives in `moe/model/routing.py`;
-where rows go lives in the layer's dispatcher (`moe/model/dispatch.py`): all experts here by
+where rows go lives in the layer's dispatcher (`moe/model/dispatcher.py`): all experts here by
 default, spread over expert-parallel ranks once `moe.parallel.apply.apply_ep` installs an
 all-to-all dispatcher. The layer itself holds no process group.
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from moe.config.schema import normalizes
-from moe.model.dispatch import Dispatcher, LocalDispatcher, TokenShard
+from moe.model.dispatcher import Dispatcher, LocalDispatcher, TokenShard
 from moe.model.expert_layout import ExpertLayout, stored
 from moe.model.fp8 import fp8_grouped_mm, fp8_kernel
 from moe.model.fused_swiglu import activation as fused_activation
@@ -52,16 +52,13 @@ from moe.model.routing import (
 )
 from moe.model.sync import host_sizes
 
-__all__ = ["Router", "Experts", "MoEFeedForward", "MoELayer", "RoutingStats", "SharedExpert",
+__all__ = ["Router", "Experts", "MoEFeedForward", "MoELayer", "RoutingStats",
            "autocast_dtype", "expert_kernel", "grouped_mm_works"]
-
-SharedExpert = SwiGLU  # kept name: the shared expert is the one dense MLP (moe.model.mlp)
-
 
 @runtime_checkable
 class MoEFeedForward(Protocol):
     """What a Block calls for an MoE layer: `MoELayer` below, or a backend's whole-layer replacement
-    (trn1's moe.backends.neuron.moe_layer.NxDMoELayer, whose library fuses dispatch, experts and
+    (trn1's moe.backends.neuron.nxd_moe_layer.NxDMoELayer, whose library fuses dispatch, experts and
     combine). Returns the output shaped as the input and the routing statistics (None when generating
     or in eval, where they would be thrown away)."""
 

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from moe.errors import ConfigError
 from moe.model.moe import MoELayer
 from moe.parallel.comm import group_sum
-from moe.parallel.dispatch import AllToAllDispatcher
+from moe.parallel.expert_exchange import AllToAllDispatcher
 
 WRAPPED = "_checkpoint_wrapped_module"  # torch's name (torch.distributed.algorithms._checkpoint)
 

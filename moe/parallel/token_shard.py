@@ -69,7 +69,7 @@ class _Gather(torch.autograd.Function):
 
 
 class TPTokenShard:
-    """A moe.model.dispatch.TokenShard over `group` (the TP group), whose ranks hold the same rows: rank t
+    """A moe.model.dispatcher.TokenShard over `group` (the TP group), whose ranks hold the same rows: rank t
     takes rows [t*T/n, (t+1)*T/n)."""
 
     def __init__(self, group):

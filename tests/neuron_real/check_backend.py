@@ -17,7 +17,7 @@ moe.module.lit_moe.LitMoE on one process holding every data-parallel rank's batc
 - then the validation loss of a batch of every data-parallel rank (run_eval with a pipeline).
 
 Under expert parallelism the routing statistics of a micro-batch are summed over its EP group
-(moe/backends/neuron/moe_layer.py), so the reference sums them over the same micro-batches
+(moe/backends/neuron/nxd_moe_layer.py), so the reference sums them over the same micro-batches
 (`GroupStats`). Exits 0 when every tensor agrees within TOLERANCE of its largest value; a failure
 names the tensor, the step and the difference.
 """

@@ -4,8 +4,8 @@ here."""
 from __future__ import annotations
 
 from moe.config.derived import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, dense_width, stages_per_rank
-from moe.config.rules.base import need, one_of
 from moe.config.rules.layout import check_untied_embeddings, check_whole_kv_heads
+from moe.config.rules.refusals import need, one_of
 
 
 def check_fsdp2(parallel, model, trainer, data, dp: int) -> None:

@@ -5,7 +5,7 @@ written and checked against neuronx-distributed v2.28.0 (docs/TRAINIUM.md has th
 It trains the same moe.model.MoETransformer as every backend, with NxD's parallel layers swapped
 in (layers.py), the same objective and optimizer groups (module.py), and NxD's strategy,
 precision plugin and checkpoints (strategy.py), its expert parallelism carved out of data
-parallelism (moe_layer.py). What NxD cannot do is refused at validation
+parallelism (nxd_moe_layer.py). What NxD cannot do is refused at validation
 (moe.backends.neuron.rules): dropless or full-capacity expert parallelism, drop policies other
 than NxD's, bf16 routing arithmetic, every_n checkpointing, KV replication. Nothing here is imported
 unless hardware=trn1 runs.

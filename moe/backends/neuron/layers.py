@@ -15,7 +15,7 @@ Layers (neuronx-distributed v2.28.0, src/neuronx_distributed/parallel_layers/lay
 :847): vocabulary-parallel embedding and LM head; the fused qkv as one ColumnParallelLinear whose
 rank holds its own heads' [q | k | v] rows (so tp divides num_kv_heads: there is no KV replication
 here); o_proj and the dense down_proj as RowParallelLinear; the dense gate_up as a stride-2
-ColumnParallelLinear ([gate | up] per rank); MoE layers as NxD's MoE (moe_layer.py). With sequence
+ColumnParallelLinear ([gate | up] per rank); MoE layers as NxD's MoE (nxd_moe_layer.py). With sequence
 parallelism activations are sequence-first ([S / tp, B, H], causal_lm.SEQUENCE_DIM) and norm weights are
 marked
 `sequence_parallel_enabled`, whose gradients NxD's optimizer all-reduces over TP
@@ -36,7 +36,7 @@ from neuronx_distributed.parallel_layers.layers import SPMDRank
 from torch import nn
 
 from moe.backends.neuron.causal_lm import SEQUENCE_DIM, NxDCausalLM, StageBlock
-from moe.backends.neuron.moe_layer import NxDMoELayer
+from moe.backends.neuron.nxd_moe_layer import NxDMoELayer
 from moe.checkpoint.nxd import NXD_LAYOUT, local_shard, our_name, split_of
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.model.expert_layout import EXPERT_LAYOUT, stored

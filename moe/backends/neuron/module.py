@@ -76,7 +76,7 @@ class NeuronLitMoE(SharedHooks, NeuronLTModule):
 
     def micro_batch_loss(self, batch: dict):
         """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch (NxDCausalLM's). NxD's
-        MoE layers compute their statistics on every forward (moe/backends/neuron/moe_layer.py)."""
+        MoE layers compute their statistics on every forward (moe/backends/neuron/nxd_moe_layer.py)."""
         loss, lm = self.model(batch["input_ids"], batch["labels"])
         return loss, lm, pop_routing(self.model.modules())
 

@@ -22,7 +22,7 @@ CHECKPOINT_CLASSES = {"none": (), "full": ("StageBlock",), "moe_only": ("NxDMoEL
 
 def checkpoint_classes(policy: str) -> list[type] | None:
     from moe.backends.neuron.causal_lm import StageBlock
-    from moe.backends.neuron.moe_layer import NxDMoELayer
+    from moe.backends.neuron.nxd_moe_layer import NxDMoELayer
     from moe.model.model import CoreAttention
 
     known = {"StageBlock": StageBlock, "NxDMoELayer": NxDMoELayer, "CoreAttention": CoreAttention}

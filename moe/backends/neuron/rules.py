@@ -1,11 +1,11 @@
 """What neuronx-distributed 2.28 cannot do on trn1, beyond what its spec says (moe.backends.neuron.spec),
-refused with what to use instead: one paragraph each (moe.config.rules.base.need). Imported by the
+refused with what to use instead: one paragraph each (moe.config.rules.refusals.need). Imported by the
 validator: no NxD or torch here."""
 from __future__ import annotations
 
 from moe.config.derived import has_moe_layers, neuron_precision
-from moe.config.rules.base import need
 from moe.config.rules.layout import check_untied_embeddings, check_whole_kv_heads
+from moe.config.rules.refusals import need
 from moe.config.schema import normalizes
 
 
@@ -37,7 +37,7 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
          "(modules/moe/routing.py:155 RouterTopK)")
     need(r.load_balancing_type == "aux_loss", "moe_opt.load_balancing_type", r.load_balancing_type,
          "use aux_loss on trn1 (set aux_loss_coeff=0 to turn it off)",
-         "is not wired to neuronx-distributed's MoE layer (moe/backends/neuron/moe_layer.py)")
+         "is not wired to neuronx-distributed's MoE layer (moe/backends/neuron/nxd_moe_layer.py)")
     need(r.num_groups is None, "moe_opt.num_groups", r.num_groups, "set moe_opt.num_groups=null on trn1",
          "is not available on trn1: neuronx-distributed's RouterTopK has no group-limited routing "
          "(modules/moe/routing.py:155-205)")
@@ -106,7 +106,7 @@ def check_neuron_precision(model, trainer, hardware, data) -> None:
 
 def check_neuron_expert_parallel(parallel, model, moe_opt) -> None:
     """What neuronx-distributed's training-time expert parallelism (EP carved out of data parallelism,
-    the capacity path's all-to-all, moe/backends/neuron/moe_layer.py) needs; lines are v2.28.0's."""
+    the capacity path's all-to-all, moe/backends/neuron/nxd_moe_layer.py) needs; lines are v2.28.0's."""
     p, m, r = parallel, model, moe_opt
     need(r.capacity_factor is not None, "moe_opt.capacity_factor", None,
          "set moe_opt.capacity_factor (e.g. 2.0, moe_opt=nxd) with parallel.ep > 1 on trn1, or "

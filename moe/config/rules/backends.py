@@ -6,7 +6,7 @@ from __future__ import annotations
 from moe.backends.registry import BACKENDS, SPECS
 from moe.config.choices import NEURON_PRECISIONS
 from moe.config.derived import has_moe_layers, precision_of
-from moe.config.rules.base import need, one_of
+from moe.config.rules.refusals import need, one_of
 from moe.errors import ConfigError
 
 

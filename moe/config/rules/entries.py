@@ -10,7 +10,7 @@ from moe.config.choices import (
     INFER_DTYPES,
     PACKINGS,
 )
-from moe.config.rules.base import check_seed, finite_number, need, one_of
+from moe.config.rules.refusals import check_seed, finite_number, need, one_of
 from moe.config.schema import DEFAULT_CHAT_TEMPLATE
 
 

@@ -4,7 +4,7 @@ embeddings). moe.parallel.dims.ParallelDims is built only from a layout these ac
 from __future__ import annotations
 
 from moe.config.derived import has_moe_layers, launch_overrides
-from moe.config.rules.base import need
+from moe.config.rules.refusals import need
 from moe.errors import ConfigError
 
 

@@ -27,9 +27,9 @@ from moe.config.data_prep import PrepConfig
 from moe.config.rules.entries import validate_prep
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import SPLITS, SplitWriter, save_splits, token_dtype
-from moe.data.formats import BENIGN, FormatSpec, check_columns, needed_columns, render_batch
 from moe.data.packing import ConcatPacker, PadPacker
 from moe.data.sources import RawData, load_raw
+from moe.data.text_formats import BENIGN, FormatSpec, check_columns, needed_columns, render_batch
 from moe.errors import UserError, WriteFailed, on_interrupt, write_errno, write_failed
 from moe.outputs import PREPARED_DATA, check_output, mark, publish
 

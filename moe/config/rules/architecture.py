@@ -15,7 +15,7 @@ from moe.config.choices import (
 from moe.config.derived import (
     head_dim_of,
 )
-from moe.config.rules.base import finite_number, need, one_of
+from moe.config.rules.refusals import finite_number, need, one_of
 
 
 def validate_model(m, r=None, prefix: str = "model") -> None:

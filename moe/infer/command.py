@@ -18,10 +18,10 @@ from moe.checkpoint.picker import resolve_checkpoint
 from moe.config.choices import INFER_DTYPES
 from moe.config.rules.entries import validate_infer
 from moe.config.schema import DEFAULT_CHAT_TEMPLATE
-from moe.data.formats import FormatSpec
+from moe.data.text_formats import FormatSpec
 from moe.data.tokenizer import check_vocab, load_hf_tokenizer, template_markers
 from moe.errors import UserError, first_line, on_interrupt
-from moe.hf.registry import exporter_for
+from moe.hf.families import exporter_for
 from moe.infer.export import export_hf
 from moe.infer.generate import Generation, generate, left_pad
 from moe.infer.load import generation_eos_ids, model_from_checkpoint, model_from_hf_dir

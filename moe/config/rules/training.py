@@ -14,9 +14,9 @@ from moe.config.choices import (
     SPIKE_ACTIONS,
 )
 from moe.config.derived import precision_of
-from moe.config.rules.base import check_seed, finite_number, need, one_of
+from moe.config.rules.architecture import validate_model
 from moe.config.rules.entries import check_chat_template
-from moe.config.rules.model import validate_model
+from moe.config.rules.refusals import check_seed, finite_number, need, one_of
 from moe.errors import ConfigError, did_you_mean
 
 

@@ -1,13 +1,13 @@
 """The expert-parallel dispatcher: rows go to the rank holding their expert and back (all-to-all).
 
-`AllToAllDispatcher(group)` is a moe.model.dispatch.Dispatcher: experts are spread over the ranks
+`AllToAllDispatcher(group)` is a moe.model.dispatcher.Dispatcher: experts are spread over the ranks
 of `group` (rank r holds experts [r*E/ep, (r+1)*E/ep)), and rows travel with
 `all_to_all_single` (moe.parallel.comm.exchange_rows): uneven splits when dropless (one host sync
 for the split sizes), fixed [E, C] buffers under a capacity (the one sync is the group's capacity).
 With moe_opt.weights_in_activation each row's routing weight travels beside it (one more exchange, of
 one fp32 value per row, as Megatron-Core sends its permuted probs). Installed by moe.parallel.apply.apply_ep.
 
-Shapes as moe.model.dispatch: T tokens, K picks, M kept assignments in expert order, R rows
+Shapes as moe.model.dispatcher: T tokens, K picks, M kept assignments in expert order, R rows
 received from every EP rank, E experts in all, C slots per expert, X = E * C buffer slots.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.model.dispatch import Dispatched, Sorted, sort_by_expert
+from moe.model.dispatcher import Dispatched, Sorted, sort_by_expert
 from moe.model.routing import capacity_slots, inverse_index, move_rows, weighted_sum
 from moe.model.routing import combine as combine_rows
 from moe.parallel.comm import even_splits, exchange_counts, exchange_rows, group_max

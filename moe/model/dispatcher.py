@@ -20,7 +20,7 @@ A layer may also hold a `TokenShard` (installed by moe.parallel.apply.apply_toke
 parallelism): its tokens, equal on every rank of the shard's group, are split before routing and
 the outputs gathered back, so each rank routes and computes only its share (EP folded with TP).
 
-`LocalDispatcher` (the default) holds every expert in this process; moe.parallel.dispatch's
+`LocalDispatcher` (the default) holds every expert in this process; moe.parallel.expert_exchange's
 `AllToAllDispatcher`, installed by `moe.parallel.apply.apply_ep`, sends rows to the expert-parallel
 rank holding their expert and back. The dispatcher holds the process group; the layer never sees
 one. On trn1, neuronx-distributed's ExpertMLPs does the same three steps inside one call (capacity
