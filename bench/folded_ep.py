@@ -1,7 +1,7 @@
 """EP folded with TP against unfolded TP: one training step's time and expert rows, 4 ranks on this CPU.
 
 Layout: 4 gloo ranks, dp 2 x tp 2, ep 2 (EP groups of 2 consecutive ranks), FSDP2, float32, dropless.
-Both variants are the fsdp2 backend's own parallelize steps (moe.backends.fsdp2.backend.fsdp2_steps) in the
+Both variants are the fsdp2 backend's own parallelize steps (moe.backends.fsdp2.backend.fsdp2_plan) in the
 same processes, steps interleaved (folded, unfolded, folded, ...): `folded` splits each MoE layer's
 tokens over the TP pair (moe.parallel.token_shard); `unfolded` is the same with the split off, what
 the backend did before: both TP ranks route and compute every token. Figures: medians over --steps
@@ -41,7 +41,7 @@ def _cfg():
 def _rank(rank: int, steps: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from moe.backends.fsdp2.backend import fsdp2_steps
+    from moe.backends.fsdp2.backend import fsdp2_plan
     from moe.model.model import MoETransformer
     from moe.model.moe import Experts
     from moe.parallel.dims import ParallelDims
@@ -54,7 +54,7 @@ def _rank(rank: int, steps: int) -> dict:
     for name in rows:
         with torch.device("meta"):
             model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=7)
-        steps_ = fsdp2_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, dims, meshes, MixedPrecisionPolicy(),
+        steps_ = fsdp2_plan(cfg.moe_opt, cfg.parallel, cfg.hardware, dims, meshes, MixedPrecisionPolicy(),
                              "cpu", None)
         if name == "unfolded":
             steps_.token_group = None

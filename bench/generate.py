@@ -91,7 +91,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"# model: hidden {args.hidden}, layers {args.layers}, experts {args.experts} top-{args.top_k}, "
-          f"vocab {args.vocab}, heads {model.cfg.num_heads}/{model.cfg.num_kv_heads} kv, "
+          f"vocab {args.vocab}, heads {model.model_config.num_heads}/{model.model_config.num_kv_heads} kv, "
           f"window {args.window}; "
           f"{params:.1f}M params")
     import transformers

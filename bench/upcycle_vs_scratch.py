@@ -62,7 +62,7 @@ def write_mistral(run_dir: Path, out: Path) -> None:
                                  ("experts.0.w2", "down_proj")):
                 key = key.replace(f"block_sparse_moe.{ours}", f"mlp.{theirs}")
             tensors[key] = value.contiguous()
-    c = model.cfg
+    c = model.model_config
     MistralConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                   num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                   num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim or c.hidden_size // c.num_heads,

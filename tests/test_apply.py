@@ -171,7 +171,7 @@ def test_optimizer_state_names_match_model_keys_under_checkpointing():
 
     model = build("full")
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randint(0, model.cfg.vocab_size, (2, 8))).logits_BSV.sum().backward()
+    model(torch.randint(0, model.model_config.vocab_size, (2, 8))).logits_BSV.sum().backward()
     optimizer.step()
     model_sd, optim_sd = get_state_dict(model, [optimizer])
     assert set(optim_sd["state"]) == set(model_sd) == set(build().state_dict())

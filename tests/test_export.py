@@ -144,7 +144,7 @@ def transformers_dir(path, tok_dir, window=None, seed=0):
 def test_transformers_saved_dir_imports_and_generates_like_transformers(tmp_path, tok_dir, window):
     hf = transformers_dir(tmp_path / "mix", tok_dir, window)
     model = model_from_hf_dir(tmp_path / "mix")
-    assert model.cfg.sliding_window == window and model.moe_opt.capacity_factor is None
+    assert model.model_config.sliding_window == window and model.moe_opt.capacity_factor is None
     ids_BS, mask_BS = left_pad(PROMPTS, pad_token_id=0)
     n = 12
     assert generate(model, ids_BS, mask_BS, max_new_tokens=n).tokens == hf_greedy(hf, ids_BS, mask_BS, n)

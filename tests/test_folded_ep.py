@@ -37,7 +37,7 @@ def _loss(model, ids):
 def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from moe.backends.fsdp2.backend import fsdp2_steps
+    from moe.backends.fsdp2.backend import fsdp2_plan
     from moe.model.model import MoETransformer
     from moe.model.moe import Experts
     from moe.parallel.apply import WRAPPED
@@ -51,7 +51,7 @@ def _rank(rank: int, world: int, tp: int, ep: int, extra: tuple) -> dict:
     meshes = dims.meshes("cpu")
     with torch.device("meta"):
         model = MoETransformer(cfg.model, cfg.moe_opt, init_seed=7)
-    steps = fsdp2_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, dims, meshes, MixedPrecisionPolicy(), "cpu",
+    steps = fsdp2_plan(cfg.moe_opt, cfg.parallel, cfg.hardware, dims, meshes, MixedPrecisionPolicy(), "cpu",
                         None)
     parallelize(model, cfg.model, cfg.parallel, tp, steps)
     rows = []

@@ -54,7 +54,8 @@ def test_moving_the_model_leaves_offloaded_experts_in_host_memory(offloaded_mode
     assert experts and set(experts.values()) == {"cpu"}
     assert {d for n, d in where.items() if n not in experts} == {"meta"}
     # the module tree is whole again: every parameter is still reachable under its name
-    assert len(where) == len(dict(MoETransformer(offloaded_model.cfg, MoEOptConfig()).named_parameters()))
+    whole = MoETransformer(offloaded_model.model_config, MoEOptConfig())
+    assert len(where) == len(dict(whole.named_parameters()))
 
 
 def test_without_the_hold_the_move_takes_the_experts_too(offloaded_model):

@@ -180,7 +180,7 @@ def test_safetensors_read_lazily_give_our_tensors_expert_by_expert(tmp_path):
 
     model = ours(1.0e6, 4, 2, None, 2, 4, False, None)
     to_hf(model).save_pretrained(tmp_path)
-    source = tensor_source(tmp_path, model.cfg)
+    source = tensor_source(tmp_path, model.model_config)
     for name, value in model.state_dict().items():
         assert torch.equal(source(name, tuple(value.shape), None), value), name
     gate_up = model.state_dict()["layers.1.ffn.experts.gate_up"]
@@ -204,7 +204,8 @@ def test_the_default_config_in_eval_mode_gives_the_logits_of_its_export():
     with torch.no_grad():
         ours_logits = model(same_token).logits_BSV
         torch.testing.assert_close(to_hf(model)(same_token).logits, ours_logits, rtol=0, atol=1e-4)
-        with_capacity = MoETransformer(model.cfg, replace(model.moe_opt, eval_capacity_factor=2.0)).eval()
+        capacity_2 = replace(model.moe_opt, eval_capacity_factor=2.0)
+        with_capacity = MoETransformer(model.model_config, capacity_2).eval()
         with_capacity.load_state_dict(model.state_dict())
         assert (with_capacity(same_token).logits_BSV - ours_logits).abs().max() > 0.01  # 2.0 drops: 100x atol
 
@@ -222,7 +223,7 @@ def test_weights_holding_nan_are_refused_naming_the_tensor(tmp_path):
     weights = load_file(tmp_path / "model.safetensors")
     weights["model.layers.1.self_attn.o_proj.weight"][0, :3] = float("nan")
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    source = tensor_source(tmp_path, model.cfg)
+    source = tensor_source(tmp_path, model.model_config)
     assert torch.equal(source("layers.0.attn.o_proj.weight", (32, 32), None),
                        model.state_dict()["layers.0.attn.o_proj.weight"])
     says = r"model.init_from_hf=.* holds 3 NaN or infinite values in the tensor that becomes our layers.1"

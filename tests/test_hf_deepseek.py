@@ -78,7 +78,7 @@ IDS = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(5))
 def test_from_hf_matches_transformers_logits(case):
     hf = hf_model(*case)
     model = from_hf(hf).eval()
-    assert model.cfg.attention == "mla" and model.cfg.first_k_dense_replace == case[2]
+    assert model.model_config.attention == "mla" and model.model_config.first_k_dense_replace == case[2]
     assert [layer.is_moe for layer in model.layers] == [i >= case[2] for i in range(3)]
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).logits_BSV, hf(IDS).logits, rtol=0, atol=1e-5)
@@ -117,17 +117,18 @@ def test_round_trip_through_save_pretrained_and_lazy_reads(tmp_path):
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in files  # per expert on disk, as DeepSeek's
     assert "model.layers.0.mlp.gate_proj.weight" in files  # the dense first layer
     back = from_hf(tmp_path / "ds").eval()
-    assert back.cfg == replace(model.cfg, name=str(tmp_path / "ds"), num_kv_heads=4)  # (unused by MLA)
+    # num_kv_heads: unused by MLA
+    assert back.model_config == replace(model.model_config, name=str(tmp_path / "ds"), num_kv_heads=4)
     assert back.moe_opt.num_groups == 4 and back.moe_opt.topk_scaling_factor == 2.5
     with torch.no_grad():
         torch.testing.assert_close(back(IDS).logits_BSV, model(IDS).logits_BSV, rtol=0, atol=1e-6)
     # as model.init_from_hf fills a model built on the meta device: tensor by tensor, expert bias included
     with torch.device("meta"):
-        lazy = MoETransformer(back.cfg, back.moe_opt)
-    lazy.materialize("cpu", tensor_source(tmp_path / "ds", back.cfg))
+        lazy = MoETransformer(back.model_config, back.moe_opt)
+    lazy.materialize("cpu", tensor_source(tmp_path / "ds", back.model_config))
     for name, value in back.state_dict().items():
         torch.testing.assert_close(lazy.state_dict()[name], value, rtol=0, atol=0, msg=name)
-    source = tensor_source(tmp_path / "ds", back.cfg)
+    source = tensor_source(tmp_path / "ds", back.model_config)
     torch.testing.assert_close(source("layers.2.ffn.experts.down", (3, 12, 32), 5),
                                back.layers[2].ffn.experts.down[5:8], rtol=0, atol=0)
 
@@ -185,7 +186,7 @@ def test_init_from_hf_needs_the_checkpoints_routing():
 @pytest.mark.parametrize("kw", [{}, {"q_lora_rank": None}, {"first_k_dense_replace": 3}])
 def test_parameter_counts_are_the_built_models(kw):
     model = ours(**kw)
-    assert param_breakdown(model.cfg).total == sum(p.numel() for p in model.parameters())
+    assert param_breakdown(model.model_config).total == sum(p.numel() for p in model.parameters())
 
 
 def test_the_full_size_preset_is_deepseek_v3s_671b_with_37b_active():
@@ -224,7 +225,7 @@ def test_mla_and_dense_layer_keys_are_checked(kw, field):
     from moe.config.rules.architecture import validate_model
 
     with pytest.raises(ConfigError) as err:
-        validate_model(replace(ours().cfg, **kw))
+        validate_model(replace(ours().model_config, **kw))
     assert err.value.field == field and "Fix:" in str(err.value)
 
 

@@ -30,7 +30,7 @@ def save_ckpt(path, model: MoETransformer, extra=None, **data):
     """A checkpoint laid out as train.py writes one (Lightning: state_dict with `model.` keys + cfg)."""
     cfg = OmegaConf.structured(TrainConfig)
     cfg.run_name = "test"
-    cfg.model = OmegaConf.structured(model.cfg)
+    cfg.model = OmegaConf.structured(model.model_config)
     cfg.moe_opt = OmegaConf.structured(model.moe_opt)
     cfg.data.tokenizer = SAMPLE_TOK
     for k, v in data.items():

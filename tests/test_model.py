@@ -147,7 +147,7 @@ def test_init_std():
 def test_tied_embeddings_share_one_tensor():
     model = build(tie_word_embeddings=True)
     assert model.lm_head.weight is model.embed_tokens.weight
-    assert param_breakdown(model.cfg).total == sum(p.numel() for p in model.parameters())
+    assert param_breakdown(model.model_config).total == sum(p.numel() for p in model.parameters())
 
 
 def test_moe_layer_frequency_two_alternates():
@@ -161,7 +161,7 @@ def test_moe_layer_frequency_two_alternates():
                                 dict(head_dim=16), dict(num_layers=3, moe_layer_frequency=2)])
 def test_num_params_matches_the_parameters(kw):
     model = build(**kw)
-    sizes = param_breakdown(model.cfg)
+    sizes = param_breakdown(model.model_config)
     assert sizes.total == sum(p.numel() for p in model.parameters())
     expert = 3 * 32 * 24  # gate_up + down of one routed expert
     n_moe = sum(b.is_moe for b in model.layers)
@@ -170,9 +170,9 @@ def test_num_params_matches_the_parameters(kw):
 
 def test_flops_per_token_formula():
     model = build(sliding_window=16)
-    n = param_breakdown(model.cfg).active - 61 * 32  # embedding lookup has no matmul
-    assert flops_per_token(model.cfg, 64) == 6 * n + 12 * 2 * 4 * 8 * 16
-    assert flops_per_token(model.cfg, 8) == 6 * n + 12 * 2 * 4 * 8 * 8
+    n = param_breakdown(model.model_config).active - 61 * 32  # embedding lookup has no matmul
+    assert flops_per_token(model.model_config, 64) == 6 * n + 12 * 2 * 4 * 8 * 16
+    assert flops_per_token(model.model_config, 8) == 6 * n + 12 * 2 * 4 * 8 * 8
 
 
 @pytest.mark.parametrize("kw,field,fix_word", [

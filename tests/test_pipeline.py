@@ -127,7 +127,7 @@ def test_a_schedule_only_the_torch_native_backend_runs_is_refused_elsewhere():
 def _rank(rank: int, world: int, extra: tuple) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from moe.backends.fsdp2.backend import fsdp2_steps
+    from moe.backends.fsdp2.backend import fsdp2_plan
     from moe.parallel.apply import WRAPPED
     from moe.parallel.comm import sum_grads
     from moe.parallel.dims import ParallelDims
@@ -138,7 +138,7 @@ def _rank(rank: int, world: int, extra: tuple) -> dict:
     cfg = _cfg(world, *extra)
     dims = ParallelDims.from_config(cfg)
     meshes = dims.meshes("cpu")
-    steps = fsdp2_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, dims, meshes, MixedPrecisionPolicy(), "cpu",
+    steps = fsdp2_plan(cfg.moe_opt, cfg.parallel, cfg.hardware, dims, meshes, MixedPrecisionPolicy(), "cpu",
                         None)
     pipeline = build_pipeline(cfg.model, cfg.moe_opt, cfg.parallel, cfg.trainer, cfg.hardware, cfg.seed, dims,
                               meshes, lambda part: parallelize(part, cfg.model, cfg.parallel, dims.tp, steps),

@@ -33,7 +33,7 @@ def test_upcycled_logits_equal_the_dense_models(tmp_path, kind):
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     for source in (path, dense):  # a directory or a model
         model = upcycle(source, num_experts=4, top_k=2).eval()
-        assert model.cfg.num_experts == 4 and model.cfg.top_k == 2
+        assert model.model_config.num_experts == 4 and model.model_config.top_k == 2
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)
     noisy = upcycle(path, num_experts=4, top_k=2, noise_std=0.01).eval()
@@ -77,7 +77,7 @@ def test_fine_grained_upcycling_starts_equal_to_the_dense_model(tmp_path, expert
     """Each expert a 1/g slice of the dense MLP; tied router rows pick whole copies; weights x g."""
     path, dense = dense_dir(tmp_path)
     model = upcycle(path, num_experts=experts, top_k=top_k, granularity=g).eval()
-    assert model.cfg.intermediate_size == 64 // g and model.moe_opt.topk_scaling_factor == g
+    assert model.model_config.intermediate_size == 64 // g and model.moe_opt.topk_scaling_factor == g
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits_BSV, dense(ids).logits, rtol=0, atol=1e-4)

@@ -21,7 +21,7 @@ from moe.backends.registry import SPECS
 from moe.config.schema import HardwareConfig, MoEOptConfig, ParallelConfig, TrainConfig, TrainerConfig
 from moe.config.specs import BackendSpec
 from moe.parallel.dims import ExpertGroups, ParallelDims
-from moe.parallel.parallelize import Steps, parallelize
+from moe.parallel.parallelize import ParallelizePlan, parallelize
 from moe.ranks import device_of
 
 
@@ -117,28 +117,28 @@ class Backend:
     def make_expert_groups(self) -> ExpertGroups:
         return self.dims.expert_groups()
 
-    def parallelize_steps(self, module) -> Steps:
+    def parallelize_plan(self, module) -> ParallelizePlan:
         """Which steps of moe.parallel.parallelize apply: expert parallelism over the EP group, the
         load-balance group, and this rank's storage on the strategy's device."""
         if self.dims.ep_enabled:
             self.expert_groups = self.make_expert_groups()
-        return Steps(ep_group=self.expert_groups.ep if self.dims.ep_enabled else None,
+        return ParallelizePlan(ep_group=self.expert_groups.ep if self.dims.ep_enabled else None,
                      load_balance_group=_load_balance_group(self.cfg.moe_opt),
                      device=device_of(module), source=self.initial_source())
 
     @classmethod
-    def simulated_steps(cls, moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: HardwareConfig,
-                        trainer: TrainerConfig, dims: ParallelDims, fake_mode) -> Steps:
-        """parallelize_steps for simulate=true's fake ranks (moe.tools.simulate), without building the
+    def simulated_plan(cls, moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+                        trainer: TrainerConfig, dims: ParallelDims, fake_mode) -> ParallelizePlan:
+        """parallelize_plan for simulate=true's fake ranks (moe.tools.simulate), without building the
         backend (or importing its library): the run's EP group, the load balance over the world. It takes
         the sections any backend's steps read; these read moe_opt only."""
         groups = dims.expert_groups() if dims.ep_enabled else None
-        return Steps(ep_group=groups.ep if groups else None, load_balance_group=_load_balance_group(moe_opt),
-                     fake_mode=fake_mode)
+        return ParallelizePlan(ep_group=groups.ep if groups else None,
+                               load_balance_group=_load_balance_group(moe_opt), fake_mode=fake_mode)
 
     def parallelize(self, module) -> None:
         """moe.parallel.parallelize's one sequence with this backend's steps."""
-        steps = self.parallelize_steps(module)
+        steps = self.parallelize_plan(module)
         parallelize(module.model, self.cfg.model, self.cfg.parallel, self.dims.tp, steps)
 
     # -- inside the optimizer step (moe.module.train_step) ---------------------------------------------

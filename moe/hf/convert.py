@@ -48,8 +48,9 @@ def _unsharded(model) -> None:
             continue
         experts = block.ffn.experts
         local = experts.gate_up.shape[experts.layout.expert_dim]
-        if local != model.cfg.num_experts:
-            raise ConfigError(f"layers.{i}.ffn.experts", f"{local} of {model.cfg.num_experts} experts",
+        if local != model.model_config.num_experts:
+            raise ConfigError(f"layers.{i}.ffn.experts",
+                              f"{local} of {model.model_config.num_experts} experts",
                               "export from an unsharded model (a checkpoint loaded without apply_ep)",
                               "holds only this rank's experts")
 
@@ -57,13 +58,13 @@ def _unsharded(model) -> None:
 def to_hf(model):
     """A transformers MixtralForCausalLM (GQA) or DeepseekV3ForCausalLM (MLA) with the same config and
     weights (same dtype)."""
-    adapter = exporter_for(model.cfg)
-    hf_config = adapter.hf_config(model.cfg, model.moe_opt)
+    adapter = exporter_for(model.model_config)
+    hf_config = adapter.hf_config(model.model_config, model.moe_opt)
     _unsharded(model)
     hf = adapter.model_class()(hf_config).to(dtype=next(model.parameters()).dtype)
     adapter.prepare(hf)
     sd = adapter.state_dict(model)
-    sd = sd if is_stacked(hf.state_dict()) else adapter.per_expert(sd, model.cfg.num_layers)
+    sd = sd if is_stacked(hf.state_dict()) else adapter.per_expert(sd, model.model_config.num_layers)
     hf.load_state_dict(sd, strict=True)
     return hf.eval()
 

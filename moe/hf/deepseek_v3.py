@@ -232,7 +232,7 @@ class DeepSeekV3(ExportAdapter):
     def state_dict(self, model) -> dict[str, torch.Tensor]:
         """Our weights under 5.x's keys (experts stacked: mlp.experts.gate_up_proj [E, 2F, H], down_proj
         [E, H, F]), rope rows interleaved (an export)."""
-        cfg = model.cfg
+        cfg = model.model_config
         ours = model.state_dict()
         interleave = torch.argsort(deinterleave_order(cfg.qk_rope_head_dim))
         # tied: the LM head is the embedding again, as transformers holds it

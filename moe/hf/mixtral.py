@@ -185,7 +185,7 @@ class Mixtral(ExportAdapter):
         return config
 
     def state_dict(self, model) -> dict[str, torch.Tensor]:
-        cfg = model.cfg
+        cfg = model.model_config
         q_size = cfg.num_heads * head_dim_of(cfg)
         kv_size = cfg.num_kv_heads * head_dim_of(cfg)
         sd = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,

@@ -109,7 +109,7 @@ def load(cfg) -> Loaded:
     missing = [m for m in markers if m not in tokenizer.get_vocab()]
     if missing:  # training's chat format registered the template markers as special tokens
         tokenizer.add_special_tokens({"additional_special_tokens": missing})
-    check_vocab(tokenizer, model.cfg.vocab_size, tok_field, tok_dir)
+    check_vocab(tokenizer, model.model_config.vocab_size, tok_field, tok_dir)
     own_template = bool(cfg.hf_dir and not cfg.chat_template and getattr(tokenizer, "chat_template", None))
     if tokenizer.eos_token_id is not None:
         eos_ids = [tokenizer.eos_token_id, *[i for i in eos_ids if i != tokenizer.eos_token_id]]
@@ -194,7 +194,7 @@ def run(cfg) -> list[dict] | Path:
         reads["ckpt" if cfg.ckpt else "hf_dir"] = loaded.source  # ckpt=last resolved
         out = export_hf(loaded.model, cfg.export_hf, loaded.tokenizer, chat_template=loaded.chat_template,
                         overwrite=cfg.overwrite, reads=reads)
-        hf_class = exporter_for(loaded.model.cfg).hf_class  # the registry's family for its attention
+        hf_class = exporter_for(loaded.model.model_config).hf_class  # the registry's family for its attention
         print(f"exported {loaded.source} -> {out} (config.json, model.safetensors, tokenizer); load it with "
               f"transformers.{hf_class}.from_pretrained({str(out)!r})")
         return out
@@ -213,7 +213,8 @@ def run(cfg) -> list[dict] | Path:
     param = next(loaded.model.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
     print(f"--- {len(prompts)} prompt(s), {total} new tokens in {seconds:.2f} s: "
-          f"{total / max(seconds, 1e-9):.1f} tokens/s ({loaded.model.cfg.name}, {dtype}, {param.device}, "
+          f"{total / max(seconds, 1e-9):.1f} tokens/s ({loaded.model.model_config.name}, {dtype}, "
+          f"{param.device}, "
           f"batch_size={cfg.batch_size}, prefill {sum(g.prefill_s for g in runs):.2f} s)")
     if cfg.output_file:
         with on_interrupt(f"output_file={cfg.output_file} was not written (no temporary file was left); the "
@@ -258,7 +259,7 @@ def generate_texts(loaded: Loaded, texts: list[str], cfg,
         ids_BS, mask_BS = left_pad(encoded, pad_id)
         out: Generation = generate(
             model, ids_BS, mask_BS, max_new_tokens=new_tokens_that_fit(cfg.max_new_tokens, ids_BS.shape[1],
-                                                                        model.cfg.max_position_embeddings),
+                                                                        model.model_config.max_position_embeddings),
             temperature=0.0 if greedy else cfg.temperature,
             top_k=cfg.top_k, top_p=cfg.top_p, eos_token_id=loaded.eos_ids if cfg.stop_at_eos else None,
             pad_token_id=pad_id, generator=gen, use_cache=cfg.use_cache, vocab_limit=len(tok))

@@ -32,7 +32,8 @@ def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_tem
     hf = to_hf(model)  # ConfigError for ALiBi, dense layers, shared expert, un-normalised top-k
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_hf_tokenizer(tokenizer)
-    check_vocab(tokenizer, model.cfg.vocab_size, "tokenizer", getattr(tokenizer, "name_or_path", tokenizer))
+    check_vocab(tokenizer, model.model_config.vocab_size, "tokenizer",
+                getattr(tokenizer, "name_or_path", tokenizer))
     if chat_template:
         tokenizer.chat_template = chat_template_jinja(chat_template)
     for key in ("eos_token_id", "pad_token_id", "bos_token_id"):

@@ -117,7 +117,7 @@ class MoETransformer(nn.Module):
         block_cls: a Block subclass a backend's training forward needs (moe/backends/neuron)."""
         super().__init__()
         validate_model(model_cfg, moe_opt)
-        self.cfg, self.moe_opt = model_cfg, moe_opt
+        self.model_config, self.moe_opt = model_cfg, moe_opt
         self.embed_tokens = nn.Embedding(model_cfg.vocab_size, model_cfg.hidden_size)
         block_cls = block_cls or Block
         self.layers = nn.ModuleList([block_cls(model_cfg, moe_opt, i) for i in range(model_cfg.num_layers)])
@@ -153,7 +153,7 @@ class MoETransformer(nn.Module):
         """`to_empty(device)` (storage for what this process holds, values unset), then what it loses:
         new Parameters get the LM head tie and the expert marks again, computed buffers are recomputed."""
         self.to_empty(device=device)
-        if self.cfg.tie_word_embeddings:
+        if self.model_config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         for module in self.modules():
             if isinstance(module, Experts):
@@ -163,7 +163,7 @@ class MoETransformer(nn.Module):
 
     def new_kv_cache(self) -> list[KVCache]:
         """An empty per-layer cache to pass as `kv_cache` for generation."""
-        return [KVCache(self.cfg.sliding_window) for _ in self.layers]
+        return [KVCache(self.model_config.sliding_window) for _ in self.layers]
 
     def forward(self, input_ids_BS: torch.Tensor, kv_cache: list[KVCache] | None = None,
                 position_offset: int = 0, attention_mask_BS: torch.Tensor | None = None,

@@ -6,7 +6,7 @@ In torchtitan's order (torchtitan/models/*/infra/parallelize.py):
         -> activation checkpointing -> compile -> sharding (FSDP2)
         -> materialize (storage and values for this rank's shards only)
 
-Each backend says which steps apply with a `Steps` (moe/backends): DDP and DeepSpeed expert
+Each backend says which steps apply with a `ParallelizePlan` (moe/backends): DDP and DeepSpeed expert
 parallelism over their EP group; fsdp2 all of them on its DeviceMesh; the simulation
 (moe/tools/simulate.py) the backend's own, on fake ranks, materialising fake tensors. NxD builds
 its parallel layers while it builds the model (moe/backends/neuron/layers.py) and its own activation
@@ -27,7 +27,7 @@ from moe.parallel.placement import materialize_distributed
 
 
 @dataclass
-class Steps:
+class ParallelizePlan:
     """What a backend applies; None skips a step."""
 
     ep_group: Any = None  # expert parallelism over this group: experts sharded, the all-to-all dispatcher
@@ -42,25 +42,25 @@ class Steps:
 
 
 def parallelize(model: nn.Module, model_cfg: ModelConfig, parallel: ParallelConfig, tp: int,
-                steps: Steps) -> nn.Module:
-    """Apply `steps` to `model` (built on the meta device from `model_cfg`) in the one order; returns it.
+                plan: ParallelizePlan) -> nn.Module:
+    """Apply `plan` to `model` (built on the meta device from `model_cfg`) in the one order; returns it.
     `tp` is the tensor-parallel degree the materialised values are split for."""
-    if steps.ep_group is not None:
-        apply_ep(model, steps.ep_group)
-    if steps.token_group is not None:
-        apply_token_shard(model, steps.token_group, steps.sequence_parallel)
-    if steps.tp_mesh is not None:
+    if plan.ep_group is not None:
+        apply_ep(model, plan.ep_group)
+    if plan.token_group is not None:
+        apply_token_shard(model, plan.token_group, plan.sequence_parallel)
+    if plan.tp_mesh is not None:
         from moe.parallel.tensor_parallel import apply_tp
 
-        apply_tp(model, steps.tp_mesh, steps.sequence_parallel)
-    if steps.load_balance_group is not None:
-        apply_load_balance_group(model, steps.load_balance_group)
+        apply_tp(model, plan.tp_mesh, plan.sequence_parallel)
+    if plan.load_balance_group is not None:
+        apply_load_balance_group(model, plan.load_balance_group)
     apply_ac(model, parallel.activation_checkpointing, parallel.activation_checkpointing_every_n)
     if model_cfg.compile:
         apply_compile(model)
-    if steps.shard is not None:
-        steps.shard(model)
+    if plan.shard is not None:
+        plan.shard(model)
     if next(model.parameters()).is_meta:
-        with steps.fake_mode or contextlib.nullcontext():
-            materialize_distributed(model, steps.device, steps.source, model_cfg, tp)
+        with plan.fake_mode or contextlib.nullcontext():
+            materialize_distributed(model, plan.device, plan.source, model_cfg, tp)
     return model

@@ -165,7 +165,7 @@ class StageParts(nn.Module):
 
     def __init__(self, parts: list[PipelineStageModel]):
         super().__init__()
-        self.cfg, self.moe_opt = parts[0].cfg, parts[0].moe_opt
+        self.model_config, self.moe_opt = parts[0].model_config, parts[0].moe_opt
         self.init_seed, self.init_std = parts[0].init_seed, parts[0].init_std
         self.sequence_shard = parts[0].sequence_shard
         first = next((p for p in parts if p.first), None)

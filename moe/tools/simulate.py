@@ -139,7 +139,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # meta parameters become fake ones
         # the backend's parallelize steps (moe.parallel.parallelize) on the fake ranks, storage fake
         backend = backend_class(cfg.hardware)
-        steps = backend.simulated_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, cfg.trainer, dims, fake_mode)
+        steps = backend.simulated_plan(cfg.moe_opt, cfg.parallel, cfg.hardware, cfg.trainer, dims, fake_mode)
         pipeline = None
         if dims.pp_enabled:  # this rank's stages, built on meta, parallelised and scheduled as training does
             with _default_dtype(param_dtype):

@@ -30,7 +30,7 @@ from moe.config.derived import precision_of
 from moe.config.schema import HardwareConfig, ModelConfig, MoEOptConfig, ParallelConfig, TrainerConfig
 from moe.parallel.comm import set_collective_timeout
 from moe.parallel.dims import ExpertGroups, Meshes, ParallelDims
-from moe.parallel.parallelize import Steps
+from moe.parallel.parallelize import ParallelizePlan
 from moe.ranks import device_of
 
 
@@ -57,19 +57,19 @@ class FSDP2Backend(Backend):
         (FSDP2Strategy.setup_environment)."""
         return self.strategy.meshes
 
-    def parallelize_steps(self, module) -> Steps:
+    def parallelize_plan(self, module) -> ParallelizePlan:
         if self.dims.ep_enabled:
             self.expert_groups = ExpertGroups(ep=self.meshes.ep.get_group(), expert_dp=None)
         cfg = self.cfg
-        return fsdp2_steps(cfg.moe_opt, cfg.parallel, cfg.hardware, self.dims, self.meshes,
+        return fsdp2_plan(cfg.moe_opt, cfg.parallel, cfg.hardware, self.dims, self.meshes,
                            mixed_precision(cfg.trainer, cfg.hardware), device_of(module),
                            self.initial_source())
 
     @classmethod
-    def simulated_steps(cls, moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: HardwareConfig,
-                        trainer: TrainerConfig, dims: ParallelDims, fake_mode) -> Steps:
-        """fsdp2_steps on the run's mesh, storage fake."""
-        return fsdp2_steps(moe_opt, parallel, hardware, dims, dims.meshes("cpu"),
+    def simulated_plan(cls, moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: HardwareConfig,
+                        trainer: TrainerConfig, dims: ParallelDims, fake_mode) -> ParallelizePlan:
+        """fsdp2_plan on the run's mesh, storage fake."""
+        return fsdp2_plan(moe_opt, parallel, hardware, dims, dims.meshes("cpu"),
                            mixed_precision(trainer, hardware), "cpu", None, fake_mode)
 
     def parallelize(self, module) -> None:
@@ -81,7 +81,7 @@ class FSDP2Backend(Backend):
         from moe.parallel.parallelize import parallelize
         from moe.parallel.pipeline import StageParts, build_pipeline
 
-        cfg, dims, steps = self.cfg, self.dims, self.parallelize_steps(module)
+        cfg, dims, steps = self.cfg, self.dims, self.parallelize_plan(module)
         pipeline = build_pipeline(cfg.model, cfg.moe_opt, cfg.parallel, cfg.trainer, cfg.hardware, cfg.seed,
                                   dims, self.meshes,
                                   lambda part: parallelize(part, cfg.model, cfg.parallel, dims.tp, steps),
@@ -130,8 +130,8 @@ def mixed_precision(trainer: TrainerConfig, hardware: HardwareConfig):
     return MixedPrecisionPolicy()
 
 
-def fsdp2_steps(moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: HardwareConfig, dims: ParallelDims,
-                meshes, mp_policy, device, source, fake_mode=None) -> Steps:
+def fsdp2_plan(moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: HardwareConfig, dims: ParallelDims,
+                meshes, mp_policy, device, source, fake_mode=None) -> ParallelizePlan:
     """Every step on the mesh: EP on its `ep` dim, the MoE tokens split over `tp`, TP on `tp`, the load
     balance over the ranks whose tokens it covers, FSDP2 on the dense and expert meshes (the training
     run's, or the simulation's on fake ranks)."""
@@ -144,7 +144,7 @@ def fsdp2_steps(moe_opt: MoEOptConfig, parallel: ParallelConfig, hardware: Hardw
     shard = partial(apply_fsdp, meshes=meshes, expert_divide_factor=dims.dp,
                     reshard_after_forward=dims.zero_stage >= 3, mp_policy=mp_policy,
                     sum_only=hardware.backend == "gloo", offload_experts=parallel.offload_experts)
-    return Steps(ep_group=meshes.ep.get_group() if dims.ep_enabled else None,
+    return ParallelizePlan(ep_group=meshes.ep.get_group() if dims.ep_enabled else None,
                  token_group=meshes.tp.get_group() if dims.moe_token_split > 1 else None,
                  tp_mesh=meshes.tp if dims.tp_enabled else None, sequence_parallel=dims.sequence_parallel,
                  load_balance_group=_load_balance_group(moe_opt, dims, meshes),
