@@ -145,8 +145,10 @@ class RunMetrics(L.Callback):
         self._peak_mib = float(peak)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        """summary.json marks a finished run, so it comes after every on_train_end: Lightning runs the
-        checkpoint callbacks' last, and the final checkpoint must exist (and have fitted on disk) first."""
+        """summary.json marks a finished run, so the final checkpoint (StepCheckpoint.on_train_end) must exist
+        and have fitted on disk first: Lightning calls on_fit_end once the whole stage, every callback's
+        on_train_end included, has run (lightning 2.6 trainer/trainer.py:1079-1088), whatever the callbacks'
+        order."""
         if trainer.is_global_zero:
             summary = self.summary(trainer.global_step, self._peak_mib)
             summary["expert_kernel"] = expert_kernel(pl_module.model)
