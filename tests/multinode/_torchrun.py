@@ -17,6 +17,7 @@ With it, rank 0 hosts a fresh store for every attempt.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -53,10 +54,8 @@ def wait_for(condition, timeout: float, what: str, alive=None, interval: float =
 def _children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
+        with contextlib.suppress(OSError):  # the thread or the process ended
             found += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:  # the thread or the process ended
-            pass
     return found
 
 
@@ -169,7 +168,5 @@ class TwoNodes:
                 node.proc.wait()
         for pid in workers:
             if str(TRAIN) in _cmdline(pid):  # still that worker (an ended one's pid may be another's now)
-                try:
+                with contextlib.suppress(ProcessLookupError):  # it ended on its own meanwhile
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
