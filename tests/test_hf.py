@@ -15,6 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from moe.config import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError, UserError
 from moe.hf import from_hf, model_config_from_hf, to_hf
+from moe.hf.families import exporter_for
 from moe.hf.mixtral import Mixtral
 from moe.model import MoETransformer
 
@@ -248,3 +249,8 @@ def test_config_keys_the_model_type_does_not_define_are_named_and_biases_refused
     biased.attention_bias = True
     with pytest.raises(ConfigError, match="attention_bias=True is not supported"):
         model_config_from_hf(biased)
+def test_hf_family_picks_the_exporter_and_an_unknown_one_is_refused_naming_the_key():
+    assert exporter_for(ModelConfig()).hf_class == "MixtralForCausalLM"
+    assert exporter_for(ModelConfig(hf_family="deepseek_v3")).hf_class == "DeepseekV3ForCausalLM"
+    with pytest.raises(ConfigError, match="model.hf_family"):
+        exporter_for(ModelConfig(hf_family="llama4"))

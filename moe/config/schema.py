@@ -85,6 +85,9 @@ class ModelConfig(Section):
     qk_rope_head_dim: Optional[int] = None  # the decoupled RoPE dims, one key head shared; DeepSeek-V3: 64
     v_head_dim: Optional[int] = None  # DeepSeek-V3: 128
     compile: bool = False  # torch.compile the blocks and the MoE layers' regions (apply_compile)
+    # the Hugging Face family an export writes (its model_type: moe.hf.families.CONVERTERS); null: by the
+    # attention (gqa: mixtral, mla: deepseek_v3). An import sets it to the checkpoint's family.
+    hf_family: Optional[str] = None
     init_from_hf: Optional[str] = None  # Mixtral-format directory to start from
     upcycle_from_hf: Optional[str] = None  # dense Mistral/Llama directory: every expert a copy of its MLP
     upcycle_granularity: int = 1  # > 1: fine-grained upcycling, each expert a 1/g slice of the dense MLP

@@ -1,7 +1,7 @@
 """Which adapter reads or writes which Hugging Face model family: the one table.
 
-Reading goes by the checkpoint's `model_type` (config.json); writing by our attention: GQA models
-are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama checkpoints are read by upcycling only
+Reading goes by the checkpoint's `model_type` (config.json); writing by `model.hf_family` (an import
+sets it), else by our attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama checkpoints are read by upcycling only
 (their adapter needs the expert count: moe.hf.dense.DenseUpcycle).
 """
 from __future__ import annotations
@@ -28,5 +28,6 @@ def converter_for(model_type: str | None, field: str = "model_type") -> ExportAd
 
 
 def exporter_for(model_cfg) -> ExportAdapter:
-    """The family a model of ours exports to (its attention decides)."""
-    return CONVERTERS[EXPORT_BY_ATTENTION[model_cfg.attention]]()
+    """The family a model of ours exports to: `model.hf_family`, else its attention's."""
+    family = model_cfg.hf_family or EXPORT_BY_ATTENTION[model_cfg.attention]
+    return converter_for(family, field="model.hf_family")
