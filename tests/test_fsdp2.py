@@ -191,6 +191,53 @@ def test_mla_under_tp2_gives_one_process_gradients():
             torch.testing.assert_close(out[rank][name], grad, atol=1e-8, rtol=1e-6, msg=name)
 
 
+def _qwen_cfg():
+    """GQA with Qwen3-MoE's per-head QK-norm and Qwen2-MoE's q/k/v biases."""
+    from moe.config.schema import ModelConfig, MoEOptConfig
+
+    model = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=8, num_layers=2, num_heads=4,
+                        num_kv_heads=2, num_experts=4, top_k=2, first_k_dense_replace=1, qk_norm="per_head",
+                        qkv_bias=True)
+    return model, MoEOptConfig(capacity_factor=None)
+
+
+def _qwen_reference():
+    """One process's model, its biases and norm weights drawn away from 0 and 1 (the init's)."""
+    from moe.model.model import MoETransformer
+
+    model = MoETransformer(*_qwen_cfg(), init_seed=7)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "_norm.weight")):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    return model
+
+
+def _qwen_tp_grads():
+    from moe.parallel.placement import materialize_distributed
+
+    model_cfg, moe_opt = _qwen_cfg()
+    model, _ = _tp2_on_meta(model_cfg, moe_opt)
+    values = _qwen_reference().state_dict()
+    materialize_distributed(model, "cpu", lambda name, shape, first: values[name], model_cfg, tp=2)
+    return _mla_grads(model)
+
+
+def test_qk_norm_per_head_and_qkv_bias_under_tp2_give_one_process_gradients():
+    """Split by heads over 2 TP ranks: the q/k/v bias with its rows (TP-interleaved as the weight's), the
+    per-head norm weights whole on each rank with their gradients summed over the ranks."""
+    out = _on_two_ranks(_qwen_tp_grads)
+    want = _mla_grads(_qwen_reference())
+    assert "layers.0.attn.qkv_proj.bias" in want and "layers.1.attn.q_norm.weight" in want
+    for rank in (0, 1):
+        assert set(out[rank]) == set(want)
+        for name, grad in want.items():
+            if ".qkv_proj." in name:  # the live tensor's rows are TP-interleaved
+                grad = grad[interleave_order([16, 8, 8], 2)]
+            torch.testing.assert_close(out[rank][name], grad, atol=1e-7, rtol=1e-5, msg=name)
+
+
 # -- slow: 20 training steps per layout, and resumes -------------------------------------------------
 FSDP2 = ("hardware=cpu_fsdp2", "moe_opt.aux_loss_group=dp")
 FOUR = ("trainer.devices=4", "hardware.devices_per_node=4")

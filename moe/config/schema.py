@@ -22,6 +22,7 @@ from moe.config.choices import (
     LoadBalancingType,
     NeuronPrecision,
     PositionEncoding,
+    QKNorm,
     RouterDtype,
     ScoreFunction,
     SpikeAction,
@@ -74,7 +75,16 @@ class ModelConfig(Section):
     top_k: int = 2
     moe_layer_frequency: int = 1  # an MoE block every N layers, dense SwiGLU otherwise
     first_k_dense_replace: int = 0  # the first k layers dense whatever the frequency (DeepSeek-V3: 3)
+    # these layers (0-based) dense too, whatever the two rules above (Qwen's mlp_only_layers); null = none
+    dense_layers: Optional[list[int]] = None
     shared_expert_intermediate_size: int = 0  # 0 = no always-on shared expert
+    # the shared expert's output times sigmoid(gate(x)), gate a Linear(hidden, 1) (Qwen2-MoE's
+    # shared_expert_gate)
+    shared_expert_gate: bool = False
+    # GQA only: RMSNorm of the queries and keys before RoPE; none | per_head: over each head's head_dim, one
+    # weight for every head (Qwen3-MoE) | full: over the whole q and the whole k projection (OLMoE)
+    qk_norm: Annotated[str, QKNorm] = "none"
+    qkv_bias: bool = False  # GQA only: biases on the q, k and v projections (Qwen2-MoE), none on o_proj
     # gqa: grouped-query attention (Mixtral) | mla: multi-head latent attention (DeepSeek-V2/V3,
     # moe/model/mla.py), which reads the five keys below (null = unset; each required by mla but
     # q_lora_rank, whose null means one q_proj instead of a query latent) and ignores num_kv_heads/head_dim

@@ -11,7 +11,7 @@ from moe.config.derived import attention_dims, dense_width, head_dim_of, is_moe_
 
 
 def attention_params(m) -> int:
-    """One layer's attention weights, its two block norms included."""
+    """One layer's attention weights, its two block norms included (and model.qkv_bias, model.qk_norm)."""
     H = m.hidden_size
     if m.attention == "mla":
         qk_dim, v_dim = attention_dims(m)
@@ -21,8 +21,10 @@ def attention_params(m) -> int:
             + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + v_dim)
         return q + kv + m.num_heads * v_dim * H + 2 * H
     head_dim = head_dim_of(m)
-    qkv = H * (m.num_heads * head_dim + 2 * m.num_kv_heads * head_dim)
-    return qkv + m.num_heads * head_dim * H + 2 * H
+    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
+    qkv = H * (q + 2 * kv) + (q + 2 * kv if m.qkv_bias else 0)
+    qk_norm = {"none": 0, "per_head": 2 * head_dim, "full": q + kv}[m.qk_norm]
+    return qkv + q * H + 2 * H + qk_norm
 
 
 @dataclass
@@ -32,7 +34,7 @@ class ParamBreakdown:
     embedding: int
     lm_head: int  # 0 when tied to the embedding
     final_norm: int
-    attention: int  # q/k/v (MLA: its latents and their norms) + o + the two block RMSNorms, all layers
+    attention: int  # q/k/v (MLA: latents and their norms; GQA: biases, QK-norms) + o + the 2 block RMSNorms
     routers: int
     shared_experts: int
     dense_mlp: int  # SwiGLU of the non-MoE layers
@@ -67,7 +69,7 @@ def param_breakdown(m) -> ParamBreakdown:
         final_norm=H,
         attention=m.num_layers * attention_params(m),
         routers=n_moe * E * H,
-        shared_experts=n_moe * 3 * H * m.shared_expert_intermediate_size,
+        shared_experts=n_moe * (3 * H * m.shared_expert_intermediate_size + H * m.shared_expert_gate),
         dense_mlp=n_dense * 3 * H * dense_width(m),
         experts=n_moe * E * per_expert,
         active_experts=n_moe * m.top_k * per_expert,

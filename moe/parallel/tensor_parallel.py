@@ -1,7 +1,10 @@
 """Tensor parallelism with DTensor parallel styles (torch.distributed.tensor.parallel), Megatron's split.
 
-Attention: `qkv_proj` column-parallel (each TP rank computes its heads' q, k and v), `o_proj`
-row-parallel (its output all-reduced over the TP group). Dense SwiGLU: `gate_up_proj`
+Attention: `qkv_proj` column-parallel (each TP rank computes its heads' q, k and v; its bias, with
+model.qkv_bias, split as its rows), `o_proj` row-parallel (its output all-reduced over the TP group). A
+per-head QK-norm (model.qk_norm=per_head) stays whole on every rank, its gradient summed over the TP
+group (each rank's heads give part of it); a full-width one would need the whole projection and is
+refused under TP (moe.backends.fsdp2.rules). Dense SwiGLU: `gate_up_proj`
 column-parallel, `down_proj` row-parallel. Embeddings, norms and the LM head stay whole on every
 TP rank (their gradients are equal there: a column-parallel layer all-reduces its input gradient).
 The MoE layer is not split by TP: it splits its tokens over the TP ranks instead and spreads the
@@ -34,7 +37,7 @@ from moe.model.mla import MLAttention
 
 def fused_segments(name: str, model_cfg) -> list[int] | None:
     """Canonical row segments of a fused projection's weight (`name` as state_dict spells it), else None."""
-    if name.endswith("attn.qkv_proj.weight"):
+    if name.endswith(("attn.qkv_proj.weight", "attn.qkv_proj.bias")):  # the bias (model.qkv_bias) as its rows
         head_dim = head_dim_of(model_cfg)
         kv = model_cfg.num_kv_heads * head_dim
         return [model_cfg.num_heads * head_dim, kv, kv]
@@ -99,6 +102,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
             gather_input(module, 4)
             parallelize_module(module, tp_mesh, {"qkv_proj": ColwiseParallel(), "o_proj": out})
             module.split_sizes = [size // tp for size in module.split_sizes]  # this rank's heads
+            module.tp_group = tp_mesh.get_group()  # a per-head qk_norm weight's gradient: summed over it
         elif isinstance(module, MLAttention):
             gather_input(module, 4, local=True)
             queries = "q_proj" if hasattr(module, "q_proj") else "q_b_proj"
