@@ -97,3 +97,13 @@ class ExportAdapter(HFAdapter):
 
 def _yaml(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def refuse_unless(cfg: ModelConfig, family: str, **wanted) -> None:
+    """A ConfigError for the first model key whose value is not the one `family` can express."""
+    for key, want in wanted.items():
+        have = getattr(cfg, key)
+        if have != want:
+            shown = "null" if want is None else str(want).lower() if isinstance(want, bool) else want
+            raise ConfigError(f"model.{key}", have, f"train with model.{key}={shown} to export to {family}",
+                              f"cannot be expressed by {family}")

@@ -16,12 +16,12 @@ import torch
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError, UserError, first_line
 from moe.hf.dense import DenseUpcycle
-from moe.hf.families import CONVERTERS, IMPORTABLE, UPCYCLERS, converter_for, exporter_for
+from moe.hf.families import CONVERTERS, FAMILY_CLASSES, IMPORTABLE, UPCYCLERS, converter_for, exporter_for
 from moe.hf.tensors import SafetensorsDir, is_stacked, load_local
 
 
 def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-    """Raise ConfigError for any option the model's transformers class (Mixtral or DeepSeek-V3) cannot
+    """Raise ConfigError for any option the model's transformers class (its family: moe.hf.families) cannot
     reproduce."""
     exporter_for(cfg).check_exportable(cfg, moe_opt)
 
@@ -107,8 +107,9 @@ def check_finite(name: str, value: torch.Tensor, path, field: str) -> torch.Tens
 def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "model.init_from_hf"):
     """`source(name, shape, first_expert)` -> our tensor from DIR's safetensors, as
     MoETransformer.materialize (and trn1's param_init_fn) reads values: full tensors, or experts
-    [first_expert, first_expert + shape[0]). A Mixtral or DeepSeek-V3 directory is converted; a dense
-    Mistral/Llama one upcycled to model_cfg's experts, routers from moe.model.init's values for `seed`."""
+    [first_expert, first_expert + shape[0]). A directory of a family we convert (moe.hf.families) is
+    converted; a dense Mistral/Llama one upcycled to model_cfg's experts, routers from moe.model.init's
+    values for `seed`."""
     files = SafetensorsDir(path, field)
     hf_config = json.loads((Path(path) / "config.json").read_text())
     model_type = hf_config.get("model_type")
@@ -137,7 +138,7 @@ def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "mode
 
 
 def read_hf_config(path: str | Path, field: str):
-    """The transformers config of a Mixtral or DeepSeek-V3 directory; a UserError naming `field` when the
+    """The transformers config of a directory of a family we convert; a UserError naming `field` when the
     directory has none, an unreadable one, or another model type."""
     from transformers import AutoConfig
 
@@ -153,8 +154,7 @@ def read_hf_config(path: str | Path, field: str):
         raise UserError(field, str(path), "fix or regenerate config.json",
                         problem=f"has a config.json transformers cannot read ({first})") from err
     if config.model_type not in CONVERTERS:
-        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM) or DeepSeek-V3 "
-                        "(DeepseekV3ForCausalLM) checkpoint",
+        raise UserError(field, str(path), f"convert a checkpoint of one of {', '.join(FAMILY_CLASSES)}",
                         problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
     warn_unknown_keys(config, path)
     return config
@@ -174,6 +174,8 @@ def warn_unknown_keys(config, path) -> list[str]:
     known = set(inspect.signature(type(config).__init__).parameters) | set(PretrainedConfig().to_dict())
     if hasattr(config, "rope_parameters"):  # transformers 5 reads 4.x's RoPE keys into rope_parameters
         known |= LEGACY_ROPE_KEYS  # (modeling_rope_utils.py:776-786 at 5.24; our export writes rope_theta)
+    known.add("head_dim")  # read with getattr by the attention of configs without the field (Qwen-MoE, OLMoE:
+    # modeling_qwen3_moe.py:129 at 5.24); Qwen3-30B-A3B's config.json sets it
     unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)
     if unknown:
         print(f"warning: {Path(path) / 'config.json'} has keys {config.model_type} does not define, ignored: "

@@ -1,7 +1,8 @@
 """Which adapter reads or writes which Hugging Face model family: the one table.
 
-Reading goes by the checkpoint's `model_type` (config.json); writing by `model.hf_family` (an import
-sets it), else by our attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama checkpoints are read by upcycling only
+Reading goes by the checkpoint's `model_type` (config.json): Mixtral, DeepSeek-V3, Qwen3-MoE, Qwen2-MoE,
+OLMoE; writing by `model.hf_family` (an import sets it), else by our attention: GQA models are Mixtral, MLA
+models DeepSeek-V3. Dense Mistral/Llama checkpoints are read by upcycling only
 (their adapter needs the expert count: moe.hf.dense.DenseUpcycle).
 """
 from __future__ import annotations
@@ -11,19 +12,23 @@ from moe.hf.adapter import ExportAdapter, HFAdapter
 from moe.hf.deepseek_v3 import DeepSeekV3
 from moe.hf.dense import DenseUpcycle
 from moe.hf.mixtral import Mixtral
+from moe.hf.olmoe import Olmoe
+from moe.hf.qwen2_moe import Qwen2Moe
+from moe.hf.qwen3_moe import Qwen3Moe
 
-CONVERTERS: dict[str, type[ExportAdapter]] = {"mixtral": Mixtral, "deepseek_v3": DeepSeekV3}
+CONVERTERS: dict[str, type[ExportAdapter]] = {
+    adapter.model_types[0]: adapter for adapter in (Mixtral, DeepSeekV3, Qwen3Moe, Qwen2Moe, Olmoe)}
 UPCYCLERS: dict[str, type[HFAdapter]] = dict.fromkeys(DenseUpcycle.model_types, DenseUpcycle)
 EXPORT_BY_ATTENTION = {"gqa": "mixtral", "mla": "deepseek_v3"}
 IMPORTABLE = tuple(CONVERTERS)  # model_type of the checkpoints from_hf reads
+FAMILY_CLASSES = tuple(adapter.hf_class for adapter in CONVERTERS.values())
 
 
 def converter_for(model_type: str | None, field: str = "model_type") -> ExportAdapter:
-    """The adapter of a Mixtral or DeepSeek-V3 checkpoint; a ConfigError naming what to do otherwise."""
+    """The adapter of a checkpoint of a family we convert; a ConfigError naming what to do otherwise."""
     if model_type not in CONVERTERS:
-        raise ConfigError(field, model_type, "convert a Mixtral (MixtralForCausalLM) or DeepSeek-V3 "
-                          "(DeepseekV3ForCausalLM) checkpoint; upcycle a dense one with moe.hf.upcycle",
-                          f"is not {' or '.join(IMPORTABLE)}")
+        raise ConfigError(field, model_type, f"convert a checkpoint of one of {', '.join(FAMILY_CLASSES)}; "
+                          "upcycle a dense one with moe.hf.upcycle", f"is not {' or '.join(IMPORTABLE)}")
     return CONVERTERS[model_type]()
 
 

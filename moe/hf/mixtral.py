@@ -32,7 +32,7 @@ import torch
 from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
-from moe.hf.adapter import ExportAdapter, Read
+from moe.hf.adapter import ExportAdapter, Read, refuse_unless
 from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
 from moe.model.expert_layout import OUT_IN
 
@@ -143,6 +143,9 @@ class Mixtral(ExportAdapter):
             raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
                               "use 0 (no shared expert) to export to Mixtral",
                               "adds a shared expert, which Mixtral cannot express")
+        refuse_unless(cfg, "Mixtral", qk_norm="none", qkv_bias=False)
+        if cfg.dense_layers:
+            refuse_unless(cfg, "Mixtral", dense_layers=None)
         for key, default, what in (("score_function", "softmax", "scores experts with a sigmoid"),
                                    ("num_groups", None, "limits each token to groups of experts"),
                                    ("topk_scaling_factor", None, "scales the top-k weights")):
