@@ -170,7 +170,11 @@ def test_init_from_hf_then_training_then_export_reimports_with_the_loss_it_train
     hf.save_pretrained(tmp_path / "start")
     cfg = OmegaConf.structured(TrainConfig)
     cfg.model.init_from_hf = str(tmp_path / "start")
-    cfg.moe_opt.normalize_top_k = hf.config.norm_topk_prob  # the checkpoint's routing (else refused)
+    if not hf.config.norm_topk_prob:  # our default renormalises the top 2: not how the checkpoint routes
+        with pytest.raises(ConfigError) as err:
+            hf_start(cfg.model, cfg.moe_opt, cfg.data)
+        assert err.value.field == "moe_opt.normalize_top_k"
+    cfg.moe_opt.normalize_top_k = hf.config.norm_topk_prob  # the checkpoint's routing
     start = hf_start(cfg.model, cfg.moe_opt, cfg.data)
     model_cfg = OmegaConf.to_object(OmegaConf.merge(cfg.model, start.model))
     moe_opt = OmegaConf.to_object(cfg.moe_opt)

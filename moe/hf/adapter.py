@@ -104,6 +104,20 @@ def refuse_unless(cfg: ModelConfig, family: str, **wanted) -> None:
     for key, want in wanted.items():
         have = getattr(cfg, key)
         if have != want:
-            shown = "null" if want is None else str(want).lower() if isinstance(want, bool) else want
-            raise ConfigError(f"model.{key}", have, f"train with model.{key}={shown} to export to {family}",
+            raise ConfigError(f"model.{key}", have,
+                              f"train with model.{key}={_yaml(want)} to export to {family}",
                               f"cannot be expressed by {family}")
+
+
+def refuse_router_options(moe_opt: MoEOptConfig, family: str) -> None:
+    """A ConfigError for the first routing option a softmax top-k router (Mixtral's, Qwen's, OLMoE's)
+    cannot express."""
+    for key, default, what in (("score_function", "softmax", "scores experts with a sigmoid"),
+                               ("num_groups", None, "limits each token to groups of experts"),
+                               ("topk_scaling_factor", None, "scales the top-k weights"),
+                               ("enable_expert_bias", False, "selects experts with a learned bias")):
+        value = getattr(moe_opt, key)
+        if value != default:
+            raise ConfigError(f"moe_opt.{key}", value,
+                              f"export a model trained with moe_opt.{key}={_yaml(default)}",
+                              f"{what}, which {family}'s softmax top-k router cannot express")

@@ -32,7 +32,7 @@ import torch
 from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
-from moe.hf.adapter import ExportAdapter, Read, refuse_unless
+from moe.hf.adapter import ExportAdapter, Read, refuse_router_options, refuse_unless
 from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
 from moe.model.expert_layout import OUT_IN
 
@@ -57,8 +57,8 @@ def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
                           "is not supported")
     for key in ("attention_bias", "mlp_bias"):  # Llama's options: biases our projections do not have
         if getattr(hf_config, key, False):
-            raise ConfigError(key, True, f"convert a checkpoint with {key}=false (our projections have "
-                              "no bias)", "is not supported")
+            raise ConfigError(key, True, f"convert a checkpoint with {key}=false (it biases o_proj or the "
+                              "MLPs too; ours bias only q/k/v: model.qkv_bias)", "is not supported")
     if getattr(hf_config, "attention_dropout", 0.0):
         raise ConfigError("attention_dropout", hf_config.attention_dropout,
                           "set attention_dropout=0 in config.json (our attention has no dropout)",
@@ -146,19 +146,7 @@ class Mixtral(ExportAdapter):
         refuse_unless(cfg, "Mixtral", qk_norm="none", qkv_bias=False)
         if cfg.dense_layers:
             refuse_unless(cfg, "Mixtral", dense_layers=None)
-        for key, default, what in (("score_function", "softmax", "scores experts with a sigmoid"),
-                                   ("num_groups", None, "limits each token to groups of experts"),
-                                   ("topk_scaling_factor", None, "scales the top-k weights")):
-            value = getattr(moe_opt, key)
-            if value != default:
-                raise ConfigError(f"moe_opt.{key}", value,
-                                  f"export a model trained with moe_opt.{key}={default}",
-                                  f"{what}, which Mixtral's softmax top-k router cannot express")
-        if moe_opt.enable_expert_bias:
-            raise ConfigError("moe_opt.enable_expert_bias", True,
-                              "export a model trained without the expert bias "
-                              "(moe_opt.enable_expert_bias=false)",
-                              "selects experts with a learned bias, which Mixtral's router cannot express")
+        refuse_router_options(moe_opt, "Mixtral")
         if not normalizes(moe_opt.normalize_top_k, cfg.top_k):
             raise ConfigError("moe_opt.normalize_top_k", moe_opt.normalize_top_k,
                               "set moe_opt.normalize_top_k=true (Mixtral always renormalises the top-k "

@@ -24,8 +24,7 @@ import torch
 
 from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
-from moe.errors import ConfigError
-from moe.hf.adapter import ExportAdapter, Read, refuse_unless
+from moe.hf.adapter import ExportAdapter, Read, refuse_router_options, refuse_unless
 from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
 from moe.model.expert_layout import OUT_IN
 
@@ -143,16 +142,7 @@ class SparseMoeFamily(ExportAdapter):
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
         refuse_unless(cfg, self.family, position_encoding="rope")
         self.check_family(cfg)
-        for key, default, what in (("score_function", "softmax", "scores experts with a sigmoid"),
-                                   ("num_groups", None, "limits each token to groups of experts"),
-                                   ("topk_scaling_factor", None, "scales the top-k weights"),
-                                   ("enable_expert_bias", False, "selects experts with a learned bias")):
-            value = getattr(moe_opt, key)
-            if value != default:
-                shown = "null" if default is None else str(default).lower()
-                raise ConfigError(f"moe_opt.{key}", value,
-                                  f"export a model trained with moe_opt.{key}={shown}",
-                                  f"{what}, which {self.family}'s softmax top-k router cannot express")
+        refuse_router_options(moe_opt, self.family)
 
     def norm_topk_prob(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> bool:
         return normalizes(moe_opt.normalize_top_k, cfg.top_k)
