@@ -5,8 +5,10 @@ head and full, q/k/v biases, the gated shared expert, an explicit dense pattern)
 modules. Each model: 2 layers, hidden 64, 4 experts, top 2, fp32 unless said.
 """
 import logging
+import shutil
 import warnings
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +19,11 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention, Qwen3MoeRotaryEmbedding
 
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
+from moe.config.infer import InferConfig
 from moe.errors import ConfigError
 from moe.hf import from_hf, model_config_from_hf, tensor_source, to_hf
 from moe.hf.start import hf_start
+from moe.infer.command import run
 from moe.infer.generate import generate
 from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
@@ -133,6 +137,21 @@ def test_a_directory_imports_with_transformers_logits_and_greedy_tokens(family, 
     whole = model.state_dict()[name]
     part = tensor_source(tmp_path, model.model_config)(name, (2, *whole.shape[1:]), 1)
     assert torch.equal(part, whole[1:3])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_infer_hf_dir_greedy_gives_transformers_greedy_tokens(family, tmp_path):
+    """`infer.py hf_dir=DIR greedy=true` (its run(), in this process) on a directory with a tokenizer."""
+    hf = hf_model(family, vocab_size=512)  # the bundled sample tokenizer's 512 ids
+    hf.save_pretrained(tmp_path)
+    sample = Path(__file__).resolve().parents[1] / "data" / "sample"
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(sample / name, tmp_path)
+    cfg = OmegaConf.merge(OmegaConf.structured(InferConfig), dict(
+        hf_dir=str(tmp_path), prompt="Once upon a time", max_new_tokens=6, greedy=True, stop_at_eos=False))
+    [result] = run(cfg)
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)("Once upon a time")["input_ids"]
+    assert result["tokens"] == hf_greedy(hf, torch.tensor([ids]), 6)[0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
