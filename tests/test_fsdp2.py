@@ -273,6 +273,22 @@ def test_mla_with_first_k_dense_layers_matches_one_process_under_fsdp2(tmp_path,
     assert_same_losses(tmp_path / layout, mla_single)
 
 
+# Qwen-MoE's pieces at once: per-head QK-norm, q/k/v biases, a sigmoid-gated shared expert, a dense layer
+QWEN = ("model.qk_norm=per_head", "model.qkv_bias=true", "model.shared_expert_intermediate_size=64",
+        "model.shared_expert_gate=true", "model.dense_layers=[0]", "moe_opt.normalize_top_k=false")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "dp2_ep2"])
+def test_qwen_pieces_match_one_process_under_fsdp2(tmp_path, layout):
+    """QK-norm and biases split with the heads over TP (the norm's gradient summed over the TP group), the
+    shared expert's gate summed as the shared expert is: every step's loss equals one process's."""
+    single = tmp_path / "single"
+    train(single, *QWEN, "trainer.devices=1", "trainer.micro_batch_size=4")
+    train(tmp_path / layout, *QWEN, *FSDP2, *LAYOUTS[layout])
+    assert_same_losses(tmp_path / layout, single)
+
+
 HSDP = ("parallel=fsdp2_hsdp", *FOUR, "trainer.micro_batch_size=1")  # tests/test_resume_layouts.py trains it
 
 
