@@ -124,10 +124,11 @@ def is_sparse(hf_layer) -> bool:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_directory_imports_with_transformers_logits_and_greedy_tokens(family, tmp_path):
+def test_a_directory_imports_with_transformers_logits_and_greedy_tokens(family, tmp_path, capsys):
     hf = hf_model(family)
     hf.save_pretrained(tmp_path)
     model = model_from_hf_dir(tmp_path)  # what infer.py hf_dir= loads
+    assert "warning" not in capsys.readouterr().err  # every key of the config.json transformers wrote is read
     assert model.model_config.hf_family == family  # it exports back to its family
     assert [b.is_moe for b in model.layers] == [is_sparse(layer) for layer in hf.model.layers]
     assert model.moe_opt.capacity_factor is None and model.moe_opt.aux_loss_coeff == 0.02
@@ -158,7 +159,7 @@ def test_infer_hf_dir_greedy_gives_transformers_greedy_tokens(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_an_export_loads_in_transformers_with_our_logits_and_reimports_as_itself(family, tmp_path):
+def test_an_export_loads_in_transformers_with_our_logits_and_reimports_as_itself(family, tmp_path, capsys):
     model = our_model(family)
     to_hf(model).save_pretrained(tmp_path)
     said = Said()
@@ -176,7 +177,8 @@ def test_an_export_loads_in_transformers_with_our_logits_and_reimports_as_itself
     assert [b.is_moe for b in model.layers] == [is_sparse(layer) for layer in hf.model.layers]
     with torch.no_grad():
         assert relative(hf.eval()(IDS).logits, model(IDS).logits_BSV) < 1e-5
-    again = from_hf(tmp_path)
+    again = model_from_hf_dir(tmp_path)
+    assert "warning" not in capsys.readouterr().err
     pattern = ("name", "first_k_dense_replace", "dense_layers")  # Qwen writes both as mlp_only_layers
     assert {k: v for k, v in asdict(again.model_config).items() if k not in pattern} == \
         {k: v for k, v in asdict(model.model_config).items() if k not in pattern}

@@ -174,6 +174,8 @@ def warn_unknown_keys(config, path) -> list[str]:
     known = set(inspect.signature(type(config).__init__).parameters) | set(PretrainedConfig().to_dict())
     if hasattr(config, "rope_parameters"):  # transformers 5 reads 4.x's RoPE keys into rope_parameters
         known |= LEGACY_ROPE_KEYS  # (modeling_rope_utils.py:776-786 at 5.24; our export writes rope_theta)
+    aliases = getattr(config, "attribute_map", {})  # Qwen3MoeConfig saves num_experts as num_local_experts
+    known |= set(aliases) | set(aliases.values())  # (configuration_qwen3_moe.py:50-51 at 5.24)
     known.add("head_dim")  # read with getattr by the attention of configs without the field (Qwen-MoE, OLMoE:
     # modeling_qwen3_moe.py:129 at 5.24); Qwen3-30B-A3B's config.json sets it
     unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)

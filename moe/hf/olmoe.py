@@ -42,7 +42,7 @@ class Olmoe(SparseMoeFamily):
         from transformers import OlmoeConfig
 
         self.check_exportable(cfg, moe_opt)
-        return OlmoeConfig(
+        return self.with_rope_theta(OlmoeConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
             num_key_value_heads=cfg.num_kv_heads, hidden_act="silu",
@@ -54,4 +54,4 @@ class Olmoe(SparseMoeFamily):
             router_aux_loss_coef=moe_opt.aux_loss_coeff,
             # OLMoE's tokenizer's ids otherwise (1, 50279); export_hf sets the tokenizer's
             pad_token_id=None, eos_token_id=None,
-        )
+        ), cfg)

@@ -46,9 +46,10 @@ class Qwen2Moe(SparseMoeFamily):
         from transformers import Qwen2MoeConfig
 
         self.check_exportable(cfg, moe_opt)
-        return Qwen2MoeConfig(**qwen_config_kwargs(cfg, moe_opt, self.norm_topk_prob(cfg, moe_opt)),
-                              shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-                              qkv_bias=cfg.qkv_bias, use_sliding_window=False)
+        return self.with_rope_theta(Qwen2MoeConfig(
+            **qwen_config_kwargs(cfg, moe_opt, self.norm_topk_prob(cfg, moe_opt)),
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, qkv_bias=cfg.qkv_bias,
+            use_sliding_window=False), cfg)
 
     def state_dict(self, model) -> dict[str, torch.Tensor]:
         """Ours under 5.x's keys; without a shared expert, Qwen2-MoE's (always built) is zero-wide."""

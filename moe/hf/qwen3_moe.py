@@ -63,7 +63,6 @@ class Qwen3Moe(SparseMoeFamily):
         from transformers import Qwen3MoeConfig
 
         self.check_exportable(cfg, moe_opt)
-        return Qwen3MoeConfig(**qwen_config_kwargs(cfg, moe_opt, self.norm_topk_prob(cfg, moe_opt)),
-                              attention_bias=False,
-                              use_sliding_window=cfg.sliding_window is not None,
-                              sliding_window=cfg.sliding_window)
+        return self.with_rope_theta(Qwen3MoeConfig(
+            **qwen_config_kwargs(cfg, moe_opt, self.norm_topk_prob(cfg, moe_opt)), attention_bias=False,
+            use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window), cfg)

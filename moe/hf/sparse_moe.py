@@ -147,6 +147,13 @@ class SparseMoeFamily(ExportAdapter):
     def norm_topk_prob(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> bool:
         return normalizes(moe_opt.normalize_top_k, cfg.top_k)
 
+    @staticmethod
+    def with_rope_theta(config, cfg: ModelConfig):
+        """`config` with `rope_theta` kept as an attribute too, which transformers 4.x reads (5.x reads
+        rope_parameters; as moe.hf.mixtral does)."""
+        config.rope_theta = float(cfg.rope_theta)
+        return config
+
     def state_dict(self, model) -> dict[str, torch.Tensor]:
         return sparse_moe_state_dict(model)
 
