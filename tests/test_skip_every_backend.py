@@ -23,15 +23,19 @@ TINY = ("model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=
 TWO = ("trainer.devices=2", "hardware.devices_per_node=2")
 DEEPSPEED = ("hardware=cpu_deepspeed", "parallel=ep2", *TWO)  # experts in DeepSpeed's MoE groups too
 slow = pytest.mark.slow  # two processes, 10-30 s each
+BF16 = ("trainer.precision=bf16-mixed",)
 
 CASES = [  # (overrides, the subprocess's environment: None trains in this process)
     pytest.param(("hardware=cpu", "trainer.devices=1"), None, id="ddp_1_rank"),
     pytest.param(("hardware=cpu_fsdp2", *TWO), {}, id="fsdp2", marks=slow),
     pytest.param(("hardware=cpu_fsdp2", "parallel.pp=2", "trainer.accumulate_grad_batches=2", *TWO), {},
                  id="fsdp2_pp2", marks=slow),
+    # each of DeepSpeed's optimizers once (moe/backends/deepspeed/backend.py _optimizer_kind): the client's
+    # own (ZeRO-0 fp32), FP16_Optimizer (ZeRO-0 bf16), DeepSpeedZeroOptimizer at stage 1 in fp32 and at
+    # stage 2 in bf16 (its gradients partitioned), BF16_Optimizer (ZeRO-1 bf16, fp32 accumulation)
     *[pytest.param((*DEEPSPEED, f"parallel.zero_stage={zero}", *precision), {},
                    id=f"deepspeed_zero{zero}_{'bf16' if precision else 'fp32'}", marks=slow)
-      for zero in (0, 1, 2) for precision in ((), ("trainer.precision=bf16-mixed",))],
+      for zero, precision in ((0, ()), (0, BF16), (1, ()), (1, BF16), (2, BF16))],
     # trn1: the same probe on neuronx-distributed's real code, ZeRO-1 with mixed precision's fp32 gradient
     # accumulation (the gradients in `main_grad`), in `make test-neuron` (tests/neuron_real/run.sh skip_py)
 ]
