@@ -1,6 +1,7 @@
 """A skipped step skips on every backend: the spike guard's skip (moe.module.train_step: `guard.skips`, then
 `backend.skip_update`) leaves the weights and the optimizer state bit for bit as they were, on DDP, FSDP2,
-FSDP2 pipelined, DeepSpeed ZeRO-0/1/2 in fp32 and bf16, and trn1 (on neuronx-distributed's real code:
+FSDP2 pipelined, DeepSpeed with each optimizer it steps with (ZeRO-0 and ZeRO-1 in fp32
+and bf16, ZeRO-2 in bf16), and trn1 (on neuronx-distributed's real code:
 tests/neuron_real, `make test-neuron`), and a non-finite gradient under a finite loss is caught on each; the
 next step updates.
 
