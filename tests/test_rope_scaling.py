@@ -126,12 +126,13 @@ def test_kv_cache_decoding_with_llama3_equals_the_full_forward():
                       rope_original_max_position_embeddings=16)
     torch.manual_seed(0)
     model = MoETransformer(cfg, MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)).eval()
+    ids = IDS[:, :24]  # decode steps at positions 12..23, past the 16 original ones
     with torch.no_grad():
-        full = model(IDS, generating=True).logits_BSV
+        full = model(ids, generating=True).logits_BSV
         cache = model.new_kv_cache()
-        first = model(IDS[:, :10], kv_cache=cache, generating=True).logits_BSV
-        steps = [model(IDS[:, i:i + 1], kv_cache=cache, position_offset=i, generating=True).logits_BSV
-                 for i in range(10, IDS.shape[1])]
+        first = model(ids[:, :12], kv_cache=cache, generating=True).logits_BSV
+        steps = [model(ids[:, i:i + 1], kv_cache=cache, position_offset=i, generating=True).logits_BSV
+                 for i in range(12, ids.shape[1])]
     torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, rtol=0, atol=1e-5)
 
 
