@@ -130,7 +130,7 @@ class CausalSelfAttention(nn.Module):
 
     def attend(self, q, k, v, kv_cache: KVCache | None, position_offset: int,
                attention_mask_BS: torch.Tensor | None, enable_gqa: bool = False) -> torch.Tensor:
-        """softmax(q k^T / sqrt(D) + mask) v over this call's and the cached keys -> [B, heads, S, Dv]."""
+        """softmax(q k^T * core.scale + mask) v over this call's and the cached keys -> [B, heads, S, Dv]."""
         S = q.shape[2]
         k_start = position_offset
         if kv_cache is not None:
