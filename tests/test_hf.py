@@ -147,12 +147,12 @@ def test_export_refuses_what_mixtral_cannot_express(kw, opt, field):
 
 
 @pytest.mark.parametrize("field,scaling", [
-    ("rope_parameters", {"rope_type": "linear", "rope_theta": 1.0e6, "factor": 2.0}),  # transformers 5
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),  # transformers 4.x
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1.0e6, "factor": 2.0}),  # transformers 5
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),  # transformers 4.x
     ("rope_scaling", {"type": "dynamic", "factor": 2.0}),  # older 4.x spelling
 ])
 @pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")  # 5.x, on the 4.x spelling
-def test_import_refuses_rope_scaling(field, scaling):
+def test_import_refuses_rope_scaling_we_do_not_compute(field, scaling):
     config = hf_model(1.0e6, 4, 2, None, 2, 4, False, None).config
     setattr(config, field, scaling)
     with pytest.raises(ConfigError, match="rope_type"):

@@ -22,6 +22,7 @@ from moe.config.choices import (
     LoadBalancingType,
     NeuronPrecision,
     PositionEncoding,
+    RopeType,
     RouterDtype,
     ScoreFunction,
     SpikeAction,
@@ -66,6 +67,19 @@ class ModelConfig(Section):
     max_position_embeddings: int = 512
     position_encoding: Annotated[str, PositionEncoding] = "rope"
     rope_theta: float = 1.0e6
+    # RoPE scaling, as transformers' rope_parameters (moe/model/rope.py): default (plain) | linear | llama3
+    # | yarn. The keys below are read by the types that name them; null = transformers' default for the type
+    rope_type: Annotated[str, RopeType] = "default"
+    rope_factor: float = 1.0  # linear, llama3, yarn: the context extension factor (>= 1)
+    rope_original_max_position_embeddings: Optional[int] = None  # llama3, yarn (required): trained context
+    rope_beta_fast: Optional[float] = None  # yarn: null = 32
+    rope_beta_slow: Optional[float] = None  # yarn: null = 1
+    rope_mscale: Optional[float] = None  # yarn: with rope_mscale_all_dim, cos/sin times mscale ratio
+    rope_mscale_all_dim: Optional[float] = None  # yarn: also MLA's softmax scale times mscale(factor, it)^2
+    rope_attention_factor: Optional[float] = None  # yarn: cos/sin times this; null = from factor and mscales
+    rope_truncate: Optional[bool] = None  # yarn: round the ramp's ends to whole dims; null = true
+    rope_low_freq_factor: Optional[float] = None  # llama3 (required): Llama 3.1: 1
+    rope_high_freq_factor: Optional[float] = None  # llama3 (required): Llama 3.1: 4
     sliding_window: Optional[int] = None
     rms_norm_eps: float = 1.0e-5
     tie_word_embeddings: bool = False

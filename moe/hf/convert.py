@@ -79,7 +79,11 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
 
     from moe.model.model import MoETransformer
 
-    hf = load_local(model_or_dir, AutoModelForCausalLM, "init_from_hf")
+    model_cls = AutoModelForCausalLM
+    if isinstance(model_or_dir, (str, Path)) and (Path(model_or_dir) / "config.json").is_file():
+        hf_config = json.loads((Path(model_or_dir) / "config.json").read_text())
+        model_cls = converter_for(hf_config.get("model_type")).loading_class(hf_config)
+    hf = load_local(model_or_dir, model_cls, "init_from_hf")
     adapter = converter_for(getattr(hf.config, "model_type", None))
     cfg = adapter.model_config(hf.config)
     model = MoETransformer(cfg, moe_opt if moe_opt is not None else adapter.moe_opt(hf.config))
@@ -157,7 +161,20 @@ def read_hf_config(path: str | Path, field: str):
                         "(DeepseekV3ForCausalLM) checkpoint",
                         problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
     warn_unknown_keys(config, path)
+    note_unread(config, path)
     return config
+
+
+def note_unread(config, path) -> None:
+    """One line naming what the directory holds that the import skips (DeepSeek-V3's multi-token-prediction
+    layers); a directory whose weights cannot be listed says nothing here (its load says why)."""
+    try:
+        keys = SafetensorsDir(path).file_of
+    except UserError:
+        return
+    note = converter_for(config.model_type).note(config, keys)
+    if note:
+        print(f"note: {path} {note}", file=sys.stderr)
 
 
 LEGACY_ROPE_KEYS = {"rope_theta", "rope_scaling", "partial_rotary_factor"}
@@ -174,6 +191,9 @@ def warn_unknown_keys(config, path) -> list[str]:
     known = set(inspect.signature(type(config).__init__).parameters) | set(PretrainedConfig().to_dict())
     if hasattr(config, "rope_parameters"):  # transformers 5 reads 4.x's RoPE keys into rope_parameters
         known |= LEGACY_ROPE_KEYS  # (modeling_rope_utils.py:776-786 at 5.24; our export writes rope_theta)
+    # what the class itself writes (DeepSeek-V3: head_dim and qk_head_dim, derived in __post_init__, and
+    # num_nextn_predict_layers, an alias in attribute_map)
+    known |= set(type(config)().to_dict())
     unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)
     if unknown:
         print(f"warning: {Path(path) / 'config.json'} has keys {config.model_type} does not define, ignored: "

@@ -33,6 +33,7 @@ from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read
+from moe.hf.rope import rope_keys, rope_parameters
 from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
 from moe.model.expert_layout import OUT_IN
 
@@ -44,14 +45,7 @@ EXPERT_WEIGHTS = ("w1.weight", "w3.weight", "w2.weight")  # gate, up, down
 def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
     """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama) with these experts; refuses
     what our decoder does not implement."""
-    # 5.x: rope_parameters {rope_type, rope_theta}; 4.x: rope_theta and rope_scaling, None for plain RoPE,
-    # else {"rope_type" or the older "type", ...} (4.52.4 modeling_mixtral.py:395)
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError("rope_parameters.rope_type", rope_type,
-                          "only plain RoPE is implemented; use a checkpoint without RoPE scaling",
-                          "is not supported")
+    rope = rope_keys(hf_config, default_theta=1.0e6)  # plain, linear, llama3 or YaRN (moe.hf.rope)
     if hf_config.hidden_act != "silu":
         raise ConfigError("hidden_act", hf_config.hidden_act, "only SiLU (SwiGLU) experts are implemented",
                           "is not supported")
@@ -72,8 +66,7 @@ def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
         num_heads=hf_config.num_attention_heads,
         num_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
         head_dim=None if head_dim in (None, default_head_dim) else head_dim,
-        max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope",
-        rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 1.0e6))),
+        max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope", **rope,
         sliding_window=getattr(hf_config, "sliding_window", None), rms_norm_eps=hf_config.rms_norm_eps,
         tie_word_embeddings=bool(hf_config.tie_word_embeddings), init_range=hf_config.initializer_range,
         num_experts=num_experts, top_k=top_k, moe_layer_frequency=1, shared_expert_intermediate_size=0,
@@ -175,12 +168,12 @@ class Mixtral(ExportAdapter):
             sliding_window=cfg.sliding_window, num_experts_per_tok=cfg.top_k,
             num_local_experts=cfg.num_experts,
             router_aux_loss_coef=moe_opt.aux_loss_coeff, router_jitter_noise=moe_opt.jitter_eps,
-            rope_theta=float(cfg.rope_theta),
+            rope_theta=float(cfg.rope_theta), rope_parameters=rope_parameters(cfg),
         )
-        # `rope_theta=` is 4.x's argument (4.52.4 configuration_mixtral.py:146); 5.x still accepts it and
-        # moves it into rope_parameters (5.x configuration_utils.py:471, modeling_rope_utils.py:785). 5.x
-        # then saves only rope_parameters, which 4.x ignores (falling back to theta 1e6), so keep
-        # `rope_theta` as an attribute too: config.json then loads with the right theta in both versions.
+        # `rope_theta=` is 4.x's argument (4.52.4 configuration_mixtral.py:146); 5.x reads rope_parameters
+        # (its scaling too: moe.hf.rope). 5.x saves only rope_parameters, which 4.x ignores (falling back to
+        # theta 1e6), so keep `rope_theta` as an attribute too: config.json then loads with the right theta
+        # in both versions.
         config.rope_theta = float(cfg.rope_theta)
         return config
 
