@@ -107,6 +107,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, notes: tuple[str, ...], run_dir
     import lightning as L
     import torch
 
+    import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
     from moe.backends import build_backend
     from moe.checkpoint.formats import step_hint
     from moe.checkpoint.lightning_io import with_atomic_io
