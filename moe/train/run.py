@@ -65,7 +65,7 @@ def settled_of(cfg: DictConfig) -> Settled:
     upcycle_from_hf's architecture and tokenizer, moe.hf.start; a prepared dataset's seq_len,
     moe.data.arrow_io.prepared_facts), every rule of validate on that copy (in the table's order, each in
     the words of the config as composed), the copy frozen, and its ParallelDims. `cfg` is not edited."""
-    from moe.config.settled import freeze
+    from moe.config.schema import freeze
     from moe.data.arrow_io import prepared_facts
     from moe.hf.start import hf_start
 
