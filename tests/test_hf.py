@@ -265,11 +265,17 @@ def test_the_start_up_fit_check_reads_the_tensors_a_run_reads(family):
     from moe.hf.start import fit_tensors
 
     adapter = CONVERTERS[family]()
-    model_cfg = replace(ModelConfig(), num_layers=3, first_k_dense_replace=1 if family == "deepseek_v3" else 0)
+    dense_first = 1 if family == "deepseek_v3" else 0
+    model_cfg = replace(ModelConfig(), num_layers=3, first_k_dense_replace=dense_first)
     read = adapter.reader(model_cfg, {})
     for name, (key, shape) in fit_tensors(model_cfg, adapter.router_key).items():
         asked = []
-        read(name, lambda k: asked.append(k) or torch.zeros(shape))
+
+        def get(k, asked=asked, shape=shape):
+            asked.append(k)
+            return torch.zeros(shape)
+
+        read(name, get)
         assert asked == [key], name
     assert set(fit_tensors(model_cfg, adapter.router_key)) == {
         "norm.weight", f"layers.{model_cfg.num_layers - 1}.ffn.router.weight",
