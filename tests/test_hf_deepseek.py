@@ -319,7 +319,7 @@ def test_a_directory_with_an_mtp_layer_is_read_without_it_with_one_note(tmp_path
 
     from safetensors.torch import save_file
 
-    from moe.hf.convert import read_hf_config
+    from moe.hf.families import read_hf_config
 
     hf = hf_model(*CASES[0], rope=YARN[0])
     hf.save_pretrained(tmp_path)

@@ -81,6 +81,7 @@ class ExportAdapter(HFAdapter):
     """A family we also write: our model -> its transformers class."""
 
     hf_class: ClassVar[str]
+    router_key: ClassVar[str]  # layer i's router in its files: model.layers.{i}.<router_key>
 
     @abstractmethod
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:

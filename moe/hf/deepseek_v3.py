@@ -117,6 +117,7 @@ def deepseek_value(name: str, get: Get, cfg: ModelConfig, interleaved: bool,
 class DeepSeekV3(ExportAdapter):
     model_types = ("deepseek_v3",)
     hf_class = "DeepseekV3ForCausalLM"
+    router_key = FFN["ffn.router.weight"]
     # MoE routing fields a DeepSeek-V3 checkpoint fixes (moe_opt); the rest are training choices
     routing_keys = ("score_function", "num_groups", "group_top_k", "topk_scaling_factor", "normalize_top_k",
                     "enable_expert_bias")
