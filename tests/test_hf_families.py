@@ -4,9 +4,7 @@ loads with no missing or unexpected keys and no warnings, and the pieces these f
 head and full, q/k/v biases, the gated shared expert, an explicit dense pattern) equal transformers' own
 modules. Each model: 2 layers, hidden 64, 4 experts, top 2, fp32 unless said.
 """
-import logging
 import shutil
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
 from moe.model.attention import Attention
 from moe.model.moe import MoELayer
+from tests._hf_loading import loads_cleanly, relative_error
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
@@ -98,25 +97,14 @@ def our_model(family: str, seed: int = 0, **kw) -> MoETransformer:
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest difference over the largest magnitude."""
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+    """tests._hf_loading.relative_error in fp32 (bf16 logits too)."""
+    return relative_error(a.float(), b.float())
 
 
 def hf_greedy(hf, ids_BS: torch.Tensor, n: int) -> list[list[int]]:
     out = hf.generate(input_ids=ids_BS, attention_mask=torch.ones_like(ids_BS), max_new_tokens=n,
                       min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[:, ids_BS.shape[1]:].tolist()
-
-
-class Said(logging.Handler):
-    """The warnings transformers logs."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record.getMessage())
 
 
 def is_sparse(hf_layer) -> bool:
@@ -162,18 +150,8 @@ def test_infer_hf_dir_greedy_gives_transformers_greedy_tokens(family, tmp_path):
 def test_an_export_loads_in_transformers_with_our_logits_and_reimports_as_itself(family, tmp_path, capsys):
     model = our_model(family)
     to_hf(model).save_pretrained(tmp_path)
-    said = Said()
-    hf_logger = transformers.utils.logging.get_logger("transformers")  # it does not propagate to the root
-    hf_logger.addHandler(said)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
-    finally:
-        hf_logger.removeHandler(said)
+    hf = loads_cleanly(transformers.AutoModelForCausalLM, tmp_path)  # no missing keys, no warnings
     assert type(hf).__name__ == type(to_hf(model)).__name__ and hf.config.model_type == family
-    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
-    assert not caught and not said.records, [*caught, *said.records]
     assert [b.is_moe for b in model.layers] == [is_sparse(layer) for layer in hf.model.layers]
     with torch.no_grad():
         assert relative(hf.eval()(IDS).logits, model(IDS).logits_BSV) < 1e-5
@@ -234,6 +212,33 @@ def test_bf16_logits_are_close(family):
     assert next(model.parameters()).dtype == torch.bfloat16
     with torch.no_grad():
         assert relative(model(IDS).logits_BSV, hf(IDS).logits) < BF16_RELATIVE
+
+
+# each family with one scaled RoPE (moe.hf.rope), its original context (8) shorter than IDS (11 tokens)
+SCALED_ROPE = {
+    "qwen3_moe": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    "qwen2_moe": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8},
+    "olmoe": {"rope_type": "linear", "factor": 4.0},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scaled_rope_imports_and_exports_with_transformers_logits(family, tmp_path):
+    """A checkpoint with YaRN, llama3 or linear RoPE imports with its logits and greedy tokens (KV cache),
+    and our export writes the same rope_parameters, loading with the same logits."""
+    rope = {**SCALED_ROPE[family], "rope_theta": 1.0e4}
+    hf = hf_model(family, rope_parameters=rope)
+    model = from_hf(hf).eval()
+    assert model.model_config.rope_type == rope["rope_type"]
+    with torch.no_grad():
+        assert relative(model(IDS).logits_BSV, hf(IDS).logits) < 1e-5
+    assert generate(model, IDS, max_new_tokens=6).tokens == hf_greedy(hf, IDS, 6)
+    to_hf(model).save_pretrained(tmp_path)
+    again = loads_cleanly(transformers.AutoModelForCausalLM, tmp_path)
+    assert {k: again.config.rope_parameters[k] for k in rope} == rope
+    with torch.no_grad():
+        assert relative(again(IDS).logits, hf(IDS).logits) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["per_head", "full"])

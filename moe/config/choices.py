@@ -13,6 +13,7 @@ AcPolicy = Literal["none", "selective", "full", "every_n", "moe_only"]
 DropPolicy = Literal["probs", "position"]
 RouterDtype = Literal["fp32", "bf16", "fp16"]
 PositionEncoding = Literal["rope", "alibi"]
+RopeType = Literal["default", "linear", "llama3", "yarn"]  # transformers' rope_type names
 Attention = Literal["gqa", "mla"]
 QKNorm = Literal["none", "per_head", "full"]  # RMSNorm of queries and keys before RoPE
 AuxLossGroup = Literal["ep", "dp"]
@@ -29,10 +30,10 @@ InferDtype = Literal["auto", "fp32", "bf16", "fp16"]
 __all__ = [  # the types and their values
     "AC_POLICIES", "ATTENTIONS", "AUX_LOSS_GROUPS", "BAD_ROW_POLICIES", "DATA_FORMATS", "DATA_KINDS",
     "DROP_POLICIES", "INFER_DTYPES", "LOAD_BALANCING_TYPES", "MLA_DIMS", "NEURON_PRECISIONS", "PACKINGS",
-    "POSITION_ENCODINGS", "QK_NORMS", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS", "AcPolicy",
-    "Attention",
-    "AuxLossGroup", "BadRowPolicy", "DataFormat", "DataKind", "DropPolicy", "InferDtype", "LoadBalancingType",
-    "NeuronPrecision", "Packing", "PositionEncoding", "QKNorm", "RouterDtype", "ScoreFunction", "SpikeAction",
+    "POSITION_ENCODINGS", "QK_NORMS", "ROPE_TYPES", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS",
+    "AcPolicy", "Attention", "AuxLossGroup", "BadRowPolicy", "DataFormat", "DataKind", "DropPolicy",
+    "InferDtype", "LoadBalancingType", "NeuronPrecision", "Packing", "PositionEncoding", "QKNorm", "RopeType",
+    "RouterDtype", "ScoreFunction", "SpikeAction",
 ]
 
 AC_POLICIES = get_args(AcPolicy)
@@ -40,6 +41,7 @@ DROP_POLICIES = get_args(DropPolicy)
 # name -> torch attribute
 ROUTER_DTYPES = dict(zip(get_args(RouterDtype), ("float32", "bfloat16", "float16"), strict=True))
 POSITION_ENCODINGS = get_args(PositionEncoding)
+ROPE_TYPES = get_args(RopeType)
 ATTENTIONS = get_args(Attention)
 QK_NORMS = get_args(QKNorm)
 MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # required by mla

@@ -14,7 +14,8 @@ from dataclasses import replace
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
 from moe.hf.adapter import refuse_unless
-from moe.hf.mixtral import llama_family_config
+from moe.hf.dense import llama_family_config
+from moe.hf.rope import rope_parameters
 from moe.hf.sparse_moe import SparseMoeFamily
 
 
@@ -48,7 +49,7 @@ class Olmoe(SparseMoeFamily):
             num_key_value_heads=cfg.num_kv_heads, hidden_act="silu",
             max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
             rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+            rope_parameters=rope_parameters(cfg),
             attention_bias=False, attention_dropout=0.0, clip_qkv=None, num_experts=cfg.num_experts,
             num_experts_per_tok=cfg.top_k, norm_topk_prob=self.norm_topk_prob(cfg, moe_opt),
             router_aux_loss_coef=moe_opt.aux_loss_coeff,

@@ -15,7 +15,7 @@ import torch
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
 from moe.hf.adapter import refuse_unless
-from moe.hf.mixtral import llama_family_config
+from moe.hf.dense import llama_family_config
 from moe.hf.qwen3_moe import qwen_config_kwargs, qwen_layers
 from moe.hf.sparse_moe import SparseMoeFamily
 

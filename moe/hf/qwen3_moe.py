@@ -15,7 +15,8 @@ from dataclasses import replace
 from moe.config.derived import dense_width, head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.hf.adapter import refuse_unless
-from moe.hf.mixtral import llama_family_config
+from moe.hf.dense import llama_family_config
+from moe.hf.rope import rope_parameters
 from moe.hf.sparse_moe import SparseMoeFamily, mlp_only_layers
 
 
@@ -36,7 +37,7 @@ def qwen_config_kwargs(cfg: ModelConfig, moe_opt: MoEOptConfig, norm_topk_prob: 
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, hidden_act="silu",
         max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
         rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        rope_parameters=rope_parameters(cfg),
         decoder_sparse_step=cfg.moe_layer_frequency, mlp_only_layers=mlp_only_layers(cfg),
         num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, norm_topk_prob=norm_topk_prob,
         router_aux_loss_coef=moe_opt.aux_loss_coeff, attention_dropout=0.0,

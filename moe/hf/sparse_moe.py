@@ -119,6 +119,7 @@ class SparseMoeFamily(ExportAdapter):
     only they can express (`check_family`)."""
 
     family: str  # as messages name it
+    router_key = SINGLE["ffn.router.weight"]
     routing_keys = ("score_function", "num_groups", "enable_expert_bias", "normalize_top_k")
 
     @abstractmethod
