@@ -79,6 +79,11 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
 
     from moe.model.model import MoETransformer
 
+    if isinstance(model_or_dir, (str, Path)) and (Path(model_or_dir) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(model_or_dir), local_files_only=True)
+        converter_for(config.model_type).model_config(config)  # a refusal before any weight loads
     hf = load_local(model_or_dir, AutoModelForCausalLM, "init_from_hf")
     adapter = converter_for(getattr(hf.config, "model_type", None))
     cfg = adapter.model_config(hf.config)
@@ -153,8 +158,8 @@ def read_hf_config(path: str | Path, field: str):
         raise UserError(field, str(path), "fix or regenerate config.json",
                         problem=f"has a config.json transformers cannot read ({first})") from err
     if config.model_type not in CONVERTERS:
-        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM) or DeepSeek-V3 "
-                        "(DeepseekV3ForCausalLM) checkpoint",
+        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM), DeepSeek-V3 "
+                        "(DeepseekV3ForCausalLM) or gpt-oss (GptOssForCausalLM) checkpoint",
                         problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
     warn_unknown_keys(config, path)
     return config

@@ -41,13 +41,22 @@ IN_LAYER = {**BLOCK_NORMS, "attn.o_proj.weight": "self_attn.o_proj.weight",
 EXPERT_WEIGHTS = ("w1.weight", "w3.weight", "w2.weight")  # gate, up, down
 
 
+def rope_of(hf_config) -> dict:
+    """The checkpoint's RoPE settings. 5.x: rope_parameters {rope_type, rope_theta, ...}; 4.x: rope_theta and
+    rope_scaling, None for plain RoPE, else {"rope_type" or the older "type", ...} (4.52.4
+    modeling_mixtral.py:395)."""
+    return getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+
+
+def rope_type_of(hf_config) -> str:
+    rope = rope_of(hf_config)
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
 def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
     """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama) with these experts; refuses
     what our decoder does not implement."""
-    # 5.x: rope_parameters {rope_type, rope_theta}; 4.x: rope_theta and rope_scaling, None for plain RoPE,
-    # else {"rope_type" or the older "type", ...} (4.52.4 modeling_mixtral.py:395)
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = rope_type_of(hf_config)
     if rope_type != "default":
         raise ConfigError("rope_parameters.rope_type", rope_type,
                           "only plain RoPE is implemented; use a checkpoint without RoPE scaling",
@@ -59,10 +68,17 @@ def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
         if getattr(hf_config, key, False):
             raise ConfigError(key, True, f"convert a checkpoint with {key}=false (our projections have "
                               "no bias)", "is not supported")
+    return llama_shaped_config(hf_config, num_experts, top_k)
+
+
+def llama_shaped_config(hf_config, num_experts: int, top_k: int, **pieces) -> ModelConfig:
+    """The ModelConfig fields every Llama-shaped family shares (sizes, heads, plain RoPE's theta, norms,
+    window), plus `pieces` (a family's own keys); refuses attention dropout."""
     if getattr(hf_config, "attention_dropout", 0.0):
         raise ConfigError("attention_dropout", hf_config.attention_dropout,
                           "set attention_dropout=0 in config.json (our attention has no dropout)",
                           "is not supported")
+    rope = rope_of(hf_config)
     head_dim = getattr(hf_config, "head_dim", None)
     default_head_dim = hf_config.hidden_size // hf_config.num_attention_heads  # HF's own default
     return ModelConfig(
@@ -77,6 +93,7 @@ def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
         sliding_window=getattr(hf_config, "sliding_window", None), rms_norm_eps=hf_config.rms_norm_eps,
         tie_word_embeddings=bool(hf_config.tie_word_embeddings), init_range=hf_config.initializer_range,
         num_experts=num_experts, top_k=top_k, moe_layer_frequency=1, shared_expert_intermediate_size=0,
+        **pieces,
     )
 
 
@@ -98,6 +115,30 @@ def llama_value(name: str, get: Get, expert_key, num_experts: int,
         prefixes = [expert_key(p, j) for j in (experts or range(num_experts))]
         return stacked_experts(rest, get, prefixes, EXPERT_WEIGHTS)
     raise KeyError(f"{name}: not a parameter of a Llama-shaped model")
+
+
+def llama_top_level_state(model) -> dict[str, torch.Tensor]:
+    """Our embeddings, final norm and LM head under the Llama family's keys."""
+    return {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+            "lm_head.weight": model.lm_head.weight}
+
+
+def llama_block_state(block, p: str) -> dict[str, torch.Tensor]:
+    """A block's attention and norms under the Llama family's keys after `p` (model.layers.N.): our fused
+    qkv_proj split into q, k and v (weights, and biases where model.qkv_bias), o_proj (and its bias)."""
+    attn = block.attn
+    sizes = attn.split_sizes
+    sd = {p + "input_layernorm.weight": block.attn_norm.weight,
+          p + "post_attention_layernorm.weight": block.ffn_norm.weight,
+          p + "self_attn.o_proj.weight": attn.o_proj.weight}
+    for kind in ("weight", "bias"):
+        fused = getattr(attn.qkv_proj, kind)
+        if fused is not None:
+            parts = zip("qkv", fused.split(sizes), strict=True)
+            sd |= {p + f"self_attn.{n}_proj.{kind}": t for n, t in parts}
+    if attn.o_proj.bias is not None:
+        sd[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
+    return sd
 
 
 def _mixtral_expert(layer_prefix: str, j: int) -> str:
@@ -185,19 +226,10 @@ class Mixtral(ExportAdapter):
         return config
 
     def state_dict(self, model) -> dict[str, torch.Tensor]:
-        cfg = model.model_config
-        q_size = cfg.num_heads * head_dim_of(cfg)
-        kv_size = cfg.num_kv_heads * head_dim_of(cfg)
-        sd = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
-              "lm_head.weight": model.lm_head.weight}
+        sd = llama_top_level_state(model)
         for i, block in enumerate(model.layers):
             p = f"model.layers.{i}."
-            q, k, v = block.attn.qkv_proj.weight.split([q_size, kv_size, kv_size], dim=0)
-            sd |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                   p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": block.attn.o_proj.weight,
-                   p + "input_layernorm.weight": block.attn_norm.weight,
-                   p + "post_attention_layernorm.weight": block.ffn_norm.weight,
-                   p + "mlp.gate.weight": block.ffn.router.weight}
+            sd |= llama_block_state(block, p) | {p + "mlp.gate.weight": block.ffn.router.weight}
             experts = block.ffn.experts
             sd |= {p + "mlp.experts.gate_up_proj": experts.layout.to_out_in(experts.gate_up),
                    p + "mlp.experts.down_proj": experts.layout.to_out_in(experts.down)}

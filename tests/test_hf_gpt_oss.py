@@ -1,0 +1,251 @@
+"""gpt-oss interop: attention sinks, per-layer sliding/full attention, q/k/v/o, router and expert biases, the
+clamped SwiGLU with its interleaved gate/up columns; logits and greedy tokens equal transformers'
+GptOssForCausalLM both ways, each piece against transformers' own code, and what is refused."""
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import GptOssConfig, GptOssForCausalLM
+from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
+
+from moe.config import MoEOptConfig
+from moe.config.rules.architecture import validate_model
+from moe.config.rules.layout import check_model_split
+from moe.config.schema import ParallelConfig, TrainConfig
+from moe.errors import ConfigError, UserError
+from moe.hf import from_hf, tensor_source, to_hf
+from moe.hf.gpt_oss import GptOss, deinterleave, interleave
+from moe.hf.start import hf_start
+from moe.infer.generate import generate
+from moe.infer.load import model_from_hf_dir
+from moe.model.routing import clamped_swiglu, router_probs, top_k_routing
+
+V, WINDOW = 97, 4
+IDS = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))  # longer than the window
+
+
+def hf_config(**kw) -> GptOssConfig:
+    """2 layers (sliding, then full), hidden 64, 4 experts top 2, plain RoPE."""
+    base = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 1.0e4})
+    return GptOssConfig(**(base | kw))
+
+
+def hf_model(dtype=torch.float32, seed=0) -> GptOssForCausalLM:
+    """Every weight random, biases and sinks large enough to matter, some expert pre-activations past the
+    clamp (|x| > 7)."""
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(hf_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("sinks", "bias")):
+                p.normal_(0, 1.0)
+            elif name.endswith("gate_up_proj"):
+                p.normal_(0, 0.6)
+            else:
+                p.normal_(0, 0.2)
+    return model.to(dtype)
+
+
+def logits(model, ids=IDS):
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out.logits_BSV
+
+
+def assert_relative(got, want, rel):
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+    assert err <= rel, f"max abs error {err:.2e} of the largest logit exceeds {rel:.0e}"
+
+
+def test_import_gives_transformers_logits_past_the_window_and_records_the_pieces():
+    hf = hf_model()
+    ours = from_hf(hf).eval()
+    cfg = ours.model_config
+    assert (cfg.attention_layer_types, cfg.sliding_window, cfg.hf_family) == \
+        (["sliding_attention", "full_attention"], WINDOW, "gpt_oss")
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.attention_sinks, cfg.router_bias, cfg.expert_proj_bias,
+            cfg.expert_activation, cfg.swiglu_alpha, cfg.swiglu_limit) == \
+        (True, True, True, True, True, "clamped_swiglu", 1.702, 7.0)
+    assert_relative(logits(ours), logits(hf), 1e-5)  # measured 2.5e-7
+
+
+def test_export_loads_in_transformers_with_every_key_no_warning_and_the_same_logits(tmp_path):
+    ours = from_hf(hf_model()).eval()
+    to_hf(ours).save_pretrained(tmp_path)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with _no_python_warnings():
+            back, info = GptOssForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    finally:
+        hf_logger.removeHandler(handler)
+    assert {k: v for k, v in info.items() if v} == {}  # no missing, unexpected or mismatched keys
+    assert [r.getMessage() for r in records] == []
+    assert back.config.layer_types == ["sliding_attention", "full_attention"]
+    assert back.config.rope_parameters["rope_type"] == "default"
+    assert_relative(logits(back.eval()), logits(ours), 1e-5)  # measured 0 (same weights, same maths)
+
+
+class _no_python_warnings:
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings(record=True)
+        self.seen = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        assert [str(w.message) for w in self.seen] == []
+
+
+def test_greedy_tokens_with_our_kv_cache_are_transformers_generate(tmp_path):
+    """infer.py hf_dir=DIR greedy: the directory read as infer reads it, our generation with the KV cache
+    (sliding layer's cache trimmed to its window, the full layer's not) against transformers' generate."""
+    hf = hf_model()
+    hf.save_pretrained(tmp_path)
+    ours = model_from_hf_dir(tmp_path)
+    prompt = IDS[:, :6]
+    want = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                       pad_token_id=0)[:, 6:]
+    got = generate(ours, prompt, max_new_tokens=12).tokens
+    assert got == want.tolist()
+
+
+def test_the_kv_cache_gives_the_full_forward_with_sinks_and_windows():
+    ours = from_hf(hf_model()).eval()
+    cache = ours.new_kv_cache()
+    assert [c.window for c in cache] == [WINDOW, None]
+    with torch.no_grad():
+        first = ours(IDS[:, :3], kv_cache=cache, generating=True).logits_BSV
+        steps = [ours(IDS[:, i:i + 1], kv_cache=cache, position_offset=i, generating=True).logits_BSV
+                 for i in range(3, IDS.shape[1])]
+    torch.testing.assert_close(torch.cat([first, *steps], dim=1), logits(ours), rtol=0, atol=1e-5)
+
+
+def test_sinks_equal_transformers_eager_attention_and_train():
+    """Our SDPA with the sink as a zero key (moe.model.attention) against transformers' gpt_oss
+    eager_attention_forward, on a sliding window with GQA; the sinks' gradient equal too."""
+    torch.manual_seed(0)
+    B, H, KV, S, D = 2, 4, 2, 9, 8
+    q, k, v = torch.randn(B, H, S, D), torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    ours = from_hf(hf_model()).layers[0].attn  # GQA 4/2 heads, window 4
+    hf_attn = type("Stub", (torch.nn.Module,), {})()
+    hf_attn.sinks = torch.nn.Parameter(torch.randn(H))
+    hf_attn.num_key_value_groups, hf_attn.training = H // KV, False
+    ours.sinks = torch.nn.Parameter(hf_attn.sinks.detach().clone())
+    allowed = torch.ones(S, S).tril().bool() & ~torch.ones(S, S).tril(-WINDOW).bool()
+    additive = torch.zeros(S, S).masked_fill(~allowed, float("-inf"))[None, None]
+    want, _ = hf_gpt_oss.eager_attention_forward(hf_attn, q, k, v, additive, scaling=D ** -0.5)
+    got = ours.attend(q, k, v, None, 0, None, enable_gqa=True).transpose(1, 2)  # SDPA scales by D ** -0.5
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    (want * want).sum().backward()
+    (got * got).sum().backward()
+    torch.testing.assert_close(ours.sinks.grad, hf_attn.sinks.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_clamped_swiglu_and_routing_equal_transformers_modules():
+    """The activation on de-interleaved columns equals GptOssExperts._apply_gate on the interleaved ones
+    (values past the clamp both ways); softmax, top-k, renormalise picks and weighs as GptOssTopKRouter's
+    top-k then softmax."""
+    torch.manual_seed(0)
+    experts = hf_gpt_oss.GptOssExperts(hf_config())
+    h = torch.randn(64, 2 * 32) * 6  # many |x| > 7
+    torch.testing.assert_close(clamped_swiglu(deinterleave(h)), experts._apply_gate(h), rtol=0, atol=0)
+    assert torch.equal(interleave(deinterleave(h)), h)
+    router = hf_gpt_oss.GptOssTopKRouter(hf_config())
+    with torch.no_grad():
+        router.weight.normal_(0, 1.0)
+        router.bias.normal_(0, 1.0)
+    x = torch.randn(256, 64)
+    logits_TE, want_w, want_i = router(x)
+    got_w, got_i = top_k_routing(router_probs(logits_TE), 2, normalize=True)
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_logits_are_as_close_to_fp32_as_transformers_own_bf16():
+    """bf16 both sides, against the fp32 model: transformers routes in bf16, we in fp32 (router_dtype), so a
+    token near a tie can pick another expert on either side. Measured as a share of the largest fp32 logit:
+    ours 4.3e-2, transformers' 2.9e-2, ours against theirs 6.5e-2 (this small random model has large
+    biases and pre-activations past the clamp: bf16 rounding moves it more than a trained one)."""
+    reference = logits(hf_model())
+    hf = hf_model(torch.bfloat16)
+    ours = from_hf(hf).eval()
+    assert next(ours.parameters()).dtype == torch.bfloat16
+
+    def error(model):
+        return float((logits(model).float() - reference).abs().max() / reference.abs().max())
+
+    assert error(ours) <= 2 * error(hf) and error(ours) < 0.05
+
+
+def test_each_rank_reads_only_its_experts_from_the_directory(tmp_path):
+    """model.init_from_hf: the stacked experts (and their biases) come sliced, each rank's [first, first+n)."""
+    hf = hf_model()
+    hf.save_pretrained(tmp_path)
+    ours = from_hf(hf)
+    source = tensor_source(tmp_path, ours.model_config)
+    for name, p in ours.named_parameters():
+        if getattr(p, "is_expert", False):
+            torch.testing.assert_close(source(name, (2, *p.shape[1:]), 2), p.detach()[2:4], rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(source(name, tuple(p.shape), None), p.detach(), rtol=0, atol=0)
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.data.tokenizer, cfg.model.init_from_hf = None, str(tmp_path)
+    for key, value in vars(ours.moe_opt).items():
+        if key != "name":
+            cfg.moe_opt[key] = value
+    settled = OmegaConf.merge(cfg.model, hf_start(cfg.model, cfg.moe_opt, cfg.data).model)
+    assert (settled.attention_layer_types, settled.attention_sinks, settled.expert_activation) == \
+        (["sliding_attention", "full_attention"], True, "clamped_swiglu")
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1.5e5,
+                          "original_max_position_embeddings": 4096}}, "rope_parameters.rope_type"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config.quant_method"),
+])
+def test_import_refuses_yarn_and_mxfp4_naming_the_fix(change, field):
+    config = hf_config()
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ConfigError) as err:
+        GptOss().model_config(config)
+    assert err.value.field == field
+    if "quant" in field:
+        assert "Mxfp4Config(dequantize=True)" in err.value.fix
+
+
+def test_pieces_are_refused_where_they_cannot_run(tmp_path):
+    """FP8 experts and weights inside the activation cannot add the experts' biases; TP does not split
+    biases or sinks; an export without sinks is no gpt-oss; a directory of the wrong config is named."""
+    cfg = GptOss().model_config(hf_config())
+    opt = MoEOptConfig(capacity_factor=None)
+    for kw, field in (({"fp8_experts": True}, "moe_opt.fp8_experts"),
+                      ({"weights_in_activation": True}, "moe_opt.weights_in_activation")):
+        with pytest.raises(ConfigError) as err:
+            validate_model(cfg, replace(opt, **kw))
+        assert err.value.field == field
+    with pytest.raises(ConfigError) as err:
+        check_model_split(ParallelConfig(tp=2), cfg)
+    assert err.value.field == "model.qkv_bias"
+    with pytest.raises(ConfigError) as err:
+        validate_model(replace(cfg, attention_layer_types=["full_attention"]))
+    assert err.value.field == "model.attention_layer_types"
+    with pytest.raises(ConfigError) as err:
+        GptOss().check_exportable(replace(cfg, attention_sinks=False), replace(opt, normalize_top_k=True))
+    assert err.value.field == "model.attention_sinks"
+    with pytest.raises(UserError, match="has no config.json"):
+        model_from_hf_dir(tmp_path)
