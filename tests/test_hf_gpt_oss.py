@@ -20,7 +20,10 @@ from moe.hf.gpt_oss import GptOss, deinterleave, interleave
 from moe.hf.start import hf_start
 from moe.infer.generate import generate
 from moe.infer.load import model_from_hf_dir
+from moe.model import MoETransformer
 from moe.model.routing import clamped_swiglu, router_probs, top_k_routing
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops on a shared box (conftest.one_thread)
 
 V, WINDOW = 97, 4
 IDS = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))  # longer than the window
@@ -28,8 +31,8 @@ IDS = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))  
 
 def hf_config(**kw) -> GptOssConfig:
     """2 layers (sliding, then full), hidden 64, 4 experts top 2, plain RoPE."""
-    base = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+    base = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                 sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
                 max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 1.0e4})
     return GptOssConfig(**(base | kw))
@@ -191,25 +194,50 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_own_bf16():
     assert error(ours) <= 2 * error(hf) and error(ours) < 0.05
 
 
-def test_each_rank_reads_only_its_experts_from_the_directory(tmp_path):
-    """model.init_from_hf: the stacked experts (and their biases) come sliced, each rank's [first, first+n)."""
+def test_init_from_hf_reads_each_ranks_experts_and_a_fine_tuned_model_round_trips(tmp_path):
+    """model.init_from_hf=DIR: the architecture settled from config.json, the model built on the meta device
+    and filled tensor by tensor as training does, the stacked experts (and their biases) sliced per rank;
+    then 20 steps, an export and a re-import keep the loss."""
     hf = hf_model()
-    hf.save_pretrained(tmp_path)
-    ours = from_hf(hf)
-    source = tensor_source(tmp_path, ours.model_config)
-    for name, p in ours.named_parameters():
-        if getattr(p, "is_expert", False):
-            torch.testing.assert_close(source(name, (2, *p.shape[1:]), 2), p.detach()[2:4], rtol=0, atol=0)
-        else:
-            torch.testing.assert_close(source(name, tuple(p.shape), None), p.detach(), rtol=0, atol=0)
+    hf.save_pretrained(tmp_path / "hf")
+    reference = from_hf(hf)
     cfg = OmegaConf.structured(TrainConfig)
-    cfg.data.tokenizer, cfg.model.init_from_hf = None, str(tmp_path)
-    for key, value in vars(ours.moe_opt).items():
+    cfg.data.tokenizer, cfg.model.init_from_hf = None, str(tmp_path / "hf")
+    for key, value in vars(reference.moe_opt).items():
         if key != "name":
             cfg.moe_opt[key] = value
     settled = OmegaConf.merge(cfg.model, hf_start(cfg.model, cfg.moe_opt, cfg.data).model)
     assert (settled.attention_layer_types, settled.attention_sinks, settled.expert_activation) == \
         (["sliding_attention", "full_attention"], True, "clamped_swiglu")
+    model_cfg = OmegaConf.to_object(settled)
+    source = tensor_source(tmp_path / "hf", model_cfg)
+    for name, p in reference.named_parameters():  # a rank holding experts 2 and 3 reads only theirs
+        if getattr(p, "is_expert", False):
+            torch.testing.assert_close(source(name, (2, *p.shape[1:]), 2), p.detach()[2:4], rtol=0, atol=0)
+    with torch.device("meta"):
+        model = MoETransformer(model_cfg, reference.moe_opt)
+    model.materialize("cpu", source)
+    assert_relative(logits(model.eval()), logits(hf), 1e-5)
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    labels = IDS.roll(-1, dims=1)
+    losses = []
+    for _ in range(20):
+        loss = model(IDS, labels_BS=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in model.named_parameters()
+               if n.endswith(("sinks", "bias")))  # the new pieces train
+    model.eval()
+    to_hf(model).save_pretrained(tmp_path / "tuned")
+    again = from_hf(tmp_path / "tuned").eval()
+    with torch.no_grad():
+        want, got = model(IDS, labels_BS=labels).lm_loss, again(IDS, labels_BS=labels).lm_loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("change, field", [

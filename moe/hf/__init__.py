@@ -3,6 +3,7 @@
     moe/hf/adapter.py      the adapter contract (read: config, routing, tensors; write: config, weights)
     moe/hf/mixtral.py      Mixtral <-> our GQA models (and the Llama family's config and keys)
     moe/hf/deepseek_v3.py  DeepSeek-V3 <-> our MLA models
+    moe/hf/gpt_oss.py      gpt-oss <-> our GQA models with sinks, biases and the clamped SwiGLU
     moe/hf/dense.py        dense Mistral/Llama -> MoE by upcycling
     moe/hf/families.py     model_type -> adapter; our attention -> the family we export to
     moe/hf/convert.py      to_hf, from_hf, tensor_source, read_hf_config
