@@ -32,7 +32,8 @@ IDS = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))  
 def hf_config(**kw) -> GptOssConfig:
     """2 layers (sliding, then full), hidden 64, 4 experts top 2, plain RoPE."""
     base = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                num_experts_per_tok=2,
                 sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
                 max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 1.0e4})
     return GptOssConfig(**(base | kw))
