@@ -11,9 +11,11 @@ from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
 
 from moe.config import MoEOptConfig
+from moe.config.derived import head_dim_of
 from moe.config.rules.architecture import validate_model
 from moe.config.rules.layout import check_model_split
 from moe.config.schema import ParallelConfig, TrainConfig
+from moe.config.size import flops_per_token, param_breakdown
 from moe.errors import ConfigError, UserError
 from moe.hf import from_hf, tensor_source, to_hf
 from moe.hf.gpt_oss import GptOss, deinterleave, interleave
@@ -177,6 +179,26 @@ def test_clamped_swiglu_and_routing_equal_transformers_modules():
     got_w, got_i = top_k_routing(router_probs(logits_TE), 2, normalize=True)
     assert torch.equal(got_i, want_i)
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_both_expert_kernels_add_the_biases_and_the_size_counts_them():
+    """The grouped GEMM (a row's expert found from the group ends) and the per-expert loop give the same
+    outputs with biases and the clamped SwiGLU, rows past the last expert's (dropped) included as zeros
+    by the loop only; param_breakdown and flops_per_token count the new pieces and each layer's window."""
+    model = from_hf(hf_model())
+    experts = model.layers[0].ffn.experts
+    x = torch.randn(10, 64)
+    counts = torch.tensor([3, 0, 4, 2])  # 9 rows in experts, the 10th dropped
+    experts.use_grouped_mm = True
+    grouped = experts(x, counts)
+    experts.use_grouped_mm = False
+    loop = experts(x, counts)
+    torch.testing.assert_close(grouped[:9], loop[:9], rtol=1e-5, atol=1e-6)
+    cfg = model.model_config
+    assert param_breakdown(cfg).total == sum(p.numel() for p in model.parameters())
+    full = replace(cfg, attention_layer_types=None, sliding_window=None)
+    attention = 6 * cfg.num_heads * 2 * head_dim_of(cfg)  # per layer and context token
+    assert flops_per_token(full, 16) - flops_per_token(cfg, 16) == attention * (16 - WINDOW)
 
 
 def test_bf16_logits_are_as_close_to_fp32_as_transformers_own_bf16():
