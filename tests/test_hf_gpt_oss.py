@@ -13,8 +13,7 @@ from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
 from moe.config import MoEOptConfig
 from moe.config.derived import head_dim_of
 from moe.config.rules.architecture import validate_model
-from moe.config.rules.layout import check_model_split
-from moe.config.schema import ParallelConfig, TrainConfig
+from moe.config.schema import TrainConfig
 from moe.config.size import flops_per_token, param_breakdown
 from moe.errors import ConfigError, UserError
 from moe.hf import from_hf, tensor_source, to_hf
@@ -24,6 +23,7 @@ from moe.infer.generate import generate
 from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
 from moe.model.routing import clamped_swiglu, router_probs, top_k_routing
+from tests._tp_attention import attention_grads, tp2_attention_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops on a shared box (conftest.one_thread)
 
@@ -67,7 +67,7 @@ def logits(model, ids=IDS):
 
 def assert_relative(got, want, rel):
     err = (got.float() - want.float()).abs().max() / want.float().abs().max()
-    assert err <= rel, f"max abs error {err:.2e} of the largest logit exceeds {rel:.0e}"
+    assert err <= rel, f"max abs error {err:.2e} of the largest value exceeds {rel:.0e}"
 
 
 def test_import_gives_transformers_logits_past_the_window_and_records_the_pieces():
@@ -280,8 +280,8 @@ def test_import_refuses_yarn_and_mxfp4_naming_the_fix(change, field):
 
 
 def test_pieces_are_refused_where_they_cannot_run(tmp_path):
-    """FP8 experts and weights inside the activation cannot add the experts' biases; TP does not split
-    biases or sinks; an export without sinks is no gpt-oss; a directory of the wrong config is named."""
+    """FP8 experts and weights inside the activation cannot add the experts' biases; a layer type per layer;
+    an export without sinks is no gpt-oss; a directory without config.json is named."""
     cfg = GptOss().model_config(hf_config())
     opt = MoEOptConfig(capacity_factor=None)
     for kw, field in (({"fp8_experts": True}, "moe_opt.fp8_experts"),
@@ -290,9 +290,6 @@ def test_pieces_are_refused_where_they_cannot_run(tmp_path):
             validate_model(cfg, replace(opt, **kw))
         assert err.value.field == field
     with pytest.raises(ConfigError) as err:
-        check_model_split(ParallelConfig(tp=2), cfg)
-    assert err.value.field == "model.qkv_bias"
-    with pytest.raises(ConfigError) as err:
         validate_model(replace(cfg, attention_layer_types=["full_attention"]))
     assert err.value.field == "model.attention_layer_types"
     with pytest.raises(ConfigError) as err:
@@ -300,3 +297,20 @@ def test_pieces_are_refused_where_they_cannot_run(tmp_path):
     assert err.value.field == "model.attention_sinks"
     with pytest.raises(UserError, match="has no config.json"):
         model_from_hf_dir(tmp_path)
+
+
+def test_sinks_and_biases_split_with_their_heads_under_tp2(tmp_path):
+    """Two TP ranks, each filled from the directory as training fills them: the q/k/v biases split with their
+    TP-interleaved rows, the sinks by head (Shard(0)), the o bias whole and added once; logits and every
+    attention gradient equal one process's."""
+    from conftest import on_gloo_ranks
+
+    hf = hf_model()
+    hf.save_pretrained(tmp_path)
+    want = attention_grads(from_hf(hf), IDS)
+    assert {"layers.0.attn.sinks", "layers.0.attn.qkv_proj.bias", "layers.1.attn.o_proj.bias"} <= set(want)
+    out = on_gloo_ranks(2, tp2_attention_grads, str(tmp_path), IDS)
+    for rank in (0, 1):
+        assert set(out[rank]) == set(want)
+        for name, value in want.items():  # measured: within 1e-6 of each tensor's largest value
+            assert_relative(out[rank][name], value, 1e-5)

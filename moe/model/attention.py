@@ -147,9 +147,11 @@ class CausalSelfAttention(nn.Module):
         mask = mask.to(dtype)
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)
-        heads = self.sinks.shape[0]
+        sinks = self.sinks  # under TP a DTensor split by head: this rank's heads are its local part
+        sinks = sinks.to_local() if hasattr(sinks, "to_local") else sinks
+        heads = sinks.shape[0]
         mask = mask.expand(mask.shape[0], heads, q_len, k.shape[2])
-        sink = self.sinks.to(dtype).view(1, heads, 1, 1).expand(mask.shape[0], heads, q_len, 1)
+        sink = sinks.to(dtype).view(1, heads, 1, 1).expand(mask.shape[0], heads, q_len, 1)
         zero_k = k.new_zeros(*k.shape[:2], 1, k.shape[3])
         zero_v = v.new_zeros(*v.shape[:2], 1, v.shape[3])
         return torch.cat([k, zero_k], dim=2), torch.cat([v, zero_v], dim=2), torch.cat([mask, sink], dim=-1)

@@ -133,10 +133,6 @@ def check_model_split(parallel, model) -> None:
     need(m.num_layers % p.pp == 0, "parallel.pp", p.pp,
          f"use a pp that divides model.num_layers={m.num_layers}",
          f"does not divide num_layers={m.num_layers}")
-    for key in ("qkv_bias", "o_bias", "attention_sinks"):  # moe.parallel.tensor_parallel splits weights only
-        need(p.tp == 1 or not getattr(m, key), f"model.{key}", True, "use parallel.tp=1 with it",
-             "is not split over TP ranks (tensor parallelism shards the projections' weights by head, "
-             "not the attention's biases or sinks)")
 
 
 def check_whole_kv_heads(m, tp: int) -> None:
