@@ -23,6 +23,7 @@ from moe.infer.generate import generate
 from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
 from moe.model.routing import clamped_swiglu, router_probs, top_k_routing
+from moe.module.optim import param_groups
 from tests._tp_attention import attention_grads, tp2_attention_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops on a shared box (conftest.one_thread)
@@ -184,7 +185,8 @@ def test_clamped_swiglu_and_routing_equal_transformers_modules():
 def test_both_expert_kernels_add_the_biases_and_the_size_counts_them():
     """The grouped GEMM (a row's expert found from the group ends) and the per-expert loop give the same
     outputs with biases and the clamped SwiGLU, rows past the last expert's (dropped) included as zeros
-    by the loop only; param_breakdown and flops_per_token count the new pieces and each layer's window."""
+    by the loop only; the stacked biases get no weight decay where biases get none; param_breakdown and
+    flops_per_token count the new pieces and each layer's window."""
     model = from_hf(hf_model())
     experts = model.layers[0].ffn.experts
     x = torch.randn(10, 64)
@@ -195,6 +197,8 @@ def test_both_expert_kernels_add_the_biases_and_the_size_counts_them():
     loop = experts(x, counts)
     torch.testing.assert_close(grouped[:9], loop[:9], rtol=1e-5, atol=1e-6)
     cfg = model.model_config
+    no_decay = {id(p) for p in param_groups(model, 0.1, no_decay_norms_and_biases=True)[1]["params"]}
+    assert {id(experts.gate_up_bias), id(experts.down_bias)} <= no_decay and id(experts.down) not in no_decay
     assert param_breakdown(cfg).total == sum(p.numel() for p in model.parameters())
     full = replace(cfg, attention_layer_types=None, sliding_window=None)
     attention = 6 * cfg.num_heads * 2 * head_dim_of(cfg)  # per layer and context token

@@ -189,6 +189,9 @@ class Experts(nn.Module):
         self.first_expert = first
         for p in self.parameters():
             p.is_expert, p.first_expert = True, first
+        for p in (self.gate_up_bias, self.down_bias):  # stacked [E, width], yet biases: no weight decay
+            if p is not None:
+                p.is_bias = True
 
     def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor | list[int],
                 weights_M: torch.Tensor | None = None) -> torch.Tensor:
