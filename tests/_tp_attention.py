@@ -1,5 +1,6 @@
-"""Attention gradients of a gpt-oss model on two TP ranks and in one process (tests/test_hf_gpt_oss.py): the
-rank body lives here, apart from the test module, so that the spawned ranks import no transformers model."""
+"""A gpt-oss model's gradients on two TP ranks, on two EP ranks and in one process (tests/test_hf_gpt_oss.py):
+the rank bodies live here, apart from the test module, so that the spawned ranks import no transformers
+model."""
 from __future__ import annotations
 
 import torch
@@ -44,3 +45,32 @@ def tp2_attention_grads(rank: int, hf_dir: str, ids: torch.Tensor) -> dict[str, 
     apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"])
     materialize_distributed(model, "cpu", tensor_source(hf_dir, model_cfg), model_cfg, tp=2)
     return attention_grads(model, ids)
+
+
+def ep2_expert_grads(rank: int, hf_dir: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """On each of 2 expert-parallel ranks: the directory's model with half of every layer's experts (read from
+    the files, biases included), rows exchanged all-to-all; the logits and this rank's experts' gradients
+    (both ranks feed the same batch, so an expert's gradient is twice one process's)."""
+    import torch.distributed as dist
+
+    from moe.hf import read_hf_config, tensor_source
+    from moe.hf.gpt_oss import GptOss
+    from moe.model import MoETransformer
+    from moe.parallel.apply import apply_ep
+
+    config = read_hf_config(hf_dir, "hf_dir")
+    model_cfg = GptOss().model_config(config)
+    with torch.device("meta"):
+        model = MoETransformer(model_cfg, GptOss().moe_opt(config))
+    apply_ep(model, dist.group.WORLD)
+    model.materialize("cpu", tensor_source(hf_dir, model_cfg))
+    out = model(ids).logits_BSV
+    out.float().pow(2).mean().backward()
+    grads = {"logits": out.detach(), "first_expert": torch.tensor(model.layers[0].ffn.experts.first_expert)}
+    grads |= {name: p.grad.detach().clone() for name, p in model.named_parameters() if ".experts." in name}
+    return grads
+
+
+def two_rank_grads(rank: int, hf_dir: str, ids: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+    """Both layouts in one pair of processes (each spawn costs seconds): tp2, then ep2."""
+    return {"tp2": tp2_attention_grads(rank, hf_dir, ids), "ep2": ep2_expert_grads(rank, hf_dir, ids)}

@@ -24,7 +24,7 @@ from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
 from moe.model.routing import clamped_swiglu, router_probs, top_k_routing
 from moe.module.optim import param_groups
-from tests._tp_attention import attention_grads, tp2_attention_grads
+from tests._tp_attention import attention_grads, two_rank_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops on a shared box (conftest.one_thread)
 
@@ -303,18 +303,29 @@ def test_pieces_are_refused_where_they_cannot_run(tmp_path):
         model_from_hf_dir(tmp_path)
 
 
-def test_sinks_and_biases_split_with_their_heads_under_tp2(tmp_path):
+def test_sinks_and_biases_split_with_their_heads_under_tp2_and_experts_under_ep2(tmp_path):
     """Two TP ranks, each filled from the directory as training fills them: the q/k/v biases split with their
     TP-interleaved rows, the sinks by head (Shard(0)), the o bias whole and added once; logits and every
-    attention gradient equal one process's."""
+    attention gradient equal one process's. Two EP ranks: each reads and holds half the experts with their
+    biases; logits equal, each expert's gradients its own in one process (twice: both ranks feed the
+    batch)."""
     from conftest import on_gloo_ranks
 
     hf = hf_model()
     hf.save_pretrained(tmp_path)
-    want = attention_grads(from_hf(hf), IDS)
+    reference = from_hf(hf)
+    want = attention_grads(reference, IDS)
     assert {"layers.0.attn.sinks", "layers.0.attn.qkv_proj.bias", "layers.1.attn.o_proj.bias"} <= set(want)
-    out = on_gloo_ranks(2, tp2_attention_grads, str(tmp_path), IDS)
+    experts = {name: p.grad for name, p in reference.named_parameters() if ".experts." in name}
+    assert len(experts) == 8  # gate_up, down and their biases, 2 layers
+    out = on_gloo_ranks(2, two_rank_grads, str(tmp_path), IDS)
     for rank in (0, 1):
-        assert set(out[rank]) == set(want)
+        tp2, ep2 = out[rank]["tp2"], out[rank]["ep2"]
+        assert set(tp2) == set(want)
         for name, value in want.items():  # measured: within 1e-6 of each tensor's largest value
-            assert_relative(out[rank][name], value, 1e-5)
+            assert_relative(tp2[name], value, 1e-5)
+        assert_relative(ep2["logits"], want["logits"], 1e-5)
+        first = int(ep2["first_expert"])
+        assert first == 2 * rank
+        for name, grad in experts.items():
+            assert_relative(ep2[name], 2 * grad[first:first + 2], 1e-5)
