@@ -16,7 +16,7 @@ from moe.config.rules.architecture import validate_model
 from moe.config.schema import TrainConfig
 from moe.config.size import flops_per_token, param_breakdown
 from moe.errors import ConfigError, UserError
-from moe.hf import from_hf, tensor_source, to_hf
+from moe.hf import check_exportable, from_hf, tensor_source, to_hf
 from moe.hf.gpt_oss import GptOss, deinterleave, interleave
 from moe.hf.start import hf_start
 from moe.infer.generate import generate
@@ -285,7 +285,8 @@ def test_import_refuses_yarn_and_mxfp4_naming_the_fix(change, field):
 
 def test_pieces_are_refused_where_they_cannot_run(tmp_path):
     """FP8 experts and weights inside the activation cannot add the experts' biases; a layer type per layer;
-    an export without sinks is no gpt-oss; a directory without config.json is named."""
+    an export without sinks is no gpt-oss, and a Mixtral export refuses each gpt-oss piece (and full layers
+    beside a window) rather than drop it; a directory without config.json is named."""
     cfg = GptOss().model_config(hf_config())
     opt = MoEOptConfig(capacity_factor=None)
     for kw, field in (({"fp8_experts": True}, "moe_opt.fp8_experts"),
@@ -299,6 +300,13 @@ def test_pieces_are_refused_where_they_cannot_run(tmp_path):
     with pytest.raises(ConfigError) as err:
         GptOss().check_exportable(replace(cfg, attention_sinks=False), replace(opt, normalize_top_k=True))
     assert err.value.field == "model.attention_sinks"
+    plain = dict(qkv_bias=False, o_bias=False, attention_sinks=False, router_bias=False,
+                 expert_proj_bias=False, expert_activation="swiglu", attention_layer_types=None)
+    check_exportable(replace(cfg, **plain, hf_family=None), opt)  # a Mixtral then
+    for key in plain:
+        with pytest.raises(ConfigError, match="hf_family=gpt_oss") as err:  # Mixtral would drop it
+            check_exportable(replace(cfg, **(plain | {key: getattr(cfg, key)}), hf_family=None), opt)
+        assert err.value.field == f"model.{key}"
     with pytest.raises(UserError, match="has no config.json"):
         model_from_hf_dir(tmp_path)
 

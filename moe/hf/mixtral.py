@@ -32,7 +32,7 @@ import torch
 from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
-from moe.hf.adapter import ExportAdapter, Read
+from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
 from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
 from moe.model.expert_layout import OUT_IN
 
@@ -167,6 +167,7 @@ class Mixtral(ExportAdapter):
 
     # -- writing ----------------------------------------------------------------------------------
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
+        check_plain_pieces(cfg, "Mixtral")
         if cfg.position_encoding != "rope":
             raise ConfigError("model.position_encoding", cfg.position_encoding,
                               "train with position_encoding=rope to export to Mixtral",
