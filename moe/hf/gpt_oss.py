@@ -159,7 +159,7 @@ class GptOss(ExportAdapter):
         self.check_exportable(cfg, moe_opt)
         types = ["full_attention" if window_of(cfg, i) is None else "sliding_attention"
                  for i in range(cfg.num_layers)]
-        return GptOssConfig(
+        config = GptOssConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
             num_key_value_heads=cfg.num_kv_heads, head_dim=head_dim_of(cfg),
@@ -171,6 +171,9 @@ class GptOss(ExportAdapter):
             attention_bias=cfg.qkv_bias, attention_dropout=0.0, swiglu_alpha=float(cfg.swiglu_alpha),
             swiglu_limit=float(cfg.swiglu_limit), router_aux_loss_coef=moe_opt.aux_loss_coeff,
         )
+        # 4.x configs read `rope_theta`, 5.x rope_parameters: config.json holds both (as moe.hf.mixtral's does)
+        config.rope_theta = float(cfg.rope_theta)
+        return config
 
     def state_dict(self, model) -> dict[str, torch.Tensor]:
         """Our weights under gpt-oss's keys: experts [E, in, out] with gate and up interleaved, biases absent
