@@ -171,7 +171,8 @@ class GptOss(ExportAdapter):
             attention_bias=cfg.qkv_bias, attention_dropout=0.0, swiglu_alpha=float(cfg.swiglu_alpha),
             swiglu_limit=float(cfg.swiglu_limit), router_aux_loss_coef=moe_opt.aux_loss_coeff,
         )
-        # 4.x configs read `rope_theta`, 5.x rope_parameters: config.json holds both (as moe.hf.mixtral's does)
+        # 4.x configs read `rope_theta`, 5.x rope_parameters: config.json holds both (as Mixtral's
+        # export does)
         config.rope_theta = float(cfg.rope_theta)
         return config
 
