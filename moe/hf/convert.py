@@ -21,8 +21,8 @@ from moe.hf.tensors import SafetensorsDir, is_stacked, load_local
 
 
 def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-    """Raise ConfigError for any option the model's transformers class (Mixtral or DeepSeek-V3) cannot
-    reproduce."""
+    """Raise ConfigError for any option the model's transformers class (Mixtral, DeepSeek-V3 or gpt-oss)
+    cannot reproduce."""
     exporter_for(cfg).check_exportable(cfg, moe_opt)
 
 
@@ -112,7 +112,7 @@ def check_finite(name: str, value: torch.Tensor, path, field: str) -> torch.Tens
 def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "model.init_from_hf"):
     """`source(name, shape, first_expert)` -> our tensor from DIR's safetensors, as
     MoETransformer.materialize (and trn1's param_init_fn) reads values: full tensors, or experts
-    [first_expert, first_expert + shape[0]). A Mixtral or DeepSeek-V3 directory is converted; a dense
+    [first_expert, first_expert + shape[0]). A Mixtral, DeepSeek-V3 or gpt-oss directory is converted; a dense
     Mistral/Llama one upcycled to model_cfg's experts, routers from moe.model.init's values for `seed`."""
     files = SafetensorsDir(path, field)
     hf_config = json.loads((Path(path) / "config.json").read_text())
@@ -142,8 +142,8 @@ def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "mode
 
 
 def read_hf_config(path: str | Path, field: str):
-    """The transformers config of a Mixtral or DeepSeek-V3 directory; a UserError naming `field` when the
-    directory has none, an unreadable one, or another model type."""
+    """The transformers config of a Mixtral, DeepSeek-V3 or gpt-oss directory; a UserError naming `field`
+    when the directory has none, an unreadable one, or another model type."""
     from transformers import AutoConfig
 
     path = Path(path).expanduser()
