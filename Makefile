@@ -28,8 +28,12 @@ train: $(STAMP) ## default run: tiny MoE, bundled data, CPU (a few minutes); ARG
 test: $(STAMP) ## fast test suite (about 7 minutes on 2 cores with TEST_WORKERS=2 pytest-xdist workers, 0: one process; CI runs it, then test-slurm beside test-multinode, test-slow, test-floor and test-neuron; docs/TESTING.md)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
-test-slow: $(STAMP) ## slow tests: multi-process equivalence, kill-and-resume, end-to-end sweeps
-	$(PY) -m pytest -q -m slow $(ARGS)
+# a launch's ranks start one after another (rank 0 imports and composes, then starts the rest), so one slow
+# test leaves a core idle much of the time: two test modules at once, then the timing-sensitive ones alone
+SLOW_WORKERS ?= 2
+test-slow: $(STAMP) ## slow tests: multi-process equivalence, kill-and-resume, end-to-end sweeps (SLOW_WORKERS=2 modules at once, then the `serial` ones alone)
+	$(PY) -m pytest -q -m 'slow and not serial' -n $(SLOW_WORKERS) --dist loadscope $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m 'slow and serial' $(ARGS) || [ $$? -eq 5 ]
 
 SLURM_TOOLS = munged slurmctld slurmd sbatch
 test-slurm: $(STAMP) ## a real SLURM cluster, two slurmd on this host (needs root and Debian's munge slurmctld slurmd slurm-client): the sbatch scripts in slurm/ train (one node and two), pre-empt, requeue and resume; a submitit sweep (about 3 minutes)
@@ -59,7 +63,7 @@ FLOOR_TESTS ?= tests/test_gpu_paths.py tests/test_moe_layer.py tests/test_model.
   tests/test_fused_swiglu.py
 test-floor: ## every backend's parity tests, bf16 and the GPU emulations on the oldest stack pyproject admits (torch 2.9.0, Lightning 2.5.0: constraints-floor.txt; first run sets up 7.4 GB in FLOOR_VENV)
 	@VENV=$(FLOOR_VENV) bash tests/floor/setup.sh
-	$(FLOOR_VENV)/bin/python -m pytest -q -m '' $(FLOOR_TESTS) $(ARGS)
+	$(FLOOR_VENV)/bin/python -m pytest -q -m '' -n $(SLOW_WORKERS) --dist loadscope $(FLOOR_TESTS) $(ARGS)
 
 # the venv's Python where there is one, else the image's
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)

@@ -588,6 +588,7 @@ def test_ctrl_c_in_consolidate_leaves_no_half_written_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # Ctrl-C at a chosen moment
 @case(130, "python train.py simulate=true, Ctrl-C before simulation.json is renamed into place",
       "interrupted (Ctrl-C): the simulation stopped; {run}/simulation.json was not written")
 def test_ctrl_c_in_simulate_leaves_no_simulation_json(tmp_path):
@@ -598,6 +599,7 @@ def test_ctrl_c_in_simulate_leaves_no_simulation_json(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # Ctrl-C at a chosen moment
 @case(130, "python train.py data=online ..., Ctrl-C while it packs its data at start-up",
       "interrupted (Ctrl-C): {entry} was not written (its temporary directory was removed; data already "
       "there "

@@ -104,3 +104,58 @@ def test_validation_and_planning_read_the_backends_without_their_libraries():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# trn1's words: its checkpoint format (neuronx-distributed's directory) is its package's
+NXD_WORDS = re.compile(r"nxd|neuronx|neuron|trn1|xla", re.IGNORECASE)
+REGISTERS = "moe.backends.checkpoint_formats"
+
+
+def test_the_checkpoint_layer_names_no_backends_format():
+    """The checkpoint layer reads trn1's checkpoints through a format its package registers
+    (moe/backends/neuron/nxd_checkpoint.py, by moe.backends.checkpoint_formats): no file of moe/checkpoint
+    names it, its library or its machine, in code, comments or docstrings."""
+    found = [f"{relative}:{number}: {line.strip()}" for relative, path in _sources(("moe/checkpoint/",))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if NXD_WORDS.search(line)]
+    assert not found, "keep it in moe/backends/neuron/ and register it:\n" + "\n".join(found)
+
+
+def test_every_module_that_picks_or_reads_checkpoints_registers_the_backends_formats():
+    """A command that reads a run's checkpoints (train's resume and preflight, infer.py, consolidation)
+    finds a trn1 run's without building a Neuron backend: each module that imports the picker imports
+    moe.backends.checkpoint_formats, whose import registers every backend's format."""
+    missing = []
+    for relative, path in _sources(("moe/",)):
+        if relative.startswith("moe/checkpoint/"):
+            continue
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+        if "moe.checkpoint.picker" in imported and REGISTERS not in imported:
+            missing.append(relative)
+    assert not missing, f"import {REGISTERS} where the picker is imported:\n" + "\n".join(missing)
+
+
+def test_a_fresh_process_finds_a_trn1_run_s_checkpoint_through_infer(tmp_path):
+    """infer.py ckpt=RUN_DIR on a trn1 run, in a process that builds no backend: its newest complete NxD
+    directory is found (not the unfinished one after it, nor the portable file before it) and its step
+    read."""
+    import torch
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step, done in ((3, True), (6, True), (9, False)):
+        directory = checkpoints / f"step-{step:06d}.ckpt"
+        (directory / "model").mkdir(parents=True)
+        torch.save({"global_step": step}, directory / "user_content.pt")
+        if done:
+            (directory / "done").write_text("")
+    torch.save({"global_step": 1, "state_dict": {}}, checkpoints / "step-000001.ckpt")
+    code = ("import sys, moe.infer.command; from moe.checkpoint.picker import resolve_checkpoint, "
+            "verify_checkpoint; path = resolve_checkpoint(sys.argv[1]); "
+            "print(path.name, verify_checkpoint(path), 'neuronx_distributed' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                         cwd=REPO)
+    assert out.stdout.split() == ["step-000006.ckpt", "6", "False"], out.stdout + out.stderr

@@ -48,6 +48,7 @@ RANK_1_STARTS_LATE = "import os, time\nif os.environ.get('LOCAL_RANK') == '1':\n
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a rank started late by twice the time-out, rank 0 exiting slowly
 @pytest.mark.parametrize("fault, timeout_s, says, relaunch", [
     ("1:20:kill", 60, "Connection", True),  # a dead peer is seen at once, whatever the timeout
     ("1:20:stall:120", 8, "Timed out", False),  # a stalled one after parallel.collective_timeout_s

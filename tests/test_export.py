@@ -211,9 +211,9 @@ def test_init_from_hf_refuses_a_data_tokenizer_with_other_ids(tmp_path, tok_dir)
     with pytest.raises(UserError, match="model.init_from_hf=.* has no config.json"):
         hf_start(bad.model, bad.moe_opt, bad.data)
     config = json.loads((tmp_path / "mix" / "config.json").read_text())
-    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 32}
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}  # a scaling we do not compute
     bad.model.init_from_hf = str(tmp_path / "mix")
     for key in ("rope_parameters", "rope_scaling"):  # as transformers 5 / 4.x write it
-        (tmp_path / "mix" / "config.json").write_text(json.dumps(config | {key: yarn}))
+        (tmp_path / "mix" / "config.json").write_text(json.dumps(config | {key: dynamic}))
         with pytest.raises(UserError, match="model.init_from_hf=.*rope_type"):
             hf_start(bad.model, bad.moe_opt, bad.data)

@@ -147,12 +147,12 @@ def test_export_refuses_what_mixtral_cannot_express(kw, opt, field):
 
 
 @pytest.mark.parametrize("field,scaling", [
-    ("rope_parameters", {"rope_type": "linear", "rope_theta": 1.0e6, "factor": 2.0}),  # transformers 5
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),  # transformers 4.x
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1.0e6, "factor": 2.0}),  # transformers 5
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),  # transformers 4.x
     ("rope_scaling", {"type": "dynamic", "factor": 2.0}),  # older 4.x spelling
 ])
 @pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")  # 5.x, on the 4.x spelling
-def test_import_refuses_rope_scaling(field, scaling):
+def test_import_refuses_rope_scaling_we_do_not_compute(field, scaling):
     config = hf_model(1.0e6, 4, 2, None, 2, 4, False, None).config
     setattr(config, field, scaling)
     with pytest.raises(ConfigError, match="rope_type"):
@@ -235,7 +235,7 @@ def test_weights_holding_nan_are_refused_naming_the_tensor(tmp_path):
 
 
 def test_config_keys_the_model_type_does_not_define_are_named_and_biases_refused(tmp_path, capsys):
-    from moe.hf.convert import read_hf_config
+    from moe.hf.families import read_hf_config
 
     to_hf(ours(1.0e6, 4, 2, None, 2, 4, False, None)).save_pretrained(tmp_path)
     read_hf_config(tmp_path, "model.init_from_hf")  # our own export (rope_theta for transformers 4.x too)
@@ -254,3 +254,29 @@ def test_hf_family_picks_the_exporter_and_an_unknown_one_is_refused_naming_the_k
     assert exporter_for(ModelConfig(hf_family="deepseek_v3")).hf_class == "DeepseekV3ForCausalLM"
     with pytest.raises(ConfigError, match="model.hf_family"):
         exporter_for(ModelConfig(hf_family="llama4"))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_the_start_up_fit_check_reads_the_tensors_a_run_reads(family):
+    """moe.hf.start checks a directory's final norm and first and last routers by their keys in the files
+    (fit_tensors, ExportAdapter.router_key): the same keys the family's reader takes them from when the run
+    materialises its weights."""
+    from moe.hf.families import CONVERTERS
+    from moe.hf.start import fit_tensors
+
+    adapter = CONVERTERS[family]()
+    dense_first = 1 if family == "deepseek_v3" else 0
+    model_cfg = replace(ModelConfig(), num_layers=3, first_k_dense_replace=dense_first)
+    read = adapter.reader(model_cfg, {})
+    for name, (key, shape) in fit_tensors(model_cfg, adapter.router_key).items():
+        asked = []
+
+        def get(k, asked=asked, shape=shape):
+            asked.append(k)
+            return torch.zeros(shape)
+
+        read(name, get)
+        assert asked == [key], name
+    assert set(fit_tensors(model_cfg, adapter.router_key)) == {
+        "norm.weight", f"layers.{model_cfg.num_layers - 1}.ffn.router.weight",
+        f"layers.{model_cfg.first_k_dense_replace}.ffn.router.weight"}

@@ -25,8 +25,10 @@ CASES = [
 ]
 
 
-def hf_model(q_rank, interleave, dense, groups, tied, shared, scaling, norm, seed=0) -> DeepseekV3ForCausalLM:
-    """A DeepseekV3ForCausalLM with every weight, norm and expert bias random (nothing left at its init)."""
+def hf_model(q_rank, interleave, dense, groups, tied, shared, scaling, norm, seed=0,
+             rope=None) -> DeepseekV3ForCausalLM:
+    """A DeepseekV3ForCausalLM with every weight, norm and expert bias random (nothing left at its init);
+    `rope`: its rope_parameters besides theta (plain RoPE when None)."""
     torch.manual_seed(seed)
     config = DeepseekV3Config(
         vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
@@ -35,7 +37,7 @@ def hf_model(q_rank, interleave, dense, groups, tied, shared, scaling, norm, see
         qk_rope_head_dim=8, qk_nope_head_dim=6, v_head_dim=10, n_group=groups[0], topk_group=groups[1],
         first_k_dense_replace=dense, norm_topk_prob=norm, max_position_embeddings=64, rms_norm_eps=1e-6,
         tie_word_embeddings=tied, rope_interleave=interleave,
-        rope_parameters={"rope_type": "default", "rope_theta": 1.0e4},
+        rope_parameters={"rope_type": "default", "rope_theta": 1.0e4} | (rope or {}),
     )
     model = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
@@ -161,7 +163,7 @@ def test_export_refuses_what_deepseek_v3_cannot_express(kw, opt, field):
 
 
 @pytest.mark.parametrize("attr, value, field", [
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0},
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0},
      "rope_parameters.rope_type"),
     ("attention_bias", True, "attention_bias"),
     ("hidden_act", "gelu", "hidden_act"),
@@ -251,3 +253,95 @@ def test_init_from_hf_takes_a_deepseek_v3_directory(tmp_path):
     m = OmegaConf.merge(cfg.model, hf_start(cfg.model, cfg.moe_opt, cfg.data).model)
     assert (m.attention, m.q_lora_rank, m.kv_lora_rank, m.first_k_dense_replace, m.dense_intermediate_size) \
         == ("mla", 16, 12, 1, 40)
+
+
+# -- YaRN (the released DeepSeek-V3's RoPE, at CPU size) and multi-token-prediction layers ------------------
+
+# factor 4 over 16 original positions (64 in all, as max_position_embeddings); mscale_all_dim != mscale
+# makes cos/sin's factor differ from 1 as well as the softmax scale
+YARN = [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+         "mscale_all_dim": 0.5}]
+OURS_YARN = dict(rope_type="yarn", rope_factor=4.0, rope_original_max_position_embeddings=16, rope_mscale=1.0,
+                 rope_mscale_all_dim=0.5, max_position_embeddings=64)
+LONG = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(6))  # past the 16 original
+
+
+@pytest.mark.parametrize("rope", YARN)
+def test_yarn_from_hf_matches_transformers_logits_past_the_original_context(rope):
+    from tests._hf_loading import relative_error
+
+    hf = hf_model(*CASES[0], rope=rope)
+    model = from_hf(hf).eval()
+    cfg = model.model_config
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_mscale_all_dim) == ("yarn", 4.0, rope["mscale_all_dim"])
+    with torch.no_grad():
+        assert relative_error(model(LONG).logits_BSV, hf(LONG).logits) < 1e-5
+
+
+def test_yarn_export_loads_cleanly_with_equal_logits_and_no_mtp_layer(tmp_path):
+    import json
+
+    from tests._hf_loading import loads_cleanly, relative_error
+
+    model = ours(**OURS_YARN)
+    to_hf(model).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["num_nextn_predict_layers"] == 0
+    assert written["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 1.0e4, "factor": 4.0,
+                                          "original_max_position_embeddings": 16, "mscale": 1.0,
+                                          "mscale_all_dim": 0.5}
+    hf = loads_cleanly(DeepseekV3ForCausalLM, tmp_path)
+    assert hf.config.num_nextn_predict_layers == 0
+    with torch.no_grad():
+        assert relative_error(hf(LONG).logits, model(LONG).logits_BSV) < 1e-5
+    back = from_hf(tmp_path)
+    assert back.model_config == replace(model.model_config, name=str(tmp_path), num_kv_heads=4)
+
+
+def test_yarn_greedy_decoding_with_our_kv_cache_gives_transformers_tokens():
+    from moe.infer.generate import generate, left_pad
+
+    hf = hf_model(*CASES[0], rope=YARN[1])
+    model = from_hf(hf).eval()
+    ids_BS, mask_BS = left_pad([[5, 9, 3, 7, 11, 2, 8, 40, 41, 12], [4, 1, 57]], pad_token_id=0)
+    n = 14  # to position 24, past the 16 original ones
+    out = hf.generate(input_ids=ids_BS, attention_mask=mask_BS, max_new_tokens=n, min_new_tokens=n,
+                      do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert generate(model, ids_BS, mask_BS, max_new_tokens=n).tokens == out[:, ids_BS.shape[1]:].tolist()
+
+
+def test_a_directory_with_an_mtp_layer_is_read_without_it_with_one_note(tmp_path, capsys):
+    """DeepSeek-V3's released directory keeps its multi-token-prediction layer after the main ones
+    (model.layers.61.*, num_nextn_predict_layers=1): the main model is read, that layer skipped and named."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from moe.hf.families import read_hf_config
+
+    hf = hf_model(*CASES[0], rope=YARN[0])
+    hf.save_pretrained(tmp_path)
+    files = load_file(tmp_path / "model.safetensors")
+    mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in files.items() if ".layers.2." in k}
+    mtp |= {f"model.layers.3.{n}.weight": torch.ones(32) for n in ("enorm", "hnorm", "shared_head.norm")}
+    mtp["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)
+    save_file(files | mtp, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+
+    read_hf_config(tmp_path, "hf_dir")
+    said = capsys.readouterr().err
+    assert said.count("note:") == 1 and "model.layers.3.*" in said and "num_nextn_predict_layers=1" in said
+    assert "does not define" not in said
+    model = from_hf(tmp_path).eval()
+    assert model.model_config.num_layers == 3
+    with torch.no_grad():
+        torch.testing.assert_close(model(LONG).logits_BSV, hf(LONG).logits, rtol=0, atol=1e-5)
+    assert "UNEXPECTED" not in capsys.readouterr().err  # transformers skipped it quietly, as its layer 61
+    with torch.device("meta"):
+        lazy = MoETransformer(model.model_config, model.moe_opt)
+    lazy.materialize("cpu", tensor_source(tmp_path, model.model_config))  # model.init_from_hf's reads
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(lazy.state_dict()[name], value, rtol=0, atol=0, msg=name)

@@ -24,6 +24,7 @@ from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
 from moe.model.routing import clamped_swiglu, router_probs, top_k_routing
 from moe.module.optim import param_groups
+from tests._hf_loading import loads_cleanly, relative_error
 from tests._tp_attention import attention_grads, two_rank_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops on a shared box (conftest.one_thread)
@@ -101,6 +102,36 @@ def test_export_loads_in_transformers_with_every_key_no_warning_and_the_same_log
     assert back.config.layer_types == ["sliding_attention", "full_attention"]
     assert back.config.rope_parameters["rope_type"] == "default"
     assert_relative(logits(back.eval()), logits(ours), 1e-5)  # measured 0 (same weights, same maths)
+
+
+# the released configs' RoPE, GptOssConfig's default (configuration_gpt_oss.py:89-97, theta :37)
+RELEASED_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+
+
+def test_released_yarn_imports_and_exports_with_transformers_logits(tmp_path):
+    """The released configs' RoPE (YaRN: factor 32 over 4096 positions, truncate false) maps onto the
+    rope_* keys; our logits equal transformers' on import and after export, which writes the same
+    rope_parameters back."""
+    torch.manual_seed(0)
+    hf = GptOssForCausalLM(hf_config(rope_parameters=dict(RELEASED_YARN), max_position_embeddings=131072))
+    plain = GptOssForCausalLM(hf_config()).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    plain.load_state_dict(hf.state_dict())  # the same weights under plain RoPE
+    hf.eval()
+    ours = from_hf(hf).eval()
+    m = ours.model_config
+    assert (m.rope_type, m.rope_theta, m.rope_factor, m.rope_original_max_position_embeddings,
+            m.rope_beta_fast, m.rope_beta_slow, m.rope_truncate, m.rope_attention_factor) == \
+        ("yarn", 150000.0, 32.0, 4096, 32.0, 1.0, False, None)
+    assert relative_error(logits(plain), logits(hf)) > 1e-2  # YaRN changes these logits
+    assert relative_error(logits(ours), logits(hf)) <= 1e-5
+    to_hf(ours).save_pretrained(tmp_path)
+    back = loads_cleanly(GptOssForCausalLM, tmp_path)
+    assert back.config.rope_parameters == RELEASED_YARN
+    assert relative_error(logits(back), logits(ours)) <= 1e-5
 
 
 class _no_python_warnings:
@@ -268,11 +299,11 @@ def test_init_from_hf_reads_each_ranks_experts_and_a_fine_tuned_model_round_trip
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1.5e5,
-                          "original_max_position_embeddings": 4096}}, "rope_parameters.rope_type"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1.5e5}},
+     "rope_parameters.rope_type"),
     ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config.quant_method"),
 ])
-def test_import_refuses_yarn_and_mxfp4_naming_the_fix(change, field):
+def test_import_refuses_a_rope_type_we_do_not_compute_and_mxfp4_naming_the_fix(change, field):
     config = hf_config()
     for key, value in change.items():
         setattr(config, key, value)
@@ -311,6 +342,7 @@ def test_pieces_are_refused_where_they_cannot_run(tmp_path):
         model_from_hf_dir(tmp_path)
 
 
+@pytest.mark.slow  # two processes, 24-36 s
 def test_sinks_and_biases_split_with_their_heads_under_tp2_and_experts_under_ep2(tmp_path):
     """Two TP ranks, each filled from the directory as training fills them: the q/k/v biases split with their
     TP-interleaved rows, the sinks by head (Shard(0)), the o bias whole and added once; logits and every

@@ -17,7 +17,7 @@ from conftest import REPO
 
 from moe.faults import KILL_DURING_SAVE_ENV, SIGNAL_IN_VALIDATION_ENV
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # signals sent at chosen moments
 
 # Tiny model, 12 optimizer steps of 2 micro-batches, router jitter on (it draws random numbers),
 # a checkpoint every 4 steps (keep 2), validation at 6 and 12.

@@ -107,6 +107,7 @@ def test_a_port_taken_after_the_preflight_stops_the_launched_ranks_and_exits_2(t
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # "gone within seconds"
 def test_a_rank_lightning_launched_ends_with_rank_0_however_rank_0_ends(tmp_path):
     """rank 0 SIGKILLed (nothing of it runs to stop its ranks): the rank it launched is gone within seconds
     (the kernel's PR_SET_PDEATHSIG), instead of waiting in its rendezvous or a collective for a peer that is

@@ -413,7 +413,7 @@ def test_mixtral_8x7b_is_built_on_the_meta_device(nxd):
 
 def test_each_parameter_gets_the_values_every_backend_starts_from(nxd):
     """param_init_fn fills NxD's model with moe.model.init's values: the same numbers as LitMoE's."""
-    from moe.checkpoint.nxd import our_name
+    from moe.backends.neuron.nxd_checkpoint import our_name
     from tests.conftest import single_process_module
 
     module = neuron_module()
@@ -427,7 +427,7 @@ def test_each_parameter_gets_the_values_every_backend_starts_from(nxd):
 def test_nxd_experts_get_the_same_values_whatever_layout_we_store(nxd):
     """param_init_fn's source gives experts in our stored layout; NxD's are NXD_LAYOUT. Stored [E, out, in],
     the values must still land in NxD's parameters as they do stored [E, in, out] (no transposed draw)."""
-    from moe.checkpoint.nxd import our_name
+    from moe.backends.neuron.nxd_checkpoint import our_name
     from moe.model.expert_layout import EXPERT_LAYOUT, IN_OUT, OUT_IN, storing
 
     cfg = backend_for().cfg
@@ -444,7 +444,7 @@ def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_p
     """model.init_from_hf on trn1: each rank's param_init_fn reads its shard from DIR's safetensors
     (moe.hf.tensor_source), so the model NxD trains holds DIR's weights; a resumed run does not."""
     from moe.backends.neuron.backend import NeuronBackend
-    from moe.checkpoint.nxd import our_name
+    from moe.backends.neuron.nxd_checkpoint import our_name
     from moe.hf import from_hf, to_hf
     from moe.model.model import MoETransformer
     from moe.train.run import settled_of
@@ -676,7 +676,7 @@ def test_two_process_run_writes_nxd_checkpoints_and_resumes_to_the_same_numbers(
     run ends: weights, optimizer state, schedule and data position all come back."""
     import shutil
 
-    from moe.checkpoint.nxd import is_complete, model_shard
+    from moe.backends.neuron.nxd_checkpoint import is_complete, model_shard
 
     tags = sorted(p.name for p in (trn1_run / "checkpoints").iterdir())
     assert tags == ["step-000003.ckpt", "step-000006.ckpt"]
@@ -705,7 +705,7 @@ def test_two_process_run_writes_nxd_checkpoints_and_resumes_to_the_same_numbers(
 def test_trn1_checkpoints_generate_convert_and_export(trn1_run, tmp_path):
     """infer.py reads the run's newest NxD checkpoint; convert_nxd writes the same weights as one
     portable .ckpt; export_hf from it gives a Mixtral directory holding those weights."""
-    from moe.checkpoint.nxd import read_checkpoint
+    from moe.backends.neuron.nxd_checkpoint import read_checkpoint
     from moe.checkpoint.picker import resolve_checkpoint, verify_checkpoint
     from moe.hf import from_hf
     from moe.infer.load import model_from_checkpoint
@@ -757,7 +757,7 @@ def create_local_weight(
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_shards_are_nxds_local_weights_and_join_back(tp):
-    from moe.checkpoint.nxd import full_tensor, local_shard, split_of
+    from moe.backends.neuron.nxd_checkpoint import full_tensor, local_shard, split_of
     from moe.model.model import MoETransformer
 
     cfg = compose_cfg("model=tiny_dense_every2", "model.num_heads=8", "model.num_kv_heads=8")
@@ -790,7 +790,7 @@ def test_shards_are_nxds_local_weights_and_join_back(tp):
 
 def test_gqa_qkv_shard_holds_each_ranks_own_heads():
     """q and kv differ in size under GQA: rank r holds [its q heads | its k heads | its v heads]."""
-    from moe.checkpoint.nxd import local_shard, split_of
+    from moe.backends.neuron.nxd_checkpoint import local_shard, split_of
 
     cfg = compose_cfg()  # tiny: 4 query heads, 2 KV heads of 32
     q, kv = 4 * 32, 2 * 32

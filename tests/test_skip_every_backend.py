@@ -1,6 +1,7 @@
 """A skipped step skips on every backend: the spike guard's skip (moe.module.train_step: `guard.skips`, then
 `backend.skip_update`) leaves the weights and the optimizer state bit for bit as they were, on DDP, FSDP2,
-FSDP2 pipelined, DeepSpeed ZeRO-0/1/2 in fp32 and bf16, and trn1 (on neuronx-distributed's real code:
+FSDP2 pipelined, DeepSpeed with each optimizer it steps with (ZeRO-0 and ZeRO-1 in fp32
+and bf16, ZeRO-2 in bf16), and trn1 (on neuronx-distributed's real code:
 tests/neuron_real, `make test-neuron`), and a non-finite gradient under a finite loss is caught on each; the
 next step updates.
 
@@ -23,15 +24,19 @@ TINY = ("model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=
 TWO = ("trainer.devices=2", "hardware.devices_per_node=2")
 DEEPSPEED = ("hardware=cpu_deepspeed", "parallel=ep2", *TWO)  # experts in DeepSpeed's MoE groups too
 slow = pytest.mark.slow  # two processes, 10-30 s each
+BF16 = ("trainer.precision=bf16-mixed",)
 
 CASES = [  # (overrides, the subprocess's environment: None trains in this process)
     pytest.param(("hardware=cpu", "trainer.devices=1"), None, id="ddp_1_rank"),
     pytest.param(("hardware=cpu_fsdp2", *TWO), {}, id="fsdp2", marks=slow),
     pytest.param(("hardware=cpu_fsdp2", "parallel.pp=2", "trainer.accumulate_grad_batches=2", *TWO), {},
                  id="fsdp2_pp2", marks=slow),
+    # each of DeepSpeed's optimizers once (moe/backends/deepspeed/backend.py _optimizer_kind): the client's
+    # own (ZeRO-0 fp32), FP16_Optimizer (ZeRO-0 bf16), DeepSpeedZeroOptimizer at stage 1 in fp32 and at
+    # stage 2 in bf16 (its gradients partitioned), BF16_Optimizer (ZeRO-1 bf16, fp32 accumulation)
     *[pytest.param((*DEEPSPEED, f"parallel.zero_stage={zero}", *precision), {},
                    id=f"deepspeed_zero{zero}_{'bf16' if precision else 'fp32'}", marks=slow)
-      for zero in (0, 1, 2) for precision in ((), ("trainer.precision=bf16-mixed",))],
+      for zero, precision in ((0, ()), (0, BF16), (1, ()), (1, BF16), (2, BF16))],
     # trn1: the same probe on neuronx-distributed's real code, ZeRO-1 with mixed precision's fp32 gradient
     # accumulation (the gradients in `main_grad`), in `make test-neuron` (tests/neuron_real/run.sh skip_py)
 ]

@@ -93,7 +93,9 @@ class Backend:
 
     @property
     def checkpoint_format(self):
-        """The format its checkpoints are written in (moe.checkpoint.formats), as its spec declares."""
+        """The format its checkpoints are written in (moe.checkpoint.formats, with every backend's own:
+        moe.backends.checkpoint_formats), as its spec declares."""
+        import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
         from moe.checkpoint.formats import BY_KEY
 
         return BY_KEY[self.spec.checkpoint_format(self.dims.ep)]

@@ -15,6 +15,7 @@
     load(live, path)    collective: Lightning's checkpoint dict; a format the run writes itself fills the
                         live tensors in place and returns an empty `state_dict` (`in_place`)
     remove(path)        delete it with everything beside it (sidecar, ZeRO partitions)
+    lightning_file(path)  the file holding its hyper-parameters and step
 
 Each backend declares the format it writes (moe.config.specs.BackendSpec.checkpoint_formats, by `key`);
 its Lightning strategy saves and loads through it (moe.backends.checkpoints.FormatCheckpoints).
@@ -23,12 +24,14 @@ its Lightning strategy saves and loads through it (moe.backends.checkpoints.Form
                process, DDP without EP, DeepSpeed without EP (its ZeRO partitions in `<file>.zero/`)
     Sharded    a torch.distributed.checkpoint directory, every tensor canonical (moe.checkpoint.sharded):
                DDP and DeepSpeed with EP, fsdp2
-    NxD        neuronx-distributed's directory of per-rank shards (moe.checkpoint.nxd): trn1
     DeepSpeed  DeepSpeed's own directory (`latest`, `<tag>/mp_rank_00_model_states.pt`, ZeRO
                partitions), as Lightning's DeepSpeedStrategy writes it (not this repository's)
 
-`FORMATS` lists them in the order `format_of` asks (directories first); moe.checkpoint.picker uses
-them for every choice of a checkpoint.
+A backend whose library writes a format of its own keeps that format in its package and registers it
+here (`register`; moe.backends.checkpoint_formats registers every one, and each command that reads
+checkpoints imports that module), so this layer reads every format without knowing any backend.
+`FORMATS` lists them in the order `format_of` asks (directories first, the portable file last);
+moe.checkpoint.picker uses them for every choice of a checkpoint.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe.checkpoint import nxd, sharded
+from moe.checkpoint import sharded
 from moe.checkpoint.io import (
     SIDECAR_FIELDS,
     TMP_SUFFIX,
@@ -164,6 +167,10 @@ class Format:
     def partition_file(self, path: Path, rank: int) -> Path:
         """Where `rank`'s own state lies in it (Live.per_rank: DeepSpeed's ZeRO partition)."""
         raise NotImplementedError(f"a {self.name} holds no per-rank state of this repository")
+
+    def lightning_file(self, path: Path) -> Path:
+        """The file holding Lightning's part of it (hyper-parameters, step): a file checkpoint itself."""
+        return Path(path)
 
     def remove(self, path: Path) -> None:
         """Delete it and its sidecar; a link (last.ckpt) only the link."""
@@ -347,76 +354,8 @@ class Sharded(Format):
     def partition_file(self, path: Path, rank: int) -> Path:
         return sharded.rank_file(path, rank)
 
-
-class NxD(Format):
-    """neuronx-distributed's directory (moe.checkpoint.nxd), complete once every rank wrote `done`."""
-
-    name = "neuronx-distributed directory"
-    key = "nxd"
-
-    def detect(self, path: Path) -> bool:
-        path = Path(path)
-        return path.is_dir() and ((path / nxd.USER_CONTENT).exists() or (path / "model").is_dir())
-
-    def complete(self, path: Path) -> bool:
-        return nxd.is_complete(path)
-
-    def verify(self, path: Path, deep: bool = False) -> int | None:
-        if not self.complete(path):
-            raise CorruptCheckpoint("was not finished by every rank (no `done` file: the run stopped while "
-                                    "saving it)")
-        return int(load(Path(path) / nxd.USER_CONTENT)["global_step"])
-
-    def read(self, path: Path) -> dict:
-        return nxd.read_checkpoint(path)
-
-    # Written and loaded by neuronx-distributed itself, collectively (its ranks, its asynchronous writer):
-    # trainer/checkpoint.py save_checkpoint (:654), load_checkpoint (:838), finalize_checkpoint (:970),
-    # v2.28.0, as NxD Training does (nlp_overrides.py:535-640). The tag is the checkpoint's name, the
-    # directory its folder.
-    def __init__(self, keep: int = 1, zero1: bool = False) -> None:
-        """How a run writes it (the trn1 strategy's own instance): NxD keeps the newest `keep` checkpoints
-        of the folder; `zero1` when its optimizer is ZeRO-1."""
-        self.keep, self.zero1 = keep, zero1
-
-    def save(self, live: Live | None, checkpoint: dict, path: Path) -> None:
-        """`checkpoint`'s weights, its one optimizer state and the rest (user_content.pt), every rank its
-        shards (NxD knows the ranks); `done` once every rank has finished."""
-        from neuronx_distributed import save_checkpoint
-
-        path = Path(path)
-        save_checkpoint(str(path.parent), tag=path.name, model=checkpoint["state_dict"],
-                        optimizer=checkpoint["optimizer_states"][0], user_content=lightning_state(checkpoint),
-                        use_xser=False,  # plain torch.save files: moe.checkpoint.nxd reads them without NxD
-                        num_kept_ckpts=self.keep, async_save=True, zero1_optimizer=self.zero1)
-
-    def load(self, live: Live | None, path: Path) -> dict:
-        """Lightning's part (user_content.pt); the weights and the optimizer state load into the live
-        objects after (load_weights, load_optimizer)."""
-        from neuronx_distributed import load_checkpoint
-
-        path = Path(path)
-        rest = load_checkpoint(str(path.parent), tag=path.name)
-        return {**rest, "state_dict": {}, "optimizer_states": [{}]}  # Lightning checks both keys exist
-
-    def load_weights(self, path: Path, model, strict: bool = True) -> None:
-        from neuronx_distributed import load_checkpoint
-
-        path = Path(path)
-        load_checkpoint(str(path.parent), tag=path.name, model=model, strict=strict)
-
-    def load_optimizer(self, path: Path, optimizer) -> None:
-        from neuronx_distributed import load_checkpoint
-
-        path = Path(path)
-        load_checkpoint(str(path.parent), tag=path.name, optimizer=optimizer)
-
-    @staticmethod
-    def finalize() -> None:
-        """Wait for an asynchronous save still running, so it gets its `done` file."""
-        from neuronx_distributed import finalize_checkpoint
-
-        finalize_checkpoint()
+    def lightning_file(self, path: Path) -> Path:
+        return Path(path) / sharded.TRAINER_STATE
 
 
 class DeepSpeed(Format):
@@ -453,9 +392,21 @@ class DeepSpeed(Format):
             return _current_names(load_trusted(out, map_location="cpu"))
 
 
-PORTABLE, SHARDED, NXD, DEEPSPEED = Portable(), Sharded(), NxD(), DeepSpeed()
-FORMATS: list[Format] = [SHARDED, NXD, DEEPSPEED, PORTABLE]
+PORTABLE, SHARDED, DEEPSPEED = Portable(), Sharded(), DeepSpeed()
+FORMATS: list[Format] = [SHARDED, DEEPSPEED, PORTABLE]  # and each registered one, before PORTABLE
 BY_KEY: dict[str, Format] = {f.key: f for f in FORMATS}
+
+
+def register(found: Format) -> None:
+    """A backend's own format, read and picked from now on like the formats above: asked before the portable
+    file (a directory format). Registering the same one again changes nothing; another with a taken key
+    is an error of the code."""
+    if BY_KEY.get(found.key) is found:
+        return
+    if found.key in BY_KEY or not found.key:
+        raise ValueError(f"checkpoint format key {found.key!r} is empty or taken by {BY_KEY.get(found.key)}")
+    FORMATS.insert(FORMATS.index(PORTABLE), found)
+    BY_KEY[found.key] = found
 
 
 def format_of(path: Path) -> Format | None:

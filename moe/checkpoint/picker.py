@@ -12,8 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from moe.checkpoint import nxd, sharded
-from moe.checkpoint.formats import FORMATS, PORTABLE, candidates, format_of, recency, step_hint
+from moe.checkpoint.formats import FORMATS, PORTABLE, candidates, format_at, format_of, recency, step_hint
 from moe.checkpoint.io import CorruptCheckpoint, check_zip_crc, meta_path
 from moe.errors import UserError
 from moe.ranks import is_rank_zero
@@ -143,10 +142,6 @@ def read_checkpoint(path: str | Path) -> dict:
 
 # -- resuming ---------------------------------------------------------------------------------------
 def lightning_part(ckpt_path: str | Path) -> Path:
-    """The file holding hyper-parameters and step: the checkpoint itself, or inside its directory
-    (trainer_state.pt of a sharded one, user_content.pt of a neuronx-distributed one)."""
-    ckpt_path = Path(ckpt_path)
-    if not ckpt_path.is_dir():
-        return ckpt_path
-    state = ckpt_path / sharded.TRAINER_STATE
-    return state if state.exists() else ckpt_path / nxd.USER_CONTENT
+    """The file holding hyper-parameters and step: the checkpoint itself, or the file inside its directory
+    its format names (Format.lightning_file)."""
+    return format_at(Path(ckpt_path)).lightning_file(Path(ckpt_path))

@@ -2,9 +2,9 @@
 
 Unpickling runs whatever code a file names. torch.load(weights_only=True) accepts tensors and plain
 containers only, which is all this product writes (Lightning checkpoints, trainer_state.pt, the
-DeepSpeed backend's partitions, NxD's user content). A file holding anything else came from
-elsewhere; it is loaded only when the user says so with `allow_pickle=true` (train.py, infer.py;
-`--allow-pickle` for the tools), once per process, and then with a warning.
+DeepSpeed backend's partitions, what each registered format's directory holds). A file holding
+anything else came from elsewhere; it is loaded only when the user says so with `allow_pickle=true`
+(train.py, infer.py; `--allow-pickle` for the tools), once per process, and then with a warning.
 
 torch.distributed.checkpoint reads a directory's `.metadata` with plain `pickle.load`
 (torch/distributed/checkpoint/filesystem.py `read_metadata`), so `check_dcp_metadata` first reads

@@ -13,6 +13,7 @@ AcPolicy = Literal["none", "selective", "full", "every_n", "moe_only"]
 DropPolicy = Literal["probs", "position"]
 RouterDtype = Literal["fp32", "bf16", "fp16"]
 PositionEncoding = Literal["rope", "alibi"]
+RopeType = Literal["default", "linear", "llama3", "yarn"]  # transformers' rope_type names
 Attention = Literal["gqa", "mla"]
 AuxLossGroup = Literal["ep", "dp"]
 LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "none"]
@@ -31,9 +32,10 @@ __all__ = [  # the types and their values
     "ATTENTION_LAYER_TYPES", "EXPERT_ACTIVATIONS", "AttentionLayerType", "ExpertActivation",
     "AC_POLICIES", "ATTENTIONS", "AUX_LOSS_GROUPS", "BAD_ROW_POLICIES", "DATA_FORMATS", "DATA_KINDS",
     "DROP_POLICIES", "INFER_DTYPES", "LOAD_BALANCING_TYPES", "MLA_DIMS", "NEURON_PRECISIONS", "PACKINGS",
-    "POSITION_ENCODINGS", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS", "AcPolicy", "Attention",
-    "AuxLossGroup", "BadRowPolicy", "DataFormat", "DataKind", "DropPolicy", "InferDtype", "LoadBalancingType",
-    "NeuronPrecision", "Packing", "PositionEncoding", "RouterDtype", "ScoreFunction", "SpikeAction",
+    "POSITION_ENCODINGS", "ROPE_TYPES", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS", "AcPolicy",
+    "Attention", "AuxLossGroup", "BadRowPolicy", "DataFormat", "DataKind", "DropPolicy", "InferDtype",
+    "LoadBalancingType", "NeuronPrecision", "Packing", "PositionEncoding", "RopeType", "RouterDtype",
+    "ScoreFunction", "SpikeAction",
 ]
 
 AC_POLICIES = get_args(AcPolicy)
@@ -41,6 +43,7 @@ DROP_POLICIES = get_args(DropPolicy)
 # name -> torch attribute
 ROUTER_DTYPES = dict(zip(get_args(RouterDtype), ("float32", "bfloat16", "float16"), strict=True))
 POSITION_ENCODINGS = get_args(PositionEncoding)
+ROPE_TYPES = get_args(RopeType)
 ATTENTIONS = get_args(Attention)
 MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # required by mla
 AUX_LOSS_GROUPS = get_args(AuxLossGroup)

@@ -7,8 +7,10 @@ config, before anything is built. Value and cross-field rules live in `moe.confi
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, TypeVar
 
 from hydra.core.config_store import ConfigStore
 
@@ -23,10 +25,14 @@ from moe.config.choices import (
     LoadBalancingType,
     NeuronPrecision,
     PositionEncoding,
+    RopeType,
     RouterDtype,
     ScoreFunction,
     SpikeAction,
 )
+from moe.errors import ConfigError
+
+S = TypeVar("S", bound="Section")
 
 # The chat format of no_robots (the KARAKURI LM 8x7B Chat recipe); the default of data.chat_template,
 # data_prep's chat_template and infer's.
@@ -35,7 +41,7 @@ DEFAULT_CHAT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
 
 class Section:
     """Base of the schema's dataclasses. Hydra composes into them as plain dataclasses; once the run has
-    settled its config, moe.config.settled freezes the instances it trains with, and assigning to one then
+    settled its config, `freeze` (below) freezes the instances it trains with, and assigning to one then
     raises as on a frozen dataclass (a change is a new object: moe.config.settled.replaced)."""
 
     def __setattr__(self, name: str, value) -> None:
@@ -49,6 +55,35 @@ class Section:
         if self.__dict__.get("_frozen"):
             raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r} of {type(self).__name__}")
         object.__delattr__(self, name)
+
+
+def freeze(section: S, path: str = "") -> S:
+    """`section` and the sections it holds, read-only from now on; each choice key holds one of its type's
+    values (validation has said so with its own words for a composed config; this holds for any other)."""
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        if isinstance(value, Section):
+            freeze(value, f"{path}{item.name}.")
+    for name, choices in choice_fields(type(section)).items():
+        value = getattr(section, name)
+        if value not in choices:
+            raise ConfigError(f"{path}{name}", value, f"use one of {', '.join(choices)}",
+                              problem="is not one of the values its type allows")
+    object.__setattr__(section, "_frozen", True)
+    return section
+
+
+@functools.cache
+def choice_fields(schema: type) -> dict[str, tuple[str, ...]]:
+    """The fields of `schema` declared `Annotated[str, Literal[...]]` (moe.config.choices), with their
+    values."""
+    fields = {}
+    for name, hint in typing.get_type_hints(schema, include_extras=True).items():
+        if typing.get_origin(hint) is typing.Annotated:
+            kind = hint.__metadata__[0]
+            if typing.get_origin(kind) is typing.Literal:
+                fields[name] = typing.get_args(kind)
+    return fields
 
 
 @dataclass
@@ -67,6 +102,19 @@ class ModelConfig(Section):
     max_position_embeddings: int = 512
     position_encoding: Annotated[str, PositionEncoding] = "rope"
     rope_theta: float = 1.0e6
+    # RoPE scaling, as transformers' rope_parameters (moe/model/rope.py): default (plain) | linear | llama3
+    # | yarn. The keys below are read by the types that name them; null = transformers' default for the type
+    rope_type: Annotated[str, RopeType] = "default"
+    rope_factor: float = 1.0  # linear, llama3, yarn: the context extension factor (>= 1)
+    rope_original_max_position_embeddings: Optional[int] = None  # llama3, yarn (required): trained context
+    rope_beta_fast: Optional[float] = None  # yarn: null = 32
+    rope_beta_slow: Optional[float] = None  # yarn: null = 1
+    rope_mscale: Optional[float] = None  # yarn: with rope_mscale_all_dim, cos/sin times mscale ratio
+    rope_mscale_all_dim: Optional[float] = None  # yarn: also MLA's softmax scale times mscale(factor, it)^2
+    rope_attention_factor: Optional[float] = None  # yarn: cos/sin times this; null = from factor and mscales
+    rope_truncate: Optional[bool] = None  # yarn: round the ramp's ends to whole dims; null = true
+    rope_low_freq_factor: Optional[float] = None  # llama3 (required): Llama 3.1: 1
+    rope_high_freq_factor: Optional[float] = None  # llama3 (required): Llama 3.1: 4
     sliding_window: Optional[int] = None
     # each layer's attention, as transformers' `layer_types`: sliding_attention (the window above) or
     # full_attention; null = every layer as sliding_window says (gpt-oss alternates them, sliding first)

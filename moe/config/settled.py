@@ -2,22 +2,19 @@
 
 Hydra composes an OmegaConf config, typed by the schema at composition; the run sets what it derives in
 a copy of it (moe.train.run.settle: an HF directory's architecture, prepared data's seq_len), validates the
-copy and freezes it, once (`freeze`). Everything after reads these objects, section by section: assigning
-to a field raises (dataclasses.FrozenInstanceError), and a changed config is a new object (`replaced`). A
-checkpoint stores `as_container`'s plain dict, which `settled_config` reads back (older ones through
-moe.config.upgrade).
+copy and freezes it, once (moe.config.schema.freeze). Everything after reads these objects, section by
+section: assigning to a field raises (dataclasses.FrozenInstanceError), and a changed config is a new
+object (`replaced`). A checkpoint stores `as_container`'s plain dict, which `settled_config` reads back
+(older ones through moe.config.upgrade).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import typing
 from typing import TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from moe.config.schema import Section, TrainConfig
-from moe.errors import ConfigError
+from moe.config.schema import Section, TrainConfig, freeze
 
 S = TypeVar("S", bound=Section)
 
@@ -32,35 +29,6 @@ def settled_config(cfg) -> TrainConfig:
     from moe.config.upgrade import with_schema_defaults
 
     return freeze(OmegaConf.to_object(with_schema_defaults(cfg)))
-
-
-def freeze(section: S, path: str = "") -> S:
-    """`section` and the sections it holds, read-only from now on; each choice key holds one of its type's
-    values (validation has said so with its own words for a composed config; this holds for any other)."""
-    for item in dataclasses.fields(section):
-        value = getattr(section, item.name)
-        if isinstance(value, Section):
-            freeze(value, f"{path}{item.name}.")
-    for name, choices in choice_fields(type(section)).items():
-        value = getattr(section, name)
-        if value not in choices:
-            raise ConfigError(f"{path}{name}", value, f"use one of {', '.join(choices)}",
-                              problem="is not one of the values its type allows")
-    object.__setattr__(section, "_frozen", True)
-    return section
-
-
-@functools.cache
-def choice_fields(schema: type) -> dict[str, tuple[str, ...]]:
-    """The fields of `schema` declared `Annotated[str, Literal[...]]` (moe.config.choices), with their
-    values."""
-    fields = {}
-    for name, hint in typing.get_type_hints(schema, include_extras=True).items():
-        if typing.get_origin(hint) is typing.Annotated:
-            kind = hint.__metadata__[0]
-            if typing.get_origin(kind) is typing.Literal:
-                fields[name] = typing.get_args(kind)
-    return fields
 
 
 def replaced(section: S, **changes) -> S:

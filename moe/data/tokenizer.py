@@ -22,6 +22,7 @@ from moe.data.text_formats import TURN_SEPARATOR, FormatSpec
 from moe.errors import UserError
 from moe.inputs import load_json
 from moe.outputs import atomic_path
+from moe.paths import local_path
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -35,18 +36,31 @@ def template_markers(template: str) -> list[str]:
     return list(dict.fromkeys(MARKER_RE.findall(template)))
 
 
-def read_tokenizer(path: str | Path, field: str = "tokenizer") -> tuple[Tokenizer, dict]:
-    """Load `path` (a directory with tokenizer.json, or the file) and its tokenizer_config.json."""
+def tokenizer_file(path: str | Path, field: str = "tokenizer") -> Path:
+    """`path`'s tokenizer.json (`path`: a directory holding one, or the file)."""
     path = Path(path).expanduser()
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise UserError(field, str(path), "pass a directory holding a Hugging Face tokenizer.json "
                         "(e.g. data/sample), or vocab_size=N to train one", problem="has no tokenizer.json")
+    return file
+
+
+def load_tokenizer(path: str | Path, field: str = "tokenizer") -> Tokenizer:
+    """The tokenizer of `path` (a directory with tokenizer.json, or the file), without its config."""
+    file = tokenizer_file(path, field)
     try:
-        tok = Tokenizer.from_file(str(file))
+        return Tokenizer.from_file(str(file))
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON
         raise UserError(field, str(file), "pass a valid Hugging Face tokenizer.json",
                         problem=f"could not be loaded ({err})") from err
+
+
+def read_tokenizer(path: str | Path, field: str = "tokenizer") -> tuple[Tokenizer, dict]:
+    """Load `path` (a directory with tokenizer.json, or the file) and its tokenizer_config.json."""
+    path = Path(path).expanduser()
+    file = tokenizer_file(path, field)
+    tok = load_tokenizer(file, field)
     config_file = file.parent / "tokenizer_config.json"
     config = {}
     if config_file.is_file():
@@ -57,6 +71,31 @@ def read_tokenizer(path: str | Path, field: str = "tokenizer") -> tuple[Tokenize
             raise UserError(field, str(path), fix, problem=f"cannot be read: {config_file} holds a JSON "
                             f"{type(config).__name__}, not an object")
     return tok, config
+
+
+def data_tokenizer_dir(data) -> Path | None:
+    """The tokenizer directory the data section names: data.tokenizer, or a prepared dataset's own (its
+    meta.json's); None when it names none (or the prepared dataset is not there yet)."""
+    if data.get("kind") == "prepared" and data.get("path"):
+        meta = local_path(data.path) / "meta.json"
+        return meta.parent / json.loads(meta.read_text())["tokenizer"]["dir"] if meta.is_file() else None
+    return local_path(data.tokenizer) if data.get("tokenizer") else None
+
+
+def check_same_ids(data_tok: Path, model_tok: Path, data) -> None:
+    """Every token of the data's tokenizer (`data_tok`) must have the same id in the model's (chat markers
+    may be new: training adds them)."""
+    ours = load_tokenizer(data_tok, "data.tokenizer").get_vocab(with_added_tokens=True)
+    theirs = load_tokenizer(model_tok, "model's directory").get_vocab(with_added_tokens=True)
+    markers = set(template_markers(data.get("chat_template") or ""))
+    new_marker = markers - set(theirs)  # training adds these as special tokens; absent is fine
+    clash = [t for t, i in ours.items() if theirs.get(t) != i and t not in new_marker]
+    if clash:
+        field = "data.path" if data.get("kind") == "prepared" else "data.tokenizer"
+        fix = ("re-run data_prep.py with tokenizer=" if field == "data.path" else "set data.tokenizer=")
+        raise UserError(field, str(data_tok), f"{fix}{model_tok} (the model's own tokenizer)",
+                        problem=f"gives {len(clash)} tokens ids that differ from {model_tok}'s tokenizer "
+                        f"(e.g. {clash[:3]}): the model would read the wrong tokens")
 
 
 def file_sha256(path: str | Path) -> str:

@@ -1,13 +1,14 @@
 """Hugging Face interop: one adapter class per model family behind one registry.
 
     moe/hf/adapter.py      the adapter contract (read: config, routing, tensors; write: config, weights)
-    moe/hf/mixtral.py      Mixtral <-> our GQA models (and the Llama family's config and keys)
+    moe/hf/mixtral.py      Mixtral <-> our GQA models
     moe/hf/deepseek_v3.py  DeepSeek-V3 <-> our MLA models
     moe/hf/gpt_oss.py      gpt-oss <-> our GQA models with sinks, biases and the clamped SwiGLU
-    moe/hf/dense.py        dense Mistral/Llama -> MoE by upcycling
-    moe/hf/families.py     model_type -> adapter; our attention -> the family we export to
-    moe/hf/convert.py      to_hf, from_hf, tensor_source, read_hf_config
-    moe/hf/tensors.py      shared keys, lazy safetensors reads
+    moe/hf/dense.py        dense Mistral/Llama -> MoE by upcycling (and the Llama family's config and keys)
+    moe/hf/families.py     model_type -> adapter (read_hf_config); our attention -> the family we export to
+    moe/hf/convert.py      to_hf, from_hf, tensor_source
+    moe/hf/tensors.py      shared keys, lazy safetensors reads, the weights' start-up checks
+    moe/hf/rope.py         a transformers config's RoPE and its scaling <-> our rope_* keys
     moe/hf/start.py        model.init_from_hf / upcycle_from_hf: what a run settles from the directory
 
 The names below are the public API (`moe.hf.from_hf`, `moe.hf.to_hf`, `moe.hf.upcycle`, ...).
@@ -18,12 +19,11 @@ from moe.hf.convert import (
     hf_config_from_model_config,
     model_config_from_hf,
     moe_opt_from_hf,
-    read_hf_config,
     tensor_source,
     to_hf,
 )
 from moe.hf.dense import upcycle
-from moe.hf.families import IMPORTABLE
+from moe.hf.families import IMPORTABLE, read_hf_config
 
 __all__ = ["IMPORTABLE", "check_exportable", "from_hf", "hf_config_from_model_config", "model_config_from_hf",
            "moe_opt_from_hf", "read_hf_config", "tensor_source", "to_hf", "upcycle"]

@@ -7,6 +7,8 @@ Reading (every adapter, `HFAdapter`):
                                                   was trained to (the fields in `routing_keys`)
     reader(model_cfg, hf_config) -> Read          read(name, get, experts=None): our tensor `name` from
                                                   the checkpoint's per-expert keys, experts a range
+    loading_class(hf_config)                      the transformers class from_hf loads a directory with
+    note(hf_config, keys) -> str | None           what a directory holds that is not read (said once)
 Writing (the families we export to, `ExportAdapter`):
     check_exportable(cfg, moe_opt)                refuse what the transformers class cannot reproduce
     hf_config(cfg, moe_opt)                       its transformers config
@@ -50,6 +52,16 @@ class HFAdapter(ABC):
     def reader(self, model_cfg, hf_config) -> Read:
         ...
 
+    def loading_class(self, hf_config):
+        """The transformers class `from_hf` loads a directory of this family with."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
+
+    def note(self, hf_config, keys) -> str | None:
+        """A line for the user about the checkpoint's tensors (`keys`) that the import leaves unread."""
+        return None
+
     def check_routing(self, hf_config, moe_opt, top_k: int) -> None:
         """model.init_from_hf: the user's moe_opt must route as the checkpoint does, else the loaded
         experts are chosen differently from how they were trained."""
@@ -70,6 +82,7 @@ class ExportAdapter(HFAdapter):
     """A family we also write: our model -> its transformers class."""
 
     hf_class: ClassVar[str]
+    router_key: ClassVar[str]  # layer i's router in its files: model.layers.{i}.<router_key>
 
     @abstractmethod
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:

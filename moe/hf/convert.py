@@ -3,21 +3,20 @@
 `to_hf(model)` and `from_hf(model_or_dir)` convert whole models in memory (their configs too);
 `tensor_source(dir, model_cfg, seed)` reads a directory one tensor (or one run of experts) at a time,
 as each rank materialises its shard (moe.backends.base.Backend.initial_source, trn1's
-param_init_fn); `read_hf_config` opens a directory's config.json with a clear refusal.
+param_init_fn); moe.hf.families.read_hf_config opens a directory's config.json with a clear refusal.
 """
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from moe.config.schema import ModelConfig, MoEOptConfig
-from moe.errors import ConfigError, UserError, first_line
+from moe.errors import ConfigError
 from moe.hf.dense import DenseUpcycle
-from moe.hf.families import CONVERTERS, IMPORTABLE, UPCYCLERS, converter_for, exporter_for
-from moe.hf.tensors import SafetensorsDir, is_stacked, load_local
+from moe.hf.families import UPCYCLERS, converter_for, exporter_for
+from moe.hf.tensors import SafetensorsDir, check_finite, is_stacked, load_local, read_checked
 
 
 def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
@@ -70,8 +69,8 @@ def to_hf(model):
 
 
 def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = None):
-    """MoETransformer from a MixtralForCausalLM or DeepseekV3ForCausalLM, or a local directory of one
-    (no hub access).
+    """MoETransformer from a MixtralForCausalLM, DeepseekV3ForCausalLM or GptOssForCausalLM, or a local
+    directory of one (no hub access).
 
     moe_opt defaults to the adapter's: dropless, so logits match transformers.
     """
@@ -79,12 +78,16 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
 
     from moe.model.model import MoETransformer
 
+    model_cls = AutoModelForCausalLM
     if isinstance(model_or_dir, (str, Path)) and (Path(model_or_dir) / "config.json").is_file():
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(model_or_dir), local_files_only=True)
-        converter_for(config.model_type).model_config(config)  # a refusal before any weight loads
-    hf = load_local(model_or_dir, AutoModelForCausalLM, "init_from_hf")
+        hf_config = json.loads((Path(model_or_dir) / "config.json").read_text())
+        adapter = converter_for(hf_config.get("model_type"))
+        # a refusal (gpt-oss's quantized experts, ...) before any weight loads
+        adapter.model_config(AutoConfig.from_pretrained(str(model_or_dir), local_files_only=True))
+        model_cls = adapter.loading_class(hf_config)
+    hf = load_local(model_or_dir, model_cls, "init_from_hf")
     adapter = converter_for(getattr(hf.config, "model_type", None))
     cfg = adapter.model_config(hf.config)
     model = MoETransformer(cfg, moe_opt if moe_opt is not None else adapter.moe_opt(hf.config))
@@ -97,16 +100,6 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
             for name in model.state_dict()}
     model.load_state_dict({k: v.detach().clone().contiguous() for k, v in ours.items()}, strict=True)
     return model
-
-
-def check_finite(name: str, value: torch.Tensor, path, field: str) -> torch.Tensor:
-    """A checkpoint tensor holding NaN or inf would train (or generate) nothing but NaN: refused, named."""
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        bad = int((~torch.isfinite(value)).sum())
-        raise UserError(field, str(path), "use an intact copy of the checkpoint (re-download or re-export "
-                        "it); its files' own checksums cannot tell a tensor saved with NaN",
-                        problem=f"holds {bad} NaN or infinite values in the tensor that becomes our {name}")
-    return value
 
 
 def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "model.init_from_hf"):
@@ -126,61 +119,6 @@ def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "mode
 
     def source(name: str, shape, first_expert: int | None) -> torch.Tensor:
         experts = None if first_expert is None else range(first_expert, first_expert + shape[0])
-        fix = ("use the config.json saved with these weights (save_pretrained writes both), or weights "
-               "saved for this config.json")
-        try:
-            value = read(name, files.get, experts)
-        except KeyError as err:
-            raise UserError(field, str(path), fix, problem=f"has no tensor {err.args[0]} for our {name}, "
-                            "which its config.json implies") from None
-        if tuple(value.shape) != tuple(shape):
-            raise UserError(field, str(path), fix, problem=f"holds our {name} as {tuple(value.shape)}, where "
-                            f"its config.json implies {tuple(shape)}")
-        return check_finite(name, value, path, field)
+        return read_checked(lambda: read(name, files.get, experts), name, shape, path, field)
 
     return source
-
-
-def read_hf_config(path: str | Path, field: str):
-    """The transformers config of a Mixtral, DeepSeek-V3 or gpt-oss directory; a UserError naming `field`
-    when the directory has none, an unreadable one, or another model type."""
-    from transformers import AutoConfig
-
-    path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        raise UserError(field, str(path), "point to a local directory written by save_pretrained "
-                        "(config.json + safetensors); hub names are not downloaded",
-                        problem="has no config.json")
-    try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as err:
-        first = first_line(err)
-        raise UserError(field, str(path), "fix or regenerate config.json",
-                        problem=f"has a config.json transformers cannot read ({first})") from err
-    if config.model_type not in CONVERTERS:
-        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM), DeepSeek-V3 "
-                        "(DeepseekV3ForCausalLM) or gpt-oss (GptOssForCausalLM) checkpoint",
-                        problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
-    warn_unknown_keys(config, path)
-    return config
-
-
-LEGACY_ROPE_KEYS = {"rope_theta", "rope_scaling", "partial_rotary_factor"}
-
-
-def warn_unknown_keys(config, path) -> list[str]:
-    """Keys of config.json its transformers config class does not define (a typo, or another model's
-    option): nothing reads them, so the model built is the one the known keys describe. Said in one line
-    (what changes the architecture and is not implemented is refused by the adapter instead)."""
-    import inspect
-
-    from transformers import PretrainedConfig
-
-    known = set(inspect.signature(type(config).__init__).parameters) | set(PretrainedConfig().to_dict())
-    if hasattr(config, "rope_parameters"):  # transformers 5 reads 4.x's RoPE keys into rope_parameters
-        known |= LEGACY_ROPE_KEYS  # (modeling_rope_utils.py:776-786 at 5.24; our export writes rope_theta)
-    unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)
-    if unknown:
-        print(f"warning: {Path(path) / 'config.json'} has keys {config.model_type} does not define, ignored: "
-              f"{', '.join(unknown)}", file=sys.stderr)
-    return unknown

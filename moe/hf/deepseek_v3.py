@@ -21,9 +21,10 @@ permuted on the way in and out, and exports keep DeepSeek's interleaved layout, 
 engines assume.
 Refused with a ConfigError: what DeepSeek-V3 cannot express on export (GQA, softmax scores, an
 MoE layer pattern other than "first k dense", groups scored other than by 2, a shared expert not
-a whole number of experts wide, a sliding window) and what we do not implement on import (YaRN
-or other RoPE scaling, attention biases or dropout, an activation other than SiLU). Multi-token
-prediction layers are not part of DeepseekV3ForCausalLM (transformers ignores them on load).
+a whole number of experts wide, a sliding window) and what we do not implement on import (RoPE
+scaling other than linear, llama3 and YaRN, attention biases or dropout, an activation other than
+SiLU). YaRN, as the released DeepSeek-V3 uses it (factor 40, mscale_all_dim 1), also scales the
+attention's softmax (moe/model/rope.py `mla_softmax_scale`).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from moe.config.derived import dense_width
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
+from moe.hf.rope import rope_keys, rope_parameters
 from moe.hf.tensors import (
     BLOCK_NORMS,
     LAYER,
@@ -61,6 +63,13 @@ FFN = {"ffn.down_proj.weight": "mlp.down_proj.weight", "ffn.router.weight": "mlp
        "ffn.shared_expert.down_proj.weight": "mlp.shared_experts.down_proj.weight"}
 FUSED = {"ffn.gate_up_proj.weight": "mlp.", "ffn.shared_expert.gate_up_proj.weight": "mlp.shared_experts."}
 EXPERT_WEIGHTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def mtp_layers(hf_config) -> range:
+    """Where a DeepSeek-V3 checkpoint keeps its multi-token-prediction layers: after the main ones,
+    model.layers.{num_hidden_layers + i}.* for i < num_nextn_predict_layers (the released model: 61)."""
+    first = config_value(hf_config, "num_hidden_layers")
+    return range(first, first + (config_value(hf_config, "num_nextn_predict_layers", 0) or 0))
 
 
 def deinterleave_order(rope_dim: int) -> torch.Tensor:
@@ -108,20 +117,17 @@ def deepseek_value(name: str, get: Get, cfg: ModelConfig, interleaved: bool,
 class DeepSeekV3(ExportAdapter):
     model_types = ("deepseek_v3",)
     hf_class = "DeepseekV3ForCausalLM"
+    router_key = FFN["ffn.router.weight"]
     # MoE routing fields a DeepSeek-V3 checkpoint fixes (moe_opt); the rest are training choices
     routing_keys = ("score_function", "num_groups", "group_top_k", "topk_scaling_factor", "normalize_top_k",
                     "enable_expert_bias")
 
     # -- reading ----------------------------------------------------------------------------------
     def model_config(self, hf_config) -> ModelConfig:
-        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope = rope_keys(hf_config, default_theta=1.0e4)  # plain, linear, llama3 or YaRN (moe.hf.rope)
         bias = getattr(hf_config, "attention_bias", False)
         dropout = getattr(hf_config, "attention_dropout", 0.0)
-        refusals = (("rope_parameters.rope_type", rope_type, rope_type != "default",
-                     "only plain RoPE is implemented (YaRN context extension is not); use a checkpoint "
-                     "trained without RoPE scaling"),
-                    ("hidden_act", hf_config.hidden_act, hf_config.hidden_act != "silu",
+        refusals = (("hidden_act", hf_config.hidden_act, hf_config.hidden_act != "silu",
                      "only SiLU (SwiGLU) MLPs are implemented"),
                     ("attention_bias", bias, bool(bias), "our MLA projections have no bias"),
                     ("attention_dropout", dropout, bool(dropout), "set attention_dropout=0 in config.json"))
@@ -129,15 +135,14 @@ class DeepSeekV3(ExportAdapter):
             if refused:
                 raise ConfigError(field, value, fix, "is not supported")
         moe_width, dense = hf_config.moe_intermediate_size, hf_config.intermediate_size
-        theta = float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 1.0e4)))
         return ModelConfig(
             name=getattr(hf_config, "_name_or_path", "") or "deepseek_v3",
             vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size, intermediate_size=moe_width,
             dense_intermediate_size=None if dense == moe_width else dense,
             num_layers=hf_config.num_hidden_layers, num_heads=hf_config.num_attention_heads,
             num_kv_heads=hf_config.num_attention_heads, head_dim=None,
-            max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope",
-            rope_theta=theta, sliding_window=None,
+            max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope", **rope,
+            sliding_window=None,
             rms_norm_eps=hf_config.rms_norm_eps, tie_word_embeddings=bool(hf_config.tie_word_embeddings),
             init_range=hf_config.initializer_range, num_experts=hf_config.n_routed_experts,
             top_k=hf_config.num_experts_per_tok, moe_layer_frequency=1,
@@ -166,6 +171,31 @@ class DeepSeekV3(ExportAdapter):
             enable_expert_bias=True, bias_update_rate=1.0e-3, load_balancing_type="seq_aux_loss",
             aux_loss_coeff=1.0e-4, z_loss_coeff=0.0,
         )
+
+    def loading_class(self, hf_config):
+        r"""DeepseekV3ForCausalLM, skipping the checkpoint's multi-token-prediction layers on load as
+        transformers skips the released model's layer 61 (modeling_deepseek_v3.py:552,
+        `_keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]`), at this checkpoint's depth:
+        never read, and no unexpected-keys report."""
+        from transformers import DeepseekV3ForCausalLM
+
+        skip = [rf"model\.layers\.{i}\..*" for i in mtp_layers(hf_config)]
+        if not skip:
+            return DeepseekV3ForCausalLM
+        patterns = [*(DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected or []), *skip]
+        return type("DeepseekV3ForCausalLM", (DeepseekV3ForCausalLM,),
+                    {"_keys_to_ignore_on_load_unexpected": patterns})
+
+    def note(self, hf_config, keys) -> str | None:
+        """Names the multi-token-prediction layers the directory holds, which the import skips."""
+        held = [i for i in mtp_layers(hf_config) if any(k.startswith(f"model.layers.{i}.") for k in keys)]
+        if not held:
+            return None
+        layers = ", ".join(f"model.layers.{i}.*" for i in held)
+        return (f"holds {len(held)} multi-token-prediction layer(s) ({layers}; num_nextn_predict_layers="
+                f"{config_value(hf_config, 'num_nextn_predict_layers')}): skipped, as transformers' "
+                f"DeepseekV3ForCausalLM skips them (training MTP is not implemented); the main model's "
+                f"{config_value(hf_config, 'num_hidden_layers')} layers are read")
 
     def reader(self, model_cfg, hf_config) -> Read:
         interleaved = bool(config_value(hf_config, "rope_interleave", True))
@@ -217,8 +247,8 @@ class DeepSeekV3(ExportAdapter):
             norm_topk_prob=normalizes(moe_opt.normalize_top_k, cfg.top_k), hidden_act="silu",
             max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
             rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-            rope_interleave=True, attention_bias=False, attention_dropout=0.0,
+            rope_parameters=rope_parameters(cfg), rope_interleave=True, attention_bias=False,
+            attention_dropout=0.0, num_nextn_predict_layers=0,  # no multi-token-prediction layer is written
         )
         config.rope_theta = float(cfg.rope_theta)  # 4.x reads rope_theta (see moe.hf.mixtral)
         return config

@@ -1,17 +1,23 @@
 """Which adapter reads or writes which Hugging Face model family: the one table.
 
-Reading goes by the checkpoint's `model_type` (config.json); writing by `model.hf_family` (an import
-sets it), else by our attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama
-checkpoints are read by upcycling only (their adapter needs the expert count: moe.hf.dense.DenseUpcycle).
+Reading goes by the checkpoint's `model_type` (config.json, opened by `read_hf_config`); writing by
+`model.hf_family` (an import sets it), else by our attention: GQA models are Mixtral, MLA models
+DeepSeek-V3. Dense Mistral/Llama checkpoints are read by upcycling only (their adapter needs the expert
+count: moe.hf.dense.DenseUpcycle).
 """
 from __future__ import annotations
 
-from moe.errors import ConfigError
+import json
+import sys
+from pathlib import Path
+
+from moe.errors import ConfigError, UserError, first_line
 from moe.hf.adapter import ExportAdapter, HFAdapter
 from moe.hf.deepseek_v3 import DeepSeekV3
 from moe.hf.dense import DenseUpcycle
 from moe.hf.gpt_oss import GptOss
 from moe.hf.mixtral import Mixtral
+from moe.hf.tensors import SafetensorsDir
 
 CONVERTERS: dict[str, type[ExportAdapter]] = {"mixtral": Mixtral, "deepseek_v3": DeepSeekV3,
                                               "gpt_oss": GptOss}
@@ -35,3 +41,64 @@ def exporter_for(model_cfg) -> ExportAdapter:
     """The family a model of ours exports to: `model.hf_family`, else its attention's."""
     family = model_cfg.hf_family or EXPORT_BY_ATTENTION[model_cfg.attention]
     return converter_for(family, field="model.hf_family")
+
+
+def read_hf_config(path: str | Path, field: str):
+    """The transformers config of a Mixtral, DeepSeek-V3 or gpt-oss directory; a UserError naming `field`
+    when the directory has none, an unreadable one, or another model type."""
+    from transformers import AutoConfig
+
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        raise UserError(field, str(path), "point to a local directory written by save_pretrained "
+                        "(config.json + safetensors); hub names are not downloaded",
+                        problem="has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:
+        first = first_line(err)
+        raise UserError(field, str(path), "fix or regenerate config.json",
+                        problem=f"has a config.json transformers cannot read ({first})") from err
+    if config.model_type not in CONVERTERS:
+        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM), DeepSeek-V3 "
+                        "(DeepseekV3ForCausalLM) or gpt-oss (GptOssForCausalLM) checkpoint",
+                        problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
+    warn_unknown_keys(config, path)
+    note_unread(config, path)
+    return config
+
+
+def note_unread(config, path) -> None:
+    """One line naming what the directory holds that the import skips (DeepSeek-V3's multi-token-prediction
+    layers); a directory whose weights cannot be listed says nothing here (its load says why)."""
+    try:
+        keys = SafetensorsDir(path).file_of
+    except UserError:
+        return
+    note = converter_for(config.model_type).note(config, keys)
+    if note:
+        print(f"note: {path} {note}", file=sys.stderr)
+
+
+LEGACY_ROPE_KEYS = {"rope_theta", "rope_scaling", "partial_rotary_factor"}
+
+
+def warn_unknown_keys(config, path) -> list[str]:
+    """Keys of config.json its transformers config class does not define (a typo, or another model's
+    option): nothing reads them, so the model built is the one the known keys describe. Said in one line
+    (what changes the architecture and is not implemented is refused by the adapter instead)."""
+    import inspect
+
+    from transformers import PretrainedConfig
+
+    known = set(inspect.signature(type(config).__init__).parameters) | set(PretrainedConfig().to_dict())
+    if hasattr(config, "rope_parameters"):  # transformers 5 reads 4.x's RoPE keys into rope_parameters
+        known |= LEGACY_ROPE_KEYS  # (modeling_rope_utils.py:776-786 at 5.24; our export writes rope_theta)
+    # what the class itself writes (DeepSeek-V3: head_dim and qk_head_dim, derived in __post_init__, and
+    # num_nextn_predict_layers, an alias in attribute_map)
+    known |= set(type(config)().to_dict())
+    unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)
+    if unknown:
+        print(f"warning: {Path(path) / 'config.json'} has keys {config.model_type} does not define, ignored: "
+              f"{', '.join(unknown)}", file=sys.stderr)
+    return unknown

@@ -7,6 +7,10 @@ Read from transformers 5.24's `models/gpt_oss/modeling_gpt_oss.py` and `configur
   router: `mlp.router.weight [E, H]` and `.bias [E]`, top-k of the logits then a softmax over those k
     (:126-130) -> model.router_bias; softmax, top-k, renormalised (moe_opt.normalize_top_k=true) is the same
     weights: exp(l_i) / sum over the chosen k either way
+  RoPE: `rope_parameters`, YaRN in the released configs and the class's default (factor 32 over 4096
+    positions, beta_fast 32, beta_slow 1, truncate false: configuration_gpt_oss.py:89-97; theta 150000,
+    :37) -> model.rope_type and the rope_* keys (moe.hf.rope), computed as ROPE_INIT_FUNCTIONS["yarn"]
+    (modeling_gpt_oss.py:157-161) by moe/model/rope.py
   experts: `mlp.experts.gate_up_proj [E, H, 2F]` with gate and up *interleaved* along the out dim (gate the
     even columns, up the odd: `_apply_gate`, :83), `gate_up_proj_bias [E, 2F]` likewise, `down_proj
     [E, F, H]`, `down_proj_bias [E, H]` (:75-78); x @ W + b, nn.Linear's transpose (:108, :110), so HF's
@@ -16,8 +20,8 @@ The files hold those in-memory keys as they are (transformers has no conversion 
 reading and writing go through the same keys in both directions; the stacked experts are sliced per
 rank (moe.hf.tensors.expert_rows).
 
-Refused: RoPE scaling (the released configs' YaRN), MXFP4-quantised experts (the released checkpoints; the
-error says how to dequantize them with transformers first) and attention dropout.
+Refused: MXFP4-quantised experts (the released checkpoints; the error says how to dequantize them with
+transformers first), a rope_type our RoPE does not compute (moe.hf.rope) and attention dropout.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import torch
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read
-from moe.hf.mixtral import llama_block_state, llama_shaped_config, llama_top_level_state, rope_type_of
+from moe.hf.dense import llama_block_state, llama_shaped_config, llama_top_level_state
+from moe.hf.rope import rope_keys, rope_parameters
 from moe.hf.tensors import BLOCK_NORMS, LAYER, TOP_LEVEL, Get, config_value, expert_rows, top_level
 from moe.model.expert_layout import stored
 
@@ -34,6 +39,7 @@ ATTENTION = {"attn.o_proj.weight": "self_attn.o_proj.weight", "attn.o_proj.bias"
              "attn.sinks": "self_attn.sinks"}
 ROUTER = {"ffn.router.weight": "mlp.router.weight", "ffn.router.bias": "mlp.router.bias"}
 EXPERTS = "mlp.experts."
+DEFAULT_THETA = 150000.0  # GptOssConfig.default_theta (configuration_gpt_oss.py:37)
 
 
 def deinterleave(w: torch.Tensor) -> torch.Tensor:
@@ -78,6 +84,7 @@ def gpt_oss_value(name: str, get: Get, experts: range | None = None) -> torch.Te
 class GptOss(ExportAdapter):
     model_types = ("gpt_oss",)
     hf_class = "GptOssForCausalLM"
+    router_key = ROUTER["ffn.router.weight"]
     routing_keys = ("score_function", "num_groups", "enable_expert_bias", "normalize_top_k",
                     "topk_scaling_factor")
 
@@ -92,14 +99,7 @@ class GptOss(ExportAdapter):
                 "quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)"
                 ".save_pretrained(OUT), then use OUT",
                 "quantizes the experts; we read unquantized weights only")
-        rope_type = rope_type_of(hf_config)
-        if rope_type != "default":
-            # YaRN (the released gpt-oss: factor 32 over 4096 positions) maps onto model.rope_type,
-            # rope_factor, rope_original_max_position_embeddings, rope_beta_fast, rope_beta_slow and
-            # rope_truncate once our RoPE implements scaling; until then it is refused.
-            raise ConfigError("rope_parameters.rope_type", rope_type,
-                              "only plain RoPE is implemented: use a checkpoint with rope_parameters "
-                              '{"rope_type": "default", "rope_theta": ...}', "is not supported")
+        rope = rope_keys(hf_config, default_theta=DEFAULT_THETA)  # YaRN as released, or plain
         bias = bool(config_value(hf_config, "attention_bias", True))
         types = list(hf_config.layer_types)
         return llama_shaped_config(
@@ -107,7 +107,7 @@ class GptOss(ExportAdapter):
             attention_layer_types=None if all(t == "sliding_attention" for t in types) else types,
             qkv_bias=bias, o_bias=bias, attention_sinks=True, router_bias=True, expert_proj_bias=True,
             expert_activation="clamped_swiglu", swiglu_alpha=float(hf_config.swiglu_alpha),
-            swiglu_limit=float(hf_config.swiglu_limit), hf_family="gpt_oss")
+            swiglu_limit=float(hf_config.swiglu_limit), hf_family="gpt_oss", **rope)
 
     def moe_opt(self, hf_config) -> MoEOptConfig:
         """Dropless softmax top-k renormalised over the k (= gpt-oss's softmax over the top-k logits)."""
@@ -167,7 +167,7 @@ class GptOss(ExportAdapter):
             sliding_window=cfg.sliding_window, layer_types=types,
             max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
             rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+            rope_parameters=rope_parameters(cfg),
             attention_bias=cfg.qkv_bias, attention_dropout=0.0, swiglu_alpha=float(cfg.swiglu_alpha),
             swiglu_limit=float(cfg.swiglu_limit), router_aux_loss_coef=moe_opt.aux_loss_coeff,
         )

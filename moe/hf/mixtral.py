@@ -1,4 +1,5 @@
-"""Mixtral (MixtralForCausalLM) <-> our GQA models, weights and config; and the Llama family's config.
+"""Mixtral (MixtralForCausalLM) <-> our GQA models, weights and config (the Llama family's, moe.hf.dense,
+with Mixtral's router and experts).
 
 Layouts (transformers 5.x, read from `models/mixtral/modeling_mixtral.py`):
   ours `layers.N.attn.qkv_proj.weight`  = rows [q | k | v]  <->  `self_attn.{q,k,v}_proj.weight`
@@ -33,112 +34,27 @@ from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
-from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
+from moe.hf.dense import llama_block_state, llama_family_config, llama_top_level_state, llama_value
+from moe.hf.rope import rope_parameters
+from moe.hf.tensors import LAYER, STACKED_EXPERTS, Get, stacked_experts
 from moe.model.expert_layout import OUT_IN
 
-IN_LAYER = {**BLOCK_NORMS, "attn.o_proj.weight": "self_attn.o_proj.weight",
-            "ffn.router.weight": "block_sparse_moe.gate.weight"}
+ROUTER = "block_sparse_moe.gate.weight"
 EXPERT_WEIGHTS = ("w1.weight", "w3.weight", "w2.weight")  # gate, up, down
 
 
-def rope_of(hf_config) -> dict:
-    """The checkpoint's RoPE settings. 5.x: rope_parameters {rope_type, rope_theta, ...}; 4.x: rope_theta and
-    rope_scaling, None for plain RoPE, else {"rope_type" or the older "type", ...} (4.52.4
-    modeling_mixtral.py:395)."""
-    return getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-
-
-def rope_type_of(hf_config) -> str:
-    rope = rope_of(hf_config)
-    return rope.get("rope_type", rope.get("type", "default"))
-
-
-def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
-    """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama) with these experts; refuses
-    what our decoder does not implement."""
-    rope_type = rope_type_of(hf_config)
-    if rope_type != "default":
-        raise ConfigError("rope_parameters.rope_type", rope_type,
-                          "only plain RoPE is implemented; use a checkpoint without RoPE scaling",
-                          "is not supported")
-    if hf_config.hidden_act != "silu":
-        raise ConfigError("hidden_act", hf_config.hidden_act, "only SiLU (SwiGLU) experts are implemented",
-                          "is not supported")
-    for key in ("attention_bias", "mlp_bias"):  # Llama's options: biases our projections do not have
-        if getattr(hf_config, key, False):
-            raise ConfigError(key, True, f"convert a checkpoint with {key}=false (our projections have "
-                              "no bias)", "is not supported")
-    return llama_shaped_config(hf_config, num_experts, top_k)
-
-
-def llama_shaped_config(hf_config, num_experts: int, top_k: int, **pieces) -> ModelConfig:
-    """The ModelConfig fields every Llama-shaped family shares (sizes, heads, plain RoPE's theta, norms,
-    window), plus `pieces` (a family's own keys); refuses attention dropout."""
-    if getattr(hf_config, "attention_dropout", 0.0):
-        raise ConfigError("attention_dropout", hf_config.attention_dropout,
-                          "set attention_dropout=0 in config.json (our attention has no dropout)",
-                          "is not supported")
-    rope = rope_of(hf_config)
-    head_dim = getattr(hf_config, "head_dim", None)
-    default_head_dim = hf_config.hidden_size // hf_config.num_attention_heads  # HF's own default
-    return ModelConfig(
-        name=getattr(hf_config, "_name_or_path", "") or hf_config.model_type,
-        vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
-        num_heads=hf_config.num_attention_heads,
-        num_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
-        head_dim=None if head_dim in (None, default_head_dim) else head_dim,
-        max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope",
-        rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 1.0e6))),
-        sliding_window=getattr(hf_config, "sliding_window", None), rms_norm_eps=hf_config.rms_norm_eps,
-        tie_word_embeddings=bool(hf_config.tie_word_embeddings), init_range=hf_config.initializer_range,
-        num_experts=num_experts, top_k=top_k, moe_layer_frequency=1, shared_expert_intermediate_size=0,
-        **pieces,
-    )
-
-
-def llama_value(name: str, get: Get, expert_key, num_experts: int,
-                experts: range | None = None) -> torch.Tensor:
-    """Our tensor `name` from a Llama-shaped checkpoint: attention, norms and embeddings by the shared
-    keys, the router and experts by Mixtral's (`expert_key(layer_prefix, j)` names expert j's weights)."""
-    if name in TOP_LEVEL:
-        return top_level(name, get)
+def mixtral_value(name: str, get: Get, num_experts: int, experts: range | None = None) -> torch.Tensor:
+    """Our tensor `name` from a Mixtral checkpoint: the router and experts by Mixtral's keys, the rest by
+    the Llama family's (moe.hf.dense.llama_value)."""
     match = LAYER.fullmatch(name)
-    if match is None:
-        raise KeyError(f"{name}: not a parameter of a Llama-shaped model")
-    p, rest = f"model.layers.{match.group(1)}.", match.group(2)
-    if rest in IN_LAYER:
-        return get(p + IN_LAYER[rest])
-    if rest == "attn.qkv_proj.weight":
-        return torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-    if rest in STACKED_EXPERTS:
-        prefixes = [expert_key(p, j) for j in (experts or range(num_experts))]
-        return stacked_experts(rest, get, prefixes, EXPERT_WEIGHTS)
-    raise KeyError(f"{name}: not a parameter of a Llama-shaped model")
-
-
-def llama_top_level_state(model) -> dict[str, torch.Tensor]:
-    """Our embeddings, final norm and LM head under the Llama family's keys."""
-    return {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
-            "lm_head.weight": model.lm_head.weight}
-
-
-def llama_block_state(block, p: str) -> dict[str, torch.Tensor]:
-    """A block's attention and norms under the Llama family's keys after `p` (model.layers.N.): our fused
-    qkv_proj split into q, k and v (weights, and biases where model.qkv_bias), o_proj (and its bias)."""
-    attn = block.attn
-    sizes = attn.split_sizes
-    sd = {p + "input_layernorm.weight": block.attn_norm.weight,
-          p + "post_attention_layernorm.weight": block.ffn_norm.weight,
-          p + "self_attn.o_proj.weight": attn.o_proj.weight}
-    for kind in ("weight", "bias"):
-        fused = getattr(attn.qkv_proj, kind)
-        if fused is not None:
-            parts = zip("qkv", fused.split(sizes), strict=True)
-            sd |= {p + f"self_attn.{n}_proj.{kind}": t for n, t in parts}
-    if attn.o_proj.bias is not None:
-        sd[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
-    return sd
+    if match is not None:
+        p, rest = f"model.layers.{match.group(1)}.", match.group(2)
+        if rest == "ffn.router.weight":
+            return get(p + ROUTER)
+        if rest in STACKED_EXPERTS:
+            prefixes = [_mixtral_expert(p, j) for j in (experts or range(num_experts))]
+            return stacked_experts(rest, get, prefixes, EXPERT_WEIGHTS)
+    return llama_value(name, get)
 
 
 def _mixtral_expert(layer_prefix: str, j: int) -> str:
@@ -148,6 +64,7 @@ def _mixtral_expert(layer_prefix: str, j: int) -> str:
 class Mixtral(ExportAdapter):
     model_types = ("mixtral",)
     hf_class = "MixtralForCausalLM"
+    router_key = ROUTER
     routing_keys = ("score_function", "num_groups", "enable_expert_bias")  # which experts a token picks
 
     # -- reading ----------------------------------------------------------------------------------
@@ -162,8 +79,7 @@ class Mixtral(ExportAdapter):
         )
 
     def reader(self, model_cfg, hf_config) -> Read:
-        return lambda name, get, experts=None: llama_value(name, get, _mixtral_expert, model_cfg.num_experts,
-                                                           experts)
+        return lambda name, get, experts=None: mixtral_value(name, get, model_cfg.num_experts, experts)
 
     # -- writing ----------------------------------------------------------------------------------
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
@@ -217,12 +133,12 @@ class Mixtral(ExportAdapter):
             sliding_window=cfg.sliding_window, num_experts_per_tok=cfg.top_k,
             num_local_experts=cfg.num_experts,
             router_aux_loss_coef=moe_opt.aux_loss_coeff, router_jitter_noise=moe_opt.jitter_eps,
-            rope_theta=float(cfg.rope_theta),
+            rope_theta=float(cfg.rope_theta), rope_parameters=rope_parameters(cfg),
         )
-        # `rope_theta=` is 4.x's argument (4.52.4 configuration_mixtral.py:146); 5.x still accepts it and
-        # moves it into rope_parameters (5.x configuration_utils.py:471, modeling_rope_utils.py:785). 5.x
-        # then saves only rope_parameters, which 4.x ignores (falling back to theta 1e6), so keep
-        # `rope_theta` as an attribute too: config.json then loads with the right theta in both versions.
+        # `rope_theta=` is 4.x's argument (4.52.4 configuration_mixtral.py:146); 5.x reads rope_parameters
+        # (its scaling too: moe.hf.rope). 5.x saves only rope_parameters, which 4.x ignores (falling back to
+        # theta 1e6), so keep `rope_theta` as an attribute too: config.json then loads with the right theta
+        # in both versions.
         config.rope_theta = float(cfg.rope_theta)
         return config
 

@@ -5,19 +5,19 @@ What the run settles from DIR (moe.train.run.settle) comes back as values, merge
 config before validation: the model section's architecture from DIR's config.json (with upcycling,
 model.num_experts and model.top_k stay the user's) and, when the data names no tokenizer, DIR's. The
 weights come from its safetensors (read tensor by tensor as each rank materialises its shard,
-Backend.initial_source). Refused at start-up: a DIR whose weights do not fit its config.json, and a data
-tokenizer whose ids disagree with DIR's (the model would read the wrong tokens).
+Backend.initial_source). Refused at start-up: a DIR whose weights do not fit its config.json
+(moe.hf.tensors.check_weights), and a data tokenizer whose ids disagree with DIR's (the model would read
+the wrong tokens: moe.data.tokenizer.check_same_ids).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import NamedTuple
 
 from moe.config.derived import is_moe_layer
 from moe.errors import ConfigError, UserError
-from moe.paths import local_path
+from moe.hf.tensors import TOP_LEVEL
 
 # Architecture fields init_from_hf takes from config.json; name/compile/init_from_hf stay the user's.
 KEEP_FROM_USER = ("name", "compile", "init_from_hf", "upcycle_from_hf", "upcycle_granularity")
@@ -37,10 +37,10 @@ def hf_start(model, moe_opt, data) -> HFStart:
     keeps the user's num_experts and top_k), refusing a DIR whose files are damaged or whose weights do not
     fit its config.json. When DIR carries a tokenizer, an unset `data.tokenizer` is pointed at it (with a
     note for the user), and a data tokenizer whose ids disagree with it is refused."""
-    from moe.hf.convert import read_hf_config
+    from moe.data.tokenizer import check_same_ids, data_tokenizer_dir
     from moe.hf.dense import DenseUpcycle, read_dense_config
-    from moe.hf.families import converter_for
-    from moe.hf.tensors import check_weights_dir
+    from moe.hf.families import converter_for, read_hf_config
+    from moe.hf.tensors import check_weights
 
     check_hf_start(model, moe_opt)
     field = "model.upcycle_from_hf" if model.upcycle_from_hf else "model.init_from_hf"
@@ -65,20 +65,20 @@ def hf_start(model, moe_opt, data) -> HFStart:
     if field == "model.init_from_hf":
         adapter.check_routing(hf_config, moe_opt, arch.top_k)
     directory = Path(path).expanduser()
-    if field == "model.init_from_hf":  # tensor_source checks DIR's files first (SafetensorsDir)
+    if field == "model.init_from_hf":  # DIR's files, then a few tensors in the shapes its config implies
         mine = replace(arch, **{key: getattr(model, key) for key in KEEP_FROM_USER})
-        check_weights_fit_config(mine, directory, field)
+        check_weights(directory, field, fit_tensors(mine, adapter.router_key))
     else:
-        check_weights_dir(directory, field)  # at start-up: an LFS pointer, a cut-short file
+        check_weights(directory, field)  # at start-up: an LFS pointer, a cut-short file
     changes = {key: value for key, value in asdict(arch).items() if key not in KEEP_FROM_USER}
     if not (Path(path) / "tokenizer.json").is_file():
         return HFStart(changes, {}, None)  # the data module still checks that the data's ids fit vocab_size
-    data_tok = _data_tokenizer_dir(data)
+    data_tok = data_tokenizer_dir(data)
     if data_tok is None and data.kind != "prepared":
         return HFStart(changes, {"tokenizer": str(path)},
                        f"{field}: tokenizing data with {path}'s tokenizer (set data.tokenizer to override)")
     if data_tok is not None:
-        _check_same_ids(data_tok, Path(path), data)
+        check_same_ids(data_tok, Path(path), data)
     return HFStart(changes, {}, None)
 
 
@@ -99,46 +99,12 @@ def check_hf_start(model, moe_opt) -> None:
                           problem=f"does not match model.upcycle_granularity={g}")
 
 
-def check_weights_fit_config(model, path: Path, field: str) -> None:
-    """At start-up, before a run dir exists: the final norm and the routers of the first and last MoE layer
-    read from DIR's safetensors in the shapes its config.json implies (`fit_shapes`), so weights saved for
-    another config (another expert count, width or depth) are refused here, not mid-run. Small tensors
-    only. (A Mixtral, DeepSeek-V3 or gpt-oss directory: no router is drawn from a seed.)"""
-    from moe.hf.convert import tensor_source
-
-    source = tensor_source(path, model, field=field)
-    for name, shape in fit_shapes(model).items():
-        source(name, shape, None)
-
-
-def fit_shapes(model) -> dict[str, tuple]:
-    """Our final norm's and the first and last MoE layer's routers' names and shapes in a model of `model`'s
-    config, as its state_dict holds them (moe.model.model.MoETransformer: `norm`, `layers.i.ffn.router`)."""
+def fit_tensors(model, router_key: str) -> dict[str, tuple[str, tuple]]:
+    """Our final norm and the first and last MoE layer's routers in a model of `model`'s config, by our
+    names (moe.model.model.MoETransformer: `norm`, `layers.i.ffn.router`): each one's key in the family's
+    files (`router_key`: ExportAdapter.router_key) and its shape."""
     moe = [i for i in range(model.num_layers) if is_moe_layer(i, model)]
-    routers = {f"layers.{i}.ffn.router.weight": (model.num_experts, model.hidden_size)
+    routers = {f"layers.{i}.ffn.router.weight": (f"model.layers.{i}.{router_key}",
+                                                 (model.num_experts, model.hidden_size))
                for i in dict.fromkeys(moe[:1] + moe[-1:])}
-    return {"norm.weight": (model.hidden_size,), **routers}
-
-
-def _data_tokenizer_dir(data) -> Path | None:
-    if data.get("kind") == "prepared" and data.get("path"):
-        meta = local_path(data.path) / "meta.json"
-        return meta.parent / json.loads(meta.read_text())["tokenizer"]["dir"] if meta.is_file() else None
-    return local_path(data.tokenizer) if data.get("tokenizer") else None
-
-
-def _check_same_ids(data_tok: Path, model_tok: Path, data) -> None:
-    """Every token of the data's tokenizer must have the same id in the model's (chat markers may be new)."""
-    from moe.data.tokenizer import read_tokenizer, template_markers
-
-    ours = read_tokenizer(data_tok, "data.tokenizer")[0].get_vocab(with_added_tokens=True)
-    theirs = read_tokenizer(model_tok, "model's directory")[0].get_vocab(with_added_tokens=True)
-    markers = set(template_markers(data.get("chat_template") or ""))
-    new_marker = markers - set(theirs)  # training adds these as special tokens; absent is fine
-    clash = [t for t, i in ours.items() if theirs.get(t) != i and t not in new_marker]
-    if clash:
-        field = "data.path" if data.get("kind") == "prepared" else "data.tokenizer"
-        fix = ("re-run data_prep.py with tokenizer=" if field == "data.path" else "set data.tokenizer=")
-        raise UserError(field, str(data_tok), f"{fix}{model_tok} (the model's own tokenizer)",
-                        problem=f"gives {len(clash)} tokens ids that differ from {model_tok}'s tokenizer "
-                        f"(e.g. {clash[:3]}): the model would read the wrong tokens")
+    return {"norm.weight": (TOP_LEVEL["norm.weight"], (model.hidden_size,)), **routers}

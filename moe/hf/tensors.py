@@ -7,6 +7,7 @@ The keys below are the Llama family's, which Mixtral, DeepSeek-V3, Mistral and L
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from moe.errors import ConfigError
+from moe.errors import ConfigError, UserError
 from moe.model.expert_layout import EXPERT_LAYOUT, stored
 
 Get = Callable[[str], torch.Tensor]
@@ -87,8 +88,6 @@ def check_weights_file(path: Path, field: str) -> None:
     git-lfs pointer (a clone made without Git LFS), or cut short (its header promises more bytes)."""
     import struct
 
-    from moe.errors import UserError
-
     fix = ("fetch the real weights: `git lfs install && git lfs pull` in that clone, or download the "
            "directory again")
     if not path.is_file():
@@ -125,7 +124,6 @@ INDEX = "model.safetensors.index.json"
 def weight_map(path: Path, field: str) -> dict[str, str]:
     """The index's tensor -> shard file map; an index that is not JSON, or holds no such map, is a UserError
     naming the file and what to do (a cut-short download, a hand edit)."""
-    from moe.errors import UserError
     from moe.inputs import load_json
 
     index = Path(path) / INDEX
@@ -139,17 +137,59 @@ def weight_map(path: Path, field: str) -> dict[str, str]:
     return mapping
 
 
-def check_weights_dir(path: Path, field: str) -> None:
-    """Every safetensors file a save_pretrained directory names (one file, or its index's)."""
+def check_weights_dir(path: Path, field: str) -> dict[str, str] | None:
+    """Every safetensors file a save_pretrained directory names (one file, or its index's); returns the
+    index's weight_map (None: no index)."""
     path = Path(path)
     index = path / INDEX
-    names = {"model.safetensors"}
+    mapping, names = None, {"model.safetensors"}
     if index.is_file():
-        names = set(weight_map(path, field).values())
+        mapping = weight_map(path, field)
+        names = set(mapping.values())
     elif not (path / "model.safetensors").exists() and (path / "pytorch_model.bin").exists():
-        return  # not safetensors: its loader says what it makes of the file
+        return None  # not safetensors: its loader says what it makes of the file
     for name in sorted(names):
         check_weights_file(path / name, field)
+    return mapping
+
+
+def check_weights(path: Path, field: str, tensors: dict[str, tuple[str, tuple]] | None = None) -> None:
+    """At start-up, before a run dir exists: every safetensors file of DIR whole (`check_weights_dir`: an LFS
+    pointer, a cut-short file) and, given `tensors` (our name -> its key in DIR's files and the shape
+    DIR's config.json implies), those tensors in those shapes and finite, so weights saved for another
+    config are refused here, not mid-run (small tensors only)."""
+    if not tensors:
+        check_weights_dir(Path(path), field)
+        return
+    files = SafetensorsDir(path, field)
+    for name, (key, shape) in tensors.items():
+        read_checked(functools.partial(files.get, key), name, shape, path, field)
+
+
+def read_checked(read: Callable[[], torch.Tensor], name: str, shape, path, field: str) -> torch.Tensor:
+    """Our tensor `name` as `read` gets it from DIR: a UserError naming `field` when DIR lacks it (`read`
+    raises KeyError), holds it in another shape than `shape`, or holds NaN or inf in it."""
+    fix = ("use the config.json saved with these weights (save_pretrained writes both), or weights "
+           "saved for this config.json")
+    try:
+        value = read()
+    except KeyError as err:
+        raise UserError(field, str(path), fix, problem=f"has no tensor {err.args[0]} for our {name}, "
+                        "which its config.json implies") from None
+    if tuple(value.shape) != tuple(shape):
+        raise UserError(field, str(path), fix, problem=f"holds our {name} as {tuple(value.shape)}, where "
+                        f"its config.json implies {tuple(shape)}")
+    return check_finite(name, value, path, field)
+
+
+def check_finite(name: str, value: torch.Tensor, path, field: str) -> torch.Tensor:
+    """A checkpoint tensor holding NaN or inf would train (or generate) nothing but NaN: refused, named."""
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise UserError(field, str(path), "use an intact copy of the checkpoint (re-download or re-export "
+                        "it); its files' own checksums cannot tell a tensor saved with NaN",
+                        problem=f"holds {bad} NaN or infinite values in the tensor that becomes our {name}")
+    return value
 
 
 class SafetensorsDir:
@@ -157,10 +197,9 @@ class SafetensorsDir:
 
     def __init__(self, path: str | Path, field: str = "model.init_from_hf"):
         self.path = Path(path)
-        check_weights_dir(self.path, field)
-        index = self.path / INDEX
-        if index.is_file():
-            self.file_of = weight_map(self.path, field)
+        mapping = check_weights_dir(self.path, field)
+        if mapping is not None:
+            self.file_of = mapping
         else:
             from safetensors import safe_open
 

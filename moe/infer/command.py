@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
 from moe.checkpoint.picker import resolve_checkpoint
 from moe.config.choices import INFER_DTYPES
 from moe.config.rules.entries import validate_infer

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
 from moe.checkpoint.picker import read_checkpoint
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import UserError, first_line

@@ -1,5 +1,6 @@
-"""Self-attention pieces shared by every attention kind: RoPE and ALiBi positions, the causal /
-sliding-window / padding masks, the KV cache, the SDPA core, and GQA attention (`Attention`).
+"""Self-attention pieces shared by every attention kind: RoPE (its frequencies: moe/model/rope.py) and
+ALiBi positions, the causal / sliding-window / padding masks, the KV cache, the SDPA core, and GQA
+attention (`Attention`).
 
 Multi-head latent attention (DeepSeek-V2/V3) builds on the same pieces in moe/model/mla.py.
 """
@@ -13,17 +14,9 @@ from torch import nn
 
 from moe.config.derived import head_dim_of, window_of
 from moe.config.schema import ModelConfig
+from moe.model.rope import attention_factor, inverse_frequencies, rope_cos_sin
 
 # ----------------------------------------------------------------------------- positions
-
-
-def rope_cos_sin(start: int, length: int, head_dim: int, theta: float, device, dtype):
-    """cos/sin [S, D] for positions start..start+S-1; inv_freq = 1/theta^(arange(0,D,2)/D), as HF."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
-    pos = torch.arange(start, start + length, dtype=torch.float, device=device)
-    freqs = pos[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -102,25 +95,42 @@ class KVCache:
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T + mask) v: the part that keeps [S, S] activations, a module of its own so that
-    selective activation checkpointing can recompute it alone (Megatron's and NxD's "selective")."""
+    """softmax(q k^T * scale + mask) v: the part that keeps [S, S] activations, a module of its own so that
+    selective activation checkpointing can recompute it alone (Megatron's and NxD's "selective").
+    `scale`: None = 1/sqrt(head dim) (SDPA's own); MLA's YaRN correction sets another."""
+
+    def __init__(self, scale: float | None = None):
+        super().__init__()
+        self.scale = scale
 
     def forward(self, q, k, v, mask, is_causal: bool, enable_gqa: bool) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              enable_gqa=enable_gqa)
+                                              enable_gqa=enable_gqa, scale=self.scale)
 
 
 class CausalSelfAttention(nn.Module):
-    """What every attention kind shares once it has q, k, v [B, heads, S, D]: the KV cache, the
+    """What every attention kind shares once it has q, k, v [B, heads, S, D]: RoPE, the KV cache, the
     causal / sliding-window / padding / ALiBi mask, and the SDPA core. Subclasses set
-    `position_encoding`, `sliding_window` and (GQA) `num_heads != num_kv_heads`."""
+    `position_encoding`, `sliding_window`, (GQA) `num_heads != num_kv_heads` and, for RoPE, call
+    `init_rope(cfg, rotated dims)`."""
 
     position_encoding = "rope"
     sliding_window: int | None = None
 
+    def init_rope(self, cfg: ModelConfig, dim: int) -> None:
+        """RoPE over `dim` dims with cfg's rope_type; the frequencies are recomputed on each call's device
+        (a few [dim/2] operations: nothing to move, cast or re-create after the meta device)."""
+        self.rope_cfg, self.rope_dim = cfg, dim
+        self.rope_scale = attention_factor(cfg)
+
+    def rope(self, position_offset: int, length: int, device, dtype):
+        """cos/sin [S, rope_dim] for positions position_offset.. (the same rows the full sequence gets)."""
+        inv_freq = inverse_frequencies(self.rope_cfg, self.rope_dim, device)
+        return rope_cos_sin(position_offset, length, inv_freq, self.rope_scale, dtype)
+
     def attend(self, q, k, v, kv_cache: KVCache | None, position_offset: int,
                attention_mask_BS: torch.Tensor | None, enable_gqa: bool = False) -> torch.Tensor:
-        """softmax(q k^T / sqrt(D) + mask) v over this call's and the cached keys -> [B, heads, S, Dv]."""
+        """softmax(q k^T * core.scale + mask) v over this call's and the cached keys -> [B, heads, S, Dv]."""
         S = q.shape[2]
         k_start = position_offset
         if kv_cache is not None:
@@ -202,7 +212,7 @@ class Attention(CausalSelfAttention):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = head_dim_of(cfg)
-        self.position_encoding, self.rope_theta = cfg.position_encoding, cfg.rope_theta
+        self.position_encoding = cfg.position_encoding
         self.sliding_window = window_of(cfg, layer_idx)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
@@ -211,6 +221,7 @@ class Attention(CausalSelfAttention):
         sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         self.register_parameter("sinks", sinks)  # [heads], or None: attend() reads it either way
         self.core = CoreAttention()
+        self.init_rope(cfg, self.head_dim)
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -230,7 +241,7 @@ class Attention(CausalSelfAttention):
             B, S, _ = qkv.shape
             q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2) for t in parts)
         if self.position_encoding == "rope":
-            cos, sin = rope_cos_sin(position_offset, S, self.head_dim, self.rope_theta, x.device, q.dtype)
+            cos, sin = self.rope(position_offset, S, x.device, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.attend(q, k, v, kv_cache, position_offset, attention_mask_BS,
                         self.num_heads != self.num_kv_heads)  # [B, heads, S, hd]

@@ -5,7 +5,8 @@ expanded per head by kv_b_proj into a key part without position (qk_nope_head_di
 (v_head_dim). Position enters through a decoupled RoPE key of qk_rope_head_dim dims, the rest of
 kv_a_proj's output, one head shared by every query head. Queries come from q_proj, or through a
 latent of q_lora_rank (q_a_proj -> norm -> q_b_proj); each query head is [nope | rope] and the
-scores are scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim).
+scores are scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), times YaRN's mscale(factor,
+rope_mscale_all_dim)^2 when the RoPE is scaled (DeepSeek-V3's released config; moe/model/rope.py).
 
 Parameter names follow transformers' DeepseekV3Attention (models/deepseek_v3/modeling_deepseek_v3.py,
 `q_proj`, `q_a_proj`, `q_a_layernorm`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
@@ -30,8 +31,9 @@ from torch import nn
 
 from moe.config.derived import window_of
 from moe.config.schema import ModelConfig
-from moe.model.attention import CausalSelfAttention, CoreAttention, KVCache, apply_rope, rope_cos_sin
+from moe.model.attention import CausalSelfAttention, CoreAttention, KVCache, apply_rope
 from moe.model.norm import RMSNorm
+from moe.model.rope import mla_softmax_scale
 
 # The latents' RMSNorm epsilon: DeepSeek's (inference/model.py `RMSNorm(dim, eps=1e-6)`), which
 # transformers' DeepseekV3RMSNorm defaults to for q_a_layernorm and kv_a_layernorm whatever rms_norm_eps is.
@@ -65,7 +67,7 @@ class MLAttention(CausalSelfAttention):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
         H, heads = cfg.hidden_size, cfg.num_heads
-        self.rope_theta, self.sliding_window = cfg.rope_theta, window_of(cfg, layer_idx)
+        self.sliding_window = window_of(cfg, layer_idx)
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
@@ -79,7 +81,8 @@ class MLAttention(CausalSelfAttention):
         self.kv_a_norm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, H, bias=False)
-        self.core = CoreAttention()
+        self.core = CoreAttention(mla_softmax_scale(cfg, qk_dim))
+        self.init_rope(cfg, self.rope_dim)
 
     def queries(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -98,7 +101,7 @@ class MLAttention(CausalSelfAttention):
         kv = self.kv_b_proj(self.kv_a_norm(latent)).view(B, S, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
 
-        cos, sin = rope_cos_sin(position_offset, S, self.rope_dim, self.rope_theta, x.device, q.dtype)
+        cos, sin = self.rope(position_offset, S, x.device, q.dtype)
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope[:, None], cos, sin)  # k: one head
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)

@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
 from moe.checkpoint.formats import PORTABLE, format_of
 from moe.checkpoint.picker import read_checkpoint, resolve_checkpoint
 from moe.checkpoint.trust import set_allow_pickle

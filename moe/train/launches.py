@@ -108,6 +108,7 @@ def check_relaunch(run_dir: Path, config: dict, data, max_steps: int,
 
 def _checkpoint_config(resume_from: Path) -> dict | None:
     """The config a checkpoint from before launches.json was kept says it trained with."""
+    import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
     from moe.checkpoint.formats import load
     from moe.checkpoint.picker import lightning_part
 

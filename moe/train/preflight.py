@@ -349,6 +349,7 @@ def check_launch(run_dir: Path, config: dict, data, max_steps: int, resume: bool
     the resume contract refuses in `config` (the settled config, as_container) or that has nothing to train
     (moe.train.launches). Returns what to do instead of the run (exit code, message), or None to go on; a
     refusal raises UserError."""
+    import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
     from moe.checkpoint.picker import find_resume_checkpoint, newest_checkpoint
     from moe.ranks import is_rank_zero
     from moe.train.launch_world import follows_rank_zero, launched_by_rank_zero

@@ -65,7 +65,7 @@ def settled_of(cfg: DictConfig) -> Settled:
     upcycle_from_hf's architecture and tokenizer, moe.hf.start; a prepared dataset's seq_len,
     moe.data.arrow_io.prepared_facts), every rule of validate on that copy (in the table's order, each in
     the words of the config as composed), the copy frozen, and its ParallelDims. `cfg` is not edited."""
-    from moe.config.settled import freeze
+    from moe.config.schema import freeze
     from moe.data.arrow_io import prepared_facts
     from moe.hf.start import hf_start
 
@@ -107,6 +107,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, notes: tuple[str, ...], run_dir
     import lightning as L
     import torch
 
+    import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
     from moe.backends import build_backend
     from moe.checkpoint.formats import step_hint
     from moe.checkpoint.lightning_io import with_atomic_io

@@ -30,7 +30,7 @@ PIP="$VENV/bin/pip"
 "$PIP" install -q --upgrade pip
 log "torch, Lightning and the rest at the floor (constraints-floor.txt)"
 "$PIP" install -q -c "$REPO/constraints-floor.txt" torch
-"$PIP" install -q -c "$REPO/constraints-floor.txt" -e "$REPO" pytest "deepspeed>=0.19,<0.20"
+"$PIP" install -q -c "$REPO/constraints-floor.txt" -e "$REPO" pytest "pytest-xdist>=3.5" "deepspeed>=0.19,<0.20"
 "$VENV/bin/python" -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"
 echo "$FINGERPRINT" > "$VENV/.fingerprint"
 log "done: $(du -sh "$VENV" | cut -f1)"

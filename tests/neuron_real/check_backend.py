@@ -8,7 +8,7 @@ when ep > 1), trains two optimizer steps on fixed batches and compares them with
 moe.module.lit_moe.LitMoE on one process holding every data-parallel rank's batches, same seed:
 
 - each step's loss (the last pipeline stage's, with pp > 1), on every rank;
-- each step's local gradients: a tensor-parallel shard against moe.checkpoint.nxd.local_shard
+- each step's local gradients: a tensor-parallel shard against moe.backends.neuron.nxd_checkpoint.local_shard
   of the reference gradient (this expert-parallel rank's experts), a sequence-parallel parameter
   summed over the group, data-parallel ranks averaged (expert gradients over the expert-data-
   parallel group, as NxD reduces them);
@@ -135,7 +135,7 @@ def main(overrides: list[str]) -> int:
 
     from moe.backends.ddp.backend import DDPBackend
     from moe.backends.neuron.backend import NeuronBackend
-    from moe.checkpoint.nxd import EXPERT_TENSORS, local_shard, our_name, split_of
+    from moe.backends.neuron.nxd_checkpoint import EXPERT_TENSORS, local_shard, our_name, split_of
     from moe.module import LitMoE
 
     dist.init_process_group("gloo")  # Lightning's strategy does this in a run

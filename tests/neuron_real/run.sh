@@ -101,14 +101,16 @@ run skip_check python "$HERE/skip_probe.py" "$RUNS/skip" 4
 # tp 2 x pp 2 x ep 2 (dp 2), 4 layers per pipeline stage, ALiBi, sequence parallel, ZeRO-1, MoE layers
 # checkpointed, mixed precision; `make compile-neuron` itself (10 steps, validation at step 5, nothing
 # saved), with what neuron_parallel_compile sets in place of the compiler
-KARAKURI="experiment=karakuri_8x7b_trn1 trainer.num_nodes=1 parallel.tp=2 parallel.pp=2 parallel.ep=2
-          model.num_layers=8 model.hidden_size=256 model.intermediate_size=512 model.num_heads=8
-          model.num_kv_heads=2 model.vocab_size=512 data=sample data.path=data/sample/train.txt data.seq_len=256
-          trainer.accumulate_grad_batches=4 trainer.global_batch_size=null"
+KARAKURI_STRUCTURE="experiment=karakuri_8x7b_trn1 trainer.num_nodes=1 parallel.tp=2 parallel.pp=2 parallel.ep=2
+          model.num_layers=8 model.num_heads=8 model.num_kv_heads=2 model.vocab_size=512 data=sample
+          data.path=data/sample/train.txt trainer.accumulate_grad_batches=4 trainer.global_batch_size=null"
+KARAKURI="$KARAKURI_STRUCTURE model.hidden_size=256 model.intermediate_size=512 data.seq_len=256"
+# the compile run at half those widths: its 10 steps are most of its time, and its structure is what it checks
+KARAKURI_COMPILE="$KARAKURI_STRUCTURE model.hidden_size=128 model.intermediate_size=256 data.seq_len=128"
 port=$((port + 1))
 run karakuri_compile make -s compile-neuron NEURON_DEVICES=8 NEURON_COMPILE="env NEURON_EXTRACT_GRAPHS_ONLY=1" \
   TORCHRUN="torchrun --nproc_per_node=8 --master_port=$port" TRAIN_PY="$HERE/train_cpu.py" \
-  NEURON_ARGS="$(echo $KARAKURI) hydra.run.dir=$RUNS/karakuri_compile"
+  NEURON_ARGS="$(echo $KARAKURI_COMPILE) hydra.run.dir=$RUNS/karakuri_compile"
 port=$((port + 1))
 run karakuri_memory torchrun --nproc_per_node 8 --master_port $port "$HERE/measure_memory.py" $KARAKURI \
   hardware.neuron_precision=fp32

@@ -8,7 +8,7 @@ holds more than its own shard. NxD then gives every module of the local pipeline
 parameters of the local shard's shape and calls `param_init_fn(module, device)`
 (utils/model_utils.py:220-229, :335-356), which fills them with this rank's piece of the full value
 (moe.model.init for a fresh run, a Mixtral directory for model.init_from_hf; moe/backends/neuron/
-checkpoint/nxd.py says which piece). The full value of a stacked expert tensor is drawn one expert at a
+nxd_checkpoint.py says which piece). The full value of a stacked expert tensor is drawn one expert at a
 time, so the transient host memory is one expert, not the layer.
 
 Layers (neuronx-distributed v2.28.0, src/neuronx_distributed/parallel_layers/layers.py:205, :588,
@@ -36,8 +36,8 @@ from neuronx_distributed.parallel_layers.layers import SPMDRank
 from torch import nn
 
 from moe.backends.neuron.causal_lm import SEQUENCE_DIM, NxDCausalLM, StageBlock
+from moe.backends.neuron.nxd_checkpoint import NXD_LAYOUT, local_shard, our_name, split_of
 from moe.backends.neuron.nxd_moe_layer import NxDMoELayer
-from moe.checkpoint.nxd import NXD_LAYOUT, local_shard, our_name, split_of
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.model.expert_layout import EXPERT_LAYOUT, stored
 from moe.model.init import init_stds, initial_values

@@ -2,7 +2,7 @@
 
 Read against neuronx-distributed v2.28.0 (src/neuronx_distributed/lightning/) and Lightning 2.5:
 
-- Checkpoints are the NxD format (moe.checkpoint.formats.NxD): NxD's own `save_checkpoint`/
+- Checkpoints are the NxD format (moe.backends.neuron.nxd_checkpoint.NxD): NxD's own `save_checkpoint`/
   `load_checkpoint` (trainer/checkpoint.py:654, :838), as NxD Training does (nlp_overrides.py:535-640),
   not NeuronCheckpointIO: that one names files without the expert-parallel rank and, with ZeRO-1
   off, writes DP rank 0 only (parallel_layers/checkpointing.py:70-142). A checkpoint is a directory
@@ -29,8 +29,7 @@ import torch_xla.core.xla_model as xm
 from neuronx_distributed.lightning import NeuronXLAPrecisionPlugin, NeuronXLAStrategy
 
 from moe.backends.neuron.env import extracting_graphs
-from moe.checkpoint.formats import NxD
-from moe.checkpoint.nxd import optimizer_shard
+from moe.backends.neuron.nxd_checkpoint import NxD, optimizer_shard
 
 MASTER_WEIGHTS = "moe_master_weights"  # our key in an expert-parallel ZeRO-1 optimizer file
 

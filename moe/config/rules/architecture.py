@@ -11,6 +11,7 @@ from moe.config.choices import (
     LOAD_BALANCING_TYPES,
     MLA_DIMS,
     POSITION_ENCODINGS,
+    ROPE_TYPES,
     ROUTER_DTYPES,
     SCORE_FUNCTIONS,
 )
@@ -46,6 +47,7 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
         value = getattr(m, key)
         finite_number(f"{prefix}.{key}", value, fix)
         need(value > 0, f"{prefix}.{key}", value, fix, "must be positive")
+    validate_rope(m, prefix)
     need(m.shared_expert_intermediate_size >= 0, f"{prefix}.shared_expert_intermediate_size",
          m.shared_expert_intermediate_size, "use 0 (no shared expert) or a positive width")
     need(m.dense_intermediate_size is None or m.dense_intermediate_size >= 1,
@@ -111,6 +113,66 @@ def validate_gqa(m, prefix: str) -> None:
     head_dim = head_dim_of(m)
     need(m.position_encoding != "rope" or head_dim % 2 == 0, f"{prefix}.head_dim", head_dim,
          "RoPE rotates pairs of dims: use an even head_dim", "is odd")
+
+
+# The scaling keys each rope_type reads (transformers' _validate_<type>_rope_parameters,
+# modeling_rope_utils.py at 5.24), besides rope_factor; "required" ones must be set.
+ROPE_KEYS = {
+    "default": {},
+    "linear": {},
+    "llama3": {"rope_original_max_position_embeddings": "required", "rope_low_freq_factor": "required",
+               "rope_high_freq_factor": "required"},
+    "yarn": {"rope_original_max_position_embeddings": "required", "rope_beta_fast": "optional",
+             "rope_beta_slow": "optional", "rope_mscale": "optional", "rope_mscale_all_dim": "optional",
+             "rope_attention_factor": "optional", "rope_truncate": "optional"},
+}
+ROPE_SCALING_KEYS = ("rope_original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow",
+                     "rope_mscale", "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate",
+                     "rope_low_freq_factor", "rope_high_freq_factor")
+ROPE_EXAMPLE = {"rope_original_max_position_embeddings": "DeepSeek-V3 and gpt-oss: 4096, Llama 3.1: 8192",
+                "rope_low_freq_factor": "Llama 3.1: 1", "rope_high_freq_factor": "Llama 3.1: 4"}
+
+
+def validate_rope(m, prefix: str) -> None:
+    """RoPE scaling: a known rope_type on RoPE, a factor >= 1, the keys its type needs set and no key it
+    does not read (a key set for another type would silently do nothing)."""
+    one_of(f"{prefix}.rope_type", m.rope_type, ROPE_TYPES, "RoPE type")
+    if m.rope_type == "default":
+        need(m.rope_factor == 1.0, f"{prefix}.rope_factor", m.rope_factor,
+             f"set {prefix}.rope_type (linear, llama3 or yarn) to scale RoPE, or rope_factor=1.0",
+             "is read by a scaled rope_type only, and rope_type is default")
+    else:
+        need(m.position_encoding == "rope", f"{prefix}.rope_type", m.rope_type,
+             f"use rope_type=default with {prefix}.position_encoding={m.position_encoding}",
+             "scales RoPE, which this model does not use")
+        finite_number(f"{prefix}.rope_factor", m.rope_factor, "use a factor >= 1 such as 8 (Llama 3.1) or 40")
+        need(m.rope_factor >= 1.0, f"{prefix}.rope_factor", m.rope_factor,
+             "use a factor >= 1: the context extension over the original one (DeepSeek-V3: 40)",
+             "is below 1")
+    keys = ROPE_KEYS[m.rope_type]
+    for key in ROPE_SCALING_KEYS:
+        value = getattr(m, key)
+        if key not in keys:
+            need(value is None, f"{prefix}.{key}", value, f"set it to null, or use the rope_type that reads "
+                 f"it ({' or '.join(t for t, k in ROPE_KEYS.items() if key in k)})",
+                 f"is not read by rope_type={m.rope_type}")
+        elif keys[key] == "required":
+            need(value is not None, f"{prefix}.{key}", value,
+                 f"set {prefix}.{key} ({ROPE_EXAMPLE[key]})", f"is required by rope_type={m.rope_type}")
+        if value is not None and key != "rope_truncate":
+            finite_number(f"{prefix}.{key}", value, f"set {prefix}.{key} to a positive number or null")
+            need(value > 0, f"{prefix}.{key}", value, f"set {prefix}.{key} to a positive number or null",
+                 "must be positive")
+    if m.rope_type == "llama3":
+        low, high = m.rope_low_freq_factor, m.rope_high_freq_factor
+        need(high > low, f"{prefix}.rope_high_freq_factor", high,
+             f"use a value above rope_low_freq_factor={low} (Llama 3.1: 1 and 4)",
+             "must exceed rope_low_freq_factor (their difference divides the smoothing ramp)")
+    if m.rope_type == "yarn":
+        fast, slow = m.rope_beta_fast or 32, m.rope_beta_slow or 1
+        need(fast >= slow, f"{prefix}.rope_beta_fast", m.rope_beta_fast,
+             f"use a value >= rope_beta_slow={slow} (null = 32, with beta_slow null = 1)",
+             "is below rope_beta_slow: the YaRN ramp would run backwards")
 
 
 def validate_mla(m, prefix: str) -> None:

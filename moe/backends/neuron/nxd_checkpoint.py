@@ -1,5 +1,6 @@
-"""neuronx-distributed's (trn1) checkpoint format, readable without NxD: its files, and how each tensor
-of our model is split over its tensor- and expert-parallel ranks.
+"""neuronx-distributed's (trn1) checkpoint format, readable without NxD: its files, how each tensor
+of our model is split over its tensor- and expert-parallel ranks, and `NxD`, the Format the checkpoint
+layer reads it through (registered with moe.checkpoint.formats by moe.backends.checkpoint_formats).
 
 `nxd.save_checkpoint(dir, tag, ...)` (neuronx-distributed v2.28.0,
 src/neuronx_distributed/trainer/checkpoint.py:654-835) writes `<dir>/<tag>/`:
@@ -9,7 +10,7 @@ model/dp_rank_00_tp_rank_TT_pp_rank_PP.pt (one per tensor- and pipeline-parallel
 expert-data-parallel group, :793-808: every file holds the dense tensors and that EP rank's
 experts), optim/..., user_content.pt (rank 0) and, once every rank has finished, `done`
 (:175-238). Our tags are the checkpoint names (`step-000100.ckpt`), so a checkpoint is a directory.
-Files are plain torch.save (moe.checkpoint.formats.NxD saves with use_xser=False).
+Files are plain torch.save (`NxD` saves with use_xser=False).
 
 A parameter's `Split` is (dim, groups): the full tensor is cut along `dim` into consecutive groups
 (e.g. [q | k | v] rows of the fused qkv weight, [gate | up] columns of an expert), each group is
@@ -42,6 +43,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from moe.checkpoint.formats import Format, Live, lightning_state, load
+from moe.checkpoint.io import CorruptCheckpoint
 from moe.checkpoint.trust import load_trusted
 from moe.config.derived import dense_width, head_dim_of
 from moe.model.expert_layout import EXPERT_LAYOUT, IN_OUT, LAYOUT_KEY, upgraded_checkpoint
@@ -179,3 +182,81 @@ def _join(by_rank: dict[tuple[int, int], torch.Tensor], split: Split, experts: b
     tp_ranks = sorted({tp for _, tp in by_rank})
     per_ep = [full_tensor([by_rank[ep, tp] for tp in tp_ranks], split) for ep in ep_ranks]
     return torch.cat(per_ep) if experts else per_ep[0]
+
+
+# -- the format -----------------------------------------------------------------------------------
+class NxD(Format):
+    """neuronx-distributed's directory (the files above), complete once every rank wrote `done`."""
+
+    name = "neuronx-distributed directory"
+    key = "nxd"
+
+    def detect(self, path: Path) -> bool:
+        path = Path(path)
+        return path.is_dir() and ((path / USER_CONTENT).exists() or (path / "model").is_dir())
+
+    def complete(self, path: Path) -> bool:
+        return is_complete(path)
+
+    def verify(self, path: Path, deep: bool = False) -> int | None:
+        if not self.complete(path):
+            raise CorruptCheckpoint("was not finished by every rank (no `done` file: the run stopped while "
+                                    "saving it)")
+        return int(load(Path(path) / USER_CONTENT)["global_step"])
+
+    def read(self, path: Path) -> dict:
+        return read_checkpoint(path)
+
+    def lightning_file(self, path: Path) -> Path:
+        return Path(path) / USER_CONTENT
+
+    # Written and loaded by neuronx-distributed itself, collectively (its ranks, its asynchronous writer):
+    # trainer/checkpoint.py save_checkpoint (:654), load_checkpoint (:838), finalize_checkpoint (:970),
+    # v2.28.0, as NxD Training does (nlp_overrides.py:535-640). The tag is the checkpoint's name, the
+    # directory its folder.
+    def __init__(self, keep: int = 1, zero1: bool = False) -> None:
+        """How a run writes it (the trn1 strategy's own instance): NxD keeps the newest `keep` checkpoints
+        of the folder; `zero1` when its optimizer is ZeRO-1."""
+        self.keep, self.zero1 = keep, zero1
+
+    def save(self, live: Live | None, checkpoint: dict, path: Path) -> None:
+        """`checkpoint`'s weights, its one optimizer state and the rest (user_content.pt), every rank its
+        shards (NxD knows the ranks); `done` once every rank has finished."""
+        from neuronx_distributed import save_checkpoint
+
+        path = Path(path)
+        save_checkpoint(str(path.parent), tag=path.name, model=checkpoint["state_dict"],
+                        optimizer=checkpoint["optimizer_states"][0], user_content=lightning_state(checkpoint),
+                        use_xser=False,  # plain torch.save files: read_checkpoint reads them without NxD
+                        num_kept_ckpts=self.keep, async_save=True, zero1_optimizer=self.zero1)
+
+    def load(self, live: Live | None, path: Path) -> dict:
+        """Lightning's part (user_content.pt); the weights and the optimizer state load into the live
+        objects after (load_weights, load_optimizer)."""
+        from neuronx_distributed import load_checkpoint
+
+        path = Path(path)
+        rest = load_checkpoint(str(path.parent), tag=path.name)
+        return {**rest, "state_dict": {}, "optimizer_states": [{}]}  # Lightning checks both keys exist
+
+    def load_weights(self, path: Path, model, strict: bool = True) -> None:
+        from neuronx_distributed import load_checkpoint
+
+        path = Path(path)
+        load_checkpoint(str(path.parent), tag=path.name, model=model, strict=strict)
+
+    def load_optimizer(self, path: Path, optimizer) -> None:
+        from neuronx_distributed import load_checkpoint
+
+        path = Path(path)
+        load_checkpoint(str(path.parent), tag=path.name, optimizer=optimizer)
+
+    @staticmethod
+    def finalize() -> None:
+        """Wait for an asynchronous save still running, so it gets its `done` file."""
+        from neuronx_distributed import finalize_checkpoint
+
+        finalize_checkpoint()
+
+
+NXD = NxD()  # how the checkpoint layer reads it (a trn1 run writes through its strategy's own instance)

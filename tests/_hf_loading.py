@@ -1,0 +1,34 @@
+"""Helpers for the Hugging Face parity tests: a relative logit error, and a from_pretrained that must load
+cleanly (what "transformers loads our export with no missing or unexpected keys and no warnings" means)."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|."""
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def loads_cleanly(model_cls, path):
+    """model_cls.from_pretrained(path) in eval mode: no missing, unexpected or mismatched keys, no warning
+    logged by transformers or raised by Python."""
+    import transformers
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = transformers.utils.logging.get_logger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model, info = model_cls.from_pretrained(path, local_files_only=True, output_loading_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert [r.getMessage() for r in records] == []
+    return model.eval()
