@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe.config.derived import attention_dims, dense_width, head_dim_of, is_moe_layer
+from moe.config.derived import attention_dims, dense_width, head_dim_of, is_moe_layer, window_of
 
 
 def attention_params(m) -> int:
-    """One layer's attention weights, its two block norms included."""
+    """One layer's attention weights, its two block norms included (and GQA's biases and sinks)."""
     H = m.hidden_size
     if m.attention == "mla":
         qk_dim, v_dim = attention_dims(m)
@@ -21,8 +21,9 @@ def attention_params(m) -> int:
             + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + v_dim)
         return q + kv + m.num_heads * v_dim * H + 2 * H
     head_dim = head_dim_of(m)
-    qkv = H * (m.num_heads * head_dim + 2 * m.num_kv_heads * head_dim)
-    return qkv + m.num_heads * head_dim * H + 2 * H
+    qkv_out = m.num_heads * head_dim + 2 * m.num_kv_heads * head_dim
+    extras = qkv_out * m.qkv_bias + H * m.o_bias + m.num_heads * m.attention_sinks
+    return H * qkv_out + m.num_heads * head_dim * H + 2 * H + extras
 
 
 @dataclass
@@ -61,12 +62,13 @@ def param_breakdown(m) -> ParamBreakdown:
     n_moe = sum(is_moe_layer(i, m) for i in range(m.num_layers))
     n_dense = m.num_layers - n_moe
     per_expert = H * 2 * F + F * H  # gate_up H -> 2F, down F -> H, in any dim order (moe.model.expert_layout)
+    per_expert += (2 * F + H) * m.expert_proj_bias
     return ParamBreakdown(
         embedding=m.vocab_size * H,
         lm_head=0 if m.tie_word_embeddings else m.vocab_size * H,
         final_norm=H,
         attention=m.num_layers * attention_params(m),
-        routers=n_moe * E * H,
+        routers=n_moe * E * (H + m.router_bias),
         shared_experts=n_moe * 3 * H * m.shared_expert_intermediate_size,
         dense_mlp=n_dense * 3 * H * dense_width(m),
         experts=n_moe * E * per_expert,
@@ -80,11 +82,12 @@ def flops_per_token(m, seq_len: int) -> float:
 
     6 * N_active + 6 * L * num_heads * (qk_dim + v_dim) * S_ctx (GQA: 12 * L * num_heads * head_dim *
     S_ctx), where N_active excludes the input embedding table (a lookup, no matmul; the lm_head
-    counts, tied or not) and S_ctx = min(seq_len, sliding_window). Like PaLM, the attention term is
-    not halved for causality.
+    counts, tied or not) and S_ctx = min(seq_len, the layer's window), summed over the layers. Like PaLM,
+    the attention term is not halved for causality.
     """
     active = param_breakdown(m).active
     n = active - (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
-    ctx = seq_len if m.sliding_window is None else min(seq_len, m.sliding_window)
+    windows = (window_of(m, i) for i in range(m.num_layers))
+    ctx = sum(seq_len if w is None else min(seq_len, w) for w in windows)  # over the layers
     qk_dim, v_dim = attention_dims(m)  # q k^T and the weighted sum of v, forward and backward: 6 * each
-    return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (qk_dim + v_dim) * ctx
+    return 6.0 * n + 6.0 * m.num_heads * (qk_dim + v_dim) * ctx

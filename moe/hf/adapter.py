@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from moe.config.derived import window_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 
@@ -106,6 +107,27 @@ class ExportAdapter(HFAdapter):
 
     def prepare(self, hf_model) -> None:
         """Anything the empty transformers model needs before its weights load (nothing by default)."""
+
+
+# model keys (and their off values) whose pieces only gpt-oss's transformers class has among our exporters
+GPT_OSS_PIECES = {"qkv_bias": False, "o_bias": False, "attention_sinks": False, "router_bias": False,
+                  "expert_proj_bias": False, "expert_activation": "swiglu"}
+
+
+def check_plain_pieces(cfg: ModelConfig, family: str) -> None:
+    """An export to a family without gpt-oss's pieces (Mixtral, DeepSeek-V3) refuses a model that has them,
+    which that class would drop or compute otherwise; and full_attention layers beside model.sliding_window,
+    which needs a class with `layer_types`."""
+    for key, off in GPT_OSS_PIECES.items():
+        if getattr(cfg, key) != off:
+            raise ConfigError(f"model.{key}", getattr(cfg, key),
+                              "set model.hf_family=gpt_oss to export it (GptOssForCausalLM has it)",
+                              f"has no {family} equivalent: the export would drop it or compute otherwise")
+    if {window_of(cfg, i) for i in range(cfg.num_layers)} - {cfg.sliding_window}:
+        raise ConfigError("model.attention_layer_types", list(cfg.attention_layer_types),
+                          "set model.hf_family=gpt_oss to export it (its layer_types), or "
+                          "attention_layer_types=null (every layer model.sliding_window)",
+                          f"gives some layers no window; {family} has one window for every layer")
 
 
 def _yaml(value) -> str:

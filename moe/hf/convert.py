@@ -20,8 +20,8 @@ from moe.hf.tensors import SafetensorsDir, check_finite, is_stacked, load_local,
 
 
 def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-    """Raise ConfigError for any option the model's transformers class (Mixtral or DeepSeek-V3) cannot
-    reproduce."""
+    """Raise ConfigError for any option the model's transformers class (Mixtral, DeepSeek-V3 or gpt-oss)
+    cannot reproduce."""
     exporter_for(cfg).check_exportable(cfg, moe_opt)
 
 
@@ -69,8 +69,8 @@ def to_hf(model):
 
 
 def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = None):
-    """MoETransformer from a MixtralForCausalLM or DeepseekV3ForCausalLM, or a local directory of one
-    (no hub access).
+    """MoETransformer from a MixtralForCausalLM, DeepseekV3ForCausalLM or GptOssForCausalLM, or a local
+    directory of one (no hub access).
 
     moe_opt defaults to the adapter's: dropless, so logits match transformers.
     """
@@ -80,8 +80,13 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
 
     model_cls = AutoModelForCausalLM
     if isinstance(model_or_dir, (str, Path)) and (Path(model_or_dir) / "config.json").is_file():
+        from transformers import AutoConfig
+
         hf_config = json.loads((Path(model_or_dir) / "config.json").read_text())
-        model_cls = converter_for(hf_config.get("model_type")).loading_class(hf_config)
+        adapter = converter_for(hf_config.get("model_type"))
+        # a refusal (gpt-oss's quantized experts, ...) before any weight loads
+        adapter.model_config(AutoConfig.from_pretrained(str(model_or_dir), local_files_only=True))
+        model_cls = adapter.loading_class(hf_config)
     hf = load_local(model_or_dir, model_cls, "init_from_hf")
     adapter = converter_for(getattr(hf.config, "model_type", None))
     cfg = adapter.model_config(hf.config)
@@ -100,7 +105,7 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
 def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "model.init_from_hf"):
     """`source(name, shape, first_expert)` -> our tensor from DIR's safetensors, as
     MoETransformer.materialize (and trn1's param_init_fn) reads values: full tensors, or experts
-    [first_expert, first_expert + shape[0]). A Mixtral or DeepSeek-V3 directory is converted; a dense
+    [first_expert, first_expert + shape[0]). A Mixtral, DeepSeek-V3 or gpt-oss directory is converted; a dense
     Mistral/Llama one upcycled to model_cfg's experts, routers from moe.model.init's values for `seed`."""
     files = SafetensorsDir(path, field)
     hf_config = json.loads((Path(path) / "config.json").read_text())

@@ -33,7 +33,7 @@ import torch
 from moe.config.derived import dense_width
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
-from moe.hf.adapter import ExportAdapter, Read
+from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
 from moe.hf.rope import rope_keys, rope_parameters
 from moe.hf.tensors import (
     BLOCK_NORMS,
@@ -203,6 +203,7 @@ class DeepSeekV3(ExportAdapter):
 
     # -- writing ----------------------------------------------------------------------------------
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
+        check_plain_pieces(cfg, "DeepSeek-V3")
         if cfg.moe_layer_frequency != 1:
             raise ConfigError("model.moe_layer_frequency", cfg.moe_layer_frequency,
                               "use moe_layer_frequency=1 (model.first_k_dense_replace for leading dense "

@@ -15,20 +15,24 @@ from moe.errors import ConfigError, UserError, first_line
 from moe.hf.adapter import ExportAdapter, HFAdapter
 from moe.hf.deepseek_v3 import DeepSeekV3
 from moe.hf.dense import DenseUpcycle
+from moe.hf.gpt_oss import GptOss
 from moe.hf.mixtral import Mixtral
 from moe.hf.tensors import SafetensorsDir
 
-CONVERTERS: dict[str, type[ExportAdapter]] = {"mixtral": Mixtral, "deepseek_v3": DeepSeekV3}
+CONVERTERS: dict[str, type[ExportAdapter]] = {"mixtral": Mixtral, "deepseek_v3": DeepSeekV3,
+                                              "gpt_oss": GptOss}
 UPCYCLERS: dict[str, type[HFAdapter]] = dict.fromkeys(DenseUpcycle.model_types, DenseUpcycle)
 EXPORT_BY_ATTENTION = {"gqa": "mixtral", "mla": "deepseek_v3"}
 IMPORTABLE = tuple(CONVERTERS)  # model_type of the checkpoints from_hf reads
 
 
 def converter_for(model_type: str | None, field: str = "model_type") -> ExportAdapter:
-    """The adapter of a Mixtral or DeepSeek-V3 checkpoint; a ConfigError naming what to do otherwise."""
+    """The adapter of a Mixtral, DeepSeek-V3 or gpt-oss checkpoint; a ConfigError naming what to do
+    otherwise."""
     if model_type not in CONVERTERS:
-        raise ConfigError(field, model_type, "convert a Mixtral (MixtralForCausalLM) or DeepSeek-V3 "
-                          "(DeepseekV3ForCausalLM) checkpoint; upcycle a dense one with moe.hf.upcycle",
+        raise ConfigError(field, model_type, "convert a Mixtral (MixtralForCausalLM), DeepSeek-V3 "
+                          "(DeepseekV3ForCausalLM) or gpt-oss (GptOssForCausalLM) checkpoint; upcycle a "
+                          "dense one with moe.hf.upcycle",
                           f"is not {' or '.join(IMPORTABLE)}")
     return CONVERTERS[model_type]()
 
@@ -40,8 +44,8 @@ def exporter_for(model_cfg) -> ExportAdapter:
 
 
 def read_hf_config(path: str | Path, field: str):
-    """The transformers config of a Mixtral or DeepSeek-V3 directory; a UserError naming `field` when the
-    directory has none, an unreadable one, or another model type."""
+    """The transformers config of a Mixtral, DeepSeek-V3 or gpt-oss directory; a UserError naming `field`
+    when the directory has none, an unreadable one, or another model type."""
     from transformers import AutoConfig
 
     path = Path(path).expanduser()
@@ -56,8 +60,8 @@ def read_hf_config(path: str | Path, field: str):
         raise UserError(field, str(path), "fix or regenerate config.json",
                         problem=f"has a config.json transformers cannot read ({first})") from err
     if config.model_type not in CONVERTERS:
-        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM) or DeepSeek-V3 "
-                        "(DeepseekV3ForCausalLM) checkpoint",
+        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM), DeepSeek-V3 "
+                        "(DeepseekV3ForCausalLM) or gpt-oss (GptOssForCausalLM) checkpoint",
                         problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
     warn_unknown_keys(config, path)
     note_unread(config, path)

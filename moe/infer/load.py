@@ -69,12 +69,12 @@ def _load_state(model: MoETransformer, state: dict, path) -> None:
     model.load_state_dict(state, strict=True)
 
 
-# -- Mixtral and DeepSeek-V3 directories (config.json + safetensors) -----------------------------
+# -- Mixtral, DeepSeek-V3 and gpt-oss directories (config.json + safetensors) -----------------------------
 
 
 def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None) -> MoETransformer:
-    """MoETransformer (eval) from a Mixtral or DeepSeek-V3 directory; dropless routing as the checkpoint
-    computes it."""
+    """MoETransformer (eval) from a Mixtral, DeepSeek-V3 or gpt-oss directory; dropless routing as the
+    checkpoint computes it."""
     from moe.hf import from_hf
     from moe.hf.tensors import check_weights_dir
 

@@ -26,6 +26,12 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
          "(its attention projection is GQAQKVColumnParallelLinear, modules/qkv_linear.py:371)")
     check_whole_kv_heads(m, p.tp)
     check_untied_embeddings(m, "trn1 (the embedding and the LM head are separate parallel layers)")
+    for key in ("qkv_bias", "o_bias", "attention_sinks", "router_bias", "expert_proj_bias"):
+        need(not getattr(m, key), f"model.{key}", True, f"set model.{key}=false on trn1",
+             "is not wired to neuronx-distributed's layers (moe/backends/neuron/layers.py builds them "
+             "without it)")
+    need(m.expert_activation == "swiglu", "model.expert_activation", m.expert_activation,
+         "use swiglu on trn1", "is not neuronx-distributed's expert activation (ExpertMLPsV2: SiLU GLU)")
     need(m.shared_expert_intermediate_size == 0, "model.shared_expert_intermediate_size",
          m.shared_expert_intermediate_size, "use 0 on trn1", "is not wired to neuronx-distributed's MoE")
     need(p.activation_checkpointing != "every_n", "parallel.activation_checkpointing", "every_n",
