@@ -285,16 +285,21 @@ def test_gated_shared_expert_equals_transformers_qwen2_moe_block():
 
 EXPORT_REFUSALS = [
     ("qwen3_moe", dict(qk_norm="none"), {}, "model.qk_norm"),
-    ("qwen3_moe", dict(qkv_bias=True), {}, "model.qkv_bias"),
+    ("qwen3_moe", dict(qkv_bias=True), {}, "model.o_bias"),  # attention_bias: q, k, v and o together
+    ("qwen3_moe", dict(attention_sinks=True), {}, "model.attention_sinks"),  # gpt-oss's
     ("qwen3_moe", dict(shared_expert_intermediate_size=40), {}, "model.shared_expert_intermediate_size"),
     ("qwen3_moe", {}, dict(score_function="sigmoid"), "moe_opt.score_function"),
     ("qwen2_moe", dict(shared_expert_gate=False), {}, "model.shared_expert_gate"),
     ("qwen2_moe", dict(qk_norm="per_head"), {}, "model.qk_norm"),
     ("qwen2_moe", dict(sliding_window=8), {}, "model.sliding_window"),
+    ("qwen2_moe", dict(o_bias=True), {}, "model.o_bias"),
     ("olmoe", dict(qk_norm="per_head"), {}, "model.qk_norm"),
     ("olmoe", dict(dense_layers=[0]), {}, "model.dense_layers"),
     ("olmoe", dict(head_dim=8), {}, "model.head_dim"),
     ("olmoe", {}, dict(enable_expert_bias=True), "moe_opt.enable_expert_bias"),
+    ("olmoe", dict(router_bias=True), {}, "model.router_bias"),
+    ("gpt_oss", dict(qk_norm="per_head"), {}, "model.qk_norm"),
+    ("gpt_oss", dict(dense_layers=[1]), {}, "model.dense_layers"),
     ("mixtral", dict(qk_norm="per_head"), {}, "model.qk_norm"),
     ("mixtral", dict(dense_layers=[1]), {}, "model.dense_layers"),
 ]
@@ -308,8 +313,38 @@ def test_an_export_refuses_what_the_family_cannot_express_naming_the_key(family,
     assert err.value.field == field
 
 
+def test_an_export_names_every_family_whose_class_has_the_piece():
+    """Mixtral's and DeepSeek-V3's refusals of another family's piece say which model.hf_family has it."""
+    moe_opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
+    for kw, families in ((dict(qkv_bias=True), "gpt_oss or qwen2_moe or qwen3_moe or olmoe"),
+                         (dict(o_bias=True), "gpt_oss or qwen3_moe or olmoe"),
+                         (dict(qk_norm="per_head"), "qwen3_moe or olmoe"),
+                         (dict(attention_sinks=True), "gpt_oss to")):
+        with pytest.raises(ConfigError, match=f"set model.hf_family={families}"):
+            to_hf(MoETransformer(our_config("mixtral", **kw), moe_opt))
+    with pytest.raises(ConfigError, match="set model.hf_family=qwen3_moe or qwen2_moe") as err:
+        to_hf(MoETransformer(our_config("deepseek_v3", dense_layers=[1]), moe_opt))
+    assert "has no DeepSeek-V3 equivalent" in err.value.problem
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_attention_bias_imports_as_qkv_and_o_biases_and_exports_back(family, tmp_path):
+    """Qwen3-MoE's and OLMoE's attention_bias (q, k, v and o biased) reads as model.qkv_bias and o_bias with
+    transformers' logits and greedy tokens; its export writes attention_bias, loading with the same logits."""
+    hf = hf_model(family, attention_bias=True)
+    model = from_hf(hf).eval()
+    assert model.model_config.qkv_bias and model.model_config.o_bias
+    with torch.no_grad():
+        assert relative(model(IDS).logits_BSV, hf(IDS).logits) < 1e-5
+    assert generate(model, IDS, max_new_tokens=6).tokens == hf_greedy(hf, IDS, 6)
+    to_hf(model).save_pretrained(tmp_path)
+    again = loads_cleanly(transformers.AutoModelForCausalLM, tmp_path)
+    assert again.config.attention_bias is True
+    with torch.no_grad():
+        assert relative(again(IDS).logits, hf(IDS).logits) < 1e-5
+
+
 @pytest.mark.parametrize("family,kw,field", [
-    ("qwen3_moe", dict(attention_bias=True), "attention_bias"),  # it biases o_proj too
     ("olmoe", dict(clip_qkv=8.0), "clip_qkv"),
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), "use_sliding_window"),
 ])

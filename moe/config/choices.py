@@ -19,6 +19,8 @@ QKNorm = Literal["none", "per_head", "full"]  # RMSNorm of queries and keys befo
 AuxLossGroup = Literal["ep", "dp"]
 LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "none"]
 ScoreFunction = Literal["softmax", "sigmoid"]
+ExpertActivation = Literal["swiglu", "clamped_swiglu"]
+AttentionLayerType = Literal["sliding_attention", "full_attention"]
 NeuronPrecision = Literal["auto", "bf16_sr", "mixed", "fp32"]  # auto: moe.config.derived.neuron_precision
 SpikeAction = Literal["warn", "skip", "rollback"]
 DataKind = Literal["prepared", "online"]
@@ -28,6 +30,7 @@ BadRowPolicy = Literal["error", "skip", "repair"]
 InferDtype = Literal["auto", "fp32", "bf16", "fp16"]
 
 __all__ = [  # the types and their values
+    "ATTENTION_LAYER_TYPES", "EXPERT_ACTIVATIONS", "AttentionLayerType", "ExpertActivation",
     "AC_POLICIES", "ATTENTIONS", "AUX_LOSS_GROUPS", "BAD_ROW_POLICIES", "DATA_FORMATS", "DATA_KINDS",
     "DROP_POLICIES", "INFER_DTYPES", "LOAD_BALANCING_TYPES", "MLA_DIMS", "NEURON_PRECISIONS", "PACKINGS",
     "POSITION_ENCODINGS", "QK_NORMS", "ROPE_TYPES", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS",
@@ -48,6 +51,8 @@ MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"
 AUX_LOSS_GROUPS = get_args(AuxLossGroup)
 LOAD_BALANCING_TYPES = get_args(LoadBalancingType)
 SCORE_FUNCTIONS = get_args(ScoreFunction)
+EXPERT_ACTIVATIONS = get_args(ExpertActivation)
+ATTENTION_LAYER_TYPES = get_args(AttentionLayerType)
 NEURON_PRECISIONS = get_args(NeuronPrecision)
 SPIKE_ACTIONS = get_args(SpikeAction)
 DATA_KINDS = get_args(DataKind)

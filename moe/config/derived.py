@@ -64,6 +64,13 @@ def attention_dims(m) -> tuple[int, int]:
     return head_dim_of(m), head_dim_of(m)
 
 
+def window_of(m, layer_idx: int) -> int | None:
+    """Layer i's attention window: model.sliding_window, unless model.attention_layer_types makes the
+    layer full_attention (None: full causal attention)."""
+    types = m.attention_layer_types
+    return None if types is not None and types[layer_idx] == "full_attention" else m.sliding_window
+
+
 def dense_width(m) -> int:
     """The intermediate width of the dense (non-MoE) MLPs: model.dense_intermediate_size, else the
     experts'."""

@@ -21,6 +21,7 @@ from moe.config.choices import (
     DataFormat,
     DataKind,
     DropPolicy,
+    ExpertActivation,
     LoadBalancingType,
     NeuronPrecision,
     PositionEncoding,
@@ -116,6 +117,12 @@ class ModelConfig(Section):
     rope_low_freq_factor: Optional[float] = None  # llama3 (required): Llama 3.1: 1
     rope_high_freq_factor: Optional[float] = None  # llama3 (required): Llama 3.1: 4
     sliding_window: Optional[int] = None
+    # each layer's attention, as transformers' `layer_types`: sliding_attention (the window above) or
+    # full_attention; null = every layer as sliding_window says (gpt-oss alternates them, sliding first)
+    attention_layer_types: Optional[list[str]] = None
+    qkv_bias: bool = False  # bias on the q, k and v projections (Qwen2-MoE, gpt-oss)
+    o_bias: bool = False  # bias on the attention output projection (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     rms_norm_eps: float = 1.0e-5
     tie_word_embeddings: bool = False
     init_range: float = 0.02
@@ -132,7 +139,14 @@ class ModelConfig(Section):
     # GQA only: RMSNorm of the queries and keys before RoPE; none | per_head: over each head's head_dim, one
     # weight for every head (Qwen3-MoE) | full: over the whole q and the whole k projection (OLMoE)
     qk_norm: Annotated[str, QKNorm] = "none"
-    qkv_bias: bool = False  # GQA only: biases on the q, k and v projections (Qwen2-MoE), none on o_proj
+    # a trained bias on the router's logits (gpt-oss); not moe_opt.enable_expert_bias's balancing bias
+    router_bias: bool = False
+    expert_proj_bias: bool = False  # a bias on every routed expert's gate_up and down projections (gpt-oss)
+    # swiglu: silu(gate) * up | clamped_swiglu (gpt-oss): gate clamped above at swiglu_limit, up to
+    # [-swiglu_limit, swiglu_limit], then gate * sigmoid(swiglu_alpha * gate) * (up + 1)
+    expert_activation: Annotated[str, ExpertActivation] = "swiglu"
+    swiglu_alpha: float = 1.702  # clamped_swiglu only
+    swiglu_limit: float = 7.0  # clamped_swiglu only
     # gqa: grouped-query attention (Mixtral) | mla: multi-head latent attention (DeepSeek-V2/V3,
     # moe/model/mla.py), which reads the five keys below (null = unset; each required by mla but
     # q_lora_rank, whose null means one q_proj instead of a query latent) and ignores num_kv_heads/head_dim

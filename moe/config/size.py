@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe.config.derived import attention_dims, dense_width, head_dim_of, is_moe_layer
+from moe.config.derived import attention_dims, dense_width, head_dim_of, is_moe_layer, window_of
 
 
 def attention_params(m) -> int:
-    """One layer's attention weights, its two block norms included (and model.qkv_bias, model.qk_norm)."""
+    """One layer's attention weights, its two block norms included (and GQA's biases, sinks and QK-norm)."""
     H = m.hidden_size
     if m.attention == "mla":
         qk_dim, v_dim = attention_dims(m)
@@ -22,9 +22,10 @@ def attention_params(m) -> int:
         return q + kv + m.num_heads * v_dim * H + 2 * H
     head_dim = head_dim_of(m)
     q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
-    qkv = H * (q + 2 * kv) + (q + 2 * kv if m.qkv_bias else 0)
+    qkv_out = q + 2 * kv
     qk_norm = {"none": 0, "per_head": 2 * head_dim, "full": q + kv}[m.qk_norm]
-    return qkv + q * H + 2 * H + qk_norm
+    extras = qkv_out * m.qkv_bias + H * m.o_bias + m.num_heads * m.attention_sinks + qk_norm
+    return H * qkv_out + q * H + 2 * H + extras
 
 
 @dataclass
@@ -63,12 +64,13 @@ def param_breakdown(m) -> ParamBreakdown:
     n_moe = sum(is_moe_layer(i, m) for i in range(m.num_layers))
     n_dense = m.num_layers - n_moe
     per_expert = H * 2 * F + F * H  # gate_up H -> 2F, down F -> H, in any dim order (moe.model.expert_layout)
+    per_expert += (2 * F + H) * m.expert_proj_bias
     return ParamBreakdown(
         embedding=m.vocab_size * H,
         lm_head=0 if m.tie_word_embeddings else m.vocab_size * H,
         final_norm=H,
         attention=m.num_layers * attention_params(m),
-        routers=n_moe * E * H,
+        routers=n_moe * E * (H + m.router_bias),
         shared_experts=n_moe * (3 * H * m.shared_expert_intermediate_size + H * m.shared_expert_gate),
         dense_mlp=n_dense * 3 * H * dense_width(m),
         experts=n_moe * E * per_expert,
@@ -82,11 +84,12 @@ def flops_per_token(m, seq_len: int) -> float:
 
     6 * N_active + 6 * L * num_heads * (qk_dim + v_dim) * S_ctx (GQA: 12 * L * num_heads * head_dim *
     S_ctx), where N_active excludes the input embedding table (a lookup, no matmul; the lm_head
-    counts, tied or not) and S_ctx = min(seq_len, sliding_window). Like PaLM, the attention term is
-    not halved for causality.
+    counts, tied or not) and S_ctx = min(seq_len, the layer's window), summed over the layers. Like PaLM,
+    the attention term is not halved for causality.
     """
     active = param_breakdown(m).active
     n = active - (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
-    ctx = seq_len if m.sliding_window is None else min(seq_len, m.sliding_window)
+    windows = (window_of(m, i) for i in range(m.num_layers))
+    ctx = sum(seq_len if w is None else min(seq_len, w) for w in windows)  # over the layers
     qk_dim, v_dim = attention_dims(m)  # q k^T and the weighted sum of v, forward and backward: 6 * each
-    return 6.0 * n + 6.0 * m.num_layers * m.num_heads * (qk_dim + v_dim) * ctx
+    return 6.0 * n + 6.0 * m.num_heads * (qk_dim + v_dim) * ctx

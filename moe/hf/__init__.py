@@ -3,6 +3,7 @@
     moe/hf/adapter.py      the adapter contract (read: config, routing, tensors; write: config, weights)
     moe/hf/mixtral.py      Mixtral <-> our GQA models
     moe/hf/deepseek_v3.py  DeepSeek-V3 <-> our MLA models
+    moe/hf/gpt_oss.py      gpt-oss <-> our GQA models with sinks, biases and the clamped SwiGLU
     moe/hf/sparse_moe.py   what the softmax top-k families share (keys, reader, writer, refusals)
     moe/hf/qwen3_moe.py    Qwen3-MoE <-> our GQA models with a per-head QK-norm
     moe/hf/qwen2_moe.py    Qwen2-MoE <-> our GQA models with q/k/v biases and a gated shared expert
@@ -11,6 +12,7 @@
     moe/hf/families.py     model_type -> adapter (read_hf_config); our attention -> the family we export to
     moe/hf/convert.py      to_hf, from_hf, tensor_source
     moe/hf/tensors.py      shared keys, lazy safetensors reads, the weights' start-up checks
+    moe/hf/rope.py         a transformers config's RoPE and its scaling <-> our rope_* keys
     moe/hf/start.py        model.init_from_hf / upcycle_from_hf: what a run settles from the directory
 
 The names below are the public API (`moe.hf.from_hf`, `moe.hf.to_hf`, `moe.hf.upcycle`, ...).

@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from moe.config.derived import window_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 
@@ -106,6 +107,42 @@ class ExportAdapter(HFAdapter):
 
     def prepare(self, hf_model) -> None:
         """Anything the empty transformers model needs before its weights load (nothing by default)."""
+
+
+# model keys whose pieces only some families' transformers classes have: the plain value, and those families
+# (model.hf_family). dense_layers: any layers beside the leading ones and the frequency's.
+FAMILY_PIECES = {
+    "qkv_bias": (False, ("gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe")),
+    "o_bias": (False, ("gpt_oss", "qwen3_moe", "olmoe")),
+    "attention_sinks": (False, ("gpt_oss",)),
+    "router_bias": (False, ("gpt_oss",)),
+    "expert_proj_bias": (False, ("gpt_oss",)),
+    "expert_activation": ("swiglu", ("gpt_oss",)),
+    "qk_norm": ("none", ("qwen3_moe", "olmoe")),
+    "shared_expert_gate": (False, ("qwen2_moe",)),
+    "dense_layers": (None, ("qwen3_moe", "qwen2_moe")),
+}
+PER_LAYER_WINDOWS = ("gpt_oss",)  # families whose class windows some layers only (layer_types)
+
+
+def check_plain_pieces(cfg: ModelConfig, family: str, model_type: str) -> None:
+    """An export to `family` (its model_type) refuses a model with a piece its class does not have, which the
+    export would drop or compute otherwise, naming the families that have it; and full_attention layers
+    beside model.sliding_window, which needs a class with `layer_types`."""
+    for key, (off, families) in FAMILY_PIECES.items():
+        have = getattr(cfg, key)
+        plain = have == off or (off is None and not have)  # dense_layers: [] lists none
+        if model_type not in families and not plain:
+            raise ConfigError(f"model.{key}", have,
+                              f"set model.hf_family={' or '.join(families)} to export it (their classes have "
+                              f"it), or train with model.{key}={_yaml(off)}",
+                              f"has no {family} equivalent: the export would drop it or compute otherwise")
+    windows = {window_of(cfg, i) for i in range(cfg.num_layers)}
+    if model_type not in PER_LAYER_WINDOWS and windows - {cfg.sliding_window}:
+        raise ConfigError("model.attention_layer_types", list(cfg.attention_layer_types),
+                          f"set model.hf_family={' or '.join(PER_LAYER_WINDOWS)} to export it (its "
+                          "layer_types), or attention_layer_types=null (every layer model.sliding_window)",
+                          f"gives some layers no window; {family} has one window for every layer")
 
 
 def _yaml(value) -> str:

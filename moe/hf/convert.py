@@ -69,8 +69,8 @@ def to_hf(model):
 
 
 def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = None):
-    """MoETransformer from a MixtralForCausalLM or DeepseekV3ForCausalLM, or a local directory of one
-    (no hub access).
+    """MoETransformer from a MixtralForCausalLM, DeepseekV3ForCausalLM or GptOssForCausalLM, or a local
+    directory of one (no hub access).
 
     moe_opt defaults to the adapter's: dropless, so logits match transformers.
     """
@@ -80,8 +80,13 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
 
     model_cls = AutoModelForCausalLM
     if isinstance(model_or_dir, (str, Path)) and (Path(model_or_dir) / "config.json").is_file():
+        from transformers import AutoConfig
+
         hf_config = json.loads((Path(model_or_dir) / "config.json").read_text())
-        model_cls = converter_for(hf_config.get("model_type")).loading_class(hf_config)
+        adapter = converter_for(hf_config.get("model_type"))
+        # a refusal (gpt-oss's quantized experts, ...) before any weight loads
+        adapter.model_config(AutoConfig.from_pretrained(str(model_or_dir), local_files_only=True))
+        model_cls = adapter.loading_class(hf_config)
     hf = load_local(model_or_dir, model_cls, "init_from_hf")
     adapter = converter_for(getattr(hf.config, "model_type", None))
     cfg = adapter.model_config(hf.config)

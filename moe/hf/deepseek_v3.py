@@ -33,7 +33,7 @@ import torch
 from moe.config.derived import dense_width
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
-from moe.hf.adapter import ExportAdapter, Read, refuse_unless
+from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
 from moe.hf.rope import rope_keys, rope_parameters
 from moe.hf.sparse_moe import per_expert_keys
 from moe.hf.tensors import (
@@ -204,9 +204,7 @@ class DeepSeekV3(ExportAdapter):
 
     # -- writing ----------------------------------------------------------------------------------
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-        refuse_unless(cfg, "DeepSeek-V3", shared_expert_gate=False)
-        if cfg.dense_layers:  # only leading ones: first_k_dense_replace
-            refuse_unless(cfg, "DeepSeek-V3", dense_layers=None)
+        check_plain_pieces(cfg, "DeepSeek-V3", self.model_types[0])
         if cfg.moe_layer_frequency != 1:
             raise ConfigError("model.moe_layer_frequency", cfg.moe_layer_frequency,
                               "use moe_layer_frequency=1 (model.first_k_dense_replace for leading dense "

@@ -16,8 +16,9 @@ multiple of g picks whole copies (all g slices of each of the top_k/g best copie
 renormalised weights, times topk_scaling_factor = g, sum to 1 per slice: the logits again equal the
 dense model's. Training then breaks the ties (each slice's router row gets its own gradient).
 
-The Llama family's config and shared keys are here (`llama_family_config`, `llama_value`; Mixtral adds
-its router and experts). The dense keys are Mistral's and Llama's (`mlp.gate_proj/up_proj/down_proj`);
+The Llama family's config and shared keys are here (`llama_family_config`, `llama_shaped_config`,
+`llama_value`, and for export `llama_top_level_state`, `llama_block_state`; Mixtral and gpt-oss add their
+routers and experts). The dense keys are Mistral's and Llama's (`mlp.gate_proj/up_proj/down_proj`);
 `DenseUpcycle.reader` builds each of our tensors from them, from a state dict (`upcycle`) or from the
 safetensors one tensor at a time (moe.hf.convert.tensor_source), as `model.upcycle_from_hf` reads them
 on each rank.
@@ -37,17 +38,30 @@ from moe.hf.tensors import BLOCK_NORMS, LAYER, TOP_LEVEL, Get, load_local, top_l
 from moe.model.expert_layout import EXPERT_LAYOUT, stored
 
 
-def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
-    """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama) with these experts; refuses
-    what our decoder does not implement."""
+def llama_family_config(hf_config, num_experts: int, top_k: int,
+                        biased_attention: bool = False) -> ModelConfig:
+    """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama, Qwen-MoE, OLMoE) with these
+    experts; refuses what our decoder does not implement. `biased_attention`: the family's attention_bias
+    (q, k, v and o biased together: Qwen3-MoE, OLMoE) is read as model.qkv_bias and o_bias; else refused
+    (the family's export writes no attention bias)."""
     rope = rope_keys(hf_config, default_theta=1.0e6)  # plain, linear, llama3 or YaRN (moe.hf.rope)
     if hf_config.hidden_act != "silu":
         raise ConfigError("hidden_act", hf_config.hidden_act, "only SiLU (SwiGLU) experts are implemented",
                           "is not supported")
-    for key in ("attention_bias", "mlp_bias"):  # Llama's options: biases our projections do not have
-        if getattr(hf_config, key, False):
-            raise ConfigError(key, True, f"convert a checkpoint with {key}=false (it biases o_proj or the "
-                              "MLPs too; ours bias only q/k/v: model.qkv_bias)", "is not supported")
+    if getattr(hf_config, "mlp_bias", False):  # Llama's option
+        raise ConfigError("mlp_bias", True, "convert a checkpoint with mlp_bias=false (our MLPs have no "
+                          "bias)", "is not supported")
+    bias = bool(getattr(hf_config, "attention_bias", False))
+    if bias and not biased_attention:
+        raise ConfigError("attention_bias", True, "convert a checkpoint with attention_bias=false (a "
+                          f"{hf_config.model_type} export writes no attention bias)", "is not supported")
+    return llama_shaped_config(hf_config, num_experts, top_k, **rope, qkv_bias=bias, o_bias=bias)
+
+
+def llama_shaped_config(hf_config, num_experts: int, top_k: int, **pieces) -> ModelConfig:
+    """The ModelConfig fields every Llama-shaped family shares (sizes, heads, norms, window), plus `pieces`:
+    the family's RoPE keys (moe.hf.rope.rope_keys, whose default theta is the family's own) and its own
+    keys; refuses attention dropout."""
     if getattr(hf_config, "attention_dropout", 0.0):
         raise ConfigError("attention_dropout", hf_config.attention_dropout,
                           "set attention_dropout=0 in config.json (our attention has no dropout)",
@@ -61,10 +75,11 @@ def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
         num_heads=hf_config.num_attention_heads,
         num_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
         head_dim=None if head_dim in (None, default_head_dim) else head_dim,
-        max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope", **rope,
+        max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope",
         sliding_window=getattr(hf_config, "sliding_window", None), rms_norm_eps=hf_config.rms_norm_eps,
         tie_word_embeddings=bool(hf_config.tie_word_embeddings), init_range=hf_config.initializer_range,
         num_experts=num_experts, top_k=top_k, moe_layer_frequency=1, shared_expert_intermediate_size=0,
+        **pieces,
     )
 
 
@@ -85,6 +100,30 @@ def llama_value(name: str, get: Get) -> torch.Tensor:
     if rest == "attn.qkv_proj.weight":
         return torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
     raise KeyError(f"{name}: not a parameter of a Llama-shaped model")
+
+
+def llama_top_level_state(model) -> dict[str, torch.Tensor]:
+    """Our embeddings, final norm and LM head under the Llama family's keys."""
+    return {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
+            "lm_head.weight": model.lm_head.weight}
+
+
+def llama_block_state(block, p: str) -> dict[str, torch.Tensor]:
+    """A block's attention and norms under the Llama family's keys after `p` (model.layers.N.): our fused
+    qkv_proj split into q, k and v (weights, and biases where model.qkv_bias), o_proj (and its bias)."""
+    attn = block.attn
+    sizes = attn.split_sizes
+    sd = {p + "input_layernorm.weight": block.attn_norm.weight,
+          p + "post_attention_layernorm.weight": block.ffn_norm.weight,
+          p + "self_attn.o_proj.weight": attn.o_proj.weight}
+    for kind in ("weight", "bias"):
+        fused = getattr(attn.qkv_proj, kind)
+        if fused is not None:
+            parts = zip("qkv", fused.split(sizes), strict=True)
+            sd |= {p + f"self_attn.{n}_proj.{kind}": t for n, t in parts}
+    if attn.o_proj.bias is not None:
+        sd[p + "self_attn.o_proj.bias"] = attn.o_proj.bias
+    return sd
 
 
 def check_granularity(granularity: int, num_experts: int, top_k: int, intermediate_size: int,

@@ -15,6 +15,7 @@ from moe.errors import ConfigError, UserError, first_line
 from moe.hf.adapter import ExportAdapter, HFAdapter
 from moe.hf.deepseek_v3 import DeepSeekV3
 from moe.hf.dense import DenseUpcycle
+from moe.hf.gpt_oss import GptOss
 from moe.hf.mixtral import Mixtral
 from moe.hf.olmoe import Olmoe
 from moe.hf.qwen2_moe import Qwen2Moe
@@ -22,7 +23,7 @@ from moe.hf.qwen3_moe import Qwen3Moe
 from moe.hf.tensors import SafetensorsDir
 
 CONVERTERS: dict[str, type[ExportAdapter]] = {
-    adapter.model_types[0]: adapter for adapter in (Mixtral, DeepSeekV3, Qwen3Moe, Qwen2Moe, Olmoe)}
+    adapter.model_types[0]: adapter for adapter in (Mixtral, DeepSeekV3, GptOss, Qwen3Moe, Qwen2Moe, Olmoe)}
 UPCYCLERS: dict[str, type[HFAdapter]] = dict.fromkeys(DenseUpcycle.model_types, DenseUpcycle)
 EXPORT_BY_ATTENTION = {"gqa": "mixtral", "mla": "deepseek_v3"}
 IMPORTABLE = tuple(CONVERTERS)  # model_type of the checkpoints from_hf reads

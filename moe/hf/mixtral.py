@@ -33,8 +33,8 @@ import torch
 from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
-from moe.hf.adapter import ExportAdapter, Read, refuse_router_options, refuse_unless
-from moe.hf.dense import llama_family_config, llama_value
+from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces, refuse_router_options
+from moe.hf.dense import llama_block_state, llama_family_config, llama_top_level_state, llama_value
 from moe.hf.rope import rope_parameters
 from moe.hf.tensors import LAYER, STACKED_EXPERTS, Get, stacked_experts
 from moe.model.expert_layout import OUT_IN
@@ -83,6 +83,7 @@ class Mixtral(ExportAdapter):
 
     # -- writing ----------------------------------------------------------------------------------
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
+        check_plain_pieces(cfg, "Mixtral", self.model_types[0])
         if cfg.position_encoding != "rope":
             raise ConfigError("model.position_encoding", cfg.position_encoding,
                               "train with position_encoding=rope to export to Mixtral",
@@ -100,9 +101,6 @@ class Mixtral(ExportAdapter):
             raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
                               "use 0 (no shared expert) to export to Mixtral",
                               "adds a shared expert, which Mixtral cannot express")
-        refuse_unless(cfg, "Mixtral", qk_norm="none", qkv_bias=False)
-        if cfg.dense_layers:
-            refuse_unless(cfg, "Mixtral", dense_layers=None)
         refuse_router_options(moe_opt, "Mixtral")
         if not normalizes(moe_opt.normalize_top_k, cfg.top_k):
             raise ConfigError("moe_opt.normalize_top_k", moe_opt.normalize_top_k,
@@ -133,19 +131,10 @@ class Mixtral(ExportAdapter):
         return config
 
     def state_dict(self, model) -> dict[str, torch.Tensor]:
-        cfg = model.model_config
-        q_size = cfg.num_heads * head_dim_of(cfg)
-        kv_size = cfg.num_kv_heads * head_dim_of(cfg)
-        sd = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight,
-              "lm_head.weight": model.lm_head.weight}
+        sd = llama_top_level_state(model)
         for i, block in enumerate(model.layers):
             p = f"model.layers.{i}."
-            q, k, v = block.attn.qkv_proj.weight.split([q_size, kv_size, kv_size], dim=0)
-            sd |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                   p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": block.attn.o_proj.weight,
-                   p + "input_layernorm.weight": block.attn_norm.weight,
-                   p + "post_attention_layernorm.weight": block.ffn_norm.weight,
-                   p + "mlp.gate.weight": block.ffn.router.weight}
+            sd |= llama_block_state(block, p) | {p + "mlp.gate.weight": block.ffn.router.weight}
             experts = block.ffn.experts
             sd |= {p + "mlp.experts.gate_up_proj": experts.layout.to_out_in(experts.gate_up),
                    p + "mlp.experts.down_proj": experts.layout.to_out_in(experts.down)}

@@ -38,7 +38,7 @@ class Qwen2Moe(SparseMoeFamily):
                        hf_family=self.model_types[0])
 
     def check_family(self, cfg: ModelConfig) -> None:
-        refuse_unless(cfg, self.family, qk_norm="none", sliding_window=None)
+        refuse_unless(cfg, self.family, sliding_window=None)
         if cfg.shared_expert_intermediate_size:  # its shared expert is always gated
             refuse_unless(cfg, self.family, shared_expert_gate=True)
 

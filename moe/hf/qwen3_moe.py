@@ -1,12 +1,12 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM) <-> our GQA models with a per-head QK-norm, weights and config.
 
 transformers 5.24 `models/qwen3_moe/modeling_qwen3_moe.py`: Llama attention with q_norm/k_norm over each
-head's dims before RoPE (:147-148, :163-164; ours model.qk_norm=per_head), o_proj biased as q/k/v when
-attention_bias (:135-146; refused: our o_proj has none), a sliding window on every layer when
-use_sliding_window (configuration_qwen3_moe.py:110, modeling_qwen3_moe.py:473); a layer is MoE unless it
-is in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0 (:310-315): ours moe_layer_frequency
-and dense_layers; dense layers are intermediate_size wide, experts moe_intermediate_size. Keys, routing and
-the refusals every softmax top-k family shares: moe.hf.sparse_moe.
+head's dims before RoPE (:147-148, :163-164; ours model.qk_norm=per_head), q, k, v and o biased when
+attention_bias (:135-146; ours model.qkv_bias and o_bias, which the export needs equal), a sliding window
+on every layer when use_sliding_window (configuration_qwen3_moe.py:110, modeling_qwen3_moe.py:473); a layer
+is MoE unless it is in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0 (:310-315): ours
+moe_layer_frequency and dense_layers; dense layers are intermediate_size wide, experts
+moe_intermediate_size. Keys, routing and the refusals every softmax top-k family shares: moe.hf.sparse_moe.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.hf.adapter import refuse_unless
 from moe.hf.dense import llama_family_config
 from moe.hf.rope import rope_parameters
-from moe.hf.sparse_moe import SparseMoeFamily, mlp_only_layers
+from moe.hf.sparse_moe import SparseMoeFamily, mlp_only_layers, refuse_split_attention_bias
 
 
 def qwen_layers(hf_config) -> dict:
@@ -54,16 +54,19 @@ class Qwen3Moe(SparseMoeFamily):
     family = "Qwen3-MoE"
 
     def model_config(self, hf_config) -> ModelConfig:
-        cfg = llama_family_config(hf_config, hf_config.num_experts, hf_config.num_experts_per_tok)
+        cfg = llama_family_config(hf_config, hf_config.num_experts, hf_config.num_experts_per_tok,
+                                  biased_attention=True)
         return replace(cfg, **qwen_layers(hf_config), qk_norm="per_head", hf_family=self.model_types[0])
 
     def check_family(self, cfg: ModelConfig) -> None:
-        refuse_unless(cfg, self.family, qk_norm="per_head", qkv_bias=False, shared_expert_intermediate_size=0)
+        refuse_unless(cfg, self.family, qk_norm="per_head", shared_expert_intermediate_size=0)
+        refuse_split_attention_bias(cfg, self.family)
 
     def hf_config(self, cfg: ModelConfig, moe_opt: MoEOptConfig):
         from transformers import Qwen3MoeConfig
 
         self.check_exportable(cfg, moe_opt)
         return self.with_rope_theta(Qwen3MoeConfig(
-            **qwen_config_kwargs(cfg, moe_opt, self.norm_topk_prob(cfg, moe_opt)), attention_bias=False,
+            **qwen_config_kwargs(cfg, moe_opt, self.norm_topk_prob(cfg, moe_opt)),
+            attention_bias=cfg.qkv_bias,
             use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window), cfg)

@@ -4,6 +4,7 @@ keys, one reader and writer, one set of refusals; each family's file adds its co
 Layout (models/qwen3_moe/modeling_qwen3_moe.py, qwen2_moe/modeling_qwen2_moe.py, olmoe/modeling_olmoe.py
 at transformers 5.24):
   ours attn.qkv_proj.weight/.bias = rows [q | k | v]     <->  self_attn.{q,k,v}_proj.weight/.bias
+  ours attn.o_proj.weight/.bias                          <->  self_attn.o_proj.weight/.bias
   ours attn.q_norm / k_norm                              <->  self_attn.q_norm / k_norm
   ours ffn.router.weight [E, H]                          <->  mlp.gate.weight (a `*TopKRouter`'s weight)
   ours ffn.experts (gate_up, down)                       <->  mlp.experts.gate_up_proj [E, 2F, H] (gate
@@ -24,12 +25,14 @@ import torch
 
 from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
-from moe.hf.adapter import ExportAdapter, Read, refuse_router_options, refuse_unless
+from moe.errors import ConfigError
+from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces, refuse_router_options, refuse_unless
 from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
 from moe.model.expert_layout import OUT_IN
 
 # ours (within a layer) -> transformers', one tensor each
 SINGLE = {**BLOCK_NORMS, "attn.o_proj.weight": "self_attn.o_proj.weight",
+          "attn.o_proj.bias": "self_attn.o_proj.bias",
           "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
           "ffn.router.weight": "mlp.gate.weight", "ffn.down_proj.weight": "mlp.down_proj.weight",
           "ffn.shared_expert.down_proj.weight": "mlp.shared_expert.down_proj.weight",
@@ -141,7 +144,8 @@ class SparseMoeFamily(ExportAdapter):
         return lambda name, get, experts=None: sparse_moe_value(name, get, model_cfg.num_experts, experts)
 
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-        refuse_unless(cfg, self.family, position_encoding="rope")
+        refuse_unless(cfg, self.family, attention="gqa", position_encoding="rope")
+        check_plain_pieces(cfg, self.family, self.model_types[0])
         self.check_family(cfg)
         refuse_router_options(moe_opt, self.family)
 
@@ -160,6 +164,16 @@ class SparseMoeFamily(ExportAdapter):
 
     def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
         return per_expert_keys(sd, num_layers)
+
+
+def refuse_split_attention_bias(cfg: ModelConfig, family: str) -> None:
+    """Qwen3-MoE's and OLMoE's attention_bias is one switch for q, k, v and o: model.qkv_bias and o_bias
+    must agree."""
+    if cfg.qkv_bias != cfg.o_bias:
+        want = str(cfg.qkv_bias).lower()
+        raise ConfigError("model.o_bias", cfg.o_bias, f"set model.o_bias={want} (as model.qkv_bias) to "
+                          f"export to {family}", f"differs from model.qkv_bias={want}: {family}'s "
+                          "attention_bias biases q, k, v and o together")
 
 
 def mlp_only_layers(cfg: ModelConfig) -> list[int]:

@@ -89,8 +89,8 @@ def check_hf_start(model, moe_opt) -> None:
     upcycle, g = model.upcycle_from_hf, model.upcycle_granularity
     if model.init_from_hf and upcycle:
         raise ConfigError("model.upcycle_from_hf", upcycle,
-                          "set only one of model.init_from_hf (a Mixtral, DeepSeek-V3, Qwen-MoE or OLMoE "
-                          "directory) and model.upcycle_from_hf (a dense one)",
+                          "set only one of model.init_from_hf (a Mixtral, DeepSeek-V3, gpt-oss, Qwen-MoE or "
+                          "OLMoE directory) and model.upcycle_from_hf (a dense one)",
                           problem="is set together with model.init_from_hf")
     scaling = moe_opt.topk_scaling_factor
     if upcycle and g > 1 and scaling != g:

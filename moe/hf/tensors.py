@@ -48,6 +48,17 @@ def stacked_experts(rest: str, get: Get, expert_prefixes: list[str],
     return layout.stack_linear([get(e + down) for e in expert_prefixes]).contiguous()
 
 
+def expert_rows(get: Get, key: str, experts: range | None) -> torch.Tensor:
+    """Experts `experts` (all: None) of a checkpoint tensor stacked [E, ...] (gpt-oss keeps its experts so in
+    the files): sliced in the file where `get` reads a directory lazily (SafetensorsDir.get), so a rank
+    reads only its own experts' bytes."""
+    owner = getattr(get, "__self__", None)
+    if experts is not None and isinstance(owner, SafetensorsDir):
+        return owner.get_rows(key, experts)
+    value = get(key)
+    return value if experts is None else value[experts.start:experts.stop]
+
+
 def has_key(get: Get, key: str) -> bool:
     try:
         get(key)
@@ -197,6 +208,13 @@ class SafetensorsDir:
         self._open: dict[str, object] = {}
 
     def get(self, key: str) -> torch.Tensor:
+        return self._file(key).get_tensor(key)
+
+    def get_rows(self, key: str, rows: range) -> torch.Tensor:
+        """Rows [rows.start, rows.stop) of tensor `key`, reading only those from the file."""
+        return self._file(key).get_slice(key)[rows.start:rows.stop]
+
+    def _file(self, key: str):
         from safetensors import safe_open
 
         if key not in self.file_of:
@@ -204,7 +222,7 @@ class SafetensorsDir:
         name = self.file_of[key]
         if name not in self._open:
             self._open[name] = safe_open(self.path / name, framework="pt")
-        return self._open[name].get_tensor(key)
+        return self._open[name]
 
 
 def load_local(model_or_dir, model_cls, field: str):

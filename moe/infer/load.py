@@ -69,7 +69,7 @@ def _load_state(model: MoETransformer, state: dict, path) -> None:
     model.load_state_dict(state, strict=True)
 
 
-# -- Mixtral and DeepSeek-V3 directories (config.json + safetensors) -----------------------------
+# -- Mixtral, DeepSeek-V3 and gpt-oss directories (config.json + safetensors) -----------------------------
 
 
 def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None) -> MoETransformer:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe.config.derived import head_dim_of
+from moe.config.derived import head_dim_of, window_of
 from moe.config.schema import ModelConfig
 from moe.model.norm import RMSNorm, rms_norm
 from moe.model.rope import attention_factor, inverse_frequencies, rope_cos_sin
@@ -157,7 +157,32 @@ class CausalSelfAttention(nn.Module):
         if attention_mask_BS is not None:
             mask = self._hide_padding(mask, attention_mask_BS, position_offset, S, k_start, k.shape[2])
             is_causal = False
+        if getattr(self, "sinks", None) is not None:  # [heads]: model.attention_sinks (GQA)
+            k, v, mask = self._with_sinks(k, v, mask, position_offset, S, k_start, q.dtype)
+            is_causal = False
         return self.core(q, k, v, mask, is_causal, enable_gqa)
+
+    def _with_sinks(self, k, v, mask, q_start, q_len, k_start, dtype):
+        """Attention sinks (gpt-oss) as one more key: its key and value are zero and the mask adds head h's
+        sink logit to its score, so softmax(scores | sink) drops the sink's share of every row and adds
+        nothing to the output. That is transformers' eager_attention_forward for gpt_oss
+        (models/gpt_oss/modeling_gpt_oss.py:243-251: the sinks concatenated to the logits, the softmax
+        taken, the sink's column dropped), in one SDPA call, with any cache and window."""
+        if mask is None:
+            mask = attention_mask(q_start, q_len, k_start, k.shape[2], self.sliding_window, k.device)
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=k.device).masked_fill(~mask, float("-inf"))
+        mask = mask.to(dtype)
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        sinks = self.sinks  # under TP a DTensor split by head: this rank's heads are its local part
+        sinks = sinks.to_local() if hasattr(sinks, "to_local") else sinks
+        heads = sinks.shape[0]
+        mask = mask.expand(mask.shape[0], heads, q_len, k.shape[2])
+        sink = sinks.to(dtype).view(1, heads, 1, 1).expand(mask.shape[0], heads, q_len, 1)
+        zero_k = k.new_zeros(*k.shape[:2], 1, k.shape[3])
+        zero_v = v.new_zeros(*v.shape[:2], 1, v.shape[3])
+        return torch.cat([k, zero_k], dim=2), torch.cat([v, zero_v], dim=2), torch.cat([mask, sink], dim=-1)
 
     def _mask(self, q_start, q_len, k_start, k_len, dtype, device):
         """(attn_mask, is_causal) for SDPA; the plain causal case uses SDPA's own fast path."""
@@ -192,12 +217,14 @@ class CausalSelfAttention(nn.Module):
 
 
 class Attention(CausalSelfAttention):
-    """Causal GQA self-attention: one fused qkv_proj, SDPA, RoPE or ALiBi, optional sliding window.
+    """Causal GQA self-attention: one fused qkv_proj, SDPA, RoPE or ALiBi, optional sliding window (this
+    layer's: model.attention_layer_types), biases (model.qkv_bias, o_bias) and sinks (attention_sinks).
 
     Activations are [B, S, H], or [S, B, H] with `sequence_first` (set by the trn1 backend under
     sequence parallelism: NxD's sequence-parallel layers gather and scatter dim 0 only).
     model.qkv_bias: qkv_proj has a bias (Qwen2-MoE's q/k/v biases,
-    models/qwen2_moe/modeling_qwen2_moe.py:222-225 at transformers 5.24; o_proj none).
+    models/qwen2_moe/modeling_qwen2_moe.py:222-225 at transformers 5.24; o_proj none unless model.o_bias:
+    gpt-oss, Qwen3-MoE's and OLMoE's attention_bias).
     model.qk_norm: `q_norm`/`k_norm` RMSNorms before RoPE, per_head over each head's dims with one weight
     for every head (Qwen3-MoE, modeling_qwen3_moe.py:147-148, 163-164) or full over the whole q and k
     projections before the head split (OLMoE, modeling_olmoe.py:222-225, 239-240). `tp_group` (set by
@@ -208,16 +235,18 @@ class Attention(CausalSelfAttention):
     sequence_first = False
     tp_group = None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = head_dim_of(cfg)
         self.position_encoding = cfg.position_encoding
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = window_of(cfg, layer_idx)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
+        self.register_parameter("sinks", sinks)  # [heads], or None: attend() reads it either way
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm != "none":
             per_head = cfg.qk_norm == "per_head"

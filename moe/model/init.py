@@ -2,7 +2,8 @@
 
 Rule (as Mixtral's and Megatron's): normal(0, init_range) for every weight, output
 projections (o_proj, dense down_proj, expert down, shared-expert down) at init_range /
-sqrt(2 * num_layers), norm weights 1, biases (model.qkv_bias) 0.
+sqrt(2 * num_layers), norm weights 1, biases 0 (gpt-oss's attention sinks: normal(0, init_range), as
+transformers' GptOssPreTrainedModel._init_weights).
 
 Every parameter draws from its own generator, seeded from (the model's base seed, its name),
 and every expert of a stacked expert tensor from (base seed, name, global expert index). A
@@ -59,7 +60,7 @@ def initial_values(name: str, shape, base_seed: int, std: float, out_std: float,
                    first_expert: int | None = None, device="cpu", dtype=torch.float32) -> torch.Tensor:
     """The values parameter `name` starts from; experts (first_expert given) are drawn one by one, each
     [in, out] whatever the stored layout (moe.model.expert_layout), so a layout change keeps the values."""
-    if name.endswith(".bias"):
+    if name.endswith("bias"):  # projections' and the router's biases (model.qkv_bias, ...) start at zero
         return torch.zeros(shape, device=device, dtype=dtype)
     sigma = std_of(name, std, out_std)
     if sigma is None:

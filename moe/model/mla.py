@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.config.derived import window_of
 from moe.config.schema import ModelConfig
 from moe.model.attention import CausalSelfAttention, CoreAttention, KVCache, SumGradOver, apply_rope
 from moe.model.norm import RMSNorm
@@ -47,10 +48,10 @@ class MLAttention(CausalSelfAttention):
 
     tp_group = None
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
         H, heads = cfg.hidden_size, cfg.num_heads
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = window_of(cfg, layer_idx)
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from moe.config.derived import dense_width, is_moe_layer
+from moe.config.derived import dense_width, is_moe_layer, window_of
 from moe.config.rules.architecture import validate_model
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.model.attention import (  # noqa: F401 (re-exported: moe.model.model's names before the split)
@@ -39,6 +39,7 @@ from moe.model.mlp import SwiGLU
 from moe.model.moe import Experts, MoELayer, Router, RoutingStats
 from moe.model.norm import RMSNorm
 from moe.model.pytree import pytree_dataclass
+from moe.model.routing import expert_activation
 
 
 class Block(nn.Module):
@@ -49,12 +50,15 @@ class Block(nn.Module):
         self.layer_idx = layer_idx
         self.is_moe = is_moe_layer(layer_idx, cfg)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
+        self.attn = MLAttention(cfg, layer_idx) if cfg.attention == "mla" else Attention(cfg, layer_idx)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
             self.ffn = MoELayer(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k, moe_opt,
                                 shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
                                 init_range=None,  # the model initialises every parameter at once
+                                router_bias=cfg.router_bias, expert_proj_bias=cfg.expert_proj_bias,
+                                activation=None if cfg.expert_activation == "swiglu" else
+                                expert_activation(cfg.expert_activation, cfg.swiglu_alpha, cfg.swiglu_limit),
                                 shared_expert_gate=cfg.shared_expert_gate)
         else:
             self.ffn = SwiGLU(cfg.hidden_size, dense_width(cfg))
@@ -165,7 +169,7 @@ class MoETransformer(nn.Module):
 
     def new_kv_cache(self) -> list[KVCache]:
         """An empty per-layer cache to pass as `kv_cache` for generation."""
-        return [KVCache(self.model_config.sliding_window) for _ in self.layers]
+        return [KVCache(window_of(self.model_config, i)) for i in range(len(self.layers))]
 
     def forward(self, input_ids_BS: torch.Tensor, kv_cache: list[KVCache] | None = None,
                 position_offset: int = 0, attention_mask_BS: torch.Tensor | None = None,

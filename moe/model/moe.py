@@ -67,16 +67,18 @@ class MoEFeedForward(Protocol):
 
 
 class Router(nn.Module):
-    """Linear gate without bias, weight [E, H], computed in `dtype` (fp32) outside autocast.
+    """Linear gate, weight [E, H] (and with `bias`, model.router_bias, a trained bias [E] on the logits:
+    gpt-oss), computed in `dtype` (fp32) outside autocast.
 
     With `expert_bias` (moe_opt.enable_expert_bias) it also holds the aux-loss-free balancing bias
     [E] (a buffer: in checkpoints, not trained by the optimizer; moe.module.expert_bias moves it).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, dtype=torch.float32, jitter_eps: float = 0.0,
-                 expert_bias: bool = False):
+                 expert_bias: bool = False, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         self.dtype, self.jitter_eps = dtype, jitter_eps
         # a None buffer is not in the state dict: models without the bias keep their keys
         self.register_buffer("expert_bias", torch.zeros(num_experts) if expert_bias else None)
@@ -99,7 +101,8 @@ class Router(nn.Module):
             x_TH = x_TH.to(self.dtype)
             if self.training and self.jitter_eps > 0:  # multiplicative noise U(1-eps, 1+eps)
                 x_TH = x_TH * torch.empty_like(x_TH).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
-            return F.linear(x_TH, self.weight.to(self.dtype))
+            bias = None if self.bias is None else self.bias.to(self.dtype)
+            return F.linear(x_TH, self.weight.to(self.dtype), bias)
 
 
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype, ExpertLayout], bool] = {}
@@ -156,15 +159,24 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 class Experts(nn.Module):
     """E SwiGLU experts as stacked parameters: gate_up H -> 2F (gate outputs, then up), down F -> H, their
-    dims in the order moe.model.expert_layout declares (the layout stored when the module was built)."""
+    dims in the order moe.model.expert_layout declares (the layout stored when the module was built).
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    gpt-oss's experts (model.expert_proj_bias, expert_activation): `gate_up_bias` [E, 2F] and `down_bias`
+    [E, H] added to each row by its expert, and `activation` (moe.model.routing.expert_activation) in place
+    of SwiGLU. The fused Triton SwiGLU is plain SwiGLU's only: another activation runs its eager formula
+    (compiled with the MoE regions)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: Callable | None = None):
         super().__init__()
         self.num_experts = num_experts  # experts held here (E / ep after sharding)
         self.layout = layout = stored()
         H, F = hidden_size, intermediate_size
         self.gate_up = nn.Parameter(torch.empty(layout.shape(num_experts, H, 2 * F)))
         self.down = nn.Parameter(torch.empty(layout.shape(num_experts, F, H)))
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * F)) if bias else None
+        self.down_bias = nn.Parameter(torch.empty(num_experts, H)) if bias else None
+        self.activation = activation  # None: SwiGLU (fused where it can be)
         self.use_grouped_mm: bool | None = None  # None: use it where grouped_mm_works()
         # what the last forward ran (summary.json): "grouped_mm", "loop", "fp8" or "fp8_emulated"
         self.kernel: str | None = None
@@ -177,6 +189,9 @@ class Experts(nn.Module):
         self.first_expert = first
         for p in self.parameters():
             p.is_expert, p.first_expert = True, first
+        for p in (self.gate_up_bias, self.down_bias):  # stacked [E, width], yet biases: no weight decay
+            if p is not None:
+                p.is_bias = True
 
     def forward(self, x_MH: torch.Tensor, counts_E: torch.Tensor | list[int],
                 weights_M: torch.Tensor | None = None) -> torch.Tensor:
@@ -201,15 +216,28 @@ class Experts(nn.Module):
             # what autocast's matmuls make too)
             activation = self._activation(x_MH.device, dtype)
             gate_up, down = (self.layout.as_in_out(w.to(dtype)) for w in (self.gate_up, self.down))
-            h_MF = activation(torch._grouped_mm(x_MH.to(dtype), gate_up, offs=offs_E), weights_M)
-            return torch._grouped_mm(h_MF, down, offs=offs_E)
+            rows_E = None if self.gate_up_bias is None else _expert_of_rows(offs_E, x_MH.shape[0])
+            h_M2F = torch._grouped_mm(x_MH.to(dtype), gate_up, offs=offs_E)
+            h_M2F = self._biased(h_M2F, self.gate_up_bias, rows_E)
+            y_MH = torch._grouped_mm(activation(h_M2F, weights_M), down, offs=offs_E)
+            return self._biased(y_MH, self.down_bias, rows_E)
         sizes = counts_E if isinstance(counts_E, list) else host_sizes(counts_E, x_MH.shape[0])  # one sync
         split = [*sizes, x_MH.shape[0] - sum(sizes)]
         *xs, rest = x_MH.split(split)
         ws = [None] * len(xs) if weights_M is None else weights_M.split(split)
         gate_up, down = self.layout.as_in_out(self.gate_up), self.layout.as_in_out(self.down)
-        ys = [swiglu(x @ gate_up[e], ws[e]) @ down[e] for e, x in enumerate(xs)]
+        activation = self.activation or swiglu
+        if self.gate_up_bias is None:
+            ys = [activation(x @ gate_up[e], ws[e]) @ down[e] for e, x in enumerate(xs)]
+        else:
+            ys = [activation(x @ gate_up[e] + self.gate_up_bias[e], ws[e]) @ down[e] + self.down_bias[e]
+                  for e, x in enumerate(xs)]
         return torch.cat([*ys, rest.new_zeros(rest.shape[0], down.shape[-1], dtype=ys[0].dtype)])
+
+    @staticmethod
+    def _biased(h: torch.Tensor, bias_E: torch.Tensor | None, rows_E: torch.Tensor | None) -> torch.Tensor:
+        """h plus each row's expert's bias (none without model.expert_proj_bias)."""
+        return h if bias_E is None else h + bias_E.to(h.dtype)[rows_E]
 
     def _fp8_forward(self, x_MH, counts_E, weights_M) -> torch.Tensor:
         """Both GEMMs in FP8 from the stored weights (one rounding, to e4m3: under bf16-mixed not through bf16
@@ -223,6 +251,8 @@ class Experts(nn.Module):
     def _activation(self, device: torch.device, dtype: torch.dtype) -> Callable:
         """The grouped GEMMs' SwiGLU, one fused kernel each way: compiled with the MoE regions
         (model.compile), else the Triton kernels on CUDA (moe.model.fused_swiglu), else the eager formula."""
+        if self.activation is not None:
+            return region(self.activation, self.compiled_activation)
         if self.compiled_activation:
             return region(swiglu, True)
         return fused_activation(device, dtype)
@@ -232,8 +262,18 @@ class Experts(nn.Module):
         dim = self.layout.expert_dim
         self.gate_up = nn.Parameter(self.gate_up.detach().narrow(dim, first, count).clone())
         self.down = nn.Parameter(self.down.detach().narrow(dim, first, count).clone())
+        if self.gate_up_bias is not None:
+            self.gate_up_bias = nn.Parameter(self.gate_up_bias.detach().narrow(0, first, count).clone())
+            self.down_bias = nn.Parameter(self.down_bias.detach().narrow(0, first, count).clone())
         self.num_experts = count
         self.mark_expert(first)
+
+
+def _expert_of_rows(ends_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Each row's (local) expert from the experts' end rows, without a sync; rows after the last expert's
+    (dropped assignments, undefined outputs) count as the last expert's."""
+    rows = torch.arange(num_rows, device=ends_E.device, dtype=ends_E.dtype)
+    return torch.searchsorted(ends_E, rows, right=True).clamp_(max=ends_E.shape[0] - 1)
 
 
 def _group_ends(counts_E: torch.Tensor | list[int], device) -> torch.Tensor:
@@ -267,9 +307,11 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, moe_opt,
                  shared_expert_intermediate_size: int = 0, init_range: float | None = 0.02,
-                 out_init_std: float | None = None, shared_expert_gate: bool = False):
-        """init_range None: leave the parameters for the model to initialise (moe.model.init);
-        shared_expert_gate: the shared expert's output times sigmoid(Linear(hidden, 1)(x)) (Qwen2-MoE,
+                 out_init_std: float | None = None, router_bias: bool = False, expert_proj_bias: bool = False,
+                 activation: Callable | None = None, shared_expert_gate: bool = False):
+        """init_range None: leave the parameters for the model to initialise (moe.model.init). router_bias,
+        expert_proj_bias, activation: gpt-oss's router and experts (Router, Experts). shared_expert_gate:
+        the shared expert's output times sigmoid(Linear(hidden, 1)(x)) (Qwen2-MoE,
         models/qwen2_moe/modeling_qwen2_moe.py:337-350 at transformers 5.24)."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
@@ -298,8 +340,8 @@ class MoELayer(nn.Module):
         self.compiled_regions = False  # compile_regions() (model.compile=true)
 
         self.router = Router(hidden_size, num_experts, router_dtype(moe_opt.router_dtype), moe_opt.jitter_eps,
-                             expert_bias=moe_opt.enable_expert_bias)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+                             expert_bias=moe_opt.enable_expert_bias, bias=router_bias)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, expert_proj_bias, activation)
         self.experts.fp8 = moe_opt.fp8_experts
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size > 0:

@@ -15,6 +15,7 @@ Conventions (see docs/ARCHITECTURE.md):
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -373,6 +374,28 @@ def capacity_slots(idx_TK: torch.Tensor, keep_TK: torch.Tensor, num_experts: int
     rank_N = torch.arange(expert_N.numel(), device=idx_TK.device) - starts_E[sorted_expert]
     slot_sorted = torch.where(sorted_expert < E, sorted_expert * C + rank_N, E * C)
     return torch.empty_like(slot_sorted).scatter_(0, order_N, slot_sorted)
+
+
+def clamped_swiglu(h_N2F: torch.Tensor, weights_N1: torch.Tensor | None = None, alpha: float = 1.702,
+                   limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's expert activation (model.expert_activation=clamped_swiglu), gate columns first: the gate
+    clamped above at `limit`, the up projection to [-limit, limit], then gate * sigmoid(alpha * gate) *
+    (up + 1), as transformers' GptOssExperts._apply_gate (models/gpt_oss/modeling_gpt_oss.py:82-88, which
+    reads gate and up from interleaved columns: moe.hf.gpt_oss de-interleaves them)."""
+    gate, up = h_N2F.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    out = gate * torch.sigmoid(gate * alpha) * (up + 1)
+    return out if weights_N1 is None else out * weights_N1.to(h_N2F.dtype)
+
+
+@functools.cache
+def expert_activation(kind: str, alpha: float, limit: float) -> Callable:
+    """The experts' activation for model.expert_activation (one function per setting, so a compiled region
+    compiles it once for every layer)."""
+    if kind == "clamped_swiglu":
+        return functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
+    return swiglu
 
 
 def swiglu(h_N2F: torch.Tensor, weights_N1: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,8 @@ from torch import nn
 
 def param_groups(model: nn.Module | Iterable[nn.Parameter], weight_decay: float,
                  no_decay_norms_and_biases: bool) -> list[dict]:
-    """Split a model's (or these) parameters into decay and no-decay groups; 1-D tensors are norms and biases.
+    """Split a model's (or these) parameters into decay and no-decay groups; 1-D tensors are norms and biases,
+    and so are the experts' stacked biases ([E, width], marked `is_bias` by moe.model.moe.Experts).
 
     Each group carries a `name` (DeepSpeed's MoE group splitter needs one) and, through
     `param.is_expert`, stays splittable into expert and non-expert groups later.
@@ -19,7 +20,8 @@ def param_groups(model: nn.Module | Iterable[nn.Parameter], weight_decay: float,
     for p in model.parameters() if isinstance(model, nn.Module) else model:
         if not p.requires_grad:
             continue
-        (no_decay if no_decay_norms_and_biases and p.ndim < 2 else decay).append(p)
+        bias = p.ndim < 2 or getattr(p, "is_bias", False)
+        (no_decay if no_decay_norms_and_biases and bias else decay).append(p)
     groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"name": "no_decay", "params": no_decay, "weight_decay": 0.0})

@@ -1,13 +1,15 @@
 """Tensor parallelism with DTensor parallel styles (torch.distributed.tensor.parallel), Megatron's split.
 
-Attention: `qkv_proj` column-parallel (each TP rank computes its heads' q, k and v; its bias, with
-model.qkv_bias, split as its rows), `o_proj` row-parallel (its output all-reduced over the TP group). A
-per-head QK-norm (model.qk_norm=per_head) stays whole on every rank, its gradient summed over the TP
-group (each rank's heads give part of it); a full-width one would need the whole projection and is
-refused under TP (moe.backends.fsdp2.rules). Dense SwiGLU: `gate_up_proj`
-column-parallel, `down_proj` row-parallel. Embeddings, norms and the LM head stay whole on every
-TP rank (their gradients are equal there: a column-parallel layer all-reduces its input gradient).
-The MoE layer is not split by TP: it splits its tokens over the TP ranks instead and spreads the
+Attention: `qkv_proj` column-parallel (each TP rank computes its heads' q, k and v; its bias, model.qkv_bias,
+split with its rows), `o_proj` row-parallel (its output all-reduced over the TP group; its bias, model.o_bias,
+whole on every rank and added once, torch's RowwiseParallel), the sinks (model.attention_sinks) split by
+head as the queries are (Shard(0): each rank's heads are a contiguous run of them). A per-head QK-norm
+(model.qk_norm=per_head) stays whole on every rank, its gradient summed over the TP group (each rank's heads
+give part of it); a full-width one would need the whole projection and is refused under TP
+(moe.backends.fsdp2.rules).
+Dense SwiGLU: `gate_up_proj` column-parallel, `down_proj` row-parallel. Embeddings, norms and the LM head
+stay whole on every TP rank (their gradients are equal there: a column-parallel layer all-reduces its input
+gradient). The MoE layer is not split by TP: it splits its tokens over the TP ranks instead and spreads the
 experts by expert parallelism (moe.parallel.token_shard; its router's and shared expert's
 gradients are summed over TP).
 
@@ -37,7 +39,7 @@ from moe.model.mla import MLAttention
 
 def fused_segments(name: str, model_cfg) -> list[int] | None:
     """Canonical row segments of a fused projection's weight (`name` as state_dict spells it), else None."""
-    if name.endswith(("attn.qkv_proj.weight", "attn.qkv_proj.bias")):  # the bias (model.qkv_bias) as its rows
+    if name.endswith(("attn.qkv_proj.weight", "attn.qkv_proj.bias")):
         head_dim = head_dim_of(model_cfg)
         kv = model_cfg.num_kv_heads * head_dim
         return [model_cfg.num_heads * head_dim, kv, kv]
@@ -75,7 +77,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
     Shard(1) -> Replicate, RowwiseParallel(output_layouts=Shard(1))). Latent attention's whole-width
     down-projections take plain tensors, so its gathered input is handed over as one (the backward then
     all-reduces and slices instead of reduce-scattering)."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -103,6 +105,8 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
             parallelize_module(module, tp_mesh, {"qkv_proj": ColwiseParallel(), "o_proj": out})
             module.split_sizes = [size // tp for size in module.split_sizes]  # this rank's heads
             module.tp_group = tp_mesh.get_group()  # a per-head qk_norm weight's gradient: summed over it
+            if module.sinks is not None:  # attend() takes this rank's heads' sinks (to_local)
+                module.sinks = nn.Parameter(distribute_tensor(module.sinks, tp_mesh, [Shard(0)]))
         elif isinstance(module, MLAttention):
             gather_input(module, 4, local=True)
             queries = "q_proj" if hasattr(module, "q_proj") else "q_b_proj"

@@ -26,12 +26,16 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
          "(its attention projection is GQAQKVColumnParallelLinear, modules/qkv_linear.py:371)")
     check_whole_kv_heads(m, p.tp)
     check_untied_embeddings(m, "trn1 (the embedding and the LM head are separate parallel layers)")
-    for key, off in (("qk_norm", "none"), ("qkv_bias", False)):
-        need(getattr(m, key) == off, f"model.{key}", getattr(m, key),
-             f"set model.{key}={str(off).lower()} on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
-             "is not built on trn1: the backend swaps qkv_proj for neuronx-distributed's "
-             "ColumnParallelLinear without a bias and does not wire a QK-norm (moe/backends/neuron/layers.py "
-             "swap_layers)")
+    need(m.qk_norm == "none", "model.qk_norm", m.qk_norm,
+         "set model.qk_norm=none on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
+         "is not built on trn1: the backend swaps qkv_proj for neuronx-distributed's ColumnParallelLinear "
+         "and does not wire a QK-norm (moe/backends/neuron/layers.py swap_layers)")
+    for key in ("qkv_bias", "o_bias", "attention_sinks", "router_bias", "expert_proj_bias"):
+        need(not getattr(m, key), f"model.{key}", True, f"set model.{key}=false on trn1",
+             "is not wired to neuronx-distributed's layers (moe/backends/neuron/layers.py builds them "
+             "without it)")
+    need(m.expert_activation == "swiglu", "model.expert_activation", m.expert_activation,
+         "use swiglu on trn1", "is not neuronx-distributed's expert activation (ExpertMLPsV2: SiLU GLU)")
     need(m.shared_expert_intermediate_size == 0, "model.shared_expert_intermediate_size",
          m.shared_expert_intermediate_size, "use 0 on trn1", "is not wired to neuronx-distributed's MoE")
     need(p.activation_checkpointing != "every_n", "parallel.activation_checkpointing", "every_n",

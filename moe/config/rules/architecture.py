@@ -3,9 +3,11 @@ from a config or a Hugging Face directory; train.py checks them with the rest)."
 from __future__ import annotations
 
 from moe.config.choices import (
+    ATTENTION_LAYER_TYPES,
     ATTENTIONS,
     AUX_LOSS_GROUPS,
     DROP_POLICIES,
+    EXPERT_ACTIVATIONS,
     LOAD_BALANCING_TYPES,
     MLA_DIMS,
     POSITION_ENCODINGS,
@@ -58,6 +60,8 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
     need(m.dense_intermediate_size is None or m.dense_intermediate_size >= 1,
          f"{prefix}.dense_intermediate_size", m.dense_intermediate_size,
          "use a positive width or null (= intermediate_size)")
+    validate_layer_types(m, prefix)
+    validate_gpt_oss_pieces(m, r, prefix)
     if r is not None:
         validate_routing(r)
         validate_groups(m, r, prefix)
@@ -72,6 +76,45 @@ def validate_dense_layers(m, prefix: str) -> None:
          f"holds {bad}, outside the model's layers")
     need(len(set(layers)) == len(layers), f"{prefix}.dense_layers", layers, "list each layer once",
          "repeats a layer")
+
+
+def validate_layer_types(m, prefix: str) -> None:
+    """model.attention_layer_types: one known type per layer, and a window for the sliding ones."""
+    types = m.attention_layer_types
+    if types is None:
+        return
+    need(len(types) == m.num_layers, f"{prefix}.attention_layer_types", list(types),
+         f"give one entry per layer ({prefix}.num_layers={m.num_layers}), or null",
+         f"has {len(types)} entries")
+    for kind in types:
+        one_of(f"{prefix}.attention_layer_types", kind, ATTENTION_LAYER_TYPES, "attention layer type")
+    need(m.sliding_window is not None or "sliding_attention" not in types, f"{prefix}.sliding_window", None,
+         f"set {prefix}.sliding_window (the sliding_attention layers' window), or make every layer "
+         "full_attention", "leaves the sliding_attention layers without a window")
+
+
+def validate_gpt_oss_pieces(m, r, prefix: str) -> None:
+    """Attention biases and sinks (GQA only), the experts' activation and biases, and what the experts'
+    FP8 and weighted-activation paths cannot compute with them."""
+    one_of(f"{prefix}.expert_activation", m.expert_activation, EXPERT_ACTIVATIONS, "expert activation")
+    for key in ("swiglu_alpha", "swiglu_limit"):
+        value = getattr(m, key)
+        finite_number(f"{prefix}.{key}", value, "use gpt-oss's value (1.702 and 7.0)")
+        need(value > 0, f"{prefix}.{key}", value, "use gpt-oss's value (1.702 and 7.0)", "must be positive")
+    if m.attention == "mla":
+        for key in ("qkv_bias", "o_bias", "attention_sinks"):
+            need(not getattr(m, key), f"{prefix}.{key}", True, f"set {prefix}.{key}=false with attention=mla",
+                 "is built into GQA attention only")
+    if r is None:
+        return
+    gpt_oss_experts = m.expert_proj_bias or m.expert_activation != "swiglu"
+    need(not (r.fp8_experts and gpt_oss_experts), "moe_opt.fp8_experts", True,
+         "set moe_opt.fp8_experts=false with expert_proj_bias or clamped_swiglu",
+         "has no path for the experts' biases or the clamped SwiGLU (moe/model/fp8.py)")
+    need(not (r.weights_in_activation and m.expert_proj_bias), "moe_opt.weights_in_activation", True,
+         f"set moe_opt.weights_in_activation=false with {prefix}.expert_proj_bias",
+         "would weight the experts' output before the down projection's bias is added; gpt-oss weights "
+         "the whole output, bias included")
 
 
 def validate_gqa(m, prefix: str) -> None:
@@ -165,10 +208,9 @@ def validate_mla(m, prefix: str) -> None:
          "RoPE rotates pairs of dims: use an even qk_rope_head_dim (DeepSeek-V3: 64)", "is odd")
     need(m.position_encoding == "rope", f"{prefix}.position_encoding", m.position_encoding,
          f"use rope with {prefix}.attention=mla", "is not built into MLA (its position is a RoPE key)")
-    for key, value, off in (("qk_norm", m.qk_norm, "none"), ("qkv_bias", m.qkv_bias, False)):
-        need(value == off, f"{prefix}.{key}", value, f"set {prefix}.{key}={str(off).lower()} with "
-             f"{prefix}.attention=mla, or use attention=gqa",
-             "is a GQA option (MLA's projections are latents)")
+    need(m.qk_norm == "none", f"{prefix}.qk_norm", m.qk_norm,
+         f"set {prefix}.qk_norm=none with {prefix}.attention=mla, or use attention=gqa",
+         "is a GQA option (MLA's projections are latents)")  # GQA's biases and sinks: validate_gpt_oss_pieces
 
 
 def validate_groups(m, r, model_prefix: str = "model") -> None:
