@@ -187,6 +187,31 @@ def test_non_finite_numbers_are_refused(key, value):
     assert "not a finite number" in str(err.value)
 
 
+@pytest.mark.parametrize("overrides,field", [
+    (("model.qk_norm=rms",), "model.qk_norm"),
+    (("model.dense_layers=[0, 9]",), "model.dense_layers"),
+    (("model.dense_layers=[1, 1]",), "model.dense_layers"),
+    (("model.shared_expert_gate=true",), "model.shared_expert_gate"),  # no shared expert to gate
+    (("model=tiny_deepseek_v3", "model.qkv_bias=true"), "model.qkv_bias"),  # GQA only
+    (("hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "trainer.devices=2", "model.qk_norm=full"),
+     "model.qk_norm"),
+    (("hardware=trn1", "dry_run=true", "model.qkv_bias=true"), "model.qkv_bias"),
+])
+def test_the_hf_family_keys_refuse_what_cannot_be_built(overrides, field):
+    """model.qk_norm, dense_layers, shared_expert_gate, qkv_bias: a value that cannot be built, a full-width
+    QK-norm split by tensor parallelism, or trn1 (which does not wire them): refused naming the key."""
+    with pytest.raises(ConfigError) as err:
+        validate(make_cfg(*overrides))
+    assert err.value.field == field
+
+
+def test_the_hf_family_keys_are_valid_where_they_are_built():
+    validate(make_cfg("model.qk_norm=per_head", "model.qkv_bias=true", "model.dense_layers=[0]",
+                      "model.shared_expert_intermediate_size=64", "model.shared_expert_gate=true"))
+    validate(make_cfg("hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "trainer.devices=2",
+                      "model.qk_norm=per_head", "model.qkv_bias=true"))
+
+
 def test_dropless_and_switch_routing_are_valid():
     validate(make_cfg("moe_opt=dropless"))
     validate(make_cfg("model=tiny_switch", "moe_opt=switch"))

@@ -176,19 +176,65 @@ def _mla_tp_grads():
     return _mla_grads(model)
 
 
-def test_mla_under_tp2_gives_one_process_gradients():
-    """Latent attention split by heads over 2 TP ranks: every attention weight's gradient, the replicated
-    down-projections included (the shared RoPE key's gradient summed over the ranks), equals one process's."""
+def _qwen_cfg():
+    """GQA with Qwen3-MoE's per-head QK-norm and Qwen2-MoE's q/k/v biases."""
+    from moe.config.schema import ModelConfig, MoEOptConfig
+
+    model = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=8, num_layers=2, num_heads=4,
+                        num_kv_heads=2, num_experts=4, top_k=2, first_k_dense_replace=1, qk_norm="per_head",
+                        qkv_bias=True)
+    return model, MoEOptConfig(capacity_factor=None)
+
+
+def _qwen_reference():
+    """One process's model, its biases and norm weights drawn away from 0 and 1 (the init's)."""
     from moe.model.model import MoETransformer
 
-    out = _on_two_ranks(_mla_tp_grads)
-    want = _mla_grads(MoETransformer(*_mla_cfg(), init_seed=7))
-    assert "layers.0.attn.kv_a_proj.weight" in want and "layers.1.attn.q_b_proj.weight" in want
+    model = MoETransformer(*_qwen_cfg(), init_seed=7)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "_norm.weight")):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    return model
+
+
+def _qwen_tp_grads():
+    from moe.parallel.placement import materialize_distributed
+
+    model_cfg, moe_opt = _qwen_cfg()
+    model, _ = _tp2_on_meta(model_cfg, moe_opt)
+    values = _qwen_reference().state_dict()
+    materialize_distributed(model, "cpu", lambda name, shape, first: values[name], model_cfg, tp=2)
+    return _mla_grads(model)
+
+
+def _tp2_attention_grads():
+    return {"mla": _mla_tp_grads(), "qwen": _qwen_tp_grads()}
+
+
+def test_mla_and_qk_norm_attention_under_tp2_give_one_process_gradients():
+    """Attention split by heads over 2 TP ranks, every attention weight's gradient equals one process's.
+    Latent attention: the replicated down-projections included (the shared RoPE key's gradient summed over
+    the ranks). GQA with a per-head QK-norm and q/k/v biases: the bias with its rows (TP-interleaved as the
+    weight's), the norm weights whole on each rank with their gradients summed over the ranks. One pair of
+    processes for both."""
+    from moe.model.model import MoETransformer
+
+    out = _on_two_ranks(_tp2_attention_grads)
+    mla = _mla_grads(MoETransformer(*_mla_cfg(), init_seed=7))
+    assert "layers.0.attn.kv_a_proj.weight" in mla and "layers.1.attn.q_b_proj.weight" in mla
+    qwen = _mla_grads(_qwen_reference())
+    assert "layers.0.attn.qkv_proj.bias" in qwen and "layers.1.attn.q_norm.weight" in qwen
     for rank in (0, 1):
-        assert set(out[rank]) == set(want)
-        for name, grad in want.items():
+        assert set(out[rank]["mla"]) == set(mla) and set(out[rank]["qwen"]) == set(qwen)
+        for name, grad in mla.items():
             # without the sum over TP ranks, kv_a_proj's RoPE rows are off by 7e-7
-            torch.testing.assert_close(out[rank][name], grad, atol=1e-8, rtol=1e-6, msg=name)
+            torch.testing.assert_close(out[rank]["mla"][name], grad, atol=1e-8, rtol=1e-6, msg=name)
+        for name, grad in qwen.items():
+            if ".qkv_proj." in name:  # the live tensor's rows are TP-interleaved
+                grad = grad[interleave_order([16, 8, 8], 2)]
+            torch.testing.assert_close(out[rank]["qwen"][name], grad, atol=1e-7, rtol=1e-5, msg=name)
 
 
 # -- slow: 20 training steps per layout, and resumes -------------------------------------------------
@@ -224,6 +270,27 @@ def test_mla_with_first_k_dense_layers_matches_one_process_under_fsdp2(tmp_path,
     expert bias): FSDP2 with TP 2 gives every step's loss of one process holding the same global batch."""
     train(tmp_path / layout, *MLA, *FSDP2, *LAYOUTS[layout])
     assert_same_losses(tmp_path / layout, mla_single)
+
+
+# Qwen-MoE's pieces at once: per-head QK-norm, q/k/v biases, a sigmoid-gated shared expert, a dense layer
+QWEN = ("model.qk_norm=per_head", "model.qkv_bias=true", "model.shared_expert_intermediate_size=64",
+        "model.shared_expert_gate=true", "model.dense_layers=[0]", "moe_opt.normalize_top_k=false")
+
+
+QWEN_STEPS = 10  # of the harness's 20: a wrong gradient shows in the loss from the second step
+
+
+@pytest.mark.slow
+def test_qwen_pieces_match_one_process_under_fsdp2_dp2_ep2(tmp_path):
+    """Every Qwen-MoE piece under FSDP2 over 4 ranks (dp 2 x ep 2): the biases and the per-head norm
+    sharded over the data-parallel ranks, the shared expert's gate reduced as the shared expert is: every
+    step's loss equals one process's. (Under TP the same pieces' gradients: the fast
+    test_mla_and_qk_norm_attention_under_tp2_give_one_process_gradients.)"""
+    single = tmp_path / "single"
+    steps = f"trainer.max_steps={QWEN_STEPS}"
+    train(single, *QWEN, steps, "trainer.devices=1", "trainer.micro_batch_size=4")
+    train(tmp_path / "dp2_ep2", *QWEN, steps, *FSDP2, *LAYOUTS["dp2_ep2"])
+    assert_same_losses(tmp_path / "dp2_ep2", single, steps=QWEN_STEPS)
 
 
 HSDP = ("parallel=fsdp2_hsdp", *FOUR, "trainer.micro_batch_size=1")  # tests/test_resume_layouts.py trains it

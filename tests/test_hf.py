@@ -15,7 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from moe.config import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError, UserError
 from moe.hf import from_hf, model_config_from_hf, to_hf
-from moe.hf.families import exporter_for
+from moe.hf.families import CONVERTERS, exporter_for
 from moe.hf.mixtral import Mixtral
 from moe.model import MoETransformer
 
@@ -249,6 +249,8 @@ def test_config_keys_the_model_type_does_not_define_are_named_and_biases_refused
     biased.attention_bias = True
     with pytest.raises(ConfigError, match="attention_bias=True is not supported"):
         model_config_from_hf(biased)
+
+
 def test_hf_family_picks_the_exporter_and_an_unknown_one_is_refused_naming_the_key():
     assert exporter_for(ModelConfig()).hf_class == "MixtralForCausalLM"
     assert exporter_for(ModelConfig(hf_family="deepseek_v3")).hf_class == "DeepseekV3ForCausalLM"
@@ -256,12 +258,11 @@ def test_hf_family_picks_the_exporter_and_an_unknown_one_is_refused_naming_the_k
         exporter_for(ModelConfig(hf_family="llama4"))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("family", list(CONVERTERS))
 def test_the_start_up_fit_check_reads_the_tensors_a_run_reads(family):
     """moe.hf.start checks a directory's final norm and first and last routers by their keys in the files
     (fit_tensors, ExportAdapter.router_key): the same keys the family's reader takes them from when the run
     materialises its weights."""
-    from moe.hf.families import CONVERTERS
     from moe.hf.start import fit_tensors
 
     adapter = CONVERTERS[family]()

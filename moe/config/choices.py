@@ -15,6 +15,7 @@ RouterDtype = Literal["fp32", "bf16", "fp16"]
 PositionEncoding = Literal["rope", "alibi"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]  # transformers' rope_type names
 Attention = Literal["gqa", "mla"]
+QKNorm = Literal["none", "per_head", "full"]  # RMSNorm of queries and keys before RoPE
 AuxLossGroup = Literal["ep", "dp"]
 LoadBalancingType = Literal["aux_loss", "seq_aux_loss", "none"]
 ScoreFunction = Literal["softmax", "sigmoid"]
@@ -32,10 +33,10 @@ __all__ = [  # the types and their values
     "ATTENTION_LAYER_TYPES", "EXPERT_ACTIVATIONS", "AttentionLayerType", "ExpertActivation",
     "AC_POLICIES", "ATTENTIONS", "AUX_LOSS_GROUPS", "BAD_ROW_POLICIES", "DATA_FORMATS", "DATA_KINDS",
     "DROP_POLICIES", "INFER_DTYPES", "LOAD_BALANCING_TYPES", "MLA_DIMS", "NEURON_PRECISIONS", "PACKINGS",
-    "POSITION_ENCODINGS", "ROPE_TYPES", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS", "AcPolicy",
-    "Attention", "AuxLossGroup", "BadRowPolicy", "DataFormat", "DataKind", "DropPolicy", "InferDtype",
-    "LoadBalancingType", "NeuronPrecision", "Packing", "PositionEncoding", "RopeType", "RouterDtype",
-    "ScoreFunction", "SpikeAction",
+    "POSITION_ENCODINGS", "QK_NORMS", "ROPE_TYPES", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS",
+    "AcPolicy", "Attention", "AuxLossGroup", "BadRowPolicy", "DataFormat", "DataKind", "DropPolicy",
+    "InferDtype", "LoadBalancingType", "NeuronPrecision", "Packing", "PositionEncoding", "QKNorm", "RopeType",
+    "RouterDtype", "ScoreFunction", "SpikeAction",
 ]
 
 AC_POLICIES = get_args(AcPolicy)
@@ -45,6 +46,7 @@ ROUTER_DTYPES = dict(zip(get_args(RouterDtype), ("float32", "bfloat16", "float16
 POSITION_ENCODINGS = get_args(PositionEncoding)
 ROPE_TYPES = get_args(RopeType)
 ATTENTIONS = get_args(Attention)
+QK_NORMS = get_args(QKNorm)
 MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # required by mla
 AUX_LOSS_GROUPS = get_args(AuxLossGroup)
 LOAD_BALANCING_TYPES = get_args(LoadBalancingType)

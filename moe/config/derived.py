@@ -78,10 +78,12 @@ def dense_width(m) -> int:
 
 
 def is_moe_layer(layer_idx: int, m) -> bool:
-    """Layer i (0-based) of ModelConfig m is MoE when i >= first_k_dense_replace and (i + 1) %
-    moe_layer_frequency == 0: frequency 2 makes layers 1, 3, 5... MoE; first_k_dense_replace=3 makes
-    layers 0-2 dense (DeepSeek-V3)."""
-    return layer_idx >= m.first_k_dense_replace and (layer_idx + 1) % m.moe_layer_frequency == 0
+    """Layer i (0-based) of ModelConfig m is MoE when i >= first_k_dense_replace, (i + 1) %
+    moe_layer_frequency == 0 and i is not in dense_layers: frequency 2 makes layers 1, 3, 5... MoE;
+    first_k_dense_replace=3 makes layers 0-2 dense (DeepSeek-V3); dense_layers lists any others (Qwen's
+    mlp_only_layers, which transformers applies with the same frequency rule: `decoder_sparse_step`)."""
+    return (layer_idx >= m.first_k_dense_replace and (layer_idx + 1) % m.moe_layer_frequency == 0
+            and layer_idx not in (m.dense_layers or ()))
 
 
 def has_moe_layers(m) -> bool:

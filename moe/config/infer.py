@@ -14,7 +14,7 @@ class InferConfig:
     """Where the model comes from, what to do with it, and how to sample."""
 
     ckpt: str | None = None  # a .ckpt file, a run dir, or `last` (newest runs/*/checkpoints/last.ckpt)
-    hf_dir: str | None = None  # a Mixtral-format directory (config.json + safetensors), local only
+    hf_dir: str | None = None  # a directory (config.json + safetensors) of a family moe.hf converts
     runs_dir: str = "runs"  # where ckpt=last looks
     prompt: str | None = None
     prompts_file: str | None = None  # .txt: one prompt a line; .jsonl: a `prompt` field a line

@@ -25,6 +25,7 @@ from moe.config.choices import (
     LoadBalancingType,
     NeuronPrecision,
     PositionEncoding,
+    QKNorm,
     RopeType,
     RouterDtype,
     ScoreFunction,
@@ -129,7 +130,15 @@ class ModelConfig(Section):
     top_k: int = 2
     moe_layer_frequency: int = 1  # an MoE block every N layers, dense SwiGLU otherwise
     first_k_dense_replace: int = 0  # the first k layers dense whatever the frequency (DeepSeek-V3: 3)
+    # these layers (0-based) dense too, whatever the two rules above (Qwen's mlp_only_layers); null = none
+    dense_layers: Optional[list[int]] = None
     shared_expert_intermediate_size: int = 0  # 0 = no always-on shared expert
+    # the shared expert's output times sigmoid(gate(x)), gate a Linear(hidden, 1) (Qwen2-MoE's
+    # shared_expert_gate)
+    shared_expert_gate: bool = False
+    # GQA only: RMSNorm of the queries and keys before RoPE; none | per_head: over each head's head_dim, one
+    # weight for every head (Qwen3-MoE) | full: over the whole q and the whole k projection (OLMoE)
+    qk_norm: Annotated[str, QKNorm] = "none"
     # a trained bias on the router's logits (gpt-oss); not moe_opt.enable_expert_bias's balancing bias
     router_bias: bool = False
     expert_proj_bias: bool = False  # a bias on every routed expert's gate_up and down projections (gpt-oss)

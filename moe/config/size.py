@@ -11,7 +11,7 @@ from moe.config.derived import attention_dims, dense_width, head_dim_of, is_moe_
 
 
 def attention_params(m) -> int:
-    """One layer's attention weights, its two block norms included (and GQA's biases and sinks)."""
+    """One layer's attention weights, its two block norms included (and GQA's biases, sinks and QK-norm)."""
     H = m.hidden_size
     if m.attention == "mla":
         qk_dim, v_dim = attention_dims(m)
@@ -21,9 +21,11 @@ def attention_params(m) -> int:
             + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + v_dim)
         return q + kv + m.num_heads * v_dim * H + 2 * H
     head_dim = head_dim_of(m)
-    qkv_out = m.num_heads * head_dim + 2 * m.num_kv_heads * head_dim
-    extras = qkv_out * m.qkv_bias + H * m.o_bias + m.num_heads * m.attention_sinks
-    return H * qkv_out + m.num_heads * head_dim * H + 2 * H + extras
+    q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
+    qkv_out = q + 2 * kv
+    qk_norm = {"none": 0, "per_head": 2 * head_dim, "full": q + kv}[m.qk_norm]
+    extras = qkv_out * m.qkv_bias + H * m.o_bias + m.num_heads * m.attention_sinks + qk_norm
+    return H * qkv_out + q * H + 2 * H + extras
 
 
 @dataclass
@@ -33,7 +35,7 @@ class ParamBreakdown:
     embedding: int
     lm_head: int  # 0 when tied to the embedding
     final_norm: int
-    attention: int  # q/k/v (MLA: its latents and their norms) + o + the two block RMSNorms, all layers
+    attention: int  # q/k/v (MLA: latents and their norms; GQA: biases, QK-norms) + o + the 2 block RMSNorms
     routers: int
     shared_experts: int
     dense_mlp: int  # SwiGLU of the non-MoE layers
@@ -69,7 +71,7 @@ def param_breakdown(m) -> ParamBreakdown:
         final_norm=H,
         attention=m.num_layers * attention_params(m),
         routers=n_moe * E * (H + m.router_bias),
-        shared_experts=n_moe * 3 * H * m.shared_expert_intermediate_size,
+        shared_experts=n_moe * (3 * H * m.shared_expert_intermediate_size + H * m.shared_expert_gate),
         dense_mlp=n_dense * 3 * H * dense_width(m),
         experts=n_moe * E * per_expert,
         active_experts=n_moe * m.top_k * per_expert,

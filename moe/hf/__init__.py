@@ -4,6 +4,10 @@
     moe/hf/mixtral.py      Mixtral <-> our GQA models
     moe/hf/deepseek_v3.py  DeepSeek-V3 <-> our MLA models
     moe/hf/gpt_oss.py      gpt-oss <-> our GQA models with sinks, biases and the clamped SwiGLU
+    moe/hf/sparse_moe.py   what the softmax top-k families share (keys, reader, writer, refusals)
+    moe/hf/qwen3_moe.py    Qwen3-MoE <-> our GQA models with a per-head QK-norm
+    moe/hf/qwen2_moe.py    Qwen2-MoE <-> our GQA models with q/k/v biases and a gated shared expert
+    moe/hf/olmoe.py        OLMoE <-> our GQA models with a full-width QK-norm
     moe/hf/dense.py        dense Mistral/Llama -> MoE by upcycling (and the Llama family's config and keys)
     moe/hf/families.py     model_type -> adapter (read_hf_config); our attention -> the family we export to
     moe/hf/convert.py      to_hf, from_hf, tensor_source

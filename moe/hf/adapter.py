@@ -109,26 +109,65 @@ class ExportAdapter(HFAdapter):
         """Anything the empty transformers model needs before its weights load (nothing by default)."""
 
 
-# model keys (and their off values) whose pieces only gpt-oss's transformers class has among our exporters
-GPT_OSS_PIECES = {"qkv_bias": False, "o_bias": False, "attention_sinks": False, "router_bias": False,
-                  "expert_proj_bias": False, "expert_activation": "swiglu"}
+# model keys whose pieces only some families' transformers classes have: the plain value, and those families
+# (model.hf_family). dense_layers: any layers beside the leading ones and the frequency's.
+FAMILY_PIECES = {
+    "qkv_bias": (False, ("gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe")),
+    "o_bias": (False, ("gpt_oss", "qwen3_moe", "olmoe")),
+    "attention_sinks": (False, ("gpt_oss",)),
+    "router_bias": (False, ("gpt_oss",)),
+    "expert_proj_bias": (False, ("gpt_oss",)),
+    "expert_activation": ("swiglu", ("gpt_oss",)),
+    "qk_norm": ("none", ("qwen3_moe", "olmoe")),
+    "shared_expert_gate": (False, ("qwen2_moe",)),
+    "dense_layers": (None, ("qwen3_moe", "qwen2_moe")),
+}
+PER_LAYER_WINDOWS = ("gpt_oss",)  # families whose class windows some layers only (layer_types)
 
 
-def check_plain_pieces(cfg: ModelConfig, family: str) -> None:
-    """An export to a family without gpt-oss's pieces (Mixtral, DeepSeek-V3) refuses a model that has them,
-    which that class would drop or compute otherwise; and full_attention layers beside model.sliding_window,
-    which needs a class with `layer_types`."""
-    for key, off in GPT_OSS_PIECES.items():
-        if getattr(cfg, key) != off:
-            raise ConfigError(f"model.{key}", getattr(cfg, key),
-                              "set model.hf_family=gpt_oss to export it (GptOssForCausalLM has it)",
+def check_plain_pieces(cfg: ModelConfig, family: str, model_type: str) -> None:
+    """An export to `family` (its model_type) refuses a model with a piece its class does not have, which the
+    export would drop or compute otherwise, naming the families that have it; and full_attention layers
+    beside model.sliding_window, which needs a class with `layer_types`."""
+    for key, (off, families) in FAMILY_PIECES.items():
+        have = getattr(cfg, key)
+        plain = have == off or (off is None and not have)  # dense_layers: [] lists none
+        if model_type not in families and not plain:
+            raise ConfigError(f"model.{key}", have,
+                              f"set model.hf_family={' or '.join(families)} to export it (their classes have "
+                              f"it), or train with model.{key}={_yaml(off)}",
                               f"has no {family} equivalent: the export would drop it or compute otherwise")
-    if {window_of(cfg, i) for i in range(cfg.num_layers)} - {cfg.sliding_window}:
+    windows = {window_of(cfg, i) for i in range(cfg.num_layers)}
+    if model_type not in PER_LAYER_WINDOWS and windows - {cfg.sliding_window}:
         raise ConfigError("model.attention_layer_types", list(cfg.attention_layer_types),
-                          "set model.hf_family=gpt_oss to export it (its layer_types), or "
-                          "attention_layer_types=null (every layer model.sliding_window)",
+                          f"set model.hf_family={' or '.join(PER_LAYER_WINDOWS)} to export it (its "
+                          "layer_types), or attention_layer_types=null (every layer model.sliding_window)",
                           f"gives some layers no window; {family} has one window for every layer")
 
 
 def _yaml(value) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def refuse_unless(cfg: ModelConfig, family: str, **wanted) -> None:
+    """A ConfigError for the first model key whose value is not the one `family` can express."""
+    for key, want in wanted.items():
+        have = getattr(cfg, key)
+        if have != want:
+            raise ConfigError(f"model.{key}", have,
+                              f"train with model.{key}={_yaml(want)} to export to {family}",
+                              f"cannot be expressed by {family}")
+
+
+def refuse_router_options(moe_opt: MoEOptConfig, family: str) -> None:
+    """A ConfigError for the first routing option a softmax top-k router (Mixtral's, Qwen's, OLMoE's)
+    cannot express."""
+    for key, default, what in (("score_function", "softmax", "scores experts with a sigmoid"),
+                               ("num_groups", None, "limits each token to groups of experts"),
+                               ("topk_scaling_factor", None, "scales the top-k weights"),
+                               ("enable_expert_bias", False, "selects experts with a learned bias")):
+        value = getattr(moe_opt, key)
+        if value != default:
+            raise ConfigError(f"moe_opt.{key}", value,
+                              f"export a model trained with moe_opt.{key}={_yaml(default)}",
+                              f"{what}, which {family}'s softmax top-k router cannot express")

@@ -20,8 +20,8 @@ from moe.hf.tensors import SafetensorsDir, check_finite, is_stacked, load_local,
 
 
 def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-    """Raise ConfigError for any option the model's transformers class (Mixtral, DeepSeek-V3 or gpt-oss)
-    cannot reproduce."""
+    """Raise ConfigError for any option the model's transformers class (its family: moe.hf.families) cannot
+    reproduce."""
     exporter_for(cfg).check_exportable(cfg, moe_opt)
 
 
@@ -105,8 +105,9 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
 def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "model.init_from_hf"):
     """`source(name, shape, first_expert)` -> our tensor from DIR's safetensors, as
     MoETransformer.materialize (and trn1's param_init_fn) reads values: full tensors, or experts
-    [first_expert, first_expert + shape[0]). A Mixtral, DeepSeek-V3 or gpt-oss directory is converted; a dense
-    Mistral/Llama one upcycled to model_cfg's experts, routers from moe.model.init's values for `seed`."""
+    [first_expert, first_expert + shape[0]). A directory of a family we convert (moe.hf.families) is
+    converted; a dense Mistral/Llama one upcycled to model_cfg's experts, routers from moe.model.init's
+    values for `seed`."""
     files = SafetensorsDir(path, field)
     hf_config = json.loads((Path(path) / "config.json").read_text())
     model_type = hf_config.get("model_type")

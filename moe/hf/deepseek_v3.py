@@ -35,6 +35,7 @@ from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
 from moe.hf.rope import rope_keys, rope_parameters
+from moe.hf.sparse_moe import per_expert_keys
 from moe.hf.tensors import (
     BLOCK_NORMS,
     LAYER,
@@ -45,7 +46,7 @@ from moe.hf.tensors import (
     stacked_experts,
     top_level,
 )
-from moe.model.expert_layout import EXPERT_LAYOUT, OUT_IN
+from moe.model.expert_layout import EXPERT_LAYOUT
 
 HF_GROUP_SCORE_TOP = 2  # DeepseekV3TopkRouter: `.topk(2, dim=-1)[0].sum(dim=-1)` per group
 
@@ -203,7 +204,7 @@ class DeepSeekV3(ExportAdapter):
 
     # -- writing ----------------------------------------------------------------------------------
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-        check_plain_pieces(cfg, "DeepSeek-V3")
+        check_plain_pieces(cfg, "DeepSeek-V3", self.model_types[0])
         if cfg.moe_layer_frequency != 1:
             raise ConfigError("model.moe_layer_frequency", cfg.moe_layer_frequency,
                               "use moe_layer_frequency=1 (model.first_k_dense_replace for leading dense "
@@ -300,14 +301,4 @@ class DeepSeekV3(ExportAdapter):
 
     def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
         """transformers 5.x's stacked expert tensors -> the per-expert keys of the files (and of 4.x)."""
-        sd = dict(sd)
-        for i in range(num_layers):
-            e = f"model.layers.{i}.mlp.experts."
-            if e + "gate_up_proj" not in sd:
-                continue
-            gate, up = OUT_IN.split_gate_up(sd.pop(e + "gate_up_proj"))
-            down = sd.pop(e + "down_proj")
-            for j in range(down.shape[0]):
-                sd |= {f"{e}{j}.gate_proj.weight": gate[j], f"{e}{j}.up_proj.weight": up[j],
-                       f"{e}{j}.down_proj.weight": down[j]}
-        return sd
+        return per_expert_keys(sd, num_layers)

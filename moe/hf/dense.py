@@ -38,18 +38,24 @@ from moe.hf.tensors import BLOCK_NORMS, LAYER, TOP_LEVEL, Get, load_local, top_l
 from moe.model.expert_layout import EXPERT_LAYOUT, stored
 
 
-def llama_family_config(hf_config, num_experts: int, top_k: int) -> ModelConfig:
-    """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama) with these experts; refuses
-    what our decoder does not implement."""
+def llama_family_config(hf_config, num_experts: int, top_k: int,
+                        biased_attention: bool = False) -> ModelConfig:
+    """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama, Qwen-MoE, OLMoE) with these
+    experts; refuses what our decoder does not implement. `biased_attention`: the family's attention_bias
+    (q, k, v and o biased together: Qwen3-MoE, OLMoE) is read as model.qkv_bias and o_bias; else refused
+    (the family's export writes no attention bias)."""
     rope = rope_keys(hf_config, default_theta=1.0e6)  # plain, linear, llama3 or YaRN (moe.hf.rope)
     if hf_config.hidden_act != "silu":
         raise ConfigError("hidden_act", hf_config.hidden_act, "only SiLU (SwiGLU) experts are implemented",
                           "is not supported")
-    for key in ("attention_bias", "mlp_bias"):  # Llama's options: biases our projections do not have
-        if getattr(hf_config, key, False):
-            raise ConfigError(key, True, f"convert a checkpoint with {key}=false (our projections have "
-                              "no bias)", "is not supported")
-    return llama_shaped_config(hf_config, num_experts, top_k, **rope)
+    if getattr(hf_config, "mlp_bias", False):  # Llama's option
+        raise ConfigError("mlp_bias", True, "convert a checkpoint with mlp_bias=false (our MLPs have no "
+                          "bias)", "is not supported")
+    bias = bool(getattr(hf_config, "attention_bias", False))
+    if bias and not biased_attention:
+        raise ConfigError("attention_bias", True, "convert a checkpoint with attention_bias=false (a "
+                          f"{hf_config.model_type} export writes no attention bias)", "is not supported")
+    return llama_shaped_config(hf_config, num_experts, top_k, **rope, qkv_bias=bias, o_bias=bias)
 
 
 def llama_shaped_config(hf_config, num_experts: int, top_k: int, **pieces) -> ModelConfig:

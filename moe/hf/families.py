@@ -1,9 +1,9 @@
 """Which adapter reads or writes which Hugging Face model family: the one table.
 
-Reading goes by the checkpoint's `model_type` (config.json, opened by `read_hf_config`); writing by
-`model.hf_family` (an import sets it), else by our attention: GQA models are Mixtral, MLA models
-DeepSeek-V3. Dense Mistral/Llama checkpoints are read by upcycling only (their adapter needs the expert
-count: moe.hf.dense.DenseUpcycle).
+Reading goes by the checkpoint's `model_type` (config.json, opened by `read_hf_config`): Mixtral,
+DeepSeek-V3, Qwen3-MoE, Qwen2-MoE, OLMoE; writing by `model.hf_family` (an import sets it), else by our
+attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama checkpoints are read by
+upcycling only (their adapter needs the expert count: moe.hf.dense.DenseUpcycle).
 """
 from __future__ import annotations
 
@@ -17,23 +17,24 @@ from moe.hf.deepseek_v3 import DeepSeekV3
 from moe.hf.dense import DenseUpcycle
 from moe.hf.gpt_oss import GptOss
 from moe.hf.mixtral import Mixtral
+from moe.hf.olmoe import Olmoe
+from moe.hf.qwen2_moe import Qwen2Moe
+from moe.hf.qwen3_moe import Qwen3Moe
 from moe.hf.tensors import SafetensorsDir
 
-CONVERTERS: dict[str, type[ExportAdapter]] = {"mixtral": Mixtral, "deepseek_v3": DeepSeekV3,
-                                              "gpt_oss": GptOss}
+CONVERTERS: dict[str, type[ExportAdapter]] = {
+    adapter.model_types[0]: adapter for adapter in (Mixtral, DeepSeekV3, GptOss, Qwen3Moe, Qwen2Moe, Olmoe)}
 UPCYCLERS: dict[str, type[HFAdapter]] = dict.fromkeys(DenseUpcycle.model_types, DenseUpcycle)
 EXPORT_BY_ATTENTION = {"gqa": "mixtral", "mla": "deepseek_v3"}
 IMPORTABLE = tuple(CONVERTERS)  # model_type of the checkpoints from_hf reads
+FAMILY_CLASSES = tuple(adapter.hf_class for adapter in CONVERTERS.values())
 
 
 def converter_for(model_type: str | None, field: str = "model_type") -> ExportAdapter:
-    """The adapter of a Mixtral, DeepSeek-V3 or gpt-oss checkpoint; a ConfigError naming what to do
-    otherwise."""
+    """The adapter of a checkpoint of a family we convert; a ConfigError naming what to do otherwise."""
     if model_type not in CONVERTERS:
-        raise ConfigError(field, model_type, "convert a Mixtral (MixtralForCausalLM), DeepSeek-V3 "
-                          "(DeepseekV3ForCausalLM) or gpt-oss (GptOssForCausalLM) checkpoint; upcycle a "
-                          "dense one with moe.hf.upcycle",
-                          f"is not {' or '.join(IMPORTABLE)}")
+        raise ConfigError(field, model_type, f"convert a checkpoint of one of {', '.join(FAMILY_CLASSES)}; "
+                          "upcycle a dense one with moe.hf.upcycle", f"is not {' or '.join(IMPORTABLE)}")
     return CONVERTERS[model_type]()
 
 
@@ -44,8 +45,8 @@ def exporter_for(model_cfg) -> ExportAdapter:
 
 
 def read_hf_config(path: str | Path, field: str):
-    """The transformers config of a Mixtral, DeepSeek-V3 or gpt-oss directory; a UserError naming `field`
-    when the directory has none, an unreadable one, or another model type."""
+    """The transformers config of a directory of a family we convert; a UserError naming `field` when the
+    directory has none, an unreadable one, or another model type."""
     from transformers import AutoConfig
 
     path = Path(path).expanduser()
@@ -60,8 +61,7 @@ def read_hf_config(path: str | Path, field: str):
         raise UserError(field, str(path), "fix or regenerate config.json",
                         problem=f"has a config.json transformers cannot read ({first})") from err
     if config.model_type not in CONVERTERS:
-        raise UserError(field, str(path), "convert a Mixtral (MixtralForCausalLM), DeepSeek-V3 "
-                        "(DeepseekV3ForCausalLM) or gpt-oss (GptOssForCausalLM) checkpoint",
+        raise UserError(field, str(path), f"convert a checkpoint of one of {', '.join(FAMILY_CLASSES)}",
                         problem=f"holds model_type={config.model_type!r}, not {' or '.join(IMPORTABLE)}")
     warn_unknown_keys(config, path)
     note_unread(config, path)
@@ -97,6 +97,12 @@ def warn_unknown_keys(config, path) -> list[str]:
     # what the class itself writes (DeepSeek-V3: head_dim and qk_head_dim, derived in __post_init__, and
     # num_nextn_predict_layers, an alias in attribute_map)
     known |= set(type(config)().to_dict())
+    # either spelling of an attribute_map alias (Qwen3MoeConfig saves num_experts as num_local_experts,
+    # configuration_qwen3_moe.py:50-51 at 5.24; OLMoE reads num_local_experts as num_experts)
+    aliases = getattr(config, "attribute_map", {})
+    known |= set(aliases) | set(aliases.values())
+    known.add("head_dim")  # read with getattr by the attention of configs without the field (Qwen-MoE, OLMoE:
+    # modeling_qwen3_moe.py:129 at 5.24); Qwen3-30B-A3B's config.json sets it
     unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)
     if unknown:
         print(f"warning: {Path(path) / 'config.json'} has keys {config.model_type} does not define, ignored: "

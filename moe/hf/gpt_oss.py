@@ -29,7 +29,7 @@ import torch
 
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
-from moe.hf.adapter import ExportAdapter, Read
+from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
 from moe.hf.dense import llama_block_state, llama_shaped_config, llama_top_level_state
 from moe.hf.rope import rope_keys, rope_parameters
 from moe.hf.tensors import BLOCK_NORMS, LAYER, TOP_LEVEL, Get, config_value, expert_rows, top_level
@@ -122,7 +122,9 @@ class GptOss(ExportAdapter):
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
         """What GptOssForCausalLM computes unconditionally (sinks, the clamped SwiGLU, one attention_bias for
         q, k, v and o, every layer MoE, the softmax top-k router) our model must compute too. Absent
-        router or expert biases are written as zeros: the same model."""
+        router or expert biases are written as zeros: the same model. Other families' pieces are refused
+        (moe.hf.adapter.check_plain_pieces)."""
+        check_plain_pieces(cfg, "gpt-oss", self.model_types[0])
         fixes = (("attention", "gqa", cfg.attention, "gpt-oss's attention is grouped-query"),
                  ("position_encoding", "rope", cfg.position_encoding, "gpt-oss uses RoPE"),
                  ("attention_sinks", True, cfg.attention_sinks, "every gpt-oss attention has sinks"),

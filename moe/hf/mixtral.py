@@ -33,7 +33,7 @@ import torch
 from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
-from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
+from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces, refuse_router_options
 from moe.hf.dense import llama_block_state, llama_family_config, llama_top_level_state, llama_value
 from moe.hf.rope import rope_parameters
 from moe.hf.tensors import LAYER, STACKED_EXPERTS, Get, stacked_experts
@@ -83,7 +83,7 @@ class Mixtral(ExportAdapter):
 
     # -- writing ----------------------------------------------------------------------------------
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-        check_plain_pieces(cfg, "Mixtral")
+        check_plain_pieces(cfg, "Mixtral", self.model_types[0])
         if cfg.position_encoding != "rope":
             raise ConfigError("model.position_encoding", cfg.position_encoding,
                               "train with position_encoding=rope to export to Mixtral",
@@ -101,19 +101,7 @@ class Mixtral(ExportAdapter):
             raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
                               "use 0 (no shared expert) to export to Mixtral",
                               "adds a shared expert, which Mixtral cannot express")
-        for key, default, what in (("score_function", "softmax", "scores experts with a sigmoid"),
-                                   ("num_groups", None, "limits each token to groups of experts"),
-                                   ("topk_scaling_factor", None, "scales the top-k weights")):
-            value = getattr(moe_opt, key)
-            if value != default:
-                raise ConfigError(f"moe_opt.{key}", value,
-                                  f"export a model trained with moe_opt.{key}={default}",
-                                  f"{what}, which Mixtral's softmax top-k router cannot express")
-        if moe_opt.enable_expert_bias:
-            raise ConfigError("moe_opt.enable_expert_bias", True,
-                              "export a model trained without the expert bias "
-                              "(moe_opt.enable_expert_bias=false)",
-                              "selects experts with a learned bias, which Mixtral's router cannot express")
+        refuse_router_options(moe_opt, "Mixtral")
         if not normalizes(moe_opt.normalize_top_k, cfg.top_k):
             raise ConfigError("moe_opt.normalize_top_k", moe_opt.normalize_top_k,
                               "set moe_opt.normalize_top_k=true (Mixtral always renormalises the top-k "

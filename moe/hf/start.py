@@ -1,5 +1,6 @@
-"""`model.init_from_hf=DIR` (a Mixtral, DeepSeek-V3 or gpt-oss directory) and `model.upcycle_from_hf=DIR` (a
-dense Mistral or Llama directory, every expert a copy of its MLP: moe/hf/dense.py): start training from it.
+"""`model.init_from_hf=DIR` (a directory of a family moe.hf.families converts) and
+`model.upcycle_from_hf=DIR` (a dense Mistral or Llama directory, every expert a copy of its MLP:
+moe/hf/dense.py): start training from it.
 
 What the run settles from DIR (moe.train.run.settle) comes back as values, merged into a copy of the
 config before validation: the model section's architecture from DIR's config.json (with upcycling,
@@ -88,8 +89,8 @@ def check_hf_start(model, moe_opt) -> None:
     upcycle, g = model.upcycle_from_hf, model.upcycle_granularity
     if model.init_from_hf and upcycle:
         raise ConfigError("model.upcycle_from_hf", upcycle,
-                          "set only one of model.init_from_hf (a Mixtral, DeepSeek-V3 or gpt-oss directory) "
-                          "and model.upcycle_from_hf (a dense one)",
+                          "set only one of model.init_from_hf (a Mixtral, DeepSeek-V3, gpt-oss, Qwen-MoE or "
+                          "OLMoE directory) and model.upcycle_from_hf (a dense one)",
                           problem="is set together with model.init_from_hf")
     scaling = moe_opt.topk_scaling_factor
     if upcycle and g > 1 and scaling != g:

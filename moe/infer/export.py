@@ -18,8 +18,8 @@ from moe.outputs import HF_EXPORT, check_output, mark, publish
 
 def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_template: str | None = None,
               overwrite: bool = False, reads: dict | None = None) -> Path:
-    """Write a directory `AutoModelForCausalLM/AutoTokenizer.from_pretrained` load offline (Mixtral, or
-    DeepSeek-V3 for an MLA model).
+    """Write a directory `AutoModelForCausalLM/AutoTokenizer.from_pretrained` load offline (the model's
+    `model.hf_family`, which an import sets; else Mixtral, or DeepSeek-V3 for an MLA model).
 
     `tokenizer`: a transformers tokenizer or a directory holding one. Refuses (ConfigError)
     a model its transformers class cannot express before anything touches disk, and (UserError) an

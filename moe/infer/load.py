@@ -73,7 +73,7 @@ def _load_state(model: MoETransformer, state: dict, path) -> None:
 
 
 def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None) -> MoETransformer:
-    """MoETransformer (eval) from a Mixtral, DeepSeek-V3 or gpt-oss directory; dropless routing as the
+    """MoETransformer (eval) from a directory of a family moe.hf.families converts; dropless routing as the
     checkpoint computes it."""
     from moe.hf import from_hf
     from moe.hf.tensors import check_weights_dir

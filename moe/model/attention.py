@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from moe.config.derived import head_dim_of, window_of
 from moe.config.schema import ModelConfig
+from moe.model.norm import RMSNorm, rms_norm
 from moe.model.rope import attention_factor, inverse_frequencies, rope_cos_sin
 
 # ----------------------------------------------------------------------------- positions
@@ -58,6 +60,22 @@ def attention_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: i
 
 
 # ----------------------------------------------------------------------------- attention
+
+
+class SumGradOver(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over `group` (Megatron's f operator): for a tensor
+    every tensor-parallel rank reads for its own heads only."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class KVCache:
@@ -204,9 +222,18 @@ class Attention(CausalSelfAttention):
 
     Activations are [B, S, H], or [S, B, H] with `sequence_first` (set by the trn1 backend under
     sequence parallelism: NxD's sequence-parallel layers gather and scatter dim 0 only).
+    model.qkv_bias: qkv_proj has a bias (Qwen2-MoE's q/k/v biases,
+    models/qwen2_moe/modeling_qwen2_moe.py:222-225 at transformers 5.24; o_proj none unless model.o_bias:
+    gpt-oss, Qwen3-MoE's and OLMoE's attention_bias).
+    model.qk_norm: `q_norm`/`k_norm` RMSNorms before RoPE, per_head over each head's dims with one weight
+    for every head (Qwen3-MoE, modeling_qwen3_moe.py:147-148, 163-164) or full over the whole q and k
+    projections before the head split (OLMoE, modeling_olmoe.py:222-225, 239-240). `tp_group` (set by
+    moe.parallel.tensor_parallel.apply_tp): the ranks holding the other heads, over which a per-head norm
+    weight's gradient is summed.
     """
 
     sequence_first = False
+    tp_group = None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
@@ -220,6 +247,11 @@ class Attention(CausalSelfAttention):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         self.register_parameter("sinks", sinks)  # [heads], or None: attend() reads it either way
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm != "none":
+            per_head = cfg.qk_norm == "per_head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, cfg.rms_norm_eps)
         self.core = CoreAttention()
         self.init_rope(cfg, self.head_dim)
         self.init_buffers()
@@ -233,7 +265,7 @@ class Attention(CausalSelfAttention):
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, position_offset: int = 0,
                 attention_mask_BS: torch.Tensor | None = None):
         qkv = self.qkv_proj(x)  # sequence-parallel layers gather the full sequence here
-        parts = qkv.split(self.split_sizes, dim=-1)
+        parts = self.normed(*qkv.split(self.split_sizes, dim=-1))
         if self.sequence_first:
             S, B, _ = qkv.shape
             q, k, v = (t.view(S, B, -1, self.head_dim).permute(1, 2, 0, 3) for t in parts)
@@ -248,3 +280,16 @@ class Attention(CausalSelfAttention):
         if self.sequence_first:
             return self.o_proj(y.permute(2, 0, 1, 3).reshape(S, B, -1))
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
+
+    def normed(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k through model.qk_norm (unchanged when none); [..., width] in, [..., width] out."""
+        if self.qk_norm == "none":
+            return q, k, v
+        if self.qk_norm == "full":  # over the whole projection: refused under TP (moe.backends.fsdp2.rules)
+            return self.q_norm(q), self.k_norm(k), v
+        q_w, k_w = self.q_norm.weight, self.k_norm.weight
+        if self.tp_group is not None:  # one weight for all heads: this rank's give part of its gradient
+            q_w, k_w = SumGradOver.apply(q_w, self.tp_group), SumGradOver.apply(k_w, self.tp_group)
+        q = rms_norm(q.unflatten(-1, (-1, self.head_dim)), q_w, self.q_norm.eps).flatten(-2)
+        k = rms_norm(k.unflatten(-1, (-1, self.head_dim)), k_w, self.k_norm.eps).flatten(-2)
+        return q, k, v

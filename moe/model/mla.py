@@ -25,34 +25,18 @@ work in the value product only.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from moe.config.derived import window_of
 from moe.config.schema import ModelConfig
-from moe.model.attention import CausalSelfAttention, CoreAttention, KVCache, apply_rope
+from moe.model.attention import CausalSelfAttention, CoreAttention, KVCache, SumGradOver, apply_rope
 from moe.model.norm import RMSNorm
 from moe.model.rope import mla_softmax_scale
 
 # The latents' RMSNorm epsilon: DeepSeek's (inference/model.py `RMSNorm(dim, eps=1e-6)`), which
 # transformers' DeepseekV3RMSNorm defaults to for q_a_layernorm and kv_a_layernorm whatever rms_norm_eps is.
 LATENT_NORM_EPS = 1e-6
-
-
-class _SumGradOver(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over `group` (Megatron's f operator)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class MLAttention(CausalSelfAttention):
@@ -97,7 +81,7 @@ class MLAttention(CausalSelfAttention):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if self.tp_group is not None:  # every rank's heads read it
-            k_rope = _SumGradOver.apply(k_rope, self.tp_group)
+            k_rope = SumGradOver.apply(k_rope, self.tp_group)
         kv = self.kv_b_proj(self.kv_a_norm(latent)).view(B, S, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
 

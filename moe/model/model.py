@@ -58,7 +58,8 @@ class Block(nn.Module):
                                 init_range=None,  # the model initialises every parameter at once
                                 router_bias=cfg.router_bias, expert_proj_bias=cfg.expert_proj_bias,
                                 activation=None if cfg.expert_activation == "swiglu" else
-                                expert_activation(cfg.expert_activation, cfg.swiglu_alpha, cfg.swiglu_limit))
+                                expert_activation(cfg.expert_activation, cfg.swiglu_alpha, cfg.swiglu_limit),
+                                shared_expert_gate=cfg.shared_expert_gate)
         else:
             self.ffn = SwiGLU(cfg.hidden_size, dense_width(cfg))
 
@@ -105,7 +106,8 @@ class SequenceShard(Protocol):
 
 
 class MoETransformer(nn.Module):
-    """Decoder-only LM; layer i is MoE when i >= first_k_dense_replace and (i + 1) % moe_layer_frequency == 0.
+    """Decoder-only LM; layer i is MoE when i >= first_k_dense_replace, (i + 1) % moe_layer_frequency == 0
+    and i is not in dense_layers (moe.config.derived.is_moe_layer).
 
     Frequency 1: every layer MoE (Mixtral). Frequency 2: layers 1, 3, 5, ... (0-based) are MoE
     and the first layer is dense, i.e. every second layer as the 16-GPU MoE recipe.

@@ -308,9 +308,11 @@ class MoELayer(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, moe_opt,
                  shared_expert_intermediate_size: int = 0, init_range: float | None = 0.02,
                  out_init_std: float | None = None, router_bias: bool = False, expert_proj_bias: bool = False,
-                 activation: Callable | None = None):
+                 activation: Callable | None = None, shared_expert_gate: bool = False):
         """init_range None: leave the parameters for the model to initialise (moe.model.init). router_bias,
-        expert_proj_bias, activation: gpt-oss's router and experts (Router, Experts)."""
+        expert_proj_bias, activation: gpt-oss's router and experts (Router, Experts). shared_expert_gate:
+        the shared expert's output times sigmoid(Linear(hidden, 1)(x)) (Qwen2-MoE,
+        models/qwen2_moe/modeling_qwen2_moe.py:337-350 at transformers 5.24)."""
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.capacity_factor = moe_opt.capacity_factor
@@ -341,9 +343,11 @@ class MoELayer(nn.Module):
                              expert_bias=moe_opt.enable_expert_bias, bias=router_bias)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, expert_proj_bias, activation)
         self.experts.fp8 = moe_opt.fp8_experts
-        self.shared_expert = None
+        self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)
+            if shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         if init_range is not None:
             out_std = init_range if out_init_std is None else out_init_std
             initialize(self, draw_base_seed(), init_range, out_std)
@@ -408,7 +412,10 @@ class MoELayer(nn.Module):
         """The experts' outputs (plus the shared expert's) back in token order, then the statistics."""
         y_TH = self.dispatcher.combine(y_MH, routed.weights_TK, routed.ctx, weighted=routed.weights_M is None)
         if self.shared_expert is not None:
-            y_TH = y_TH + self.shared_expert(x_TH)
+            shared_TH = self.shared_expert(x_TH)
+            if self.shared_expert_gate is not None:
+                shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared_TH
+            y_TH = y_TH + shared_TH
         if shard is not None:
             y_TH = shard.gather(y_TH)
         if not want_stats:

@@ -3,7 +3,10 @@
 Attention: `qkv_proj` column-parallel (each TP rank computes its heads' q, k and v; its bias, model.qkv_bias,
 split with its rows), `o_proj` row-parallel (its output all-reduced over the TP group; its bias, model.o_bias,
 whole on every rank and added once, torch's RowwiseParallel), the sinks (model.attention_sinks) split by
-head as the queries are (Shard(0): each rank's heads are a contiguous run of them).
+head as the queries are (Shard(0): each rank's heads are a contiguous run of them). A per-head QK-norm
+(model.qk_norm=per_head) stays whole on every rank, its gradient summed over the TP group (each rank's heads
+give part of it); a full-width one would need the whole projection and is refused under TP
+(moe.backends.fsdp2.rules).
 Dense SwiGLU: `gate_up_proj` column-parallel, `down_proj` row-parallel. Embeddings, norms and the LM head
 stay whole on every TP rank (their gradients are equal there: a column-parallel layer all-reduces its input
 gradient). The MoE layer is not split by TP: it splits its tokens over the TP ranks instead and spreads the
@@ -101,6 +104,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
             gather_input(module, 4)
             parallelize_module(module, tp_mesh, {"qkv_proj": ColwiseParallel(), "o_proj": out})
             module.split_sizes = [size // tp for size in module.split_sizes]  # this rank's heads
+            module.tp_group = tp_mesh.get_group()  # a per-head qk_norm weight's gradient: summed over it
             if module.sinks is not None:  # attend() takes this rank's heads' sinks (to_local)
                 module.sinks = nn.Parameter(distribute_tensor(module.sinks, tp_mesh, [Shard(0)]))
         elif isinstance(module, MLAttention):

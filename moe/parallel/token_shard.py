@@ -137,14 +137,15 @@ class SequenceShard:
 
 def partial_params(model: nn.Module, sequence_parallel: bool = False) -> list[nn.Parameter]:
     """Weights replicated over TP whose gradients cover only the rank's tokens: routers and shared
-    experts; under sequence parallelism also the norms on the sequence chunks and the LM head."""
+    experts (and their gates); under sequence parallelism also the norms on the sequence chunks and the
+    LM head."""
     from moe.model.moe import MoELayer
 
     found = []
     for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
         found += list(layer.router.parameters())
-        if layer.shared_expert is not None:
-            found += list(layer.shared_expert.parameters())
+        for shared in (layer.shared_expert, layer.shared_expert_gate):
+            found += list(shared.parameters()) if shared is not None else []
     if sequence_parallel:
         for block in model.layers:
             found += [*block.attn_norm.parameters(), *block.ffn_norm.parameters()]

@@ -36,6 +36,10 @@ def check_fsdp2(parallel, model, trainer, data, dp: int) -> None:
         need(m.position_encoding == "rope", "model.position_encoding", m.position_encoding,
              "use rope with tensor parallelism on the fsdp2 backend, or parallel.tp=1",
              "is not split over TP ranks (ALiBi's slopes are per head)")
+        need(m.qk_norm != "full", "model.qk_norm", m.qk_norm,
+             "use parallel.tp=1 for a full-width QK-norm (OLMoE's), or qk_norm=per_head",
+             "normalises over the whole q and k projections, which tensor parallelism splits by head "
+             "(each rank would normalise over its own heads only)")
 
 
 def _check_fsdp2_pipeline(p, t, m) -> None:

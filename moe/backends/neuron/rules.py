@@ -26,6 +26,10 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
          "(its attention projection is GQAQKVColumnParallelLinear, modules/qkv_linear.py:371)")
     check_whole_kv_heads(m, p.tp)
     check_untied_embeddings(m, "trn1 (the embedding and the LM head are separate parallel layers)")
+    need(m.qk_norm == "none", "model.qk_norm", m.qk_norm,
+         "set model.qk_norm=none on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
+         "is not built on trn1: the backend swaps qkv_proj for neuronx-distributed's ColumnParallelLinear "
+         "and does not wire a QK-norm (moe/backends/neuron/layers.py swap_layers)")
     for key in ("qkv_bias", "o_bias", "attention_sinks", "router_bias", "expert_proj_bias"):
         need(not getattr(m, key), f"model.{key}", True, f"set model.{key}=false on trn1",
              "is not wired to neuronx-distributed's layers (moe/backends/neuron/layers.py builds them "

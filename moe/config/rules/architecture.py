@@ -11,6 +11,7 @@ from moe.config.choices import (
     LOAD_BALANCING_TYPES,
     MLA_DIMS,
     POSITION_ENCODINGS,
+    QK_NORMS,
     ROPE_TYPES,
     ROUTER_DTYPES,
     SCORE_FUNCTIONS,
@@ -30,6 +31,7 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
              "must be at least 1")
     one_of(f"{prefix}.attention", m.attention, ATTENTIONS, "attention")
     one_of(f"{prefix}.position_encoding", m.position_encoding, POSITION_ENCODINGS, "position encoding")
+    one_of(f"{prefix}.qk_norm", m.qk_norm, QK_NORMS, "query/key norm")
     if m.attention == "mla":
         validate_mla(m, prefix)
     else:
@@ -50,6 +52,11 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
     validate_rope(m, prefix)
     need(m.shared_expert_intermediate_size >= 0, f"{prefix}.shared_expert_intermediate_size",
          m.shared_expert_intermediate_size, "use 0 (no shared expert) or a positive width")
+    need(not m.shared_expert_gate or m.shared_expert_intermediate_size > 0, f"{prefix}.shared_expert_gate",
+         True, f"set {prefix}.shared_expert_intermediate_size to the shared expert's width, or "
+         "shared_expert_gate=false",
+         "gates a shared expert the model does not have (shared_expert_intermediate_size=0)")
+    validate_dense_layers(m, prefix)
     need(m.dense_intermediate_size is None or m.dense_intermediate_size >= 1,
          f"{prefix}.dense_intermediate_size", m.dense_intermediate_size,
          "use a positive width or null (= intermediate_size)")
@@ -58,6 +65,17 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
     if r is not None:
         validate_routing(r)
         validate_groups(m, r, prefix)
+
+
+def validate_dense_layers(m, prefix: str) -> None:
+    """model.dense_layers: distinct layer indices of this model."""
+    layers = list(m.dense_layers or ())
+    bad = [i for i in layers if not 0 <= i < m.num_layers]
+    need(not bad, f"{prefix}.dense_layers", layers,
+         f"list 0-based layer indices below {prefix}.num_layers={m.num_layers}, or null",
+         f"holds {bad}, outside the model's layers")
+    need(len(set(layers)) == len(layers), f"{prefix}.dense_layers", layers, "list each layer once",
+         "repeats a layer")
 
 
 def validate_layer_types(m, prefix: str) -> None:
@@ -190,6 +208,9 @@ def validate_mla(m, prefix: str) -> None:
          "RoPE rotates pairs of dims: use an even qk_rope_head_dim (DeepSeek-V3: 64)", "is odd")
     need(m.position_encoding == "rope", f"{prefix}.position_encoding", m.position_encoding,
          f"use rope with {prefix}.attention=mla", "is not built into MLA (its position is a RoPE key)")
+    need(m.qk_norm == "none", f"{prefix}.qk_norm", m.qk_norm,
+         f"set {prefix}.qk_norm=none with {prefix}.attention=mla, or use attention=gqa",
+         "is a GQA option (MLA's projections are latents)")  # GQA's biases and sinks: validate_gpt_oss_pieces
 
 
 def validate_groups(m, r, model_prefix: str = "model") -> None:
