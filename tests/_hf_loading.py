@@ -32,3 +32,14 @@ def loads_cleanly(model_cls, path):
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert [r.getMessage() for r in records] == []
     return model.eval()
+
+
+def decoded_logits(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """The logits of `ids` as KV-cache decoding computes them: `prefix` tokens prefilled, then one token a
+    step (to compare with one full forward)."""
+    with torch.no_grad():
+        cache = model.new_kv_cache()
+        first = model(ids[:, :prefix], kv_cache=cache, generating=True).logits_BSV
+        steps = [model(ids[:, i:i + 1], kv_cache=cache, position_offset=i, generating=True).logits_BSV
+                 for i in range(prefix, ids.shape[1])]
+    return torch.cat([first, *steps], dim=1)
