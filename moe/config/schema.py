@@ -160,7 +160,7 @@ class ModelConfig(Section):
     # the Hugging Face family an export writes (its model_type: moe.hf.families.CONVERTERS); null: by the
     # attention (gqa: mixtral, mla: deepseek_v3). An import sets it to the checkpoint's family.
     hf_family: Optional[str] = None
-    init_from_hf: Optional[str] = None  # Mixtral-format directory to start from
+    init_from_hf: Optional[str] = None  # a Hugging Face directory of a family moe.hf reads, to start from
     upcycle_from_hf: Optional[str] = None  # dense Mistral/Llama directory: every expert a copy of its MLP
     upcycle_granularity: int = 1  # > 1: fine-grained upcycling, each expert a 1/g slice of the dense MLP
 
