@@ -65,6 +65,8 @@ check tp2               2 parallel.tp=2 moe_opt=nxd
 check tp2_heavy_drops   2 parallel.tp=2 moe_opt=nxd $DROPS
 check tp2_sp_dropless   2 parallel.tp=2 parallel.sequence_parallel=true $DROPLESS
 check tp2_alibi         2 parallel.tp=2 moe_opt=nxd model.position_encoding=alibi
+check tp2_yarn_dense    2 parallel.tp=2 moe_opt=nxd model.rope_type=yarn model.rope_factor=4 \
+  model.rope_original_max_position_embeddings=64 model.dense_layers=[0]   # W's keys NxD's layers leave to ours
 check pp2               2 parallel.pp=2 moe_opt=nxd
 check dp2_zero1         2 parallel.zero_stage=1 moe_opt=nxd
 check tp2_pp2_sp        4 parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true moe_opt=nxd
