@@ -38,11 +38,11 @@ from moe.hf.rope import rope_keys, rope_parameters
 from moe.hf.sparse_moe import per_expert_keys
 from moe.hf.tensors import (
     BLOCK_NORMS,
-    LAYER,
     STACKED_EXPERTS,
     TOP_LEVEL,
     Get,
     config_value,
+    in_layer,
     stacked_experts,
     top_level,
 )
@@ -94,10 +94,7 @@ def deepseek_value(name: str, get: Get, cfg: ModelConfig, interleaved: bool,
     rope_interleave."""
     if name in TOP_LEVEL:
         return top_level(name, get)
-    match = LAYER.fullmatch(name)
-    if match is None:
-        raise KeyError(f"{name}: not a DeepSeek-V3 parameter")
-    p, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    p, rest = in_layer(name, "a DeepSeek-V3 model")
     if rest in BLOCK_NORMS:
         return get(p + BLOCK_NORMS[rest])
     if rest in ATTENTION:
@@ -112,7 +109,7 @@ def deepseek_value(name: str, get: Get, cfg: ModelConfig, interleaved: bool,
     if rest in STACKED_EXPERTS:
         prefixes = [f"{p}mlp.experts.{j}." for j in (experts or range(cfg.num_experts))]
         return stacked_experts(rest, get, prefixes, EXPERT_WEIGHTS)
-    raise KeyError(f"{name}: not a DeepSeek-V3 parameter")
+    raise KeyError(f"{name}: not a parameter of a DeepSeek-V3 model")
 
 
 class DeepSeekV3(ExportAdapter):

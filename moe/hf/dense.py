@@ -34,7 +34,7 @@ from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
 from moe.hf.adapter import HFAdapter, Read
 from moe.hf.rope import rope_keys
-from moe.hf.tensors import BLOCK_NORMS, LAYER, TOP_LEVEL, Get, load_local, top_level
+from moe.hf.tensors import BLOCK_NORMS, TOP_LEVEL, Get, in_layer, load_local, top_level
 from moe.model.expert_layout import EXPERT_LAYOUT, stored
 
 
@@ -91,10 +91,7 @@ def llama_value(name: str, get: Get) -> torch.Tensor:
     embeddings by the keys the family shares (the router and experts are each reader's own)."""
     if name in TOP_LEVEL:
         return top_level(name, get)
-    match = LAYER.fullmatch(name)
-    if match is None:
-        raise KeyError(f"{name}: not a parameter of a Llama-shaped model")
-    p, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    p, rest = in_layer(name, "a Llama-shaped model")
     if rest in LLAMA_IN_LAYER:
         return get(p + LLAMA_IN_LAYER[rest])
     if rest == "attn.qkv_proj.weight":

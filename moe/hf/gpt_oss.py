@@ -32,7 +32,7 @@ from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
 from moe.hf.dense import llama_block_state, llama_shaped_config, llama_top_level_state
 from moe.hf.rope import rope_keys, rope_parameters
-from moe.hf.tensors import BLOCK_NORMS, LAYER, TOP_LEVEL, Get, config_value, expert_rows, top_level
+from moe.hf.tensors import BLOCK_NORMS, TOP_LEVEL, Get, config_value, expert_rows, in_layer, top_level
 from moe.model.expert_layout import stored
 
 ATTENTION = {"attn.o_proj.weight": "self_attn.o_proj.weight", "attn.o_proj.bias": "self_attn.o_proj.bias",
@@ -57,10 +57,7 @@ def gpt_oss_value(name: str, get: Get, experts: range | None = None) -> torch.Te
     """Our tensor `name` from gpt-oss's keys; `experts` a range of experts (all: None)."""
     if name in TOP_LEVEL:
         return top_level(name, get)
-    match = LAYER.fullmatch(name)
-    if match is None:
-        raise KeyError(f"{name}: not a gpt-oss parameter")
-    p, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    p, rest = in_layer(name, "a gpt-oss model")
     for table in (BLOCK_NORMS, ATTENTION, ROUTER):
         if rest in table:
             return get(p + table[rest])
@@ -78,7 +75,7 @@ def gpt_oss_value(name: str, get: Get, experts: range | None = None) -> torch.Te
         return deinterleave(expert_rows(get, e + "gate_up_proj_bias", experts))
     if rest == "ffn.experts.down_bias":
         return expert_rows(get, e + "down_proj_bias", experts)
-    raise KeyError(f"{name}: not a gpt-oss parameter")
+    raise KeyError(f"{name}: not a parameter of a gpt-oss model")
 
 
 class GptOss(ExportAdapter):

@@ -27,7 +27,16 @@ from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces, refuse_router_options, refuse_unless
-from moe.hf.tensors import BLOCK_NORMS, LAYER, STACKED_EXPERTS, TOP_LEVEL, Get, stacked_experts, top_level
+from moe.hf.tensors import (
+    BLOCK_NORMS,
+    LAYER,
+    STACKED_EXPERTS,
+    TOP_LEVEL,
+    Get,
+    in_layer,
+    stacked_experts,
+    top_level,
+)
 from moe.model.expert_layout import OUT_IN
 
 # ours (within a layer) -> transformers', one tensor each
@@ -54,10 +63,7 @@ def sparse_moe_value(name: str, get: Get, num_experts: int, experts: range | Non
     """Our tensor `name` from the per-expert keys of the files (and of transformers 4.x)."""
     if name in TOP_LEVEL:
         return top_level(name, get)
-    match = LAYER.fullmatch(name)
-    if match is None:
-        raise KeyError(f"{name}: not a parameter of this model")
-    p, rest = f"model.layers.{match.group(1)}.", match.group(2)
+    p, rest = in_layer(name, "this model")
     if rest in SINGLE:
         return get(p + SINGLE[rest])
     if rest in FUSED:

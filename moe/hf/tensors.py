@@ -28,6 +28,15 @@ LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 STACKED_EXPERTS = EXPERT_LAYOUT.suffixes  # ours (gate_up, down), built by stacked_experts
 
 
+def in_layer(name: str, model: str) -> tuple[str, str]:
+    """Our per-layer tensor `name` as (the checkpoint's layer prefix `model.layers.{i}.`, our name inside
+    the block); a KeyError naming `model` for a name outside every layer."""
+    match = LAYER.fullmatch(name)
+    if match is None:
+        raise KeyError(f"{name}: not a parameter of {model}")
+    return f"model.layers.{match.group(1)}.", match.group(2)
+
+
 def top_level(name: str, get: Get) -> torch.Tensor:
     """Our embeddings, final norm or LM head (the embedding again when the checkpoint ties them)."""
     if name == "lm_head.weight" and not has_key(get, TOP_LEVEL[name]):
