@@ -1,4 +1,4 @@
-"""Issue T: functions read the config sections they need, not the whole config.
+"""Functions read the config sections they need, not the whole config.
 
 A source scan (fast, no imports) lists every function under moe/ that takes train.py's whole config: a
 parameter named `cfg` (a function that takes one section names it after the section, or annotates it with
