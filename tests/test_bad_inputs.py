@@ -307,6 +307,15 @@ def test_what_the_machine_lacks(tmp_path, monkeypatch, overrides, field, value, 
     assert not run_dir.exists()  # nothing written: the check runs before anything is built
 
 
+def test_a_thread_count_that_is_not_one(tmp_path, monkeypatch):
+    """OMP_NUM_THREADS chooses a CPU run's threads (moe/backends/threads.py); a malformed one is refused
+    before anything is written, not half-ignored by OpenMP."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    code, err = run_train(tmp_path / "run")
+    assert_user_error(code, err, "OMP_NUM_THREADS", "'two'", "positive whole number")
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------------------ data
 def test_missing_prepared_data_path(tmp_path):
     code, err = run_train(tmp_path / "run", "data=prepared", f"data.path={tmp_path / 'nowhere'}")

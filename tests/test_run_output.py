@@ -14,15 +14,16 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=
         "optimizer.warmup_steps=1", "trainer.val_check_interval=100", "trainer.limit_val_batches=1"]
 
 
-def train_cli(run_dir, *overrides, check=True):
-    proc = run_entry("train.py", f"hydra.run.dir={run_dir}", *TINY, *overrides, timeout=300, check=check)
+def train_cli(run_dir, *overrides, check=True, env=None):
+    proc = run_entry("train.py", f"hydra.run.dir={run_dir}", *TINY, *overrides, timeout=300, check=check, env=env)
     return proc, proc.stdout + proc.stderr
 
 
 def test_non_tty_output_has_each_line_once_and_a_line_per_logged_step(tmp_path):
     run_dir = tmp_path / "run"
     _, out = train_cli(run_dir, "trainer.max_steps=6", "trainer.log_every_n_steps=2",
-                       "trainer.checkpoint_every_n_steps=3")
+                       "trainer.checkpoint_every_n_steps=3", env={"OMP_NUM_THREADS": "1"})
+    assert out.count("threads: 1 per process (OMP_NUM_THREADS=1)") == 1  # the environment's count wins
     assert out.count("GPU available") == 1 and out.count("`Trainer.fit` stopped") == 1  # was twice
     for noise in ("Epoch 0", "💡", "LeafSpec", "Traceback"):
         assert noise not in out, out

@@ -10,7 +10,6 @@ is what plain PyTorch (DDP or one process) needs; the other backends override.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe.backends.registry import SPECS
+from moe.backends.threads import THREADS_ENV, Threads, cpu_threads
 from moe.config.schema import HardwareConfig, MoEOptConfig, ParallelConfig, TrainConfig, TrainerConfig
 from moe.config.specs import BackendSpec
 from moe.parallel.dims import ExpertGroups, ParallelDims
@@ -60,16 +60,16 @@ class Backend:
         its Trainer (a backend that reads its strategy later keeps it as `self.strategy`)."""
         raise NotImplementedError
 
-    def num_threads(self) -> int | None:
-        """Intra-op threads per process on CPU, where the processes of a node share its cores."""
+    def threads(self) -> Threads | None:
+        """Intra-op threads per process on CPU and what chose them (moe.backends.threads); None elsewhere."""
         if self.cfg.hardware.accelerator != "cpu":
             return None
-        return max(1, (os.cpu_count() or 1) // self.cfg.trainer.devices)
+        return cpu_threads(self.cfg.trainer.devices)
 
     def env(self) -> dict[str, str]:
         """Environment to set before the accelerator starts: hardware.env (and OMP threads on CPU)."""
-        threads = self.num_threads()
-        return {**({"OMP_NUM_THREADS": str(threads)} if threads else {}),
+        threads = self.threads()
+        return {**({THREADS_ENV: str(threads.count)} if threads else {}),
                 **{str(k): str(v) for k, v in self.cfg.hardware.env.items()}}
 
     def build_module(self, resuming: bool = False, guard=None):

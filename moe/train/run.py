@@ -141,8 +141,11 @@ def _train(cfg: TrainConfig, dims: ParallelDims, notes: tuple[str, ...], run_dir
         backend = build_backend(cfg, dims)
         os.environ.update(backend.env())
         apply_torch_settings(cfg.hardware)
-        if backend.num_threads():
-            torch.set_num_threads(backend.num_threads())
+        threads = backend.threads()
+        if threads:
+            torch.set_num_threads(threads.count)
+            if is_rank_zero() and not rolled_back:
+                say(f"threads: {threads.count} per process ({threads.reason})")
         L.seed_everything(cfg.seed, workers=True, verbose=False)
 
         datamodule = MoEDataModule(

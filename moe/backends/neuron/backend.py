@@ -43,7 +43,7 @@ class NeuronBackend(Backend):
     def env(self) -> dict[str, str]:
         return dict(self._env)
 
-    def num_threads(self) -> int | None:
+    def threads(self) -> None:
         return None
 
     def trainer_parts(self) -> TrainerParts:
