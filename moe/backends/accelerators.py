@@ -1,11 +1,12 @@
 """What each `hardware.accelerator` needs of the machine, by name: what moe.train.environment asks before a
-run builds anything (the CPU needs nothing). trn1's is its backend's (moe.backends.neuron.accelerator);
+run builds anything (the CPU: a well-formed OMP_NUM_THREADS if one is set). trn1's is its backend's (moe.backends.neuron.accelerator);
 CUDA's and TorchNeuron's serve the torch backends. Nothing here imports torch until a check runs."""
 from __future__ import annotations
 
 import importlib.util
 
 from moe.backends.neuron.accelerator import check_installed as _check_nxd
+from moe.backends.threads import cpu_threads
 from moe.errors import ConfigError
 
 
@@ -53,7 +54,13 @@ def _check_fp8_experts() -> None:
                                   f"{torch.cuda.get_device_name()} with torch {torch.__version__} has none")
 
 
-ACCELERATOR_CHECKS = {"neuron": _check_nxd, "torch_neuron": _check_torch_neuron, "gpu": _check_cuda}
+def _check_cpu_threads(hardware) -> None:
+    """A malformed OMP_NUM_THREADS, which would choose a CPU run's threads, is refused before the run dir."""
+    cpu_threads(1)
+
+
+ACCELERATOR_CHECKS = {"neuron": _check_nxd, "torch_neuron": _check_torch_neuron, "gpu": _check_cuda,
+                      "cpu": _check_cpu_threads}
 
 
 def _no_fp8_experts_on_torch_neuron() -> None:

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 from moe.backends.accelerators import ACCELERATOR_CHECKS, FP8_EXPERT_CHECKS, installed
-from moe.backends.threads import cpu_threads
 from moe.errors import ConfigError
 
 LOGGER_PACKAGES = {  # a logger's _target_ -> the packages it can use (any one of them)
@@ -28,8 +27,6 @@ def check_environment(hardware, logger, moe_opt, planning: bool) -> None:
     if planning:
         return
     check_accelerator(hardware)
-    if hardware.accelerator == "cpu":
-        cpu_threads(1)  # a malformed OMP_NUM_THREADS is refused here, before the run dir is written
     fp8_check = FP8_EXPERT_CHECKS.get(hardware.accelerator) if moe_opt.fp8_experts else None
     if fp8_check is not None:
         fp8_check()
