@@ -22,7 +22,7 @@ class PrepConfig:
     output: Optional[str] = None  # output directory (written to a temp path, renamed at the end)
     format: Annotated[str, DataFormat] = "text"
     text_column: str = "text"  # format=text: the column to read
-    chat_template: str = DEFAULT_CHAT_TEMPLATE
+    chat_template: str = DEFAULT_CHAT_TEMPLATE  # {prompt}/{completion} text, or `tokenizer`: its own
     assistant_only_loss: bool = False  # format=chat: loss only on assistant tokens
     tokenizer: Optional[str] = None  # tokenizer dir (tokenizer.json); or set vocab_size to train one
     vocab_size: Optional[int] = None  # train a byte-level BPE of this size on the input

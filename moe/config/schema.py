@@ -38,6 +38,8 @@ S = TypeVar("S", bound="Section")
 # The chat format of no_robots (the KARAKURI LM 8x7B Chat recipe); the default of data.chat_template,
 # data_prep's chat_template and infer's.
 DEFAULT_CHAT_TEMPLATE = "<|user|>\n{prompt}\n<|assistant|>\n{completion}"
+# chat_template's value that selects the tokenizer's own Jinja template (moe/data/tokenizer_chat.py)
+TOKENIZER_TEMPLATE = "tokenizer"
 
 
 class Section:
@@ -299,7 +301,7 @@ class DataConfig(Section):
     seq_len: int = 128
     val_fraction: float = 0.05
     split_seed: int = 1234
-    chat_template: str = DEFAULT_CHAT_TEMPLATE  # chat: {prompt} and {completion} slots
+    chat_template: str = DEFAULT_CHAT_TEMPLATE  # chat: {prompt} and {completion} slots, or `tokenizer`
     assistant_only_loss: bool = False
     num_workers: int = 0
     shuffle: bool = True

@@ -24,11 +24,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from moe.config.data_prep import PrepConfig
 from moe.config.rules.entries import validate_prep
+from moe.config.schema import TOKENIZER_TEMPLATE
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import PackedBlocks, load_prepared, read_meta
 from moe.data.prep_pipeline import content_config, digest, prepare
 from moe.data.sampler import StreamSampler, validation_batches
 from moe.data.sources import describe_sources, resolve
+from moe.data.tokenizer_chat import load_template_tokenizer, template_text
 from moe.errors import UserError, WriteFailed
 from moe.paths import local_path
 
@@ -112,7 +114,10 @@ def online_cache_dir(prep: PrepConfig) -> Path:
     stamp = [(p, os.stat(p).st_mtime_ns) for p in items] if kind not in ("hub",) else []
     tok_file = Path(prep.tokenizer) / "tokenizer.json"
     tok_sha = tk.file_sha256(tok_file) if tok_file.is_file() else str(prep.tokenizer)
-    key = digest(content_config(prep), describe_sources(kind, items), stamp, tok_sha)
+    # the tokenizer's template is content too: another template, another cache
+    own = prep.format == "chat" and prep.chat_template == TOKENIZER_TEMPLATE
+    template = [template_text(load_template_tokenizer(prep.tokenizer))] if own else []
+    key = digest(content_config(prep), describe_sources(kind, items), stamp, tok_sha, *template)
     return cache_root() / f"{Path(str(items[0])).stem}-{key[:16]}"
 
 

@@ -25,11 +25,13 @@ from tqdm.auto import tqdm
 
 from moe.config.data_prep import PrepConfig
 from moe.config.rules.entries import validate_prep
+from moe.config.schema import TOKENIZER_TEMPLATE
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import SPLITS, SplitWriter, save_splits, token_dtype
 from moe.data.packing import ConcatPacker, PadPacker
 from moe.data.sources import RawData, load_raw
 from moe.data.text_formats import BENIGN, FormatSpec, check_columns, needed_columns, render_batch
+from moe.data.tokenizer_chat import NOT_PREFIX, ChatTemplateEncoder, load_template_tokenizer, template_text
 from moe.errors import UserError, WriteFailed, on_interrupt, write_errno, write_failed
 from moe.outputs import PREPARED_DATA, check_output, mark, publish
 
@@ -41,10 +43,14 @@ NOT_CONTENT = ("output", "overwrite", "num_proc", "batch_size", "cache_dir")
 class Encoder:
     """Batched map function: render rows, tokenize, append EOS; masks from assistant spans."""
 
-    def __init__(self, tok, spec: FormatSpec, eos_id: int, with_mask: bool, columns: list[str]):
+    def __init__(self, tok, spec: FormatSpec, eos_id: int, with_mask: bool, columns: list[str],
+                 chat: ChatTemplateEncoder | None = None):
         self.tok, self.spec, self.eos_id, self.with_mask, self.columns = tok, spec, eos_id, with_mask, columns
+        self.chat = chat  # chat_template=tokenizer: rows rendered with the tokenizer's own template
 
     def __call__(self, *columns: list) -> pa.Table:
+        if self.chat is not None:
+            return self._table(*self._encode_with_template(columns))
         texts, spans, reasons = render_batch(dict(zip(self.columns, columns, strict=True)), self.spec)
         keep = [i for i, t in enumerate(texts) if t is not None]
         good = [texts[i] for i in keep]
@@ -60,6 +66,18 @@ class Encoder:
                 for a, b in spans[i]:
                     m |= (starts >= a) & (starts < b)
                 masks[i] = m.tolist() + [1]  # EOS closes the assistant's last turn: trained
+        return self._table(ids, masks, reasons)
+
+    def _encode_with_template(self, columns) -> tuple[list, list, list]:
+        ids, masks, reasons = [], [], []
+        for values in zip(*columns, strict=True):
+            row_ids, row_mask, reason = self.chat.encode(dict(zip(self.columns, values, strict=True)))
+            ids.append(row_ids)
+            masks.append(row_mask)
+            reasons.append(reason)
+        return ids, masks, reasons
+
+    def _table(self, ids: list, masks: list, reasons: list) -> pa.Table:
         # Arrow arrays built here skip datasets' per-value type inference (a few % of the run).
         out = {"input_ids": pa.array(ids, type=pa.list_(pa.int32())),
                "skip": pa.array(reasons, type=pa.string())}
@@ -186,6 +204,8 @@ def _pack(table: pa.Table, assign: np.ndarray, packers: list, writers: list, pro
 
 def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> dict:
     """Write splits + tokenizer into out_dir (using work for intermediates); returns the meta dict."""
+    own_template = cfg.format == "chat" and cfg.chat_template == TOKENIZER_TEMPLATE
+    hf = load_template_tokenizer(cfg.tokenizer) if own_template else None  # refused before reading input
     raw: RawData = load_raw(cfg.input, on_bad_row=cfg.on_bad_row, work_dir=work, num_proc=cfg.num_proc,
                             split=cfg.split, hub_config=cfg.hub_config, cache_dir=cfg.cache_dir)
     if len(raw.dataset) == 0:
@@ -194,11 +214,15 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
     check_columns(spec, raw.dataset.column_names)
     markers = tk.template_markers(cfg.chat_template) if cfg.format == "chat" else []
     tok, eos, pad, added, tok_source = _tokenizer(cfg, raw.dataset, spec, markers, progress)
-    tok_sha = tk.save_tokenizer(tok, out_dir / "tokenizer", eos=eos, pad=pad, model_max_length=cfg.seq_len)
+    # the template (and the BOS it writes) travel with the tokenizer: inference renders as training did
+    kept = {"chat_template": template_text(hf), "bos_token": hf.bos_token} if hf is not None else {}
+    tok_sha = tk.save_tokenizer(tok, out_dir / "tokenizer", eos=eos, pad=pad, model_max_length=cfg.seq_len,
+                                config_extra={k: v for k, v in kept.items() if v is not None})
     vocab = tk.vocab_size(tok)
     eos_id, pad_id = tok.token_to_id(eos), tok.token_to_id(pad or eos)
 
-    fingerprint = digest(content_config(cfg), raw.sources, tok_sha)
+    fingerprint = digest(content_config(cfg), raw.sources, tok_sha, *([template_text(hf)] if hf else []))
+    chat = ChatTemplateEncoder(tok, cfg.tokenizer, eos_id) if hf is not None else None
     with_mask = cfg.assistant_only_loss
     columns = needed_columns(spec, raw.dataset.column_names)
     parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -206,7 +230,7 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # forked workers each encode serially
     try:
         tokenized = raw.dataset.map(
-            Encoder(tok, spec, eos_id, with_mask, columns), input_columns=columns, batched=True,
+            Encoder(tok, spec, eos_id, with_mask, columns, chat), input_columns=columns, batched=True,
             batch_size=cfg.batch_size, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
             remove_columns=raw.dataset.column_names, features=_features(with_mask),
             cache_file_name=str(work / "tokenized.arrow"), new_fingerprint=fingerprint[:32],
@@ -219,10 +243,21 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
     table = tokenized.data.table if hasattr(tokenized.data, "table") else tokenized.data
 
     skips = _count_skips(table.column("skip"))
+    reasons = table.column("skip").to_pylist() if any(k not in BENIGN for k in skips) else []
+    if skips.get(NOT_PREFIX):  # the template's fault, not the rows': masks would be wrong whatever on_bad_row
+        first = reasons.index(NOT_PREFIX)
+        raise UserError("chat_template", cfg.chat_template, "use a template that renders a conversation's "
+                        "earlier turns the same whatever follows them (edit chat_template in "
+                        f"{cfg.tokenizer}/tokenizer_config.json), or set chat_template to a "
+                        "{prompt}/{completion} template",
+                        problem=f"renders {skips[NOT_PREFIX]} row(s) so that a conversation's first turns are "
+                        "not a prefix of the whole, and their loss masks cannot be found; the first is row "
+                        f"{first} (0-based, in file order): {chat.explain(raw.dataset[first])}")
     bad = {k: v for k, v in skips.items() if k not in BENIGN}
     if bad and cfg.on_bad_row == "error":
-        first, reason = next((i, r) for i, r in enumerate(table.column("skip").to_pylist())
-                             if r is not None and r not in BENIGN)
+        first, reason = next((i, r) for i, r in enumerate(reasons) if r is not None and r not in BENIGN)
+        if chat is not None:
+            reason = chat.explain(raw.dataset[first])
         raise UserError("input", cfg.input, "fix those rows, or pass on_bad_row=skip to drop them "
                         "(counted in meta.json)", problem=f"has {sum(bad.values())} bad rows ({dict(bad)}); "
                         f"the first is row {first} (0-based, in file order): {reason}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe.config.schema import DEFAULT_CHAT_TEMPLATE
+from moe.config.schema import DEFAULT_CHAT_TEMPLATE, TOKENIZER_TEMPLATE
 from moe.errors import UserError
 
 # Reasons a row renders to nothing without being bad input.
@@ -52,7 +52,8 @@ def check_columns(spec: FormatSpec, columns: list[str]) -> None:
 def needed_columns(spec: FormatSpec, columns: list[str]) -> list[str]:
     """The input columns a format reads (the rest are never converted to Python)."""
     if spec.format == "chat":
-        return [c for c in ("messages", "prompt", "completion") if c in columns]
+        own = ("tools",) if spec.chat_template == TOKENIZER_TEMPLATE else ()  # the template renders them
+        return [c for c in ("messages", "prompt", "completion", *own) if c in columns]
     return ["sentence" if spec.format == "sentence" else spec.text_column]
 
 

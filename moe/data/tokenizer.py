@@ -152,8 +152,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str], 
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: str | Path, eos: str | None, pad: str | None,
-                   model_max_length: int | None = None) -> str:
-    """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json; returns the sha256."""
+                   model_max_length: int | None = None, config_extra: dict | None = None) -> str:
+    """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json; returns the sha256.
+    `config_extra`: more tokenizer_config.json keys (the chat template training rendered with, its BOS)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
@@ -164,6 +165,7 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path, eos: str | None, pad: st
               **specials, "additional_special_tokens": extra}
     if model_max_length:
         config["model_max_length"] = model_max_length
+    config.update(config_extra or {})
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "special_tokens_map.json").write_text(
         json.dumps({**specials, "additional_special_tokens": extra}, indent=2) + "\n")

@@ -18,9 +18,10 @@ import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own forma
 from moe.checkpoint.picker import resolve_checkpoint
 from moe.config.choices import INFER_DTYPES
 from moe.config.rules.entries import validate_infer
-from moe.config.schema import DEFAULT_CHAT_TEMPLATE
+from moe.config.schema import DEFAULT_CHAT_TEMPLATE, TOKENIZER_TEMPLATE
 from moe.data.text_formats import FormatSpec
 from moe.data.tokenizer import check_vocab, load_hf_tokenizer, template_markers
+from moe.data.tokenizer_chat import render
 from moe.errors import UserError, first_line, on_interrupt
 from moe.hf.families import exporter_for
 from moe.infer.export import export_hf
@@ -39,7 +40,7 @@ class Loaded:
     model: MoETransformer
     tokenizer: object  # transformers tokenizer
     tokenizer_dir: Path
-    chat_template: str  # ours ({prompt}/{completion}); used unless the tokenizer brings its own
+    chat_template: str  # ours ({prompt}/{completion}) or `tokenizer` (the tokenizer's own, as trained)
     eos_ids: list[int] = field(default_factory=list)
     source: str = ""
     tokenizer_template: bool = False  # chat via tokenizer.apply_chat_template (an HF dir's own template)
@@ -111,7 +112,15 @@ def load(cfg) -> Loaded:
     if missing:  # training's chat format registered the template markers as special tokens
         tokenizer.add_special_tokens({"additional_special_tokens": missing})
     check_vocab(tokenizer, model.model_config.vocab_size, tok_field, tok_dir)
-    own_template = bool(cfg.hf_dir and not cfg.chat_template and getattr(tokenizer, "chat_template", None))
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if template == TOKENIZER_TEMPLATE and not has_template:
+        raise UserError("chat_template", template, f"add a chat_template to {tok_dir}/tokenizer_config.json, "
+                        f"or pass chat_template={DEFAULT_CHAT_TEMPLATE!r} (a {{prompt}}/{{completion}} "
+                        "template)",
+                        problem=f"selects the tokenizer's own chat template, and {tok_dir} has none")
+    # the tokenizer's template: what training rendered with (chat_template=tokenizer), or an hf_dir's own
+    own_template = template == TOKENIZER_TEMPLATE or bool(cfg.hf_dir and not cfg.chat_template
+                                                          and has_template)
     if tokenizer.eos_token_id is not None:
         eos_ids = [tokenizer.eos_token_id, *[i for i in eos_ids if i != tokenizer.eos_token_id]]
     device = resolve_device(cfg.device)
@@ -193,15 +202,17 @@ def run(cfg) -> list[dict] | Path:
     loaded = load(cfg)
     if cfg.export_hf:
         reads["ckpt" if cfg.ckpt else "hf_dir"] = loaded.source  # ckpt=last resolved
-        out = export_hf(loaded.model, cfg.export_hf, loaded.tokenizer, chat_template=loaded.chat_template,
+        # the tokenizer's own template stays as it is; ours is written as a transformers template
+        ours = None if loaded.chat_template == TOKENIZER_TEMPLATE else loaded.chat_template
+        out = export_hf(loaded.model, cfg.export_hf, loaded.tokenizer, chat_template=ours,
                         overwrite=cfg.overwrite, reads=reads)
         hf_class = exporter_for(loaded.model.model_config).hf_class  # the registry's family for its attention
         print(f"exported {loaded.source} -> {out} (config.json, model.safetensors, tokenizer); load it with "
               f"transformers.{hf_class}.from_pretrained({str(out)!r})")
         return out
-    if cfg.chat and loaded.tokenizer_template:  # e.g. a Mixtral-Instruct dir: its own [INST] template
-        texts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                      add_generation_prompt=True) for p in prompts]
+    if cfg.chat and loaded.tokenizer_template:  # a Mixtral-Instruct dir's [INST], or what training rendered
+        texts = [render(loaded.tokenizer, [{"role": "user", "content": p}], generation_prompt=True)
+                 for p in prompts]
     else:
         texts = [chat_prefix(p, loaded.chat_template) if cfg.chat else p for p in prompts]
     rendered = cfg.chat and loaded.tokenizer_template

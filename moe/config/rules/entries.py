@@ -11,10 +11,12 @@ from moe.config.choices import (
     PACKINGS,
 )
 from moe.config.rules.refusals import check_seed, finite_number, need, one_of
-from moe.config.schema import DEFAULT_CHAT_TEMPLATE
+from moe.config.schema import DEFAULT_CHAT_TEMPLATE, TOKENIZER_TEMPLATE
 
 
 def check_chat_template(field: str, template: str) -> None:
+    if template == TOKENIZER_TEMPLATE:  # the tokenizer's own; whether it has one is checked where it loads
+        return
     for slot in ("{prompt}", "{completion}"):
         need(template.count(slot) == 1, field, template,
              f"put {slot} exactly once in the template, e.g. {DEFAULT_CHAT_TEMPLATE!r}",
@@ -46,6 +48,11 @@ def validate_prep(cfg) -> None:
          "is required" if cfg.tokenizer is None else f"and vocab_size={cfg.vocab_size} are both set")
     if cfg.format == "chat":
         check_chat_template("chat_template", cfg.chat_template)
+        need(cfg.chat_template != TOKENIZER_TEMPLATE or cfg.tokenizer is not None, "chat_template",
+             cfg.chat_template, "pass tokenizer=DIR whose tokenizer_config.json has a chat_template, or set "
+             f"chat_template to a {{prompt}}/{{completion}} template such as {DEFAULT_CHAT_TEMPLATE!r}",
+             f"selects the tokenizer's own template, and vocab_size={cfg.vocab_size} trains a tokenizer "
+             "that has none")
     else:
         need(not cfg.assistant_only_loss, "assistant_only_loss", True,
              "use format=chat, or set assistant_only_loss=false", f"needs format=chat, not {cfg.format}")
