@@ -15,7 +15,8 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=32", "model.num_layers=
 
 
 def train_cli(run_dir, *overrides, check=True, env=None):
-    proc = run_entry("train.py", f"hydra.run.dir={run_dir}", *TINY, *overrides, timeout=300, check=check, env=env)
+    proc = run_entry("train.py", f"hydra.run.dir={run_dir}", *TINY, *overrides, timeout=300, check=check,
+                     env=env)
     return proc, proc.stdout + proc.stderr
 
 

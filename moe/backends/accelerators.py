@@ -1,6 +1,7 @@
 """What each `hardware.accelerator` needs of the machine, by name: what moe.train.environment asks before a
-run builds anything (the CPU: a well-formed OMP_NUM_THREADS if one is set). trn1's is its backend's (moe.backends.neuron.accelerator);
-CUDA's and TorchNeuron's serve the torch backends. Nothing here imports torch until a check runs."""
+run builds anything (the CPU: a well-formed OMP_NUM_THREADS if one is set). trn1's is its backend's
+(moe.backends.neuron.accelerator); CUDA's and TorchNeuron's serve the torch backends. Nothing here imports
+torch until a check runs."""
 from __future__ import annotations
 
 import importlib.util

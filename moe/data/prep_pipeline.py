@@ -244,14 +244,14 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
 
     skips = _count_skips(table.column("skip"))
     reasons = table.column("skip").to_pylist() if any(k not in BENIGN for k in skips) else []
-    if skips.get(NOT_PREFIX):  # the template's fault, not the rows': masks would be wrong whatever on_bad_row
+    if skips.get(NOT_PREFIX):  # the template's fault, not the rows': refused whatever on_bad_row says
         first = reasons.index(NOT_PREFIX)
         raise UserError("chat_template", cfg.chat_template, "use a template that renders a conversation's "
                         "earlier turns the same whatever follows them (edit chat_template in "
                         f"{cfg.tokenizer}/tokenizer_config.json), or set chat_template to a "
                         "{prompt}/{completion} template",
-                        problem=f"renders {skips[NOT_PREFIX]} row(s) so that a conversation's first turns are "
-                        "not a prefix of the whole, and their loss masks cannot be found; the first is row "
+                        problem=f"renders {skips[NOT_PREFIX]} row(s) so that a conversation's first turns "
+                        "are not a prefix of the whole, and their loss masks cannot be found; the first is row "
                         f"{first} (0-based, in file order): {chat.explain(raw.dataset[first])}")
     bad = {k: v for k, v in skips.items() if k not in BENIGN}
     if bad and cfg.on_bad_row == "error":
