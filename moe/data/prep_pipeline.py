@@ -251,8 +251,8 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
                         f"{cfg.tokenizer}/tokenizer_config.json), or set chat_template to a "
                         "{prompt}/{completion} template",
                         problem=f"renders {skips[NOT_PREFIX]} row(s) so that a conversation's first turns "
-                        "are not a prefix of the whole, and their loss masks cannot be found; the first is row "
-                        f"{first} (0-based, in file order): {chat.explain(raw.dataset[first])}")
+                        "are not a prefix of the whole, and their loss masks cannot be found; the first is "
+                        f"row {first} (0-based, in file order): {chat.explain(raw.dataset[first])}")
     bad = {k: v for k, v in skips.items() if k not in BENIGN}
     if bad and cfg.on_bad_row == "error":
         first, reason = next((i, r) for i, r in enumerate(reasons) if r is not None and r not in BENIGN)
