@@ -32,13 +32,13 @@ LITE_YARN = {"rope_type": "yarn", "rope_theta": 1.0e4, "factor": 4.0, "original_
              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
 OTHER_YARN = {"rope_type": "yarn", "rope_theta": 1.0e4, "factor": 4.0, "original_max_position_embeddings": 16,
               "mscale": 1.0, "mscale_all_dim": 0.5}
-# V2-Lite's shape (no query latent, greedy top-k, unscaled) and V2's (query latent, group-limited, scaled;
-# its groups scored by their best expert, as ours when group_top_k = top_k)
+# V2-Lite's shape (no query latent, greedy top-k, unscaled) and V2's (query latent, scaled, top-4 within 2
+# of 4 groups each scored by its best expert: moe_opt.group_score_experts=1, as DeepSeek-V2's top-6 in 3 of 8)
 CASES = {
     "lite": dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
                  rope_parameters=LITE_YARN),
     "v2": dict(q_lora_rank=16, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-               routed_scaling_factor=1.5, rope_parameters=OTHER_YARN),
+               num_experts_per_tok=4, routed_scaling_factor=1.5, rope_parameters=OTHER_YARN),
 }
 LONG = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(6))  # past the 16 original
 
@@ -63,9 +63,9 @@ def hf_model(case: str, seed: int = 0, **kw) -> DeepseekV2ForCausalLM:
     return model
 
 
-def ours(seed: int = 0, **kw) -> MoETransformer:
+def ours(seed: int = 0, routing: dict | None = None, **kw) -> MoETransformer:
     """Our MLA model with DeepSeek-V2-Lite's pieces at CPU size, routed as DeepSeek-V2 (softmax, top-k weights
-    as they are, scaled 1.5, 4 groups of which 2)."""
+    as they are, scaled 1.5, 4 groups of which 2; `routing`: other moe_opt values)."""
     cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=12, dense_intermediate_size=40,
                       num_layers=3, num_heads=4, num_kv_heads=4, num_experts=8, top_k=2,
                       first_k_dense_replace=1, shared_expert_intermediate_size=24, rms_norm_eps=1e-6,
@@ -77,7 +77,7 @@ def ours(seed: int = 0, **kw) -> MoETransformer:
     opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None, normalize_top_k=False, num_groups=4,
                        group_top_k=2, topk_scaling_factor=1.5)
     torch.manual_seed(seed)
-    model = MoETransformer(replace(cfg, **kw), opt).eval()
+    model = MoETransformer(replace(cfg, **kw), replace(opt, **routing or {})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -102,29 +102,35 @@ def test_a_directory_imports_with_transformers_logits_and_greedy_tokens(case, tm
         ("deepseek_v2", CASES[case]["q_lora_rank"], CASES[case]["rope_parameters"]["mscale_all_dim"])
     assert [b.is_moe for b in model.layers] == [False, True, True]
     assert (opt.score_function, opt.normalize_top_k, opt.enable_expert_bias) == ("softmax", False, False)
-    assert (opt.num_groups, opt.topk_scaling_factor) == ((None, None) if case == "lite" else (4, 1.5))
+    assert (opt.num_groups, opt.group_score_experts, opt.topk_scaling_factor) == \
+        ((None, None, None) if case == "lite" else (4, 1, 1.5))
     with torch.no_grad():
         assert relative_error(model(LONG).logits_BSV, hf(LONG).logits) < 1e-5
     assert generate(model, LONG[:, :12], max_new_tokens=14).tokens == hf_greedy(hf, LONG[:, :12], 14)
 
 
-@pytest.mark.parametrize("kw", [{}, {"q_lora_rank": 16, "tie_word_embeddings": True},
-                                {"first_k_dense_replace": 0, "dense_intermediate_size": None}])
-def test_an_export_loads_in_transformers_with_our_logits_and_reimports_as_itself(kw, tmp_path):
-    model = ours(**kw)
+@pytest.mark.parametrize("kw, opt", [
+    ({}, {}),
+    ({"q_lora_rank": 16, "tie_word_embeddings": True}, {}),
+    ({"first_k_dense_replace": 0, "dense_intermediate_size": None},
+     {"group_top_k": 1, "group_score_experts": 1}),  # top-2 in 1 group, scored by its best 1
+])
+def test_an_export_loads_in_transformers_with_our_logits_and_reimports_as_itself(kw, opt, tmp_path):
+    model = ours(routing=opt, **kw)
     to_hf(model).save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert (written["model_type"], written["topk_method"], written["n_group"], written["topk_group"],
             written["routed_scaling_factor"], written["norm_topk_prob"]) == \
-        ("deepseek_v2", "group_limited_greedy", 4, 2, 1.5, False)
+        ("deepseek_v2", "group_limited_greedy", 4, opt.get("group_top_k", 2), 1.5, False)
     hf = loads_cleanly(DeepseekV2ForCausalLM, tmp_path)  # no missing or unexpected keys, no warnings
     with torch.no_grad():
         assert relative_error(hf(LONG).logits, model(LONG).logits_BSV) < 1e-5
     back = model_from_hf_dir(tmp_path)
     assert back.model_config == replace(model.model_config, name=str(tmp_path))
     assert asdict(back.moe_opt) | {"name": None} == asdict(moe_opt_from_hf(hf.config)) | {"name": None}
-    routing = back.moe_opt
-    assert (routing.num_groups, routing.group_top_k, routing.topk_scaling_factor) == (4, 2, 1.5)
+    r = back.moe_opt
+    assert (r.num_groups, r.group_top_k, r.group_score_experts, r.topk_scaling_factor) == \
+        (4, opt.get("group_top_k", 2), opt.get("group_score_experts"), 1.5)
 
 
 def test_an_export_without_shared_experts_computes_our_logits():
@@ -189,20 +195,11 @@ def test_import_refuses_what_transformers_and_ours_compute_otherwise(kw, field):
     assert err.value.field == field
 
 
-def test_import_refuses_groups_scored_by_more_than_their_best_expert():
-    """DeepSeek-V2 (236B) routes top-6 within 3 of 8 groups, each scored by its best expert; ours scores a
-    group by its best top_k/group_top_k = 2: refused, naming the key."""
-    config = hf_config(**CASES["v2"] | dict(num_experts_per_tok=4, topk_group=2))
-    with pytest.raises(ConfigError) as err:
-        moe_opt_from_hf(config)
-    assert err.value.field == "topk_group"
-
-
 @pytest.mark.parametrize("opt, field", [
     ({"score_function": "sigmoid"}, "moe_opt.score_function"),
     ({"enable_expert_bias": True}, "moe_opt.enable_expert_bias"),
     ({"normalize_top_k": None}, "moe_opt.normalize_top_k"),  # top-2 renormalised by default
-    ({"group_top_k": 1}, "moe_opt.group_top_k"),  # groups scored by their best 2
+    ({"group_top_k": 1}, "moe_opt.group_score_experts"),  # groups scored by their best 2 (top_k/group_top_k)
 ])
 def test_export_refuses_routing_deepseek_v2_cannot_express(opt, field):
     model = ours()

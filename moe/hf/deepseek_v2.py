@@ -9,11 +9,12 @@ built, :126-128: zero-wide when there are none), RoPE on interleaved pairs (`app
 the pairs (x0, x1), (x2, x3), ... as complex numbers, :259-272: DeepSeek-V3's rope_interleave=true, which
 V2 always is) with YaRN's attention factor on both (:217) and its softmax-scale correction (:275-287, :346).
 What differs, the router (DeepseekV2TopkRouter, :98-117): softmax scores in fp32, no expert bias, top-k
-greedy or, with topk_method=group_limited_greedy, within the topk_group groups of best single score; the
-weights times routed_scaling_factor and never renormalised (norm_topk_prob is not read).
+greedy or, with topk_method=group_limited_greedy, within the topk_group groups of best single score (ours:
+moe_opt.group_score_experts=1 where top_k/group_top_k is not 1; DeepSeek-V2 236B routes top-6 within 3 of 8
+groups); the weights times routed_scaling_factor and never renormalised (norm_topk_prob is not read).
 Refused with a ConfigError besides DeepSeek-V3's refusals: an MLP bias, a topk_method other than those two,
-norm_topk_prob=true (DeepSeek's own code renormalises then, transformers does not: the two disagree), groups
-scored otherwise than by their best expert; on export a sigmoid router, an expert bias, renormalised weights.
+norm_topk_prob=true (DeepSeek's own code renormalises then, transformers does not: the two disagree); on
+export a sigmoid router, an expert bias, renormalised weights, groups scored otherwise than by their best.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class DeepSeekV2(DeepSeekV3):
     hf_class = "DeepseekV2ForCausalLM"
     family = "DeepSeek-V2"
     expert_bias_key = None
+    group_score_top = HF_GROUP_SCORE_TOP
 
     # -- reading ----------------------------------------------------------------------------------
     def refusals(self, hf_config) -> tuple:
@@ -55,16 +57,12 @@ class DeepSeekV2(DeepSeekV3):
         aux_loss_alpha 1e-3, seq_aux)."""
         grouped = config_value(hf_config, "topk_method", "greedy") == "group_limited_greedy"
         groups = (hf_config.n_group or 1) if grouped else 1
-        if groups > 1 and hf_config.num_experts_per_tok // hf_config.topk_group != HF_GROUP_SCORE_TOP:
-            raise ConfigError("topk_group", hf_config.topk_group, "use a checkpoint with topk_group = "
-                              f"num_experts_per_tok = {hf_config.num_experts_per_tok}, or topk_method=greedy",
-                              "scores groups by their best expert while ours score by their best "
-                              "num_experts_per_tok / topk_group; not supported")
         scaling = hf_config.routed_scaling_factor
         return MoEOptConfig(
             name="deepseek_v2_dropless", capacity_factor=None, eval_capacity_factor=None,
             normalize_top_k=False, score_function="softmax", num_groups=groups if groups > 1 else None,
             group_top_k=hf_config.topk_group if groups > 1 else None,
+            group_score_experts=self.group_score_experts(hf_config, groups),
             topk_scaling_factor=None if scaling == 1.0 else scaling, enable_expert_bias=False,
             load_balancing_type="seq_aux_loss", aux_loss_coeff=1.0e-3, z_loss_coeff=0.0,
         )
@@ -90,12 +88,7 @@ class DeepSeekV2(DeepSeekV3):
             if refused:
                 raise ConfigError(f"moe_opt.{key}", value,
                                   f"train with moe_opt.{key}={want} to export to DeepSeek-V2", problem)
-        per_group = None if moe_opt.num_groups is None else cfg.top_k // moe_opt.group_top_k
-        if per_group not in (None, HF_GROUP_SCORE_TOP):
-            raise ConfigError("moe_opt.group_top_k", moe_opt.group_top_k,
-                              f"use group_top_k = top_k = {cfg.top_k} (or num_groups=null)",
-                              f"scores each group by its best top_k/group_top_k={per_group} experts; "
-                              "DeepSeek-V2's router by its best one")
+        self.check_group_score(cfg, moe_opt)
 
     def hf_config(self, cfg: ModelConfig, moe_opt: MoEOptConfig):
         from transformers import DeepseekV2Config

@@ -13,7 +13,8 @@ environment's 4.52.4, which keeps one module per expert):
                    mlp.experts.gate_up_proj [E, 2F, H] and down_proj [E, H, F]); ffn.shared_expert
                    <-> mlp.shared_experts (width n_shared_experts x moe_intermediate_size)
 Routing (DeepseekV3TopkRouter): sigmoid scores, expert bias for the choice only, groups scored by
-their best 2 biased scores (ours by their best top_k/group_top_k: equal when that is 2), top-k
+their best 2 biased scores (ours by moe_opt.group_score_experts, set to 2 where top_k/group_top_k,
+Megatron-Core's count, is not 2), top-k
 weights renormalised when norm_topk_prob, times routed_scaling_factor; never drops tokens.
 RoPE: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`,
 true by default); ours rotates halves, so the rope rows of the queries and of kv_a_proj are
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from moe.config.derived import dense_width
-from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
+from moe.config.schema import ModelConfig, MoEOptConfig, group_scored_by, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
 from moe.hf.rope import rope_keys, rope_parameters
@@ -138,7 +139,8 @@ class DeepSeekV3(ExportAdapter):
     expert_bias_key = FFN["ffn.router.expert_bias"]  # DeepSeek-V2's router has none (moe.hf.deepseek_v2)
     # MoE routing fields a DeepSeek-V3 checkpoint fixes (moe_opt); the rest are training choices
     routing_keys = ("score_function", "num_groups", "group_top_k", "topk_scaling_factor", "normalize_top_k",
-                    "enable_expert_bias")
+                    "enable_expert_bias", "group_score_experts")
+    group_score_top = HF_GROUP_SCORE_TOP  # how many of its best scores the router sums for a group's score
 
     # -- reading ----------------------------------------------------------------------------------
     def refusals(self, hf_config) -> tuple:
@@ -178,20 +180,23 @@ class DeepSeekV3(ExportAdapter):
         """Routing as the checkpoint computes it: sigmoid, its groups, its scaling, dropless, the expert
         bias on (its values come with the weights); balancing as DeepSeek-V3 trained (moe_opt=deepseek_v3)."""
         groups, scaling = hf_config.n_group or 1, hf_config.routed_scaling_factor
-        if groups > 1 and hf_config.num_experts_per_tok // hf_config.topk_group != HF_GROUP_SCORE_TOP:
-            raise ConfigError("topk_group", hf_config.topk_group, "use a checkpoint with "
-                              f"num_experts_per_tok / topk_group = {HF_GROUP_SCORE_TOP}",
-                              f"scores groups by their best {HF_GROUP_SCORE_TOP} experts while ours score by "
-                              "num_experts_per_tok / topk_group; not supported")
         return MoEOptConfig(
             name="deepseek_v3_dropless", capacity_factor=None, eval_capacity_factor=None,
             normalize_top_k=bool(hf_config.norm_topk_prob), score_function="sigmoid",
             num_groups=groups if groups > 1 else None,
             group_top_k=hf_config.topk_group if groups > 1 else None,
+            group_score_experts=self.group_score_experts(hf_config, groups),
             topk_scaling_factor=None if scaling == 1.0 else scaling,
             enable_expert_bias=True, bias_update_rate=1.0e-3, load_balancing_type="seq_aux_loss",
             aux_loss_coeff=1.0e-4, z_loss_coeff=0.0,
         )
+
+    def group_score_experts(self, hf_config, groups: int) -> int | None:
+        """moe_opt.group_score_experts for the checkpoint's groups: null where top_k/group_top_k is already
+        the family's count."""
+        if groups <= 1 or hf_config.num_experts_per_tok // hf_config.topk_group == self.group_score_top:
+            return None
+        return self.group_score_top
 
     def loading_class(self, hf_config):
         r"""DeepseekV3ForCausalLM, skipping the checkpoint's multi-token-prediction layers on load as
@@ -247,13 +252,16 @@ class DeepSeekV3(ExportAdapter):
             raise ConfigError("moe_opt.score_function", moe_opt.score_function,
                               "train with moe_opt.score_function=sigmoid (moe_opt=deepseek_v3) to export it",
                               "is not DeepSeek-V3's router, which scores experts with a sigmoid")
-        per_group = None if moe_opt.num_groups is None else cfg.top_k // moe_opt.group_top_k
-        if per_group not in (None, HF_GROUP_SCORE_TOP):
-            raise ConfigError("moe_opt.group_top_k", moe_opt.group_top_k,
-                              f"use group_top_k = top_k / {HF_GROUP_SCORE_TOP} = "
-                              f"{cfg.top_k / HF_GROUP_SCORE_TOP:g} (or num_groups=null)",
-                              f"scores each group by its best top_k/group_top_k={per_group} experts; "
-                              f"DeepSeek-V3's router always sums the best {HF_GROUP_SCORE_TOP}")
+        self.check_group_score(cfg, moe_opt)
+
+    def check_group_score(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
+        """Groups scored as the family's router scores them (its best `group_score_top`)."""
+        scored_by = group_scored_by(moe_opt, cfg.top_k)
+        if scored_by not in (None, self.group_score_top):
+            raise ConfigError("moe_opt.group_score_experts", moe_opt.group_score_experts,
+                              f"set moe_opt.group_score_experts={self.group_score_top} (or num_groups=null)",
+                              f"scores each group by its best {scored_by} experts; {self.family}'s router by "
+                              f"its best {self.group_score_top}")
 
     def hf_config(self, cfg: ModelConfig, moe_opt: MoEOptConfig):
         from transformers import DeepseekV3Config
