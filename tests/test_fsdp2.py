@@ -275,21 +275,29 @@ def test_mla_with_first_k_dense_layers_matches_one_process_under_fsdp2(tmp_path,
 # Qwen-MoE's pieces at once: per-head QK-norm, q/k/v biases, a sigmoid-gated shared expert, a dense layer
 QWEN = ("model.qk_norm=per_head", "model.qkv_bias=true", "model.shared_expert_intermediate_size=64",
         "model.shared_expert_gate=true", "model.dense_layers=[0]", "moe_opt.normalize_top_k=false")
+# gpt-oss's: sinks, a 16-token window on the sliding layers only, the o bias (q/k/v's are Qwen's), router and
+# expert biases, the clamped SwiGLU
+GPT_OSS = ("model.attention_sinks=true", "model.sliding_window=16",
+           "model.attention_layer_types=[sliding_attention,full_attention,sliding_attention,full_attention]",
+           "model.o_bias=true", "model.router_bias=true", "model.expert_proj_bias=true",
+           "model.expert_activation=clamped_swiglu")
 
 
 QWEN_STEPS = 10  # of the harness's 20: a wrong gradient shows in the loss from the second step
 
 
 @pytest.mark.slow
-def test_qwen_pieces_match_one_process_under_fsdp2_dp2_ep2(tmp_path):
-    """Every Qwen-MoE piece under FSDP2 over 4 ranks (dp 2 x ep 2): the biases and the per-head norm
-    sharded over the data-parallel ranks, the shared expert's gate reduced as the shared expert is: every
-    step's loss equals one process's. (Under TP the same pieces' gradients: the fast
-    test_mla_and_qk_norm_attention_under_tp2_give_one_process_gradients.)"""
+def test_qwen_and_gpt_oss_pieces_match_one_process_under_fsdp2_dp2_ep2(tmp_path):
+    """Every Qwen-MoE and gpt-oss piece in one model under FSDP2 over 4 ranks (dp 2 x ep 2): the biases, the
+    per-head norm and the sinks sharded over the data-parallel ranks, the shared expert's gate reduced as the
+    shared expert is, the experts' biases with their experts: every step's loss equals one process's. (Under
+    TP the same pieces' gradients: the fast
+    test_mla_and_qk_norm_attention_under_tp2_give_one_process_gradients and test_hf_gpt_oss.py's tp2 / ep2
+    test.)"""
     single = tmp_path / "single"
     steps = f"trainer.max_steps={QWEN_STEPS}"
-    train(single, *QWEN, steps, "trainer.devices=1", "trainer.micro_batch_size=4")
-    train(tmp_path / "dp2_ep2", *QWEN, steps, *FSDP2, *LAYOUTS["dp2_ep2"])
+    train(single, *QWEN, *GPT_OSS, steps, "trainer.devices=1", "trainer.micro_batch_size=4")
+    train(tmp_path / "dp2_ep2", *QWEN, *GPT_OSS, steps, *FSDP2, *LAYOUTS["dp2_ep2"])
     assert_same_losses(tmp_path / "dp2_ep2", single, steps=QWEN_STEPS)
 
 

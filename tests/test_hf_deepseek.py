@@ -27,19 +27,18 @@ CASES = [
 
 
 def hf_model(q_rank, interleave, dense, groups, tied, shared, scaling, norm, seed=0,
-             rope=None) -> DeepseekV3ForCausalLM:
+             rope=None, **kw) -> DeepseekV3ForCausalLM:
     """A DeepseekV3ForCausalLM with every weight, norm and expert bias random (nothing left at its init);
-    `rope`: its rope_parameters besides theta (plain RoPE when None)."""
+    `rope`: its rope_parameters besides theta (plain RoPE when None); `kw`: other config keys."""
     torch.manual_seed(seed)
-    config = DeepseekV3Config(
+    config = DeepseekV3Config(**dict(
         vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=shared, n_routed_experts=8,
         num_experts_per_tok=2 * groups[1], routed_scaling_factor=scaling, kv_lora_rank=12, q_lora_rank=q_rank,
         qk_rope_head_dim=8, qk_nope_head_dim=6, v_head_dim=10, n_group=groups[0], topk_group=groups[1],
         first_k_dense_replace=dense, norm_topk_prob=norm, max_position_embeddings=64, rms_norm_eps=1e-6,
         tie_word_embeddings=tied, rope_interleave=interleave,
-        rope_parameters={"rope_type": "default", "rope_theta": 1.0e4} | (rope or {}),
-    )
+        rope_parameters={"rope_type": "default", "rope_theta": 1.0e4} | (rope or {})) | kw)
     model = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -136,6 +135,18 @@ def test_round_trip_through_save_pretrained_and_lazy_reads(tmp_path):
                                back.layers[2].ffn.experts.down[5:8], rtol=0, atol=0)
 
 
+def test_groups_are_scored_by_their_best_2_whatever_top_k_and_topk_group():
+    """top-2 within 2 of 4 groups: Megatron-Core's count would score a group by its best 1; the import sets
+    moe_opt.group_score_experts=2, transformers' count, and the logits are equal both ways."""
+    hf = hf_model(*CASES[2], num_experts_per_tok=2)
+    model = from_hf(hf).eval()
+    opt = model.moe_opt
+    assert (opt.num_groups, opt.group_top_k, opt.group_score_experts) == (4, 2, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits_BSV, hf(IDS).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(to_hf(model)(IDS).logits, hf(IDS).logits, rtol=0, atol=1e-5)
+
+
 def test_model_config_from_hf_maps_every_field():
     hf = hf_model(*CASES[0])
     cfg = model_config_from_hf(hf.config)
@@ -153,7 +164,7 @@ def test_model_config_from_hf_maps_every_field():
     ({"moe_layer_frequency": 2, "first_k_dense_replace": 0}, {}, "model.moe_layer_frequency"),
     ({"sliding_window": 4}, {}, "model.sliding_window"),
     ({"shared_expert_intermediate_size": 20}, {}, "model.shared_expert_intermediate_size"),
-    ({}, {"group_top_k": 1}, "moe_opt.group_top_k"),  # groups scored by their best 4, DeepSeek's by 2
+    ({}, {"group_top_k": 1}, "moe_opt.group_score_experts"),  # groups scored by their best 4, DeepSeek's 2
 ])
 def test_export_refuses_what_deepseek_v3_cannot_express(kw, opt, field):
     model = ours(**kw)

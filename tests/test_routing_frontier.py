@@ -1,4 +1,5 @@
-"""Sigmoid scores, group-limited routing and the top-k scaling factor (DeepSeek-V3's router).
+"""Sigmoid scores, group-limited routing and the top-k scaling factor (DeepSeek-V3's router; DeepSeek-V2's
+softmax groups scored by their best expert).
 
 The reference is transformers' DeepseekV3TopkRouter (the DeepSeek-V3 router as released): same
 logits, bias, groups and scaling give the same experts and weights. Then the layer trains with them,
@@ -44,6 +45,29 @@ def test_sigmoid_group_limited_routing_is_deepseek_v3s(scaling):
     assert torch.equal(idx_TK.gather(-1, order), want_idx.gather(-1, want_order))
     torch.testing.assert_close(weights_TK.gather(-1, order), want_w.gather(-1, want_order), rtol=0, atol=1e-6)
     torch.testing.assert_close(weights_TK.sum(-1), torch.full((64,), scaling), rtol=0, atol=1e-5)
+
+
+def test_softmax_groups_scored_by_their_best_expert_are_deepseek_v2s():
+    """group_score_experts=1: transformers' DeepseekV2TopkRouter (group_limited_greedy: a group's score is
+    its best expert's, modeling_deepseek_v2.py:105), top-4 in 2 of 4 groups (top_k/group_top_k would be 2)."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    config = DeepseekV2Config(hidden_size=H, n_routed_experts=E, num_experts_per_tok=K, n_group=GROUPS,
+                              topk_group=CHOSEN, topk_method="group_limited_greedy",
+                              routed_scaling_factor=1.5, num_attention_heads=4)
+    reference = DeepseekV2TopkRouter(config)
+    with torch.no_grad():
+        reference.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    x_TH = torch.randn(256, H, generator=torch.Generator().manual_seed(2))
+    _, want_w, want_idx = reference(x_TH)
+    scores_TE = router_probs(x_TH @ reference.weight.T)
+    weights_TK, idx_TK = top_k_routing(scores_TE, K, False, None, GROUPS, CHOSEN, 1.5, group_scored_by=1)
+    order, want_order = idx_TK.argsort(-1), want_idx.argsort(-1)  # HF's top-k is unsorted
+    assert torch.equal(idx_TK.gather(-1, order), want_idx.gather(-1, want_order))
+    torch.testing.assert_close(weights_TK.gather(-1, order), want_w.gather(-1, want_order), rtol=0, atol=1e-6)
+    _, by_two_TK = top_k_routing(scores_TE, K, False, None, GROUPS, CHOSEN, 1.5)  # Megatron-Core's count
+    assert not torch.equal(by_two_TK.sort(-1).values, idx_TK.sort(-1).values)
 
 
 def test_groups_limit_every_token_to_group_top_k_groups():
@@ -122,6 +146,9 @@ def test_routing_keys_are_checked(kw, field, needle):
     ({"num_groups": 4, "group_top_k": 5}, "moe_opt.group_top_k", "1 <= group_top_k"),
     ({"group_top_k": 2}, "moe_opt.group_top_k", "set moe_opt.num_groups too"),
     ({"num_groups": 16, "group_top_k": 2}, "moe_opt.group_top_k", "pick at least 4 groups of 1 experts"),
+    ({"group_score_experts": 1}, "moe_opt.group_score_experts", "set moe_opt.num_groups too"),
+    ({"num_groups": 4, "group_top_k": 2, "group_score_experts": 5}, "moe_opt.group_score_experts",
+     "1 <= group_score_experts <= 4"),
 ])
 def test_group_keys_are_checked(kw, field, needle):
     model = ModelConfig(num_experts=E, top_k=K)

@@ -207,7 +207,18 @@ class MoEOptConfig(Section):
     # group_top_k groups with the best top_k/group_top_k scores kept, top_k chosen inside them
     num_groups: Optional[int] = None
     group_top_k: Optional[int] = None
+    # a group's score: the sum of its best this many scores; null = top_k/group_top_k (Megatron-Core's).
+    # transformers' DeepSeek-V3 router sums 2, DeepSeek-V2's takes the best 1
+    group_score_experts: Optional[int] = None
     topk_scaling_factor: Optional[float] = None  # the top-k weights times this (DeepSeek-V3: 2.5)
+
+
+def group_scored_by(moe_opt, top_k: int) -> int | None:
+    """How many of its best scores a group's score sums (moe_opt.group_score_experts, else
+    top_k/group_top_k); None without groups."""
+    if moe_opt.num_groups is None:
+        return None
+    return moe_opt.group_score_experts or top_k // moe_opt.group_top_k
 
 
 def normalizes(normalize_top_k: bool | None, top_k: int) -> bool:

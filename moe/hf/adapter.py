@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from moe.config.derived import window_of
-from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
+from moe.config.schema import ModelConfig, MoEOptConfig, group_scored_by, normalizes
 from moe.errors import ConfigError
 
 Read = Callable[..., torch.Tensor]  # read(name, get, experts: range | None = None)
@@ -70,6 +70,8 @@ class HFAdapter(ABC):
             have, theirs = getattr(moe_opt, key), getattr(want, key)
             if key == "normalize_top_k":
                 have, theirs = normalizes(have, top_k), normalizes(theirs, top_k)
+            if key == "group_score_experts":  # null means top_k/group_top_k
+                have, theirs = group_scored_by(moe_opt, top_k), group_scored_by(want, top_k)
             if have != theirs:
                 fix = ", ".join(f"moe_opt.{k}={_yaml(getattr(want, k))}" for k in self.routing_keys)
                 family = self.model_types[0]

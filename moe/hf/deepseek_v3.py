@@ -13,7 +13,8 @@ environment's 4.52.4, which keeps one module per expert):
                    mlp.experts.gate_up_proj [E, 2F, H] and down_proj [E, H, F]); ffn.shared_expert
                    <-> mlp.shared_experts (width n_shared_experts x moe_intermediate_size)
 Routing (DeepseekV3TopkRouter): sigmoid scores, expert bias for the choice only, groups scored by
-their best 2 biased scores (ours by their best top_k/group_top_k: equal when that is 2), top-k
+their best 2 biased scores (ours by moe_opt.group_score_experts, set to 2 where top_k/group_top_k,
+Megatron-Core's count, is not 2), top-k
 weights renormalised when norm_topk_prob, times routed_scaling_factor; never drops tokens.
 RoPE: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`,
 true by default); ours rotates halves, so the rope rows of the queries and of kv_a_proj are
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from moe.config.derived import dense_width
-from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
+from moe.config.schema import ModelConfig, MoEOptConfig, group_scored_by, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
 from moe.hf.rope import rope_keys, rope_parameters
@@ -71,6 +72,24 @@ def mtp_layers(hf_config) -> range:
     model.layers.{num_hidden_layers + i}.* for i < num_nextn_predict_layers (the released model: 61)."""
     first = config_value(hf_config, "num_hidden_layers")
     return range(first, first + (config_value(hf_config, "num_nextn_predict_layers", 0) or 0))
+
+
+def mla_config_kwargs(cfg: ModelConfig, moe_opt: MoEOptConfig) -> dict:
+    """The keys DeepseekV2Config and DeepseekV3Config share, for our MLA model (routing besides the
+    top-k scaling is each family's own)."""
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=dense_width(cfg),
+        moe_intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        n_shared_experts=cfg.shared_expert_intermediate_size // cfg.intermediate_size,
+        n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+        routed_scaling_factor=float(moe_opt.topk_scaling_factor or 1.0),
+        kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
+        first_k_dense_replace=cfg.first_k_dense_replace, hidden_act="silu",
+        max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
+        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        rope_parameters=rope_parameters(cfg), attention_bias=False, attention_dropout=0.0)
 
 
 def deinterleave_order(rope_dim: int) -> torch.Tensor:
@@ -115,26 +134,32 @@ def deepseek_value(name: str, get: Get, cfg: ModelConfig, interleaved: bool,
 class DeepSeekV3(ExportAdapter):
     model_types = ("deepseek_v3",)
     hf_class = "DeepseekV3ForCausalLM"
+    family = "DeepSeek-V3"
     router_key = FFN["ffn.router.weight"]
+    expert_bias_key = FFN["ffn.router.expert_bias"]  # DeepSeek-V2's router has none (moe.hf.deepseek_v2)
     # MoE routing fields a DeepSeek-V3 checkpoint fixes (moe_opt); the rest are training choices
     routing_keys = ("score_function", "num_groups", "group_top_k", "topk_scaling_factor", "normalize_top_k",
-                    "enable_expert_bias")
+                    "enable_expert_bias", "group_score_experts")
+    group_score_top = HF_GROUP_SCORE_TOP  # how many of its best scores the router sums for a group's score
 
     # -- reading ----------------------------------------------------------------------------------
-    def model_config(self, hf_config) -> ModelConfig:
-        rope = rope_keys(hf_config, default_theta=1.0e4)  # plain, linear, llama3 or YaRN (moe.hf.rope)
+    def refusals(self, hf_config) -> tuple:
+        """(field, value, refused, fix) for each piece of the checkpoint our MLA decoder does not compute."""
         bias = getattr(hf_config, "attention_bias", False)
         dropout = getattr(hf_config, "attention_dropout", 0.0)
-        refusals = (("hidden_act", hf_config.hidden_act, hf_config.hidden_act != "silu",
-                     "only SiLU (SwiGLU) MLPs are implemented"),
-                    ("attention_bias", bias, bool(bias), "our MLA projections have no bias"),
-                    ("attention_dropout", dropout, bool(dropout), "set attention_dropout=0 in config.json"))
-        for field, value, refused, fix in refusals:
+        return (("hidden_act", hf_config.hidden_act, hf_config.hidden_act != "silu",
+                 "only SiLU (SwiGLU) MLPs are implemented"),
+                ("attention_bias", bias, bool(bias), "our MLA projections have no bias"),
+                ("attention_dropout", dropout, bool(dropout), "set attention_dropout=0 in config.json"))
+
+    def model_config(self, hf_config) -> ModelConfig:
+        rope = rope_keys(hf_config, default_theta=1.0e4)  # plain, linear, llama3 or YaRN (moe.hf.rope)
+        for field, value, refused, fix in self.refusals(hf_config):
             if refused:
                 raise ConfigError(field, value, fix, "is not supported")
         moe_width, dense = hf_config.moe_intermediate_size, hf_config.intermediate_size
         return ModelConfig(
-            name=getattr(hf_config, "_name_or_path", "") or "deepseek_v3",
+            name=getattr(hf_config, "_name_or_path", "") or self.model_types[0],
             vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size, intermediate_size=moe_width,
             dense_intermediate_size=None if dense == moe_width else dense,
             num_layers=hf_config.num_hidden_layers, num_heads=hf_config.num_attention_heads,
@@ -155,20 +180,23 @@ class DeepSeekV3(ExportAdapter):
         """Routing as the checkpoint computes it: sigmoid, its groups, its scaling, dropless, the expert
         bias on (its values come with the weights); balancing as DeepSeek-V3 trained (moe_opt=deepseek_v3)."""
         groups, scaling = hf_config.n_group or 1, hf_config.routed_scaling_factor
-        if groups > 1 and hf_config.num_experts_per_tok // hf_config.topk_group != HF_GROUP_SCORE_TOP:
-            raise ConfigError("topk_group", hf_config.topk_group, "use a checkpoint with "
-                              f"num_experts_per_tok / topk_group = {HF_GROUP_SCORE_TOP}",
-                              f"scores groups by their best {HF_GROUP_SCORE_TOP} experts while ours score by "
-                              "num_experts_per_tok / topk_group; not supported")
         return MoEOptConfig(
             name="deepseek_v3_dropless", capacity_factor=None, eval_capacity_factor=None,
             normalize_top_k=bool(hf_config.norm_topk_prob), score_function="sigmoid",
             num_groups=groups if groups > 1 else None,
             group_top_k=hf_config.topk_group if groups > 1 else None,
+            group_score_experts=self.group_score_experts(hf_config, groups),
             topk_scaling_factor=None if scaling == 1.0 else scaling,
             enable_expert_bias=True, bias_update_rate=1.0e-3, load_balancing_type="seq_aux_loss",
             aux_loss_coeff=1.0e-4, z_loss_coeff=0.0,
         )
+
+    def group_score_experts(self, hf_config, groups: int) -> int | None:
+        """moe_opt.group_score_experts for the checkpoint's groups: null where top_k/group_top_k is already
+        the family's count."""
+        if groups <= 1 or hf_config.num_experts_per_tok // hf_config.topk_group == self.group_score_top:
+            return None
+        return self.group_score_top
 
     def loading_class(self, hf_config):
         r"""DeepseekV3ForCausalLM, skipping the checkpoint's multi-token-prediction layers on load as
@@ -201,52 +229,49 @@ class DeepSeekV3(ExportAdapter):
 
     # -- writing ----------------------------------------------------------------------------------
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-        check_plain_pieces(cfg, "DeepSeek-V3", self.model_types[0])
+        family = self.family
+        check_plain_pieces(cfg, family, self.model_types[0])
         if cfg.moe_layer_frequency != 1:
             raise ConfigError("model.moe_layer_frequency", cfg.moe_layer_frequency,
                               "use moe_layer_frequency=1 (model.first_k_dense_replace for leading dense "
                               "layers)",
-                              "interleaves dense and MoE layers, which DeepSeek-V3 cannot express")
+                              f"interleaves dense and MoE layers, which {family} cannot express")
         if cfg.sliding_window is not None:
             raise ConfigError("model.sliding_window", cfg.sliding_window, "train with sliding_window=null to "
-                              "export to DeepSeek-V3", "has no DeepSeek-V3 equivalent (full attention only)")
+                              f"export to {family}", f"has no {family} equivalent (full attention only)")
+        if cfg.shared_expert_intermediate_size % cfg.intermediate_size:
+            raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
+                              f"use a multiple of model.intermediate_size={cfg.intermediate_size} "
+                              f"({family}'s shared experts are n_shared_experts experts wide)",
+                              "is not a whole number of experts")
+        self.check_router(cfg, moe_opt)
+
+    def check_router(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
+        """Routing DeepseekV3TopkRouter computes: sigmoid scores, groups scored by their best 2."""
         if moe_opt.score_function != "sigmoid":
             raise ConfigError("moe_opt.score_function", moe_opt.score_function,
                               "train with moe_opt.score_function=sigmoid (moe_opt=deepseek_v3) to export it",
                               "is not DeepSeek-V3's router, which scores experts with a sigmoid")
-        if cfg.shared_expert_intermediate_size % cfg.intermediate_size:
-            raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
-                              f"use a multiple of model.intermediate_size={cfg.intermediate_size} "
-                              "(DeepSeek-V3's shared experts are n_shared_experts experts wide)",
-                              "is not a whole number of experts")
-        per_group = None if moe_opt.num_groups is None else cfg.top_k // moe_opt.group_top_k
-        if per_group not in (None, HF_GROUP_SCORE_TOP):
-            raise ConfigError("moe_opt.group_top_k", moe_opt.group_top_k,
-                              f"use group_top_k = top_k / {HF_GROUP_SCORE_TOP} = "
-                              f"{cfg.top_k / HF_GROUP_SCORE_TOP:g} (or num_groups=null)",
-                              f"scores each group by its best top_k/group_top_k={per_group} experts; "
-                              f"DeepSeek-V3's router always sums the best {HF_GROUP_SCORE_TOP}")
+        self.check_group_score(cfg, moe_opt)
+
+    def check_group_score(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
+        """Groups scored as the family's router scores them (its best `group_score_top`)."""
+        scored_by = group_scored_by(moe_opt, cfg.top_k)
+        if scored_by not in (None, self.group_score_top):
+            raise ConfigError("moe_opt.group_score_experts", moe_opt.group_score_experts,
+                              f"set moe_opt.group_score_experts={self.group_score_top} (or num_groups=null)",
+                              f"scores each group by its best {scored_by} experts; {self.family}'s router by "
+                              f"its best {self.group_score_top}")
 
     def hf_config(self, cfg: ModelConfig, moe_opt: MoEOptConfig):
         from transformers import DeepseekV3Config
 
         self.check_exportable(cfg, moe_opt)
+        norm = normalizes(moe_opt.normalize_top_k, cfg.top_k)
         config = DeepseekV3Config(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=dense_width(cfg),
-            moe_intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-            n_shared_experts=cfg.shared_expert_intermediate_size // cfg.intermediate_size,
-            n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
-            routed_scaling_factor=float(moe_opt.topk_scaling_factor or 1.0),
-            kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
-            qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
-            n_group=moe_opt.num_groups or 1, topk_group=moe_opt.group_top_k or 1,
-            first_k_dense_replace=cfg.first_k_dense_replace,
-            norm_topk_prob=normalizes(moe_opt.normalize_top_k, cfg.top_k), hidden_act="silu",
-            max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
-            rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-            rope_parameters=rope_parameters(cfg), rope_interleave=True, attention_bias=False,
-            attention_dropout=0.0, num_nextn_predict_layers=0,  # no multi-token-prediction layer is written
+            **mla_config_kwargs(cfg, moe_opt), n_group=moe_opt.num_groups or 1,
+            topk_group=moe_opt.group_top_k or 1, norm_topk_prob=norm, rope_interleave=True,
+            num_nextn_predict_layers=0,  # no multi-token-prediction layer is written
         )
         config.rope_theta = float(cfg.rope_theta)  # 4.x reads rope_theta (see moe.hf.mixtral)
         return config
@@ -284,8 +309,8 @@ class DeepSeekV3(ExportAdapter):
                     gate, up = ours[q + rest].chunk(2)
                     sd |= {p + prefix + "gate_proj.weight": gate, p + prefix + "up_proj.weight": up}
             if any(q + suffix in ours for suffix in EXPERT_LAYOUT.suffixes):
-                if q + "ffn.router.expert_bias" not in ours:  # trained without it: choice by the scores
-                    sd[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts)
+                if self.expert_bias_key and q + "ffn.router.expert_bias" not in ours:  # trained without it:
+                    sd[p + self.expert_bias_key] = torch.zeros(cfg.num_experts)  # choice by the scores
                 if q + "ffn.shared_expert.down_proj.weight" not in ours:  # n_shared_experts=0: zero-width MLP
                     H = cfg.hidden_size
                     sd |= {p + "mlp.shared_experts.gate_proj.weight": torch.zeros(0, H),

@@ -1,9 +1,9 @@
 """Which adapter reads or writes which Hugging Face model family: the one table.
 
 Reading goes by the checkpoint's `model_type` (config.json, opened by `read_hf_config`): Mixtral,
-DeepSeek-V3, Qwen3-MoE, Qwen2-MoE, OLMoE; writing by `model.hf_family` (an import sets it), else by our
-attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama checkpoints are read by
-upcycling only (their adapter needs the expert count: moe.hf.dense.DenseUpcycle).
+DeepSeek-V3, gpt-oss, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2; writing by `model.hf_family` (an import
+sets it), else by our attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama
+checkpoints are read by upcycling only (their adapter needs the expert count: moe.hf.dense.DenseUpcycle).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from moe.errors import ConfigError, UserError, first_line
 from moe.hf.adapter import ExportAdapter, HFAdapter
+from moe.hf.deepseek_v2 import DeepSeekV2
 from moe.hf.deepseek_v3 import DeepSeekV3
 from moe.hf.dense import DenseUpcycle
 from moe.hf.gpt_oss import GptOss
@@ -23,7 +24,8 @@ from moe.hf.qwen3_moe import Qwen3Moe
 from moe.hf.tensors import SafetensorsDir
 
 CONVERTERS: dict[str, type[ExportAdapter]] = {
-    adapter.model_types[0]: adapter for adapter in (Mixtral, DeepSeekV3, GptOss, Qwen3Moe, Qwen2Moe, Olmoe)}
+    adapter.model_types[0]: adapter
+    for adapter in (Mixtral, DeepSeekV3, GptOss, Qwen3Moe, Qwen2Moe, Olmoe, DeepSeekV2)}
 UPCYCLERS: dict[str, type[HFAdapter]] = dict.fromkeys(DenseUpcycle.model_types, DenseUpcycle)
 EXPORT_BY_ATTENTION = {"gqa": "mixtral", "mla": "deepseek_v3"}
 IMPORTABLE = tuple(CONVERTERS)  # model_type of the checkpoints from_hf reads

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from moe.config.schema import normalizes
+from moe.config.schema import group_scored_by, normalizes
 from moe.model.dispatcher import Dispatcher, LocalDispatcher, TokenShard
 from moe.model.expert_layout import ExpertLayout, stored
 from moe.model.fp8 import fp8_grouped_mm, fp8_kernel
@@ -324,6 +324,7 @@ class MoELayer(nn.Module):
         self.load_balancing_type = moe_opt.load_balancing_type
         self.score_function = moe_opt.score_function
         self.num_groups, self.group_top_k = moe_opt.num_groups, moe_opt.group_top_k
+        self.group_scored_by = group_scored_by(moe_opt, top_k)
         self.topk_scaling_factor = moe_opt.topk_scaling_factor
         self.weights_in_activation = moe_opt.weights_in_activation  # the experts weight their rows
         # what the RoutingStats are read for: a loss term carries gradient where its coefficient is not 0;
@@ -394,7 +395,8 @@ class MoELayer(nn.Module):
         scores_TE = router_probs(logits_TE, self.router.dtype, self.score_function)
         bias_E = self.router.expert_bias  # None unless aux-loss-free balancing is on
         weights_TK, idx_TK = top_k_routing(scores_TE, self.top_k, self.normalize_top_k, bias_E,
-                                           self.num_groups, self.group_top_k, self.topk_scaling_factor)
+                                           self.num_groups, self.group_top_k, self.topk_scaling_factor,
+                                           self.group_scored_by)
 
         # 2. capacity: which assignments fit (all of them when dropless)
         keep_TK = apply_capacity(idx_TK, weights_TK, self.num_experts, capacity, self.drop_policy)

@@ -68,13 +68,15 @@ def balance_probs(scores_TE: torch.Tensor, score_function: str = "softmax") -> t
     return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
 
 
-def limit_to_groups(scores_TE: torch.Tensor, top_k: int, num_groups: int, group_top_k: int) -> torch.Tensor:
+def limit_to_groups(scores_TE: torch.Tensor, top_k: int, num_groups: int, group_top_k: int,
+                    scored_by: int | None = None) -> torch.Tensor:
     """Group-limited routing (DeepSeek-V3's node-limited routing), as Megatron-Core's
-    `group_limited_topk` (moe/moe_utils.py): a group's score is the sum of its best top_k/group_top_k
-    scores; the experts outside the best group_top_k groups get -inf, so top-k never picks them."""
+    `group_limited_topk` (moe/moe_utils.py): a group's score is the sum of its best `scored_by` scores
+    (None: top_k/group_top_k, Megatron-Core's); the experts outside the best group_top_k groups get -inf,
+    so top-k never picks them."""
     T, E = scores_TE.shape
     grouped_TGe = scores_TE.view(T, num_groups, E // num_groups)
-    group_scores_TG = grouped_TGe.topk(top_k // group_top_k, dim=-1).values.sum(dim=-1)
+    group_scores_TG = grouped_TGe.topk(scored_by or top_k // group_top_k, dim=-1).values.sum(dim=-1)
     chosen_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(
         1, group_scores_TG.topk(group_top_k, dim=-1).indices, True)
     return scores_TE.masked_fill(~chosen_TG.repeat_interleave(E // num_groups, dim=1), float("-inf"))
@@ -83,12 +85,14 @@ def limit_to_groups(scores_TE: torch.Tensor, top_k: int, num_groups: int, group_
 def top_k_routing(
     probs_TE: torch.Tensor, top_k: int, normalize: bool | None = None, bias_E: torch.Tensor | None = None,
     num_groups: int | None = None, group_top_k: int | None = None, scaling_factor: float | None = None,
+    group_scored_by: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the top_k experts per token -> (weights_TK, idx_TK), weights as `normalizes` says.
 
     bias_E (aux-loss-free balancing, DeepSeek-V3): added to the scores to choose the experts only;
     the weights are the chosen experts' unbiased scores. num_groups/group_top_k: the choice is
-    limited to the best groups (`limit_to_groups`, on the biased scores). scaling_factor multiplies
+    limited to the best groups (`limit_to_groups`, on the biased scores; each scored by its best
+    group_scored_by, None: top_k/group_top_k). scaling_factor multiplies
     the final weights (Megatron-Core's moe_router_topk_scaling_factor).
     """
     if bias_E is None and num_groups is None:
@@ -96,7 +100,7 @@ def top_k_routing(
     else:
         choice_TE = probs_TE.detach() if bias_E is None else probs_TE.detach() + bias_E
         if num_groups is not None:
-            choice_TE = limit_to_groups(choice_TE, top_k, num_groups, group_top_k)
+            choice_TE = limit_to_groups(choice_TE, top_k, num_groups, group_top_k, group_scored_by)
         idx_TK = torch.topk(choice_TE, top_k, dim=-1).indices
         weights_TK = probs_TE.gather(-1, idx_TK)
     if normalizes(normalize, top_k):

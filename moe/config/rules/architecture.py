@@ -215,11 +215,11 @@ def validate_mla(m, prefix: str) -> None:
 
 def validate_groups(m, r, model_prefix: str = "model") -> None:
     """Group-limited routing needs groups that tile the experts and can hold the top_k choices."""
-    groups, chosen = r.num_groups, r.group_top_k
+    groups, chosen, scored_by = r.num_groups, r.group_top_k, r.group_score_experts
     if groups is None:
-        need(chosen is None, "moe_opt.group_top_k", chosen,
-             "set moe_opt.num_groups too, or group_top_k=null",
-             "needs moe_opt.num_groups")
+        for key, value in (("group_top_k", chosen), ("group_score_experts", scored_by)):
+            need(value is None, f"moe_opt.{key}", value, f"set moe_opt.num_groups too, or {key}=null",
+                 "needs moe_opt.num_groups")
         return
     need(groups >= 1 and m.num_experts % groups == 0, "moe_opt.num_groups", groups,
          f"use a divisor of {model_prefix}.num_experts={m.num_experts}, or null for no groups",
@@ -231,6 +231,9 @@ def validate_groups(m, r, model_prefix: str = "model") -> None:
     need(chosen * per_group >= m.top_k, "moe_opt.group_top_k", chosen,
          f"pick at least {-(-m.top_k // per_group)} groups of {per_group} experts for top_k={m.top_k}",
          f"leaves fewer than top_k={m.top_k} experts to choose from")
+    need(scored_by is None or 1 <= scored_by <= per_group, "moe_opt.group_score_experts", scored_by,
+         f"use 1 <= group_score_experts <= {per_group} (a group's experts), or null for top_k/group_top_k",
+         "must sum between 1 score and all of a group's")
 
 
 def validate_routing(r, prefix: str = "moe_opt") -> None:
