@@ -103,6 +103,8 @@ def warn_unknown_keys(config, path) -> list[str]:
     # configuration_qwen3_moe.py:50-51 at 5.24; OLMoE reads num_local_experts as num_experts)
     aliases = getattr(config, "attribute_map", {})
     known |= set(aliases) | set(aliases.values())
+    known.add("torch_dtype")  # transformers 4's name of `dtype`, read as it (configuration_utils.py:438-442 at 5.24):
+    # nearly every released config.json has it
     known.add("head_dim")  # read with getattr by the attention of configs without the field (Qwen-MoE, OLMoE:
     # modeling_qwen3_moe.py:129 at 5.24); Qwen3-30B-A3B's config.json sets it
     unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)
