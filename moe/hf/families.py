@@ -1,9 +1,9 @@
 """Which adapter reads or writes which Hugging Face model family: the one table.
 
 Reading goes by the checkpoint's `model_type` (config.json, opened by `read_hf_config`): Mixtral,
-DeepSeek-V3, Qwen3-MoE, Qwen2-MoE, OLMoE; writing by `model.hf_family` (an import sets it), else by our
-attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama checkpoints are read by
-upcycling only (their adapter needs the expert count: moe.hf.dense.DenseUpcycle).
+DeepSeek-V3, gpt-oss, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5; writing by `model.hf_family` (an import sets
+it), else by our attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama checkpoints
+are read by upcycling only (their adapter needs the expert count: moe.hf.dense.DenseUpcycle).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from moe.errors import ConfigError, UserError, first_line
 from moe.hf.adapter import ExportAdapter, HFAdapter
 from moe.hf.deepseek_v3 import DeepSeekV3
 from moe.hf.dense import DenseUpcycle
+from moe.hf.glm4_moe import Glm4Moe
 from moe.hf.gpt_oss import GptOss
 from moe.hf.mixtral import Mixtral
 from moe.hf.olmoe import Olmoe
@@ -23,7 +24,8 @@ from moe.hf.qwen3_moe import Qwen3Moe
 from moe.hf.tensors import SafetensorsDir
 
 CONVERTERS: dict[str, type[ExportAdapter]] = {
-    adapter.model_types[0]: adapter for adapter in (Mixtral, DeepSeekV3, GptOss, Qwen3Moe, Qwen2Moe, Olmoe)}
+    adapter.model_types[0]: adapter
+    for adapter in (Mixtral, DeepSeekV3, GptOss, Qwen3Moe, Qwen2Moe, Olmoe, Glm4Moe)}
 UPCYCLERS: dict[str, type[HFAdapter]] = dict.fromkeys(DenseUpcycle.model_types, DenseUpcycle)
 EXPORT_BY_ATTENTION = {"gqa": "mixtral", "mla": "deepseek_v3"}
 IMPORTABLE = tuple(CONVERTERS)  # model_type of the checkpoints from_hf reads
@@ -69,8 +71,9 @@ def read_hf_config(path: str | Path, field: str):
 
 
 def note_unread(config, path) -> None:
-    """One line naming what the directory holds that the import skips (DeepSeek-V3's multi-token-prediction
-    layers); a directory whose weights cannot be listed says nothing here (its load says why)."""
+    """One line naming what the directory holds that the import skips (DeepSeek-V3's and GLM-4.5's
+    multi-token-prediction layers); a directory whose weights cannot be listed says nothing here (its load
+    says why)."""
     try:
         keys = SafetensorsDir(path).file_of
     except UserError:
