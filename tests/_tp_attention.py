@@ -1,6 +1,6 @@
-"""A gpt-oss model's gradients on two TP ranks, on two EP ranks and in one process (tests/test_hf_gpt_oss.py):
-the rank bodies live here, apart from the test module, so that the spawned ranks import no transformers
-model."""
+"""A Hugging Face directory's model's gradients on two TP ranks, on two EP ranks and in one process (gpt-oss:
+tests/test_hf_gpt_oss.py; GLM-4.5: tests/test_hf_glm4_moe.py): the rank bodies live here, apart from the test
+modules, so that the spawned ranks import no transformers model."""
 from __future__ import annotations
 
 import torch
@@ -27,21 +27,29 @@ def attention_grads(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return grads
 
 
+def meta_model(hf_dir: str):
+    """The directory's model on the meta device, with its family's config and routing."""
+    from moe.hf import read_hf_config
+    from moe.hf.families import converter_for
+    from moe.model import MoETransformer
+
+    config = read_hf_config(hf_dir, "hf_dir")
+    adapter = converter_for(config.model_type)
+    with torch.device("meta"):
+        return MoETransformer(adapter.model_config(config), adapter.moe_opt(config))
+
+
 def tp2_attention_grads(rank: int, hf_dir: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """On each of 2 TP ranks: a gpt-oss directory's model built on the meta device, split by TP, filled from
-    the files as training fills it; then attention_grads."""
+    """On each of 2 TP ranks: the directory's model built on the meta device, split by TP, filled from the
+    files as training fills it; then attention_grads."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moe.hf import read_hf_config, tensor_source
-    from moe.hf.gpt_oss import GptOss
-    from moe.model import MoETransformer
+    from moe.hf import tensor_source
     from moe.parallel.placement import materialize_distributed
     from moe.parallel.tensor_parallel import apply_tp
 
-    config = read_hf_config(hf_dir, "hf_dir")
-    model_cfg = GptOss().model_config(config)
-    with torch.device("meta"):
-        model = MoETransformer(model_cfg, GptOss().moe_opt(config))
+    model = meta_model(hf_dir)
+    model_cfg = model.model_config
     apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"])
     materialize_distributed(model, "cpu", tensor_source(hf_dir, model_cfg), model_cfg, tp=2)
     return attention_grads(model, ids)
@@ -53,20 +61,16 @@ def ep2_expert_grads(rank: int, hf_dir: str, ids: torch.Tensor) -> dict[str, tor
     (both ranks feed the same batch, so an expert's gradient is twice one process's)."""
     import torch.distributed as dist
 
-    from moe.hf import read_hf_config, tensor_source
-    from moe.hf.gpt_oss import GptOss
-    from moe.model import MoETransformer
+    from moe.hf import tensor_source
     from moe.parallel.apply import apply_ep
 
-    config = read_hf_config(hf_dir, "hf_dir")
-    model_cfg = GptOss().model_config(config)
-    with torch.device("meta"):
-        model = MoETransformer(model_cfg, GptOss().moe_opt(config))
+    model = meta_model(hf_dir)
     apply_ep(model, dist.group.WORLD)
-    model.materialize("cpu", tensor_source(hf_dir, model_cfg))
+    model.materialize("cpu", tensor_source(hf_dir, model.model_config))
     out = model(ids).logits_BSV
     out.float().pow(2).mean().backward()
-    grads = {"logits": out.detach(), "first_expert": torch.tensor(model.layers[0].ffn.experts.first_expert)}
+    first_moe = next(block for block in model.layers if block.is_moe)
+    grads = {"logits": out.detach(), "first_expert": torch.tensor(first_moe.ffn.experts.first_expert)}
     grads |= {name: p.grad.detach().clone() for name, p in model.named_parameters() if ".experts." in name}
     return grads
 

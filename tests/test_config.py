@@ -129,7 +129,8 @@ def test_hardware_x_parallel(hardware):
 @pytest.mark.parametrize("experiment", ["karakuri_8x7b_trn1", "moe64_top2_gpu_dp2_ep8",
                                         "mixtral_8x7b_gpu_dp2_ep8", "mixtral_8x7b_gpu_fsdp2",
                                         "mixtral_8x22b_gpu_fsdp2", "mixtral_8x7b_trn2",
-                                        "deepseek_v3_gpu_fsdp2", "switch_1t_gpu_fsdp2"])
+                                        "deepseek_v3_gpu_fsdp2", "switch_1t_gpu_fsdp2",
+                                        "glm4_5_air_gpu_fsdp2"])
 def test_experiments_validate_at_their_own_world(experiment):
     cfg = make_cfg(f"experiment={experiment}")
     validate(cfg)  # no dry run: trainer.devices x num_nodes is the experiment's real cluster

@@ -316,9 +316,10 @@ def test_an_export_refuses_what_the_family_cannot_express_naming_the_key(family,
 def test_an_export_names_every_family_whose_class_has_the_piece():
     """Mixtral's and DeepSeek-V3's refusals of another family's piece say which model.hf_family has it."""
     moe_opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None)
-    for kw, families in ((dict(qkv_bias=True), "gpt_oss or qwen2_moe or qwen3_moe or olmoe"),
-                         (dict(o_bias=True), "gpt_oss or qwen3_moe or olmoe"),
-                         (dict(qk_norm="per_head"), "qwen3_moe or olmoe"),
+    for kw, families in ((dict(qkv_bias=True), "gpt_oss or qwen2_moe or qwen3_moe or olmoe or glm4_moe"),
+                         (dict(o_bias=True), "gpt_oss or qwen3_moe or olmoe to"),
+                         (dict(qk_norm="per_head"), "qwen3_moe or olmoe or glm4_moe"),
+                         (dict(partial_rotary_factor=0.5), "glm4_moe to"),
                          (dict(attention_sinks=True), "gpt_oss to")):
         with pytest.raises(ConfigError, match=f"set model.hf_family={families}"):
             to_hf(MoETransformer(our_config("mixtral", **kw), moe_opt))

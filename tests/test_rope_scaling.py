@@ -1,7 +1,8 @@
 """RoPE scaling (model.rope_type linear, llama3, yarn): our inverse frequencies, cos/sin factor and MLA
 softmax scale equal transformers' for the released DeepSeek-V3, gpt-oss and Llama 3.1 settings; Mixtral
 and an upcycled Llama carry llama3 and linear scaling both ways with equal logits; decode steps see the
-full sequence's cos/sin; the keys are validated."""
+full sequence's cos/sin; partial RoPE (model.partial_rotary_factor) equals GLM-4.5's rotary embedding and
+attention with each scaling; the keys are validated."""
 from dataclasses import replace
 
 import pytest
@@ -10,12 +11,19 @@ import transformers
 from transformers import DeepseekV3Config, GptOssConfig, LlamaConfig, MixtralConfig, MixtralForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+from transformers.models.glm4_moe.modeling_glm4_moe import (
+    Glm4MoeAttention,
+    Glm4MoeRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from moe.config import ModelConfig, MoEOptConfig
+from moe.config.derived import rotary_dim_of
 from moe.config.rules.architecture import validate_model
 from moe.errors import ConfigError
 from moe.hf import from_hf, model_config_from_hf, to_hf, upcycle
 from moe.model import MoETransformer
+from moe.model.attention import Attention, apply_rope
 from moe.model.rope import attention_factor, inverse_frequencies, mla_softmax_scale, rope_cos_sin
 from tests._hf_loading import decoded_logits, loads_cleanly, relative_error
 
@@ -74,6 +82,71 @@ def test_a_decode_step_sees_the_full_sequences_cos_sin():
     step = rope_cos_sin(8191, 3, inv_freq, attention_factor(m), torch.float32)
     for a, b in zip(step, full, strict=True):
         assert torch.equal(a, b[8191:8194])
+
+
+# -- partial RoPE: GLM-4.5's partial_rotary_factor, with each scaling ------------------------------------
+
+PARTIAL = {"default": {}, "linear": {"rope_type": "linear", "factor": 4.0},
+           "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8}}
+
+
+def glm_config(rope: dict, **kw):
+    config = transformers.Glm4MoeConfig(**dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
+        attention_bias=True, use_qk_norm=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1.0e4, "partial_rotary_factor": 0.5} | rope)
+        | kw)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@pytest.mark.parametrize("kind", list(PARTIAL))
+def test_partial_rope_equals_glm4_moes_rotary_embedding_and_apply_rotary_pos_emb(kind):
+    """Glm4MoeRotaryEmbedding's cos/sin over int(24 x 0.5) = 12 dims and apply_rotary_pos_emb (the first 12
+    dims of each head rotated, the other 12 passed through), bit for bit."""
+    config = glm_config(PARTIAL[kind])
+    m = replace(ours_from(config), hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=24)
+    assert (m.partial_rotary_factor, rotary_dim_of(m)) == (0.5, 12)
+    cos, sin = Glm4MoeRotaryEmbedding(config)(torch.zeros(1), torch.arange(11)[None])
+    ours_cos, ours_sin = rope_cos_sin(0, 11, inverse_frequencies(m, rotary_dim_of(m)), attention_factor(m),
+                                      torch.float32)
+    assert torch.equal(ours_cos, cos[0]) and torch.equal(ours_sin, sin[0])
+    q, k = torch.randn(2, 4, 11, 24), torch.randn(2, 2, 11, 24)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(apply_rope(q, ours_cos, ours_sin), want_q)
+    assert torch.equal(apply_rope(k, ours_cos, ours_sin), want_k)
+    assert torch.equal(want_q[..., 12:], q[..., 12:])  # the unrotated half
+
+
+@pytest.mark.parametrize("kind", list(PARTIAL))
+def test_partial_rope_attention_equals_glm4_moes_and_decodes_as_the_full_forward(kind):
+    """Glm4MoeAttention (q/k/v biases, per-head QK-norm, partial RoPE) against our fused attention, whole and
+    as KV-cache decode steps past YaRN's original 8 positions."""
+    from moe.model.attention import KVCache
+
+    config = glm_config(PARTIAL[kind])
+    torch.manual_seed(0)
+    theirs = Glm4MoeAttention(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.2)
+    cfg = replace(ours_from(config), hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=24, qkv_bias=True,
+                  qk_norm="per_head", rms_norm_eps=1e-6)
+    ours = Attention(cfg).eval()
+    a = theirs
+    ours.load_state_dict({
+        "qkv_proj.weight": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+        "qkv_proj.bias": torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+        "o_proj.weight": a.o_proj.weight, "q_norm.weight": a.q_norm.weight, "k_norm.weight": a.k_norm.weight})
+    x = torch.randn(2, 11, 64)
+    cos_sin = Glm4MoeRotaryEmbedding(config)(x, torch.arange(11)[None])
+    with torch.no_grad():
+        want, _ = theirs(x, cos_sin, attention_mask=None, is_causal=True)
+        assert relative_error(ours(x), want) < 1e-6
+        cache = KVCache()
+        steps = [ours(x[:, :4], kv_cache=cache)] + [ours(x[:, i:i + 1], kv_cache=cache, position_offset=i)
+                                                     for i in range(4, 11)]
+        assert relative_error(torch.cat(steps, dim=1), want) < 1e-6
 
 
 # -- Mixtral (and a Llama upcycle) with llama3 and linear scaling, both ways ------------------------------
@@ -154,6 +227,13 @@ YARN = dict(rope_type="yarn", rope_factor=40.0, rope_original_max_position_embed
     (dict(YARN, rope_beta_fast=1.0, rope_beta_slow=2.0), "model.rope_beta_fast", "is below rope_beta_slow"),
     (dict(YARN, rope_mscale_all_dim=-1.0), "model.rope_mscale_all_dim", "must be positive"),
     (dict(YARN, position_encoding="alibi"), "model.rope_type", "scales RoPE, which this model does not use"),
+    (dict(partial_rotary_factor=0.0), "model.partial_rotary_factor", "is outside (0, 1]"),
+    (dict(partial_rotary_factor=1.5), "model.partial_rotary_factor", "is outside (0, 1]"),
+    (dict(partial_rotary_factor=0.3), "model.partial_rotary_factor", "= 9 dims; RoPE rotates pairs"),
+    (dict(partial_rotary_factor=0.5, position_encoding="alibi"), "model.partial_rotary_factor",
+     "applies to RoPE only"),
+    (dict(partial_rotary_factor=0.5, attention="mla", kv_lora_rank=32, qk_nope_head_dim=16,
+          qk_rope_head_dim=8, v_head_dim=16), "model.partial_rotary_factor", "is read by GQA attention only"),
 ])
 def test_rope_keys_are_checked(kw, field, says):
     with pytest.raises(ConfigError) as err:

@@ -56,6 +56,12 @@ def head_dim_of(m) -> int:
     return m.head_dim or m.hidden_size // m.num_heads
 
 
+def rotary_dim_of(m) -> int:
+    """The dims of a GQA head RoPE rotates: int(head_dim * partial_rotary_factor), as transformers computes
+    it (modeling_rope_utils.py:179-181 at 5.24); the rest of the head passes through."""
+    return int(head_dim_of(m) * m.partial_rotary_factor)
+
+
 def attention_dims(m) -> tuple[int, int]:
     """(query/key dims, value dims) of one attention head: head_dim twice for GQA; for MLA
     qk_nope_head_dim + qk_rope_head_dim and v_head_dim."""

@@ -118,6 +118,9 @@ class ModelConfig(Section):
     rope_truncate: Optional[bool] = None  # yarn: round the ramp's ends to whole dims; null = true
     rope_low_freq_factor: Optional[float] = None  # llama3 (required): Llama 3.1: 1
     rope_high_freq_factor: Optional[float] = None  # llama3 (required): Llama 3.1: 4
+    # GQA: RoPE rotates the first int(head_dim * this) dims of each head, the rest pass through (GLM-4.5:
+    # 0.5); 1.0 = every dim
+    partial_rotary_factor: float = 1.0
     sliding_window: Optional[int] = None
     # each layer's attention, as transformers' `layer_types`: sliding_attention (the window above) or
     # full_attention; null = every layer as sliding_window says (gpt-oss alternates them, sliding first)

@@ -114,13 +114,14 @@ class ExportAdapter(HFAdapter):
 # model keys whose pieces only some families' transformers classes have: the plain value, and those families
 # (model.hf_family). dense_layers: any layers beside the leading ones and the frequency's.
 FAMILY_PIECES = {
-    "qkv_bias": (False, ("gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe")),
+    "qkv_bias": (False, ("gpt_oss", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")),
     "o_bias": (False, ("gpt_oss", "qwen3_moe", "olmoe")),
     "attention_sinks": (False, ("gpt_oss",)),
     "router_bias": (False, ("gpt_oss",)),
     "expert_proj_bias": (False, ("gpt_oss",)),
     "expert_activation": ("swiglu", ("gpt_oss",)),
-    "qk_norm": ("none", ("qwen3_moe", "olmoe")),
+    "qk_norm": ("none", ("qwen3_moe", "olmoe", "glm4_moe")),
+    "partial_rotary_factor": (1.0, ("glm4_moe",)),
     "shared_expert_gate": (False, ("qwen2_moe",)),
     "dense_layers": (None, ("qwen3_moe", "qwen2_moe")),
 }

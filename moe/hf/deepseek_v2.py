@@ -24,6 +24,7 @@ from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
 from moe.hf.adapter import HFAdapter
 from moe.hf.deepseek_v3 import DeepSeekV3, mla_config_kwargs
+from moe.hf.sigmoid_router import check_group_score, group_score_experts
 from moe.hf.tensors import config_value
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")  # DeepseekV2TopkRouter.forward's two branches
@@ -35,7 +36,6 @@ class DeepSeekV2(DeepSeekV3):
     hf_class = "DeepseekV2ForCausalLM"
     family = "DeepSeek-V2"
     expert_bias_key = None
-    group_score_top = HF_GROUP_SCORE_TOP
 
     # -- reading ----------------------------------------------------------------------------------
     def refusals(self, hf_config) -> tuple:
@@ -62,7 +62,7 @@ class DeepSeekV2(DeepSeekV3):
             name="deepseek_v2_dropless", capacity_factor=None, eval_capacity_factor=None,
             normalize_top_k=False, score_function="softmax", num_groups=groups if groups > 1 else None,
             group_top_k=hf_config.topk_group if groups > 1 else None,
-            group_score_experts=self.group_score_experts(hf_config, groups),
+            group_score_experts=group_score_experts(hf_config, groups, HF_GROUP_SCORE_TOP),
             topk_scaling_factor=None if scaling == 1.0 else scaling, enable_expert_bias=False,
             load_balancing_type="seq_aux_loss", aux_loss_coeff=1.0e-3, z_loss_coeff=0.0,
         )
@@ -88,7 +88,7 @@ class DeepSeekV2(DeepSeekV3):
             if refused:
                 raise ConfigError(f"moe_opt.{key}", value,
                                   f"train with moe_opt.{key}={want} to export to DeepSeek-V2", problem)
-        self.check_group_score(cfg, moe_opt)
+        check_group_score(cfg, moe_opt, self.family, HF_GROUP_SCORE_TOP)
 
     def hf_config(self, cfg: ModelConfig, moe_opt: MoEOptConfig):
         from transformers import DeepseekV2Config

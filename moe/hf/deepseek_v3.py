@@ -12,10 +12,9 @@ environment's 4.52.4, which keeps one module per expert):
                    {gate,up,down}_proj (on disk in both versions; 5.x stacks them in memory as
                    mlp.experts.gate_up_proj [E, 2F, H] and down_proj [E, H, F]); ffn.shared_expert
                    <-> mlp.shared_experts (width n_shared_experts x moe_intermediate_size)
-Routing (DeepseekV3TopkRouter): sigmoid scores, expert bias for the choice only, groups scored by
-their best 2 biased scores (ours by moe_opt.group_score_experts, set to 2 where top_k/group_top_k,
-Megatron-Core's count, is not 2), top-k
-weights renormalised when norm_topk_prob, times routed_scaling_factor; never drops tokens.
+Routing (DeepseekV3TopkRouter), the layer pattern and the shared experts, which GLM-4.5 shares (and
+DeepSeek-V2 the layers): moe.hf.sigmoid_router. Multi-token-prediction layers are skipped on import with a
+note (moe.hf.mtp).
 RoPE: DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`,
 true by default); ours rotates halves, so the rope rows of the queries and of kv_a_proj are
 permuted on the way in and out, and exports keep DeepSeek's interleaved layout, which serving
@@ -31,11 +30,22 @@ from __future__ import annotations
 
 import torch
 
-from moe.config.derived import dense_width
-from moe.config.schema import ModelConfig, MoEOptConfig, group_scored_by, normalizes
+from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
+from moe.hf.mtp import mtp_note, skipping_mtp
 from moe.hf.rope import rope_keys, rope_parameters
+from moe.hf.sigmoid_router import (
+    ROUTING_KEYS,
+    check_layer_pattern,
+    check_sigmoid_router,
+    expert_bias_in_fp32,
+    layer_config_kwargs,
+    layer_keys,
+    missing_moe_pieces,
+    sigmoid_moe_opt,
+    sigmoid_router_kwargs,
+)
 from moe.hf.sparse_moe import per_expert_keys
 from moe.hf.tensors import (
     BLOCK_NORMS,
@@ -48,8 +58,6 @@ from moe.hf.tensors import (
     top_level,
 )
 from moe.model.expert_layout import EXPERT_LAYOUT
-
-HF_GROUP_SCORE_TOP = 2  # DeepseekV3TopkRouter: `.topk(2, dim=-1)[0].sum(dim=-1)` per group
 
 ATTENTION = {"attn.q_proj.weight": "self_attn.q_proj.weight",
              "attn.q_a_proj.weight": "self_attn.q_a_proj.weight",
@@ -67,26 +75,15 @@ FUSED = {"ffn.gate_up_proj.weight": "mlp.", "ffn.shared_expert.gate_up_proj.weig
 EXPERT_WEIGHTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
-def mtp_layers(hf_config) -> range:
-    """Where a DeepSeek-V3 checkpoint keeps its multi-token-prediction layers: after the main ones,
-    model.layers.{num_hidden_layers + i}.* for i < num_nextn_predict_layers (the released model: 61)."""
-    first = config_value(hf_config, "num_hidden_layers")
-    return range(first, first + (config_value(hf_config, "num_nextn_predict_layers", 0) or 0))
-
-
 def mla_config_kwargs(cfg: ModelConfig, moe_opt: MoEOptConfig) -> dict:
-    """The keys DeepseekV2Config and DeepseekV3Config share, for our MLA model (routing besides the
-    top-k scaling is each family's own)."""
+    """The keys DeepseekV2Config and DeepseekV3Config share, for our MLA model: attention, sizes and the
+    layers (moe.hf.sigmoid_router.layer_config_kwargs); the router's keys are each family's own."""
     return dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=dense_width(cfg),
-        moe_intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-        n_shared_experts=cfg.shared_expert_intermediate_size // cfg.intermediate_size,
-        n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
-        routed_scaling_factor=float(moe_opt.topk_scaling_factor or 1.0),
+        **layer_config_kwargs(cfg, moe_opt),
         kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
-        qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
-        first_k_dense_replace=cfg.first_k_dense_replace, hidden_act="silu",
+        qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim, hidden_act="silu",
         max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
         rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
         rope_parameters=rope_parameters(cfg), attention_bias=False, attention_dropout=0.0)
@@ -137,10 +134,7 @@ class DeepSeekV3(ExportAdapter):
     family = "DeepSeek-V3"
     router_key = FFN["ffn.router.weight"]
     expert_bias_key = FFN["ffn.router.expert_bias"]  # DeepSeek-V2's router has none (moe.hf.deepseek_v2)
-    # MoE routing fields a DeepSeek-V3 checkpoint fixes (moe_opt); the rest are training choices
-    routing_keys = ("score_function", "num_groups", "group_top_k", "topk_scaling_factor", "normalize_top_k",
-                    "enable_expert_bias", "group_score_experts")
-    group_score_top = HF_GROUP_SCORE_TOP  # how many of its best scores the router sums for a group's score
+    routing_keys = ROUTING_KEYS  # what a DeepSeek-V3 checkpoint's router fixes (moe.hf.sigmoid_router)
 
     # -- reading ----------------------------------------------------------------------------------
     def refusals(self, hf_config) -> tuple:
@@ -157,71 +151,31 @@ class DeepSeekV3(ExportAdapter):
         for field, value, refused, fix in self.refusals(hf_config):
             if refused:
                 raise ConfigError(field, value, fix, "is not supported")
-        moe_width, dense = hf_config.moe_intermediate_size, hf_config.intermediate_size
         return ModelConfig(
             name=getattr(hf_config, "_name_or_path", "") or self.model_types[0],
-            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size, intermediate_size=moe_width,
-            dense_intermediate_size=None if dense == moe_width else dense,
+            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
             num_layers=hf_config.num_hidden_layers, num_heads=hf_config.num_attention_heads,
             num_kv_heads=hf_config.num_attention_heads, head_dim=None,
             max_position_embeddings=hf_config.max_position_embeddings, position_encoding="rope", **rope,
             sliding_window=None,
             rms_norm_eps=hf_config.rms_norm_eps, tie_word_embeddings=bool(hf_config.tie_word_embeddings),
-            init_range=hf_config.initializer_range, num_experts=hf_config.n_routed_experts,
-            top_k=hf_config.num_experts_per_tok, moe_layer_frequency=1,
-            first_k_dense_replace=hf_config.first_k_dense_replace or 0,
-            shared_expert_intermediate_size=(hf_config.n_shared_experts or 0) * moe_width,
+            init_range=hf_config.initializer_range, **layer_keys(hf_config),
             attention="mla", q_lora_rank=hf_config.q_lora_rank, kv_lora_rank=hf_config.kv_lora_rank,
             qk_nope_head_dim=hf_config.qk_nope_head_dim, qk_rope_head_dim=hf_config.qk_rope_head_dim,
             v_head_dim=hf_config.v_head_dim,
         )
 
     def moe_opt(self, hf_config) -> MoEOptConfig:
-        """Routing as the checkpoint computes it: sigmoid, its groups, its scaling, dropless, the expert
-        bias on (its values come with the weights); balancing as DeepSeek-V3 trained (moe_opt=deepseek_v3)."""
-        groups, scaling = hf_config.n_group or 1, hf_config.routed_scaling_factor
-        return MoEOptConfig(
-            name="deepseek_v3_dropless", capacity_factor=None, eval_capacity_factor=None,
-            normalize_top_k=bool(hf_config.norm_topk_prob), score_function="sigmoid",
-            num_groups=groups if groups > 1 else None,
-            group_top_k=hf_config.topk_group if groups > 1 else None,
-            group_score_experts=self.group_score_experts(hf_config, groups),
-            topk_scaling_factor=None if scaling == 1.0 else scaling,
-            enable_expert_bias=True, bias_update_rate=1.0e-3, load_balancing_type="seq_aux_loss",
-            aux_loss_coeff=1.0e-4, z_loss_coeff=0.0,
-        )
-
-    def group_score_experts(self, hf_config, groups: int) -> int | None:
-        """moe_opt.group_score_experts for the checkpoint's groups: null where top_k/group_top_k is already
-        the family's count."""
-        if groups <= 1 or hf_config.num_experts_per_tok // hf_config.topk_group == self.group_score_top:
-            return None
-        return self.group_score_top
+        return sigmoid_moe_opt(hf_config)
 
     def loading_class(self, hf_config):
-        r"""DeepseekV3ForCausalLM, skipping the checkpoint's multi-token-prediction layers on load as
-        transformers skips the released model's layer 61 (modeling_deepseek_v3.py:552,
-        `_keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]`), at this checkpoint's depth:
-        never read, and no unexpected-keys report."""
+        """DeepseekV3ForCausalLM, skipping the checkpoint's multi-token-prediction layers (moe.hf.mtp)."""
         from transformers import DeepseekV3ForCausalLM
 
-        skip = [rf"model\.layers\.{i}\..*" for i in mtp_layers(hf_config)]
-        if not skip:
-            return DeepseekV3ForCausalLM
-        patterns = [*(DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected or []), *skip]
-        return type("DeepseekV3ForCausalLM", (DeepseekV3ForCausalLM,),
-                    {"_keys_to_ignore_on_load_unexpected": patterns})
+        return skipping_mtp(DeepseekV3ForCausalLM, hf_config)
 
     def note(self, hf_config, keys) -> str | None:
-        """Names the multi-token-prediction layers the directory holds, which the import skips."""
-        held = [i for i in mtp_layers(hf_config) if any(k.startswith(f"model.layers.{i}.") for k in keys)]
-        if not held:
-            return None
-        layers = ", ".join(f"model.layers.{i}.*" for i in held)
-        return (f"holds {len(held)} multi-token-prediction layer(s) ({layers}; num_nextn_predict_layers="
-                f"{config_value(hf_config, 'num_nextn_predict_layers')}): skipped, as transformers' "
-                f"DeepseekV3ForCausalLM skips them (training MTP is not implemented); the main model's "
-                f"{config_value(hf_config, 'num_hidden_layers')} layers are read")
+        return mtp_note(hf_config, keys, self.hf_class)
 
     def reader(self, model_cfg, hf_config) -> Read:
         interleaved = bool(config_value(hf_config, "rope_interleave", True))
@@ -229,59 +183,26 @@ class DeepSeekV3(ExportAdapter):
 
     # -- writing ----------------------------------------------------------------------------------
     def check_exportable(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-        family = self.family
-        check_plain_pieces(cfg, family, self.model_types[0])
-        if cfg.moe_layer_frequency != 1:
-            raise ConfigError("model.moe_layer_frequency", cfg.moe_layer_frequency,
-                              "use moe_layer_frequency=1 (model.first_k_dense_replace for leading dense "
-                              "layers)",
-                              f"interleaves dense and MoE layers, which {family} cannot express")
-        if cfg.sliding_window is not None:
-            raise ConfigError("model.sliding_window", cfg.sliding_window, "train with sliding_window=null to "
-                              f"export to {family}", f"has no {family} equivalent (full attention only)")
-        if cfg.shared_expert_intermediate_size % cfg.intermediate_size:
-            raise ConfigError("model.shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
-                              f"use a multiple of model.intermediate_size={cfg.intermediate_size} "
-                              f"({family}'s shared experts are n_shared_experts experts wide)",
-                              "is not a whole number of experts")
+        check_plain_pieces(cfg, self.family, self.model_types[0])
+        check_layer_pattern(cfg, self.family)
         self.check_router(cfg, moe_opt)
 
     def check_router(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-        """Routing DeepseekV3TopkRouter computes: sigmoid scores, groups scored by their best 2."""
-        if moe_opt.score_function != "sigmoid":
-            raise ConfigError("moe_opt.score_function", moe_opt.score_function,
-                              "train with moe_opt.score_function=sigmoid (moe_opt=deepseek_v3) to export it",
-                              "is not DeepSeek-V3's router, which scores experts with a sigmoid")
-        self.check_group_score(cfg, moe_opt)
-
-    def check_group_score(self, cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
-        """Groups scored as the family's router scores them (its best `group_score_top`)."""
-        scored_by = group_scored_by(moe_opt, cfg.top_k)
-        if scored_by not in (None, self.group_score_top):
-            raise ConfigError("moe_opt.group_score_experts", moe_opt.group_score_experts,
-                              f"set moe_opt.group_score_experts={self.group_score_top} (or num_groups=null)",
-                              f"scores each group by its best {scored_by} experts; {self.family}'s router by "
-                              f"its best {self.group_score_top}")
+        check_sigmoid_router(cfg, moe_opt, self.family)
 
     def hf_config(self, cfg: ModelConfig, moe_opt: MoEOptConfig):
         from transformers import DeepseekV3Config
 
         self.check_exportable(cfg, moe_opt)
-        norm = normalizes(moe_opt.normalize_top_k, cfg.top_k)
         config = DeepseekV3Config(
-            **mla_config_kwargs(cfg, moe_opt), n_group=moe_opt.num_groups or 1,
-            topk_group=moe_opt.group_top_k or 1, norm_topk_prob=norm, rope_interleave=True,
+            **mla_config_kwargs(cfg, moe_opt), **sigmoid_router_kwargs(cfg, moe_opt), rope_interleave=True,
             num_nextn_predict_layers=0,  # no multi-token-prediction layer is written
         )
         config.rope_theta = float(cfg.rope_theta)  # 4.x reads rope_theta (see moe.hf.mixtral)
         return config
 
     def prepare(self, hf_model) -> None:
-        """The expert bias in fp32 whatever the model's dtype, as transformers loads it
-        (_keep_in_fp32_modules_strict)."""
-        for module in hf_model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias = module.e_score_correction_bias.float()
+        expert_bias_in_fp32(hf_model)
 
     def state_dict(self, model) -> dict[str, torch.Tensor]:
         """Our weights under 5.x's keys (experts stacked: mlp.experts.gate_up_proj [E, 2F, H], down_proj
@@ -309,13 +230,7 @@ class DeepSeekV3(ExportAdapter):
                     gate, up = ours[q + rest].chunk(2)
                     sd |= {p + prefix + "gate_proj.weight": gate, p + prefix + "up_proj.weight": up}
             if any(q + suffix in ours for suffix in EXPERT_LAYOUT.suffixes):
-                if self.expert_bias_key and q + "ffn.router.expert_bias" not in ours:  # trained without it:
-                    sd[p + self.expert_bias_key] = torch.zeros(cfg.num_experts)  # choice by the scores
-                if q + "ffn.shared_expert.down_proj.weight" not in ours:  # n_shared_experts=0: zero-width MLP
-                    H = cfg.hidden_size
-                    sd |= {p + "mlp.shared_experts.gate_proj.weight": torch.zeros(0, H),
-                           p + "mlp.shared_experts.up_proj.weight": torch.zeros(0, H),
-                           p + "mlp.shared_experts.down_proj.weight": torch.zeros(H, 0)}
+                sd |= missing_moe_pieces(ours, q, p, cfg, expert_bias=self.expert_bias_key is not None)
                 layout = model.layers[i].ffn.experts.layout
                 gate_up, down = (layout.to_out_in(ours[q + suffix]) for suffix in layout.suffixes)
                 sd |= {p + "mlp.experts.gate_up_proj": gate_up, p + "mlp.experts.down_proj": down}

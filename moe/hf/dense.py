@@ -39,11 +39,12 @@ from moe.model.expert_layout import EXPERT_LAYOUT, stored
 
 
 def llama_family_config(hf_config, num_experts: int, top_k: int,
-                        biased_attention: bool = False) -> ModelConfig:
-    """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama, Qwen-MoE, OLMoE) with these
-    experts; refuses what our decoder does not implement. `biased_attention`: the family's attention_bias
-    (q, k, v and o biased together: Qwen3-MoE, OLMoE) is read as model.qkv_bias and o_bias; else refused
-    (the family's export writes no attention bias)."""
+                        biased_attention: bool = False, biased_output: bool = True) -> ModelConfig:
+    """Our ModelConfig for a Llama-shaped config (Mixtral, Mistral, Llama, Qwen-MoE, OLMoE, GLM-4.5) with
+    these experts; refuses what our decoder does not implement. `biased_attention`: the family's
+    attention_bias (q, k, v and o biased together: Qwen3-MoE, OLMoE; q, k and v only when not
+    `biased_output`: GLM-4.5) is read as model.qkv_bias and o_bias; else refused (the family's export writes
+    no attention bias)."""
     rope = rope_keys(hf_config, default_theta=1.0e6)  # plain, linear, llama3 or YaRN (moe.hf.rope)
     if hf_config.hidden_act != "silu":
         raise ConfigError("hidden_act", hf_config.hidden_act, "only SiLU (SwiGLU) experts are implemented",
@@ -55,7 +56,8 @@ def llama_family_config(hf_config, num_experts: int, top_k: int,
     if bias and not biased_attention:
         raise ConfigError("attention_bias", True, "convert a checkpoint with attention_bias=false (a "
                           f"{hf_config.model_type} export writes no attention bias)", "is not supported")
-    return llama_shaped_config(hf_config, num_experts, top_k, **rope, qkv_bias=bias, o_bias=bias)
+    return llama_shaped_config(hf_config, num_experts, top_k, **rope, qkv_bias=bias,
+                               o_bias=bias and biased_output)
 
 
 def llama_shaped_config(hf_config, num_experts: int, top_k: int, **pieces) -> ModelConfig:

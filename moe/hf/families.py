@@ -1,8 +1,8 @@
 """Which adapter reads or writes which Hugging Face model family: the one table.
 
 Reading goes by the checkpoint's `model_type` (config.json, opened by `read_hf_config`): Mixtral,
-DeepSeek-V3, gpt-oss, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2; writing by `model.hf_family` (an import
-sets it), else by our attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama
+DeepSeek-V3, gpt-oss, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V2, GLM-4.5; writing by `model.hf_family` (an
+import sets it), else by our attention: GQA models are Mixtral, MLA models DeepSeek-V3. Dense Mistral/Llama
 checkpoints are read by upcycling only (their adapter needs the expert count: moe.hf.dense.DenseUpcycle).
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from moe.hf.adapter import ExportAdapter, HFAdapter
 from moe.hf.deepseek_v2 import DeepSeekV2
 from moe.hf.deepseek_v3 import DeepSeekV3
 from moe.hf.dense import DenseUpcycle
+from moe.hf.glm4_moe import Glm4Moe
 from moe.hf.gpt_oss import GptOss
 from moe.hf.mixtral import Mixtral
 from moe.hf.olmoe import Olmoe
@@ -25,7 +26,7 @@ from moe.hf.tensors import SafetensorsDir
 
 CONVERTERS: dict[str, type[ExportAdapter]] = {
     adapter.model_types[0]: adapter
-    for adapter in (Mixtral, DeepSeekV3, GptOss, Qwen3Moe, Qwen2Moe, Olmoe, DeepSeekV2)}
+    for adapter in (Mixtral, DeepSeekV3, GptOss, Qwen3Moe, Qwen2Moe, Olmoe, DeepSeekV2, Glm4Moe)}
 UPCYCLERS: dict[str, type[HFAdapter]] = dict.fromkeys(DenseUpcycle.model_types, DenseUpcycle)
 EXPORT_BY_ATTENTION = {"gqa": "mixtral", "mla": "deepseek_v3"}
 IMPORTABLE = tuple(CONVERTERS)  # model_type of the checkpoints from_hf reads
@@ -71,8 +72,9 @@ def read_hf_config(path: str | Path, field: str):
 
 
 def note_unread(config, path) -> None:
-    """One line naming what the directory holds that the import skips (DeepSeek-V3's multi-token-prediction
-    layers); a directory whose weights cannot be listed says nothing here (its load says why)."""
+    """One line naming what the directory holds that the import skips (DeepSeek-V3's and GLM-4.5's
+    multi-token-prediction layers); a directory whose weights cannot be listed says nothing here (its load
+    says why)."""
     try:
         keys = SafetensorsDir(path).file_of
     except UserError:
@@ -103,8 +105,8 @@ def warn_unknown_keys(config, path) -> list[str]:
     # configuration_qwen3_moe.py:50-51 at 5.24; OLMoE reads num_local_experts as num_experts)
     aliases = getattr(config, "attribute_map", {})
     known |= set(aliases) | set(aliases.values())
-    known.add("torch_dtype")  # transformers 4's name of `dtype`, read as it (configuration_utils.py:438-442 at 5.24):
-    # nearly every released config.json has it
+    known.add("torch_dtype")  # transformers 4's name of `dtype`, read as it (configuration_utils.py:438-442
+    # at 5.24): nearly every released config.json has it
     known.add("head_dim")  # read with getattr by the attention of configs without the field (Qwen-MoE, OLMoE:
     # modeling_qwen3_moe.py:129 at 5.24); Qwen3-30B-A3B's config.json sets it
     unknown = sorted(set(json.loads((Path(path) / "config.json").read_text())) - known)

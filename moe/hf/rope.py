@@ -1,4 +1,5 @@
-"""RoPE and its scaling between a transformers config and our `model.rope_*` keys, for every family.
+"""RoPE, its scaling and its partial width between a transformers config and our `model.rope_*` keys and
+`model.partial_rotary_factor`, for every family.
 
 transformers 5.x holds it in `rope_parameters` {rope_type, rope_theta, factor, ...}; 4.x in `rope_theta`
 and `rope_scaling` (None for plain RoPE, else {"rope_type" or the older "type", factor, ...}; 4.52.4
@@ -28,6 +29,15 @@ def hf_rope(hf_config) -> dict:
     return dict(config_value(hf_config, "rope_parameters") or config_value(hf_config, "rope_scaling") or {})
 
 
+def partial_rotary_factor(hf_config) -> float:
+    """The share of each head RoPE rotates: rope_parameters' partial_rotary_factor (where transformers 5 moves
+    the top-level key, modeling_rope_utils.py:786-796 at 5.24), else 4.x's top-level key, else 1."""
+    factor = hf_rope(hf_config).get("partial_rotary_factor")
+    if factor is None:
+        factor = config_value(hf_config, "partial_rotary_factor")
+    return 1.0 if factor is None else factor
+
+
 def rope_keys(hf_config, default_theta: float) -> dict:
     """Our model.rope_theta, rope_type and rope_* keys for a transformers config; refuses a rope_type we do
     not compute (dynamic, longrope, ...). A missing factor (YaRN) and original context (llama3, YaRN) take
@@ -40,7 +50,8 @@ def rope_keys(hf_config, default_theta: float) -> dict:
                           f"use a checkpoint whose rope_type is one of {', '.join(ROPE_TYPES)}",
                           "is not supported")
     theta = rope.get("rope_theta") or config_value(hf_config, "rope_theta") or default_theta
-    keys = {"rope_theta": float(theta), "rope_type": rope_type}
+    keys = {"rope_theta": float(theta), "rope_type": rope_type,
+            "partial_rotary_factor": float(partial_rotary_factor(hf_config))}
     if rope_type == "default":
         return keys
     max_positions = config_value(hf_config, "max_position_embeddings")
@@ -58,6 +69,8 @@ def rope_parameters(model) -> dict:
     """transformers 5.x's rope_parameters for our model config: its type, theta and the scaling keys that
     are set (unset ones keep transformers' defaults, which are ours)."""
     params = {"rope_type": model.rope_type, "rope_theta": float(model.rope_theta)}
+    if model.partial_rotary_factor != 1.0:  # only glm4_moe exports it (moe.hf.adapter.FAMILY_PIECES)
+        params["partial_rotary_factor"] = float(model.partial_rotary_factor)
     if model.rope_type == "default":
         return params
     params["factor"] = float(model.rope_factor)

@@ -59,15 +59,17 @@ def expert_prefix(layer_prefix: str, j: int) -> str:
     return f"{layer_prefix}mlp.experts.{j}."
 
 
-def sparse_moe_value(name: str, get: Get, num_experts: int, experts: range | None = None) -> torch.Tensor:
-    """Our tensor `name` from the per-expert keys of the files (and of transformers 4.x)."""
+def sparse_moe_value(name: str, get: Get, num_experts: int, experts: range | None = None,
+                     single: dict = SINGLE, fused: dict = FUSED) -> torch.Tensor:
+    """Our tensor `name` from the per-expert keys of the files (and of transformers 4.x); `single` and
+    `fused`: the family's names beside the experts (GLM-4.5's differ: moe.hf.glm4_moe)."""
     if name in TOP_LEVEL:
         return top_level(name, get)
     p, rest = in_layer(name, "this model")
-    if rest in SINGLE:
-        return get(p + SINGLE[rest])
-    if rest in FUSED:
-        return torch.cat([get(p + key) for key in FUSED[rest]])
+    if rest in single:
+        return get(p + single[rest])
+    if rest in fused:
+        return torch.cat([get(p + key) for key in fused[rest]])
     if rest in STACKED_EXPERTS:
         prefixes = [expert_prefix(p, j) for j in (experts or range(num_experts))]
         return stacked_experts(rest, get, prefixes, EXPERT_WEIGHTS)
@@ -82,8 +84,9 @@ def split_sizes(cfg: ModelConfig, rest: str, rows: int) -> list[int]:
     return [rows // 2, rows // 2]
 
 
-def sparse_moe_state_dict(model) -> dict[str, torch.Tensor]:
-    """Our weights under transformers 5.x's keys (experts stacked [E, out, in])."""
+def sparse_moe_state_dict(model, single: dict = SINGLE, fused: dict = FUSED) -> dict[str, torch.Tensor]:
+    """Our weights under transformers 5.x's keys (experts stacked [E, out, in]); `single`, `fused` as
+    sparse_moe_value's."""
     cfg = model.model_config
     sd = {}
     for name, value in model.state_dict().items():
@@ -93,11 +96,11 @@ def sparse_moe_state_dict(model) -> dict[str, torch.Tensor]:
         match = LAYER.fullmatch(name)
         i, rest = int(match.group(1)), match.group(2)
         p = f"model.layers.{i}."
-        if rest in SINGLE:
-            sd[p + SINGLE[rest]] = value
-        elif rest in FUSED:
+        if rest in single:
+            sd[p + single[rest]] = value
+        elif rest in fused:
             pieces = value.split(split_sizes(cfg, rest, value.shape[0]))
-            sd |= {p + key: piece for key, piece in zip(FUSED[rest], pieces, strict=True)}
+            sd |= {p + key: piece for key, piece in zip(fused[rest], pieces, strict=True)}
         elif rest in STACKED_EXPERTS:
             layout = model.layers[i].ffn.experts.layout
             hf_name = "gate_up_proj" if layout.is_gate_up(rest) else "down_proj"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe.config.derived import head_dim_of, window_of
+from moe.config.derived import head_dim_of, rotary_dim_of, window_of
 from moe.config.schema import ModelConfig
 from moe.model.norm import RMSNorm, rms_norm
 from moe.model.rope import attention_factor, inverse_frequencies, rope_cos_sin
@@ -26,8 +26,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x_BhSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-    return x_BhSD * cos_SD + rotate_half(x_BhSD) * sin_SD
+def apply_rope(x_BhSD: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
+    """x rotated by cos/sin over its first R dims (R = cos's width: all of D, or model.partial_rotary_factor's
+    share), the rest passed through: transformers' apply_rotary_pos_emb (glm4_moe/modeling_glm4_moe.py:138-171
+    at 5.24: `q[..., :rotary_dim]` rotated with rotate_half, `q[..., rotary_dim:]` concatenated after)."""
+    rotary = cos_SR.shape[-1]
+    if rotary == x_BhSD.shape[-1]:
+        return x_BhSD * cos_SR + rotate_half(x_BhSD) * sin_SR
+    x_rot, x_pass = x_BhSD[..., :rotary], x_BhSD[..., rotary:]
+    return torch.cat([x_rot * cos_SR + rotate_half(x_rot) * sin_SR, x_pass], dim=-1)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -227,9 +234,10 @@ class Attention(CausalSelfAttention):
     gpt-oss, Qwen3-MoE's and OLMoE's attention_bias).
     model.qk_norm: `q_norm`/`k_norm` RMSNorms before RoPE, per_head over each head's dims with one weight
     for every head (Qwen3-MoE, modeling_qwen3_moe.py:147-148, 163-164) or full over the whole q and k
-    projections before the head split (OLMoE, modeling_olmoe.py:222-225, 239-240). `tp_group` (set by
-    moe.parallel.tensor_parallel.apply_tp): the ranks holding the other heads, over which a per-head norm
-    weight's gradient is summed.
+    projections before the head split (OLMoE, modeling_olmoe.py:222-225, 239-240).
+    model.partial_rotary_factor: RoPE over the first dims of each head only (GLM-4.5; `apply_rope`).
+    `tp_group` (set by moe.parallel.tensor_parallel.apply_tp): the ranks holding the other heads, over
+    which a per-head norm weight's gradient is summed.
     """
 
     sequence_first = False
@@ -253,7 +261,7 @@ class Attention(CausalSelfAttention):
             self.q_norm = RMSNorm(self.head_dim if per_head else q_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, cfg.rms_norm_eps)
         self.core = CoreAttention()
-        self.init_rope(cfg, self.head_dim)
+        self.init_rope(cfg, rotary_dim_of(cfg))  # head_dim, or model.partial_rotary_factor's share
         self.init_buffers()
 
     def init_buffers(self) -> None:

@@ -18,6 +18,7 @@ from moe.config.choices import (
 )
 from moe.config.derived import (
     head_dim_of,
+    rotary_dim_of,
 )
 from moe.config.rules.refusals import finite_number, need, one_of
 
@@ -50,6 +51,7 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
         finite_number(f"{prefix}.{key}", value, fix)
         need(value > 0, f"{prefix}.{key}", value, fix, "must be positive")
     validate_rope(m, prefix)
+    validate_partial_rotary(m, prefix)
     need(m.shared_expert_intermediate_size >= 0, f"{prefix}.shared_expert_intermediate_size",
          m.shared_expert_intermediate_size, "use 0 (no shared expert) or a positive width")
     need(not m.shared_expert_gate or m.shared_expert_intermediate_size > 0, f"{prefix}.shared_expert_gate",
@@ -191,6 +193,25 @@ def validate_rope(m, prefix: str) -> None:
         need(fast >= slow, f"{prefix}.rope_beta_fast", m.rope_beta_fast,
              f"use a value >= rope_beta_slow={slow} (null = 32, with beta_slow null = 1)",
              "is below rope_beta_slow: the YaRN ramp would run backwards")
+
+
+def validate_partial_rotary(m, prefix: str) -> None:
+    """model.partial_rotary_factor: a fraction in (0, 1] of a GQA head that gives RoPE a whole, even number
+    of dims (transformers truncates head_dim * factor: modeling_rope_utils.py:181 at 5.24)."""
+    key, factor = f"{prefix}.partial_rotary_factor", m.partial_rotary_factor
+    finite_number(key, factor, "use a fraction in (0, 1] such as 0.5 (GLM-4.5), or 1.0 for full RoPE")
+    need(0 < factor <= 1, key, factor, "use a fraction in (0, 1] such as 0.5 (GLM-4.5), or 1.0 for full RoPE",
+         "is outside (0, 1]")
+    if factor == 1.0:
+        return
+    need(m.attention == "gqa", key, factor, f"use 1.0 with {prefix}.attention={m.attention} (MLA's rotated "
+         "dims are qk_rope_head_dim)", "is read by GQA attention only")
+    need(m.position_encoding == "rope", key, factor,
+         f"use 1.0 with {prefix}.position_encoding={m.position_encoding}", "applies to RoPE only")
+    head_dim, rotary = head_dim_of(m), rotary_dim_of(m)
+    need(rotary >= 2 and rotary % 2 == 0, key, factor,
+         f"use a factor whose int({head_dim} x factor) is even and at least 2, such as 0.5",
+         f"rotates int(head_dim={head_dim} x {factor}) = {rotary} dims; RoPE rotates pairs")
 
 
 def validate_mla(m, prefix: str) -> None:
