@@ -313,15 +313,17 @@ def test_the_hf_pieces_nxd_expresses_validate_on_trn1(layout):
     validate(compose_cfg(*TRN1, "moe_opt=nxd", *HF_PIECES, *layout))
 
 
-def test_the_hf_pieces_are_nxds_parameters_under_our_names_and_train_as_litmoe_at_degree_1(nxd):
+@pytest.mark.parametrize("qk_norm", ["per_head", "full"])
+def test_the_hf_pieces_are_nxds_parameters_under_our_names_and_train_as_litmoe_at_degree_1(nxd, qk_norm):
     """Each piece is built into NxD's model (the biases into its parallel layers and RouterTopK), filled by
     param_init_fn under our names with every backend's values, and with non-zero biases the loss is
-    LitMoE's (at tp 2 on NxD's real code: tests/neuron_real)."""
+    LitMoE's (per_head at tp 2 on NxD's real code: tests/neuron_real; full only at tp 1)."""
     from moe.backends.neuron.nxd_checkpoint import our_name
     from tests.conftest import single_process_module
 
-    module = neuron_module("moe_opt=nxd", *HF_PIECES)
-    reference = single_process_module(compose_cfg(*module_routing(module.cfg), *HF_PIECES))
+    overrides = [o if not o.startswith("model.qk_norm=") else f"model.qk_norm={qk_norm}" for o in HF_PIECES]
+    module = neuron_module("moe_opt=nxd", *overrides)
+    reference = single_process_module(compose_cfg(*module_routing(module.cfg), *overrides))
     theirs = dict(module.model.named_parameters())
     ours = dict(reference.model.named_parameters())
     assert {our_name(k) for k in theirs} == set(ours)
