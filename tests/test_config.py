@@ -196,11 +196,11 @@ def test_non_finite_numbers_are_refused(key, value):
     (("model=tiny_deepseek_v3", "model.qkv_bias=true"), "model.qkv_bias"),  # GQA only
     (("hardware=cpu_fsdp2", "parallel=fsdp2_tp2", "trainer.devices=2", "model.qk_norm=full"),
      "model.qk_norm"),
-    (("hardware=trn1", "dry_run=true", "model.qkv_bias=true"), "model.qkv_bias"),
+    (("hardware=trn1", "dry_run=true", "model.expert_proj_bias=true"), "model.expert_proj_bias"),
 ])
 def test_the_hf_family_keys_refuse_what_cannot_be_built(overrides, field):
     """model.qk_norm, dense_layers, shared_expert_gate, qkv_bias: a value that cannot be built, a full-width
-    QK-norm split by tensor parallelism, or trn1 (which does not wire them): refused naming the key."""
+    QK-norm split by tensor parallelism, or trn1 (where NxD lacks the piece): refused naming the key."""
     with pytest.raises(ConfigError) as err:
         validate(make_cfg(*overrides))
     assert err.value.field == field

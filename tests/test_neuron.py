@@ -281,6 +281,69 @@ def test_what_nxd_cannot_train_is_refused_naming_nxds_behaviour(override, field)
     assert err.value.field == field and "Fix:" in str(err.value)
 
 
+# the Hugging Face families' pieces NxD's layers carry or our attention computes on each rank's heads
+HF_PIECES = ("model.qkv_bias=true", "model.o_bias=true", "model.qk_norm=per_head",
+             "model.attention_sinks=true", "model.router_bias=true")
+
+
+@pytest.mark.parametrize("override, field, nxd_line", [
+    ("parallel.tp=2 model.qk_norm=full", "model.qk_norm", "parallel_layers/layers.py:661-670, :763"),
+    ("model.expert_proj_bias=true", "model.expert_proj_bias", "moe_parallel_layers.py:312"),
+    ("model.expert_activation=clamped_swiglu", "model.expert_activation", "expert_mlps_v2.py:1456-1459"),
+    ("model.shared_expert_intermediate_size=64 model.shared_expert_gate=true", "model.shared_expert_gate",
+     "modules/moe/model.py:355-359"),
+    ("model.shared_expert_intermediate_size=64", "model.shared_expert_intermediate_size",
+     "modules/moe/model.py:91"),
+])
+def test_the_hf_pieces_nxd_cannot_train_are_refused_naming_the_piece_and_nxds_line(override, field, nxd_line):
+    """docs/TRAINIUM.md's table: each refused piece's paragraph names its key and the NxD v2.28.0 line that
+    lacks it (or computes it otherwise in training)."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(*TRN1, *override.split()))
+    message = str(err.value)
+    assert err.value.field == field and field in message and nxd_line in message and "Fix:" in message
+
+
+@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.tp=2", "parallel.sequence_parallel=true"),
+                                    ("model.qk_norm=full",)])
+def test_the_hf_pieces_nxd_expresses_validate_on_trn1(layout):
+    """q/k/v and o biases, a per-head QK-norm, sinks and the router's bias train on trn1 at tp 2 with and
+    without sequence parallelism (tests/neuron_real tp2_hf_pieces, tp2_sp_hf_pieces); a full-width QK-norm
+    at tp 1."""
+    validate(compose_cfg(*TRN1, "moe_opt=nxd", *HF_PIECES, *layout))
+
+
+@pytest.mark.parametrize("qk_norm", ["per_head", "full"])
+def test_the_hf_pieces_are_nxds_parameters_under_our_names_and_train_as_litmoe_at_degree_1(nxd, qk_norm):
+    """Each piece is built into NxD's model (the biases into its parallel layers and RouterTopK), filled by
+    param_init_fn under our names with every backend's values, and with non-zero biases the loss is
+    LitMoE's (per_head at tp 2 on NxD's real code: tests/neuron_real; full only at tp 1)."""
+    from moe.backends.neuron.nxd_checkpoint import our_name
+    from tests.conftest import single_process_module
+
+    overrides = [o if not o.startswith("model.qk_norm=") else f"model.qk_norm={qk_norm}" for o in HF_PIECES]
+    module = neuron_module("moe_opt=nxd", *overrides)
+    reference = single_process_module(compose_cfg(*module_routing(module.cfg), *overrides))
+    theirs = dict(module.model.named_parameters())
+    ours = dict(reference.model.named_parameters())
+    assert {our_name(k) for k in theirs} == set(ours)
+    suffixes = ("qkv_proj.bias", "o_proj.bias", "q_norm.weight", "k_norm.weight", "attn.sinks", "router.bias")
+    pieces = {n for n in ours if n.endswith(suffixes)}
+    assert all(any(n.endswith(suffix) for n in pieces) for suffix in suffixes)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in theirs.items():
+            assert torch.equal(param, ours[our_name(name)]), name
+            if our_name(name) in pieces:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+                ours[our_name(name)].copy_(param)
+    batch = batch_of(module.cfg)
+    loss, lm = module.model(batch["input_ids"], batch["labels"])
+    ref_loss, ref_lm, _ = reference.micro_batch_loss(batch)
+    torch.testing.assert_close(lm, ref_lm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+
+
 def test_karakuri_experiment_dry_run_prints_the_aws_layout(tmp_path):
     proc = run_entry(
         "train.py", *MIXTRAL_TRN1, "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}", timeout=300, here=True
@@ -760,7 +823,7 @@ def test_shards_are_nxds_local_weights_and_join_back(tp):
     from moe.backends.neuron.nxd_checkpoint import full_tensor, local_shard, split_of
     from moe.model.model import MoETransformer
 
-    cfg = compose_cfg("model=tiny_dense_every2", "model.num_heads=8", "model.num_kv_heads=8")
+    cfg = compose_cfg("model=tiny_dense_every2", "model.num_heads=8", "model.num_kv_heads=8", *HF_PIECES)
     state = MoETransformer(cfg.model, cfg.moe_opt, init_seed=0).state_dict()
     checked_with_nxd = set()
     for name, full in state.items():
@@ -784,6 +847,8 @@ def test_shards_are_nxds_local_weights_and_join_back(tp):
         "experts.gate_up",
         "experts.down",
         "qkv_proj.weight",
+        "qkv_proj.bias",
+        "attn.sinks",
     ):
         assert any(n.endswith(suffix) for n in checked_with_nxd), suffix
 

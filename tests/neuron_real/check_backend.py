@@ -13,7 +13,11 @@ moe.module.lit_moe.LitMoE on one process holding every data-parallel rank's batc
   summed over the group, data-parallel ranks averaged (expert gradients over the expert-data-
   parallel group, as NxD reduces them);
 - the gradient norm NxD's optimizer reports and every local parameter after each of its steps
-  (data-parallel and EP-aware reduction, clipping, AdamW, ZeRO-1 when parallel.zero_stage=1);
+  (data-parallel and EP-aware reduction, clipping, AdamW, ZeRO-1 when parallel.zero_stage=1), a
+  parameter within TOLERANCE of model.init_range at least: a bias starts at zero, so after a step its
+  largest value is the step (lr), and AdamW turns a gradient element near its eps into a step that
+  float32 rounding moves by 1e-5 of lr (seen on the q/k/v biases: 1e-9 where a wrong gradient moves it
+  by up to lr, 1e-4);
 - then the validation loss of a batch of every data-parallel rank (run_eval with a pipeline).
 
 Under expert parallelism the routing statistics of a micro-batch are summed over its EP group
@@ -61,9 +65,9 @@ def validated_dims(cfg) -> ParallelDims:
     return ParallelDims.from_config(cfg)
 
 
-def close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal within TOLERANCE of the reference tensor's largest value."""
-    scale = max(want.abs().max().item(), 1e-6)
+def close(name: str, got: torch.Tensor, want: torch.Tensor, floor: float = 1e-6) -> None:
+    """Equal within TOLERANCE of the reference tensor's largest value (at least `floor`)."""
+    scale = max(want.abs().max().item(), floor)
     diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else float("inf")
     if diff > TOLERANCE * scale:
         failures.append(f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}, max diff {diff:.3e} "
@@ -131,6 +135,8 @@ def reference_step(ref, stats: GroupStats, data: list[dict], micro: int) -> list
 
 
 def main(overrides: list[str]) -> int:
+    checkpoint_dir = overrides.pop(1) if overrides[:1] == ["--checkpoint"] else None
+    overrides = overrides[1:] if checkpoint_dir else overrides
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
     from moe.backends.ddp.backend import DDPBackend
@@ -205,20 +211,58 @@ def main(overrides: list[str]) -> int:
         clip = torch.nn.utils.clip_grad_norm_(list(ref.model.parameters()), cfg.optimizer.grad_clip)
         ref_optimizer.step()
         close(f"step {step} grad norm", torch.as_tensor(float(optimizer.grad_norm)), clip)
-        for name, param in local.items():
-            close(f"step {step} param {name}", param.detach(), mine(name, reference[name].detach()))
+        for name, param in local.items():  # at least init_range (docstring)
+            close(f"step {step} param {name}", param.detach(), mine(name, reference[name].detach()),
+                  floor=cfg.model.init_range)
         optimizer.zero_grad()
         ref_optimizer.zero_grad()
         schedule["scheduler"].step()
         ref_schedule.step()
 
     check_validation(module, ref, cfg, dp, dp_rank, pp, last_stage)
+    if checkpoint_dir:
+        check_checkpoint(module, reference, cfg, checkpoint_dir, mine)
     print(f"[rank {dist.get_rank()}] tp {tp} pp {pp} dp {dp} ep {ep}: {len(local)} parameters, "
           f"{STEPS} steps, {type(optimizer.optimizer).__name__}, {'FAILED' if failures else 'OK'}",
           flush=True)
     for failure in failures[:20]:
         print(f"[rank {dist.get_rank()}]   {failure}", flush=True)
     return 1 if failures else 0
+
+
+def check_checkpoint(module, reference: dict, cfg, directory: str, mine) -> None:
+    """The trained weights through NxD's checkpoint format and back (`--checkpoint DIR`): written by
+    NxD's save_checkpoint as a run writes them (moe/backends/neuron/nxd_checkpoint.py NxD.save), joined
+    into one portable file by moe.tools.convert_nxd (read_checkpoint: what infer.py and export read too)
+    and compared with the reference's on rank 0; then every rank's weights zeroed, loaded back by NxD's
+    load_checkpoint (NxD.load_weights, as a resumed run loads them) and compared with its piece again."""
+    from omegaconf import OmegaConf
+
+    from moe.backends.neuron.nxd_checkpoint import NxD, our_name
+    from moe.tools.consolidate import convert
+
+    path = os.path.join(directory, "step-000002.ckpt")
+    user = {"global_step": STEPS, "hyper_parameters": {"cfg": OmegaConf.to_container(cfg, resolve=True)}}
+    weights = {"state_dict": module.model.state_dict(), "optimizer_states": [None]}  # no optimizer files
+    NxD(keep=1).save(None, {**weights, **user}, path)
+    NxD.finalize()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        portable = convert(path, os.path.join(directory, "portable.ckpt"))  # moe.tools.convert_nxd
+        state = torch.load(portable, map_location="cpu", weights_only=False)["state_dict"]
+        joined = {k.removeprefix("model."): v for k, v in state.items()}
+        if set(joined) != set(reference):
+            failures.append(f"checkpoint names: {sorted(set(joined) ^ set(reference))}")
+        for name, value in joined.items():
+            if name in reference:
+                close(f"checkpoint {name}", value, reference[name].detach(), floor=cfg.model.init_range)
+    with torch.no_grad():
+        for param in module.model.parameters():
+            param.zero_()
+    NxD().load_weights(path, module.model)
+    for name, param in module.model.named_parameters():
+        want = mine(our_name(name), reference[our_name(name)].detach())
+        close(f"loaded {our_name(name)}", param.detach(), want, floor=cfg.model.init_range)
 
 
 def check_validation(module, ref, cfg, dp: int, dp_rank: int, pp: int, last_stage: bool) -> None:

@@ -67,6 +67,11 @@ check tp2_sp_dropless   2 parallel.tp=2 parallel.sequence_parallel=true $DROPLES
 check tp2_alibi         2 parallel.tp=2 moe_opt=nxd model.position_encoding=alibi
 check tp2_yarn_dense    2 parallel.tp=2 moe_opt=nxd model.rope_type=yarn model.rope_factor=4 \
   model.rope_original_max_position_embeddings=64 model.dense_layers=[0]   # W's keys NxD's layers leave to ours
+# the HF families' pieces NxD's layers carry (q/k/v and o biases, the router's bias) or our attention computes on
+# each rank's heads (a per-head QK-norm, sinks): without and with sequence parallelism
+HF_PIECES="model.qkv_bias=true model.o_bias=true model.qk_norm=per_head model.attention_sinks=true model.router_bias=true"
+check tp2_hf_pieces     2 --checkpoint "$RUNS/tp2_hf_pieces" parallel.tp=2 moe_opt=nxd $HF_PIECES  # and NxD's files
+check tp2_sp_hf_pieces  2 parallel.tp=2 parallel.sequence_parallel=true moe_opt=nxd $HF_PIECES
 check pp2               2 parallel.pp=2 moe_opt=nxd
 check dp2_zero1         2 parallel.zero_stage=1 moe_opt=nxd
 check tp2_pp2_sp        4 parallel.tp=2 parallel.pp=2 parallel.sequence_parallel=true moe_opt=nxd

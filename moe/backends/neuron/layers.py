@@ -32,7 +32,7 @@ from neuronx_distributed.parallel_layers import (
     RowParallelLinear,
     parallel_state,
 )
-from neuronx_distributed.parallel_layers.layers import SPMDRank
+from neuronx_distributed.parallel_layers.layers import SPMDRank, set_tensor_model_parallel_attributes
 from torch import nn
 
 from moe.backends.neuron.causal_lm import SEQUENCE_DIM, NxDCausalLM, StageBlock
@@ -67,8 +67,10 @@ def swap_layers(transformer: MoETransformer, model: ModelConfig, moe_opt: MoEOpt
     for block in transformer.layers:
         attn = block.attn
         q, kv, _ = attn.split_sizes
-        attn.qkv_proj = ColumnParallelLinear(H, q + 2 * kv, gather_output=False, **parallel)
-        attn.o_proj = RowParallelLinear(q, H, input_is_parallel=True, **parallel)
+        attn.qkv_proj = ColumnParallelLinear(H, q + 2 * kv, gather_output=False,
+                                             **{**parallel, "bias": model.qkv_bias})
+        attn.o_proj = RowParallelLinear(q, H, input_is_parallel=True, **{**parallel, "bias": model.o_bias})
+        _swap_head_parameters(attn, tp)
         attn.num_heads, attn.num_kv_heads = attn.num_heads // tp, attn.num_kv_heads // tp
         attn.split_sizes = [size // tp for size in attn.split_sizes]
         attn.sequence_first = sp  # causal_lm.SEQUENCE_DIM
@@ -84,6 +86,24 @@ def swap_layers(transformer: MoETransformer, model: ModelConfig, moe_opt: MoEOpt
             F = block.ffn.down_proj.in_features
             block.ffn.gate_up_proj = ColumnParallelLinear(H, 2 * F, gather_output=False, stride=2, **parallel)
             block.ffn.down_proj = RowParallelLinear(F, H, input_is_parallel=True, **parallel)
+
+
+def _swap_head_parameters(attn: nn.Module, tp: int) -> None:
+    """What our attention computes on this rank's heads (model.attention_sinks, model.qk_norm=per_head).
+
+    The sinks [heads] become this rank's heads' [heads / tp], a tensor-parallel parameter as NxD marks its
+    own (set_tensor_model_parallel_attributes, parallel_layers/utils.py:55): NxD's gradient norm then
+    counts each rank's piece once (parallel_layers/grads.py:145-148), and no rank needs another's gradient.
+    A per-head QK-norm weight is one weight every head reads: this rank's heads give part of its gradient,
+    which NxD sums over TP only for parameters marked sequence parallel and only in a sequence-parallel
+    run (trainer/optimizer.py:127-128, parallel_layers/grads.py:330-346), so the attention sums it itself
+    over NxD's tensor-parallel group (moe.model.attention.SumGradOver, the all-reduce NxD's gradient norm
+    makes over that group, grads.py:99-104)."""
+    if attn.sinks is not None:
+        attn.sinks = nn.Parameter(torch.empty(attn.num_heads // tp, device=attn.sinks.device))
+        set_tensor_model_parallel_attributes(attn.sinks, True, dim=0, stride=1, num_partitions=tp)
+    if attn.qk_norm == "per_head" and tp > 1:
+        attn.tp_group = parallel_state.get_tensor_model_parallel_group()
 
 
 def _mark_sequence_parallel(norm: nn.Module, sp: bool) -> None:

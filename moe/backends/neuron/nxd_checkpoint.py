@@ -52,6 +52,7 @@ from moe.model.expert_layout import EXPERT_LAYOUT, IN_OUT, LAYOUT_KEY, upgraded_
 # our name suffix -> the NxD MoE module's name for the same tensor (experts: gate_up, down)
 MOE_NAMES = {
     "ffn.router.weight": "ffn.moe.router.linear_router.weight",
+    "ffn.router.bias": "ffn.moe.router.linear_router.bias",  # model.router_bias: RouterTopK(bias=True)
     **dict(zip(EXPERT_LAYOUT.suffixes, ("ffn.moe.expert_mlps.mlp_op.gate_up_proj.weight",
                                         "ffn.moe.expert_mlps.mlp_op.down_proj.weight"), strict=True)),
 }
@@ -83,11 +84,13 @@ def split_of(name: str, model_cfg) -> Split:
     head_dim = head_dim_of(m)
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return Split(0)  # vocabulary rows: ParallelEmbedding, ColumnParallelLinear
-    if name.endswith("attn.qkv_proj.weight"):
+    if name.endswith(("attn.qkv_proj.weight", "attn.qkv_proj.bias")):  # a bias shards with its rows
         q, kv = m.num_heads * head_dim, m.num_kv_heads * head_dim
         return Split(0, (q, kv, kv))
+    if name.endswith("attn.sinks"):
+        return Split(0)  # one per head: this rank's heads'
     if name.endswith(("attn.o_proj.weight", "ffn.down_proj.weight")):
-        return Split(1)  # RowParallelLinear: input columns
+        return Split(1)  # RowParallelLinear: input columns (its bias is whole, added once after the reduce)
     if name.endswith("ffn.gate_up_proj.weight"):
         f = dense_width(m)
         return Split(0, (f, f))  # [gate | up] rows
@@ -95,7 +98,7 @@ def split_of(name: str, model_cfg) -> Split:
         return Split(NXD_LAYOUT.out_dim, (m.intermediate_size, m.intermediate_size))
     if EXPERT_LAYOUT.is_expert_tensor(name):  # down, row-parallel: its inputs
         return Split(NXD_LAYOUT.in_dim)
-    return REPLICATED  # norms, the router
+    return REPLICATED  # norms (a per-head QK-norm's too), the router and its bias, o_proj's bias
 
 
 def local_shard(full: torch.Tensor, split: Split, rank: int, tp: int) -> torch.Tensor:

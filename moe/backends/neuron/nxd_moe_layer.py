@@ -18,6 +18,9 @@ neuronx-distributed v2.28.0 (SDK 2.28, the last release that trains on trn1), sr
   (no_grad around it keeps it cheap); with jitter off (refused on trn1) the result is the same.
 - With sequence parallelism the router logits are gathered over the sequence in training only
   (modules/moe/routing.py:78-83, :102-109): statistics are computed in training, not in eval.
+- model.router_bias is RouterTopK(bias=True), the bias of its nn.Linear (routing.py:73), on the logits
+  our statistics read. Under sequence parallelism the router sees this rank's tokens, and NxD marks
+  only the weight for its gradient's sum over TP (routing.py:76): the bias is marked here as well.
 - Under sequence parallelism the input is [S / tp, B, H] (causal_lm.SEQUENCE_DIM): tokens are in
   sequence-major order, which decides which ones a capacity drops when a micro-batch holds more
   than one sequence (NxD's own models run the same way).
@@ -92,7 +95,9 @@ class NxDMoELayer(nn.Module):
         router = RouterTopK(num_experts=E, top_k=k, hidden_size=H, sequence_parallel_enabled=sp,
                             sequence_dimension=SEQUENCE_DIM,
                             act_fn=moe_opt.score_function,  # routing.py:116-126 apply_activation_fn
-                            jitter_eps=moe_opt.jitter_eps)
+                            jitter_eps=moe_opt.jitter_eps, bias=model_cfg.router_bias)
+        if model_cfg.router_bias:  # NxD marks the weight only (routing.py:76): the bias, too, sees SP shards
+            router.linear_router.bias.sequence_parallel_enabled = sp
         experts = ExpertMLPs(num_experts=E, top_k=k, hidden_size=H,
                              intermediate_size=model_cfg.intermediate_size, hidden_act="silu", glu_mlp=True,
                              capacity_factor=self.capacity_factor, sequence_parallel_enabled=sp,

@@ -26,18 +26,7 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
          "(its attention projection is GQAQKVColumnParallelLinear, modules/qkv_linear.py:371)")
     check_whole_kv_heads(m, p.tp)
     check_untied_embeddings(m, "trn1 (the embedding and the LM head are separate parallel layers)")
-    need(m.qk_norm == "none", "model.qk_norm", m.qk_norm,
-         "set model.qk_norm=none on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
-         "is not built on trn1: the backend swaps qkv_proj for neuronx-distributed's ColumnParallelLinear "
-         "and does not wire a QK-norm (moe/backends/neuron/layers.py swap_layers)")
-    for key in ("qkv_bias", "o_bias", "attention_sinks", "router_bias", "expert_proj_bias"):
-        need(not getattr(m, key), f"model.{key}", True, f"set model.{key}=false on trn1",
-             "is not wired to neuronx-distributed's layers (moe/backends/neuron/layers.py builds them "
-             "without it)")
-    need(m.expert_activation == "swiglu", "model.expert_activation", m.expert_activation,
-         "use swiglu on trn1", "is not neuronx-distributed's expert activation (ExpertMLPsV2: SiLU GLU)")
-    need(m.shared_expert_intermediate_size == 0, "model.shared_expert_intermediate_size",
-         m.shared_expert_intermediate_size, "use 0 on trn1", "is not wired to neuronx-distributed's MoE")
+    check_neuron_model_pieces(parallel, model)
     need(p.activation_checkpointing != "every_n", "parallel.activation_checkpointing", "every_n",
          "use none, full, moe_only or selective on trn1",
          "has no neuronx-distributed equivalent (it checkpoints by module class)")
@@ -93,6 +82,45 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
     need(not (m.top_k == 1 and r.normalize_top_k), "moe_opt.normalize_top_k", True,
          "leave moe_opt.normalize_top_k null or false with top_k=1",
          "with top_k=1 is refused by neuronx-distributed (expert_mlps_v2.py:270-271)")
+
+
+def check_neuron_model_pieces(parallel, model) -> None:
+    """The architecture pieces of the Hugging Face families (docs/TRAINIUM.md has the table). Trained:
+    q/k/v and o biases (ColumnParallelLinear's bias shards with its rows, parallel_layers/layers.py:661-670,
+    707-711; RowParallelLinear adds its whole bias once after the reduce, :916-917, :1013), a per-head
+    QK-norm and attention sinks (our attention on each rank's heads, moe/backends/neuron/layers.py), the
+    router's bias (RouterTopK(bias=True), modules/moe/routing.py:73). Refused: what NxD's expert
+    modules lack, or compute otherwise in training."""
+    p, m = parallel, model
+    need(not (m.qk_norm == "full" and p.tp > 1), "model.qk_norm", m.qk_norm,
+         "use model.qk_norm=per_head, or parallel.tp=1 on trn1",
+         "with tensor parallelism is not built on trn1: an RMSNorm over the whole q and k width needs every "
+         "head, and neuronx-distributed's ColumnParallelLinear(gather_output=False) leaves each rank its own "
+         "heads' rows (parallel_layers/layers.py:661-670, :763)")
+    need(not m.expert_proj_bias, "model.expert_proj_bias", True,
+         "set model.expert_proj_bias=false on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
+         "is not trained right by neuronx-distributed v2.28.0: its experts' down projection adds its bias to "
+         "every tensor-parallel rank's partial sum before the MoE output's reduction (modules/moe/experts.py:"
+         "130-137 reduce_output=False, moe_parallel_layers.py:312 'bias needs to be divided by TP degree', "
+         ":418-430), so each step trains tp copies of it; at tp 1 it would be NxD's, but this backend does "
+         "not map our [E, width] expert biases onto its layers")
+    need(m.expert_activation == "swiglu", "model.expert_activation", m.expert_activation,
+         "use model.expert_activation=swiglu on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
+         "is not neuronx-distributed v2.28.0's in training: its dropless path runs SiLU GLU only and falls "
+         "back to the capacity path, with capacity 0 (modules/moe/expert_mlps_v2.py:1456-1459), and its "
+         "clamped SWIGLU moves the up projection's clamp by hidden_act_bias (expert_mlps_v2.py:150-154) "
+         "where the experts clamp before adding it (modules/moe/experts.py:224-230): a clamp at limit + 1, "
+         "not gpt-oss's")
+    need(not m.shared_expert_gate, "model.shared_expert_gate", True,
+         "set model.shared_expert_gate=false on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
+         "is not in neuronx-distributed v2.28.0: its MoE adds the shared experts' output ungated "
+         "(modules/moe/model.py:355-359; SharedExperts, modules/moe/shared_experts.py:73, has no gate)")
+    need(m.shared_expert_intermediate_size == 0, "model.shared_expert_intermediate_size",
+         m.shared_expert_intermediate_size,
+         "use 0 on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
+         "is not built on trn1: neuronx-distributed v2.28.0's MoE takes a SharedExperts module "
+         "(modules/moe/model.py:91, shared_experts.py:73), which this backend does not build (its "
+         "sequence-parallel mode replicates the weights for inference, shared_experts.py:118-127)")
 
 
 def check_neuron_precision(model, trainer, hardware, data) -> None:
