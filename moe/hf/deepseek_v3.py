@@ -33,6 +33,7 @@ import torch
 from moe.config.derived import dense_width
 from moe.config.schema import ModelConfig, MoEOptConfig, normalizes
 from moe.errors import ConfigError
+from moe.hf import mtp
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
 from moe.hf.rope import rope_keys, rope_parameters
 from moe.hf.sparse_moe import per_expert_keys
@@ -66,13 +67,6 @@ FUSED = {"ffn.gate_up_proj.weight": "mlp.", "ffn.shared_expert.gate_up_proj.weig
 EXPERT_WEIGHTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
-def mtp_layers(hf_config) -> range:
-    """Where a DeepSeek-V3 checkpoint keeps its multi-token-prediction layers: after the main ones,
-    model.layers.{num_hidden_layers + i}.* for i < num_nextn_predict_layers (the released model: 61)."""
-    first = config_value(hf_config, "num_hidden_layers")
-    return range(first, first + (config_value(hf_config, "num_nextn_predict_layers", 0) or 0))
-
-
 def deinterleave_order(rope_dim: int) -> torch.Tensor:
     """Rows of DeepSeek's interleaved pairs in our rotate-half order: [0, 2, 4, ..., 1, 3, 5, ...]
     (transformers' apply_rotary_pos_emb_interleave computes exactly this reordering)."""
@@ -88,12 +82,48 @@ def _rope_rows(weight: torch.Tensor, cfg: ModelConfig, order: torch.Tensor, per_
     return torch.cat([weight[:cfg.kv_lora_rank], weight[cfg.kv_lora_rank:][order]])
 
 
+def layer_state_dict(ours: dict[str, torch.Tensor], cfg: ModelConfig, block, q: str,
+                     p: str) -> dict[str, torch.Tensor]:
+    """One decoder layer's weights (ours under prefix `q`, `block` the module) under 5.x's keys at prefix `p`
+    (experts stacked), rope rows interleaved."""
+    interleave = torch.argsort(deinterleave_order(cfg.qk_rope_head_dim))
+    sd = {p + key: ours[q + rest] for rest, key in BLOCK_NORMS.items()}
+    for rest, key in ATTENTION.items():
+        if q + rest in ours:
+            value = ours[q + rest]
+            if rest in ROPE_ROWS:
+                value = _rope_rows(value, cfg, interleave, ROPE_ROWS[rest])
+            sd[p + key] = value
+    for rest, key in FFN.items():
+        if q + rest in ours:
+            sd[p + key] = ours[q + rest]
+    for rest, prefix in FUSED.items():
+        if q + rest in ours:
+            gate, up = ours[q + rest].chunk(2)
+            sd |= {p + prefix + "gate_proj.weight": gate, p + prefix + "up_proj.weight": up}
+    if any(q + suffix in ours for suffix in EXPERT_LAYOUT.suffixes):
+        if q + "ffn.router.expert_bias" not in ours:  # trained without it: choice by the scores
+            sd[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts)
+        if q + "ffn.shared_expert.down_proj.weight" not in ours:  # n_shared_experts=0: zero-width MLP
+            H = cfg.hidden_size
+            sd |= {p + "mlp.shared_experts.gate_proj.weight": torch.zeros(0, H),
+                   p + "mlp.shared_experts.up_proj.weight": torch.zeros(0, H),
+                   p + "mlp.shared_experts.down_proj.weight": torch.zeros(H, 0)}
+        layout = block.ffn.experts.layout
+        gate_up, down = (layout.to_out_in(ours[q + suffix]) for suffix in layout.suffixes)
+        sd |= {p + "mlp.experts.gate_up_proj": gate_up, p + "mlp.experts.down_proj": down}
+    return sd
+
+
 def deepseek_value(name: str, get: Get, cfg: ModelConfig, interleaved: bool,
                    experts: range | None = None) -> torch.Tensor:
     """Our tensor `name` from DeepSeek-V3's per-expert keys; `interleaved`: the checkpoint's
-    rope_interleave."""
+    rope_interleave. A multi-token-prediction depth's (mtp.{d}.*) from layer num_layers + d (moe.hf.mtp)."""
     if name in TOP_LEVEL:
         return top_level(name, get)
+    if name.startswith("mtp."):
+        return mtp.read_depth(name, get, cfg.num_layers,
+                              lambda layer: deepseek_value(layer, get, cfg, interleaved, experts))
     p, rest = in_layer(name, "a DeepSeek-V3 model")
     if rest in BLOCK_NORMS:
         return get(p + BLOCK_NORMS[rest])
@@ -173,27 +203,20 @@ class DeepSeekV3(ExportAdapter):
     def loading_class(self, hf_config):
         r"""DeepseekV3ForCausalLM, skipping the checkpoint's multi-token-prediction layers on load as
         transformers skips the released model's layer 61 (modeling_deepseek_v3.py:552,
-        `_keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]`), at this checkpoint's depth:
-        never read, and no unexpected-keys report."""
+        `_keys_to_ignore_on_load_unexpected = [r"model\.layers\.61.*"]`), at this checkpoint's depth: no
+        unexpected-keys report. moe.hf.convert.from_hf reads them from the files itself (moe.hf.mtp)."""
         from transformers import DeepseekV3ForCausalLM
 
-        skip = [rf"model\.layers\.{i}\..*" for i in mtp_layers(hf_config)]
+        skip = mtp.skipped_layers(hf_config)
         if not skip:
             return DeepseekV3ForCausalLM
         patterns = [*(DeepseekV3ForCausalLM._keys_to_ignore_on_load_unexpected or []), *skip]
         return type("DeepseekV3ForCausalLM", (DeepseekV3ForCausalLM,),
                     {"_keys_to_ignore_on_load_unexpected": patterns})
 
-    def note(self, hf_config, keys) -> str | None:
-        """Names the multi-token-prediction layers the directory holds, which the import skips."""
-        held = [i for i in mtp_layers(hf_config) if any(k.startswith(f"model.layers.{i}.") for k in keys)]
-        if not held:
-            return None
-        layers = ", ".join(f"model.layers.{i}.*" for i in held)
-        return (f"holds {len(held)} multi-token-prediction layer(s) ({layers}; num_nextn_predict_layers="
-                f"{config_value(hf_config, 'num_nextn_predict_layers')}): skipped, as transformers' "
-                f"DeepseekV3ForCausalLM skips them (training MTP is not implemented); the main model's "
-                f"{config_value(hf_config, 'num_hidden_layers')} layers are read")
+    def mtp_depths(self, hf_config, keys) -> int:
+        """The multi-token-prediction depths a directory holds (moe.hf.mtp.held)."""
+        return mtp.held(hf_config, keys)
 
     def reader(self, model_cfg, hf_config) -> Read:
         interleaved = bool(config_value(hf_config, "rope_interleave", True))
@@ -246,7 +269,8 @@ class DeepSeekV3(ExportAdapter):
             max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.init_range,
             rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
             rope_parameters=rope_parameters(cfg), rope_interleave=True, attention_bias=False,
-            attention_dropout=0.0, num_nextn_predict_layers=0,  # no multi-token-prediction layer is written
+            attention_dropout=0.0,
+            num_nextn_predict_layers=cfg.mtp_layers,  # the depths the export writes (extra_state_dict)
         )
         config.rope_theta = float(cfg.rope_theta)  # 4.x reads rope_theta (see moe.hf.mixtral)
         return config
@@ -263,37 +287,24 @@ class DeepSeekV3(ExportAdapter):
         [E, H, F]), rope rows interleaved (an export)."""
         cfg = model.model_config
         ours = model.state_dict()
-        interleave = torch.argsort(deinterleave_order(cfg.qk_rope_head_dim))
         # tied: the LM head is the embedding again, as transformers holds it
         sd = {"model.embed_tokens.weight": ours["embed_tokens.weight"],
               "model.norm.weight": ours["norm.weight"], "lm_head.weight": ours["lm_head.weight"]}
         for i in range(cfg.num_layers):
-            q, p = f"layers.{i}.", f"model.layers.{i}."
-            sd |= {p + key: ours[q + rest] for rest, key in BLOCK_NORMS.items()}
-            for rest, key in ATTENTION.items():
-                if q + rest in ours:
-                    value = ours[q + rest]
-                    if rest in ROPE_ROWS:
-                        value = _rope_rows(value, cfg, interleave, ROPE_ROWS[rest])
-                    sd[p + key] = value
-            for rest, key in FFN.items():
-                if q + rest in ours:
-                    sd[p + key] = ours[q + rest]
-            for rest, prefix in FUSED.items():
-                if q + rest in ours:
-                    gate, up = ours[q + rest].chunk(2)
-                    sd |= {p + prefix + "gate_proj.weight": gate, p + prefix + "up_proj.weight": up}
-            if any(q + suffix in ours for suffix in EXPERT_LAYOUT.suffixes):
-                if q + "ffn.router.expert_bias" not in ours:  # trained without it: choice by the scores
-                    sd[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.num_experts)
-                if q + "ffn.shared_expert.down_proj.weight" not in ours:  # n_shared_experts=0: zero-width MLP
-                    H = cfg.hidden_size
-                    sd |= {p + "mlp.shared_experts.gate_proj.weight": torch.zeros(0, H),
-                           p + "mlp.shared_experts.up_proj.weight": torch.zeros(0, H),
-                           p + "mlp.shared_experts.down_proj.weight": torch.zeros(H, 0)}
-                layout = model.layers[i].ffn.experts.layout
-                gate_up, down = (layout.to_out_in(ours[q + suffix]) for suffix in layout.suffixes)
-                sd |= {p + "mlp.experts.gate_up_proj": gate_up, p + "mlp.experts.down_proj": down}
+            sd |= layer_state_dict(ours, cfg, model.layers[i], f"layers.{i}.", f"model.layers.{i}.")
+        return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+    def extra_state_dict(self, model) -> dict[str, torch.Tensor]:
+        """The multi-token-prediction depths (moe.hf.mtp), which DeepseekV3ForCausalLM does not hold, under
+        the files' keys (experts one by one), as the released directory holds its layer 61."""
+        cfg = model.model_config
+        ours = model.state_dict()
+        sd = {}
+        for d, depth in enumerate(model.mtp):
+            prefix = mtp.layer_prefix(cfg.num_layers, d)
+            block = layer_state_dict(ours, cfg, depth.block, f"mtp.{d}.block.", prefix)
+            sd |= mtp.depth_tensors(ours, cfg.num_layers, d, block)
+        sd = per_expert_keys(sd, cfg.num_layers + cfg.mtp_layers)
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
     def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from moe.config.derived import (
     is_moe_layer,
     launch_overrides,
     layers_per_stage,
+    num_blocks,
     pipeline_in_flight,
     stages_per_rank,
     trainer_world,
@@ -101,8 +102,10 @@ def activation_bytes(model, moe_opt, parallel, hardware, trainer, dims: Parallel
             return attn - scores + (moe_selective if is_moe else dense)
         return attn + ffn
 
-    stage = range(layers_per_stage(m.num_layers, dims.pp))  # the first stage; the others alike but for MoE
-    kept = sum(layer(i) for i in stage)
+    # the first stage; the others alike but for MoE. The multi-token-prediction depths' blocks are layers
+    # too (pp is 1 with them), and each depth also keeps its two norms' outputs and their concatenation (4h)
+    stage = range(layers_per_stage(num_blocks(m), dims.pp))
+    kept = sum(layer(i) for i in stage) + m.mtp_layers * split(4 * h, 0)
     recompute = max((attn + (moe if is_moe_layer(i, m) else dense)) - layer(i)
                     for i in stage)  # one checkpointed layer is live again during backward
     tokens = s * b
@@ -258,7 +261,7 @@ def memory_estimate(model, moe_opt, parallel, hardware, trainer, dims: ParallelD
     bd = param_breakdown(model)
     ep, tp, pp, dp = dims.ep, dims.tp, dims.pp, dims.dp
     layer_dense = bd.attention + bd.routers + bd.shared_experts + bd.dense_mlp
-    outer = bd.embedding + bd.lm_head + bd.final_norm
+    outer = bd.embedding + bd.lm_head + bd.final_norm + bd.mtp  # mtp: its depths' own (pp is 1 with them)
     if pp > 1:  # first stage holds the embedding, last the norm and lm_head (tied: both keep a copy)
         outer = max(bd.embedding, (bd.lm_head or bd.embedding) + bd.final_norm)
     spec = spec_of(hardware)

@@ -34,6 +34,13 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
         need(not getattr(m, key), f"model.{key}", True, f"set model.{key}=false on trn1",
              "is not wired to neuronx-distributed's layers (moe/backends/neuron/layers.py builds them "
              "without it)")
+    need(not m.mtp_layers, "model.mtp_layers", m.mtp_layers,
+         "set model.mtp_layers=0 on trn1, or train multi-token prediction with hardware=gpu, gpu_fsdp2 or "
+         "cpu",
+         "is not built on trn1: neuronx-distributed v2.28.0 has no multi-token-prediction module (nothing "
+         "under modules/ nor its pipeline, which cuts the model at transformer_layer_cls blocks, "
+         "pipeline/model.py:235-242, :346), and the backend's forward runs the main blocks alone "
+         "(moe/backends/neuron/causal_lm.py NxDCausalLM)")
     need(m.expert_activation == "swiglu", "model.expert_activation", m.expert_activation,
          "use swiglu on trn1", "is not neuronx-distributed's expert activation (ExpertMLPsV2: SiLU GLU)")
     need(m.shared_expert_intermediate_size == 0, "model.shared_expert_intermediate_size",
