@@ -196,13 +196,20 @@ def test_the_full_size_preset_is_deepseek_v3s_671b_with_37b_active():
     from conftest import REPO
     from omegaconf import OmegaConf
 
-    cfg = ModelConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf/model/deepseek_v3.yaml")))
+    preset = ModelConfig(**OmegaConf.to_container(OmegaConf.load(REPO / "conf/model/deepseek_v3.yaml")))
+    assert preset.mtp_layers == 1  # the released model's multi-token-prediction layer (tests/test_mtp.py)
+    cfg = replace(preset, mtp_layers=0)
     counts = param_breakdown(cfg)
     assert round(counts.total / 1e9, 1) == 671.0 and round(counts.active / 1e9, 1) == 37.6
     assert counts.num_moe_layers == 58  # 61 layers, the first 3 dense
     # attention FLOPs read MLA's head dims: 6 * L * heads * (192 + 128) * S per token
     attention = flops_per_token(cfg, 4096) - 6 * (counts.active - cfg.vocab_size * cfg.hidden_size)
     assert attention == 6 * 61 * 128 * (192 + 128) * 4096
+    # with it: one more MoE block's attention, and the shared LM head once more per token
+    counts = param_breakdown(preset)
+    assert counts.num_moe_layers == 59 and round(counts.active / 1e9, 1) == 38.2
+    attention = flops_per_token(preset, 4096) - 6 * counts.active
+    assert attention == 6 * 62 * 128 * (192 + 128) * 4096
 
 
 def test_generation_with_the_kv_cache_equals_the_full_forward():
