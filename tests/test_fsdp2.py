@@ -273,7 +273,7 @@ def test_a_multi_token_prediction_depth_under_tp2_gives_one_process_gradients():
     for rank in (0, 1):
         assert set(out[rank]) == set(want)
         for name, grad in want.items():
-            if name.endswith("ffn.gate_up_proj.weight"):  # a dense layer's live [gate | up] rows: TP-interleaved
+            if name.endswith("ffn.gate_up_proj.weight"):  # a dense layer's [gate | up] rows: TP-interleaved
                 grad = grad[interleave_order([8, 8], 2)]
             torch.testing.assert_close(out[rank][name], grad, atol=1e-7, rtol=1e-5, msg=name)
 

@@ -318,8 +318,8 @@ def test_yarn_greedy_decoding_with_our_kv_cache_gives_transformers_tokens():
 
 def test_a_directory_declaring_an_mtp_layer_it_does_not_hold_is_read_without_one(tmp_path, capsys):
     """transformers' DeepseekV3Config declares num_nextn_predict_layers=1 by default, and its save_pretrained
-    writes no such layer: the import reads the main model (model.mtp_layers=0), quietly. A directory that holds
-    its MTP layer (the released one's layer 61) is read with it: tests/test_mtp.py."""
+    writes no such layer: the import reads the main model (model.mtp_layers=0), quietly. A directory that
+    holds its MTP layer (the released one's layer 61) is read with it: tests/test_mtp.py."""
     from moe.hf.families import read_hf_config
 
     hf = hf_model(*CASES[0], rope=YARN[0])

@@ -116,7 +116,10 @@ def activation_bytes(model, moe_opt, parallel, hardware, trainer, dims: Parallel
         per_rank = stages_per_rank(schedule, p.pp_stages_per_rank)
         in_flight = pipeline_in_flight(schedule, dims.pp, per_rank, microbatches)
     if spec.fused_cross_entropy:  # a chunk's fp32 logits and softmax, the head's fp32 gradient
-        logits = 2 * min(tokens, CE_CHUNK_TOKENS) * m.vocab_size * 4 + m.vocab_size * m.hidden_size * 4
+        # one more head gradient per multi-token-prediction depth: each loss holds its own to the backward
+        heads = 1 + m.mtp_layers
+        chunk = min(tokens, CE_CHUNK_TOKENS)
+        logits = 2 * chunk * m.vocab_size * 4 + heads * m.vocab_size * m.hidden_size * 4
     else:
         logits = 2 * tokens * m.vocab_size * 4 / t  # fp32 logits and the cross-entropy's log-probabilities
     note = f"{p.activation_checkpointing} checkpointing, micro-batch {b} x {s} tokens"
