@@ -1,4 +1,5 @@
-"""The decoder: embeddings -> blocks (attention + MoE or dense SwiGLU) -> norm -> logits.
+"""The decoder: embeddings -> blocks (attention + MoE or dense SwiGLU) -> norm -> logits, and in training
+the multi-token-prediction depths after it (model.mtp_layers, moe/model/mtp.py).
 
 Reads top to bottom, nanoGPT style. The model never mentions ranks or hardware:
 expert parallelism, activation checkpointing and compilation are applied afterwards by
