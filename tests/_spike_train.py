@@ -16,10 +16,10 @@ _micro_batch_loss = LitMoE.micro_batch_loss
 
 
 def spiky_micro_batch_loss(self, batch):
-    loss, lm_loss, routing = _micro_batch_loss(self, batch)
+    loss, lm_loss, routing, mtp_loss = _micro_batch_loss(self, batch)
     if self.trainer.global_step + 1 == SPIKE_STEP:
         loss = loss * 50.0
-    return loss, lm_loss, routing
+    return loss, lm_loss, routing, mtp_loss
 
 
 LitMoE.micro_batch_loss = spiky_micro_batch_loss

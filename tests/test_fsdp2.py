@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from moe.parallel.dims import Meshes, ParallelDims
 from moe.parallel.placement import Where, pieces
 from moe.parallel.tensor_parallel import canonical_runs, interleave_order
-from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, single_process_baseline, train
+from tests._parity import TOL, TWO_RANKS, assert_same_losses, losses, rows, single_process_baseline, train
 
 
 def test_interleaved_rows_map_back_to_the_canonical_layout():
@@ -237,6 +237,47 @@ def test_mla_and_qk_norm_attention_under_tp2_give_one_process_gradients():
             torch.testing.assert_close(out[rank]["qwen"][name], grad, atol=1e-7, rtol=1e-5, msg=name)
 
 
+def _mtp_grads(model) -> dict[str, torch.Tensor]:
+    """Every gradient of one training loss (LM + router terms + weighted MTP loss) of a fixed batch, full
+    tensors (TP shards gathered)."""
+    ids = torch.arange(26).view(2, 13) % 64
+    model(ids[:, :-1], labels_BS=ids[:, 1:]).loss.backward()
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def _mtp_tp_grads():
+    from dataclasses import replace
+
+    from moe.parallel.placement import materialize_distributed
+
+    model_cfg, moe_opt = _mla_cfg()
+    model_cfg = replace(model_cfg, mtp_layers=1)
+    model, _ = _tp2_on_meta(model_cfg, moe_opt)
+    materialize_distributed(model, "cpu", None, model_cfg, tp=2)
+    return _mtp_grads(model)
+
+
+def test_a_multi_token_prediction_depth_under_tp2_gives_one_process_gradients():
+    """model.mtp_layers=1 on the latent-attention model under TP 2: the depth's block is split as a layer is
+    (its attention by heads), its eh_proj and norms whole on each rank; every parameter's gradient of the
+    training loss equals one process's."""
+    from dataclasses import replace
+
+    from moe.model.model import MoETransformer
+
+    out = _on_two_ranks(_mtp_tp_grads)
+    model_cfg, moe_opt = _mla_cfg()
+    want = _mtp_grads(MoETransformer(replace(model_cfg, mtp_layers=1), moe_opt, init_seed=7))
+    assert "mtp.0.eh_proj.weight" in want and "mtp.0.block.attn.q_b_proj.weight" in want
+    for rank in (0, 1):
+        assert set(out[rank]) == set(want)
+        for name, grad in want.items():
+            if name.endswith("ffn.gate_up_proj.weight"):  # a dense layer's [gate | up] rows: TP-interleaved
+                grad = grad[interleave_order([8, 8], 2)]
+            torch.testing.assert_close(out[rank][name], grad, atol=1e-7, rtol=1e-5, msg=name)
+
+
 # -- slow: 20 training steps per layout, and resumes -------------------------------------------------
 FSDP2 = ("hardware=cpu_fsdp2", "moe_opt.aux_loss_group=dp")
 FOUR = ("trainer.devices=4", "hardware.devices_per_node=4")
@@ -299,6 +340,26 @@ def test_qwen_and_gpt_oss_pieces_match_one_process_under_fsdp2_dp2_ep2(tmp_path)
     train(single, *QWEN, *GPT_OSS, steps, "trainer.devices=1", "trainer.micro_batch_size=4")
     train(tmp_path / "dp2_ep2", *QWEN, *GPT_OSS, steps, *FSDP2, *LAYOUTS["dp2_ep2"])
     assert_same_losses(tmp_path / "dp2_ep2", single, steps=QWEN_STEPS)
+
+
+# multi-token prediction: one depth, its block an MoE layer (model=tiny: every layer MoE)
+MTP = ("model.mtp_layers=1", "model.mtp_loss_weight=0.3")
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_matches_one_process_under_fsdp2_dp2_ep2(tmp_path):
+    """model.mtp_layers=1 under FSDP2 over 4 ranks (dp 2 x ep 2) with full activation checkpointing: the
+    depth one FSDP2 unit with its block, its experts sharded by EP and over their replicas, its block
+    recomputed in the backward; every step's loss (LM + router terms + 0.3 x MTP) and MTP loss equal one
+    process's without checkpointing."""
+    single = tmp_path / "single"
+    steps = f"trainer.max_steps={QWEN_STEPS}"
+    train(single, *MTP, steps, "trainer.devices=1", "trainer.micro_batch_size=4")
+    train(tmp_path / "dp2_ep2", *MTP, steps, *FSDP2, *LAYOUTS["dp2_ep2"],
+          "parallel.activation_checkpointing=full")
+    assert_same_losses(tmp_path / "dp2_ep2", single, steps=QWEN_STEPS)
+    mtp = [[float(r["mtp_loss"]) for r in rows(run)] for run in (tmp_path / "dp2_ep2", single)]
+    assert max(abs(a - b) for a, b in zip(*mtp, strict=True)) <= TOL
 
 
 HSDP = ("parallel=fsdp2_hsdp", *FOUR, "trainer.micro_batch_size=1")  # tests/test_resume_layouts.py trains it

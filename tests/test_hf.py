@@ -241,8 +241,9 @@ def test_config_keys_the_model_type_does_not_define_are_named_and_biases_refused
     read_hf_config(tmp_path, "model.init_from_hf")  # our own export (rope_theta for transformers 4.x too)
     assert "does not define" not in capsys.readouterr().err
     config = json.loads((tmp_path / "config.json").read_text())
+    released_spelling = {"torch_dtype": "bfloat16"}  # transformers 4's name of dtype: no unknown key
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layer": 3, "rope_scalling": 2,
-                                                      "torch_dtype": "bfloat16"}))  # released configs' spelling
+                                                      **released_spelling}))
     assert read_hf_config(tmp_path, "model.init_from_hf").num_hidden_layers == 2
     said = capsys.readouterr().err
     assert "has keys mixtral does not define, ignored: num_hidden_layer, rope_scalling" in said

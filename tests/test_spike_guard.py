@@ -43,13 +43,13 @@ class Injector:
         injector = self
 
         def micro_batch_loss(module, batch):
-            loss, lm_loss, routing = original(module, batch)
+            loss, lm_loss, routing, mtp_loss = original(module, batch)
             step = module.trainer.global_step + 1
             if step == injector.crash_on_replay and max(injector.params, default=0) > step:
                 injector.crash_on_replay = None
                 raise RuntimeError("injected crash")
             injector.params[step] = torch.cat([p.detach().flatten() for p in module.model.parameters()])
-            return loss * injector.steps.get(step, 1.0), lm_loss, routing
+            return loss * injector.steps.get(step, 1.0), lm_loss, routing, mtp_loss
 
         monkeypatch.setattr(LitMoE, "micro_batch_loss", micro_batch_loss)
 

@@ -92,6 +92,13 @@ def is_moe_layer(layer_idx: int, m) -> bool:
             and layer_idx not in (m.dense_layers or ()))
 
 
+def num_blocks(m) -> int:
+    """The decoder blocks a model holds: its num_layers, then one per multi-token-prediction depth
+    (model.mtp_layers), depth d's block being layer num_layers + d (DeepSeek-V3's layer 61), MoE or dense by
+    is_moe_layer as any layer."""
+    return m.num_layers + m.mtp_layers
+
+
 def has_moe_layers(m) -> bool:
     return any(is_moe_layer(i, m) for i in range(m.num_layers))
 

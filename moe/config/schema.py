@@ -161,6 +161,11 @@ class ModelConfig(Section):
     qk_nope_head_dim: Optional[int] = None  # key/query dims without position; DeepSeek-V3: 128
     qk_rope_head_dim: Optional[int] = None  # the decoupled RoPE dims, one key head shared; DeepSeek-V3: 64
     v_head_dim: Optional[int] = None  # DeepSeek-V3: 128
+    # multi-token prediction (DeepSeek-V3's num_nextn_predict_layers, Megatron's --mtp-num-layers): depth k of
+    # this many predicts token i+k+1 from depth k-1's representation and token i+k's embedding, through one
+    # more block (moe/model/mtp.py); 0 = none. Trained only: generation and the exports' logits skip it
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.1  # lambda: loss = LM + router terms + lambda * mean over depths of their CE
     compile: bool = False  # torch.compile the blocks and the MoE layers' regions (apply_compile)
     # the Hugging Face family an export writes (its model_type: moe.hf.families.CONVERTERS); null: by the
     # attention (gqa: mixtral, mla: deepseek_v3). An import sets it to the checkpoint's family.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe.config.derived import attention_dims, dense_width, head_dim_of, is_moe_layer, window_of
+from moe.config.derived import attention_dims, dense_width, head_dim_of, is_moe_layer, num_blocks, window_of
 
 
 def attention_params(m) -> int:
@@ -41,7 +41,8 @@ class ParamBreakdown:
     dense_mlp: int  # SwiGLU of the non-MoE layers
     experts: int
     active_experts: int  # top_k of num_experts routed experts per MoE layer
-    num_moe_layers: int
+    num_moe_layers: int  # the multi-token-prediction blocks' among them
+    mtp: int = 0  # each multi-token-prediction depth's own: eh_proj and its three norms (its block above)
 
     @property
     def total(self) -> int:
@@ -50,7 +51,7 @@ class ParamBreakdown:
     @property
     def non_expert(self) -> int:
         return (self.embedding + self.lm_head + self.final_norm + self.attention + self.routers
-                + self.shared_experts + self.dense_mlp)
+                + self.shared_experts + self.dense_mlp + self.mtp)
 
     @property
     def active(self) -> int:
@@ -59,23 +60,26 @@ class ParamBreakdown:
 
 
 def param_breakdown(m) -> ParamBreakdown:
-    """Exact parameter counts of the MoETransformer a ModelConfig builds (unsharded)."""
+    """Exact parameter counts of the MoETransformer a ModelConfig builds (unsharded), the blocks of its
+    multi-token-prediction depths counted with the layers (DeepSeek-V3: 671B, and 11.6B for its depth)."""
     H, F, E = m.hidden_size, m.intermediate_size, m.num_experts
-    n_moe = sum(is_moe_layer(i, m) for i in range(m.num_layers))
-    n_dense = m.num_layers - n_moe
+    blocks = num_blocks(m)
+    n_moe = sum(is_moe_layer(i, m) for i in range(blocks))
+    n_dense = blocks - n_moe
     per_expert = H * 2 * F + F * H  # gate_up H -> 2F, down F -> H, in any dim order (moe.model.expert_layout)
     per_expert += (2 * F + H) * m.expert_proj_bias
     return ParamBreakdown(
         embedding=m.vocab_size * H,
         lm_head=0 if m.tie_word_embeddings else m.vocab_size * H,
         final_norm=H,
-        attention=m.num_layers * attention_params(m),
+        attention=blocks * attention_params(m),
         routers=n_moe * E * (H + m.router_bias),
         shared_experts=n_moe * (3 * H * m.shared_expert_intermediate_size + H * m.shared_expert_gate),
         dense_mlp=n_dense * 3 * H * dense_width(m),
         experts=n_moe * E * per_expert,
         active_experts=n_moe * m.top_k * per_expert,
         num_moe_layers=n_moe,
+        mtp=m.mtp_layers * (2 * H * H + 3 * H),
     )
 
 
@@ -85,11 +89,13 @@ def flops_per_token(m, seq_len: int) -> float:
     6 * N_active + 6 * L * num_heads * (qk_dim + v_dim) * S_ctx (GQA: 12 * L * num_heads * head_dim *
     S_ctx), where N_active excludes the input embedding table (a lookup, no matmul; the lm_head
     counts, tied or not) and S_ctx = min(seq_len, the layer's window), summed over the layers. Like PaLM,
-    the attention term is not halved for causality.
+    the attention term is not halved for causality. Each multi-token-prediction depth adds its block (in
+    N_active) and one more pass through the shared LM head.
     """
     active = param_breakdown(m).active
     n = active - (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
-    windows = (window_of(m, i) for i in range(m.num_layers))
+    n += m.mtp_layers * m.vocab_size * m.hidden_size  # the shared head again, per depth
+    windows = (window_of(m, i) for i in range(num_blocks(m)))
     ctx = sum(seq_len if w is None else min(seq_len, w) for w in windows)  # over the layers
     qk_dim, v_dim = attention_dims(m)  # q k^T and the weighted sum of v, forward and backward: 6 * each
     return 6.0 * n + 6.0 * m.num_heads * (qk_dim + v_dim) * ctx

@@ -9,12 +9,14 @@ Reading (every adapter, `HFAdapter`):
                                                   the checkpoint's per-expert keys, experts a range
     loading_class(hf_config)                      the transformers class from_hf loads a directory with
     note(hf_config, keys) -> str | None           what a directory holds that is not read (said once)
+    mtp_depths(hf_config, keys) -> int            the multi-token-prediction depths its files hold
 Writing (the families we export to, `ExportAdapter`):
     check_exportable(cfg, moe_opt)                refuse what the transformers class cannot reproduce
     hf_config(cfg, moe_opt)                       its transformers config
     state_dict(model) -> dict                     our weights under transformers 5.x's keys (stacked)
     per_expert(sd, num_layers) -> dict            5.x's stacked experts -> 4.x's / the files' keys
     model_class()                                 the transformers class (MixtralForCausalLM, ...)
+    extra_state_dict(model) -> dict               what the export writes beside that class's weights
 
 `hf_config` is a transformers config object or its config.json as a dict (tensors.config_value
 reads either). The adapters are registered by model_type in moe/hf/families.py.
@@ -61,6 +63,11 @@ class HFAdapter(ABC):
     def note(self, hf_config, keys) -> str | None:
         """A line for the user about the checkpoint's tensors (`keys`) that the import leaves unread."""
         return None
+
+    def mtp_depths(self, hf_config, keys) -> int:
+        """The multi-token-prediction depths a directory's files (`keys`) hold, which the transformers class
+        does not load (0: the family has none; moe.hf.mtp lays out DeepSeek's)."""
+        return 0
 
     def check_routing(self, hf_config, moe_opt, top_k: int) -> None:
         """model.init_from_hf: the user's moe_opt must route as the checkpoint does, else the loaded
@@ -110,6 +117,11 @@ class ExportAdapter(HFAdapter):
     def prepare(self, hf_model) -> None:
         """Anything the empty transformers model needs before its weights load (nothing by default)."""
 
+    def extra_state_dict(self, model) -> dict[str, torch.Tensor]:
+        """Tensors an export writes beside what the transformers class holds, under the files' keys
+        (DeepSeek's multi-token-prediction layers, moe.hf.mtp); none by default."""
+        return {}
+
 
 # model keys whose pieces only some families' transformers classes have: the plain value, and those families
 # (model.hf_family). dense_layers: any layers beside the leading ones and the frequency's.
@@ -124,6 +136,7 @@ FAMILY_PIECES = {
     "partial_rotary_factor": (1.0, ("glm4_moe",)),
     "shared_expert_gate": (False, ("qwen2_moe",)),
     "dense_layers": (None, ("qwen3_moe", "qwen2_moe")),
+    "mtp_layers": (0, ("deepseek_v3",)),  # DeepSeek's multi-token-prediction layout (moe.hf.mtp)
 }
 PER_LAYER_WINDOWS = ("gpt_oss",)  # families whose class windows some layers only (layer_types)
 

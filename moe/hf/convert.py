@@ -8,6 +8,7 @@ param_init_fn); moe.hf.families.read_hf_config opens a directory's config.json w
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
 from moe.hf.dense import DenseUpcycle
 from moe.hf.families import UPCYCLERS, converter_for, exporter_for
-from moe.hf.tensors import SafetensorsDir, check_finite, is_stacked, load_local, read_checked
+from moe.hf.tensors import INDEX, SafetensorsDir, check_finite, is_stacked, load_local, read_checked
 
 
 def check_exportable(cfg: ModelConfig, moe_opt: MoEOptConfig) -> None:
@@ -70,7 +71,8 @@ def to_hf(model):
 
 def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = None):
     """MoETransformer from a MixtralForCausalLM, DeepseekV3ForCausalLM or GptOssForCausalLM, or a local
-    directory of one (no hub access).
+    directory of one (no hub access), with the multi-token-prediction depths a directory's files hold
+    (DeepSeek-V3's layer 61: moe.hf.mtp), read from the files (transformers does not load them).
 
     moe_opt defaults to the adapter's: dropless, so logits match transformers.
     """
@@ -78,7 +80,7 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
 
     from moe.model.model import MoETransformer
 
-    model_cls = AutoModelForCausalLM
+    model_cls, files, depths = AutoModelForCausalLM, None, 0
     if isinstance(model_or_dir, (str, Path)) and (Path(model_or_dir) / "config.json").is_file():
         from transformers import AutoConfig
 
@@ -87,16 +89,21 @@ def from_hf(model_or_dir: str | Path | object, moe_opt: MoEOptConfig | None = No
         # a refusal (gpt-oss's quantized experts, ...) before any weight loads
         adapter.model_config(AutoConfig.from_pretrained(str(model_or_dir), local_files_only=True))
         model_cls = adapter.loading_class(hf_config)
+        if any((Path(model_or_dir) / name).is_file() for name in ("model.safetensors", INDEX)):
+            files = SafetensorsDir(model_or_dir)
+            depths = adapter.mtp_depths(hf_config, files.file_of)
     hf = load_local(model_or_dir, model_cls, "init_from_hf")
     adapter = converter_for(getattr(hf.config, "model_type", None))
     cfg = adapter.model_config(hf.config)
+    cfg = replace(cfg, mtp_layers=depths)
     model = MoETransformer(cfg, moe_opt if moe_opt is not None else adapter.moe_opt(hf.config))
     model = model.to(dtype=next(hf.parameters()).dtype)
     hf_sd = hf.state_dict()
     if is_stacked(hf_sd):  # 5.x in memory -> the per-expert keys of the files and of 4.x
         hf_sd = adapter.per_expert(hf_sd, cfg.num_layers)
     read = adapter.reader(cfg, hf.config)
-    ours = {name: check_finite(name, read(name, hf_sd.__getitem__), model_or_dir, "hf_dir")
+    ours = {name: check_finite(name, read(name, files.get if name.startswith("mtp.") else hf_sd.__getitem__),
+                               model_or_dir, "hf_dir")
             for name in model.state_dict()}
     model.load_state_dict({k: v.detach().clone().contiguous() for k, v in ours.items()}, strict=True)
     return model
@@ -123,3 +130,42 @@ def tensor_source(path: str | Path, model_cfg, seed: int = 0, field: str = "mode
         return read_checked(lambda: read(name, files.get, experts), name, shape, path, field)
 
     return source
+
+
+def write_extra(model, directory: str | Path) -> None:
+    """Add to a save_pretrained directory of `model`'s export what its transformers class does not hold
+    (ExportAdapter.extra_state_dict: DeepSeek-V3's multi-token-prediction layers) as one more safetensors file
+    (moe.hf.mtp.FILE), named in the index beside the files save_pretrained wrote (an index is written for a
+    single model.safetensors). transformers loads a single model.safetensors before any index
+    (modeling_utils.py:592-603 at 5.24), so it reads only what its class holds there; readers that go by the
+    index (ours, vLLM's) find every tensor."""
+    from safetensors.torch import save_file
+
+    from moe.hf.mtp import FILE
+
+    extra = exporter_for(model.model_config).extra_state_dict(model)
+    if not extra:
+        return
+    directory = Path(directory)
+    save_file(extra, directory / FILE, metadata={"format": "pt"})
+    index = directory / INDEX
+    if index.is_file():
+        record = json.loads(index.read_text())
+    else:
+        record = {"metadata": {"total_size": tensor_bytes(directory / "model.safetensors")},
+                  "weight_map": SafetensorsDir(directory).file_of}
+    record["weight_map"] |= dict.fromkeys(extra, FILE)
+    record.setdefault("metadata", {})["total_size"] = record["metadata"].get("total_size", 0) + sum(
+        t.numel() * t.element_size() for t in extra.values())
+    index.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def tensor_bytes(file: Path) -> int:
+    """The bytes of the tensors a safetensors file holds (its index's total_size), from its header."""
+    import struct
+
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return sum(end - start for key, entry in header.items() if key != "__metadata__"
+               for start, end in [entry["data_offsets"]])

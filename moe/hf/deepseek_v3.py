@@ -32,8 +32,8 @@ import torch
 
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import ConfigError
+from moe.hf import mtp
 from moe.hf.adapter import ExportAdapter, Read, check_plain_pieces
-from moe.hf.mtp import mtp_note, skipping_mtp
 from moe.hf.rope import rope_keys, rope_parameters
 from moe.hf.sigmoid_router import (
     ROUTING_KEYS,
@@ -104,12 +104,42 @@ def _rope_rows(weight: torch.Tensor, cfg: ModelConfig, order: torch.Tensor, per_
     return torch.cat([weight[:cfg.kv_lora_rank], weight[cfg.kv_lora_rank:][order]])
 
 
+def layer_state_dict(ours: dict[str, torch.Tensor], cfg: ModelConfig, block, q: str, p: str,
+                     expert_bias: bool) -> dict[str, torch.Tensor]:
+    """One decoder layer's weights (ours under prefix `q`, `block` the module) under 5.x's keys at prefix `p`
+    (experts stacked), rope rows interleaved; `expert_bias`: the family's router has one (V3, not V2)."""
+    interleave = torch.argsort(deinterleave_order(cfg.qk_rope_head_dim))
+    sd = {p + key: ours[q + rest] for rest, key in BLOCK_NORMS.items()}
+    for rest, key in ATTENTION.items():
+        if q + rest in ours:
+            value = ours[q + rest]
+            if rest in ROPE_ROWS:
+                value = _rope_rows(value, cfg, interleave, ROPE_ROWS[rest])
+            sd[p + key] = value
+    for rest, key in FFN.items():
+        if q + rest in ours:
+            sd[p + key] = ours[q + rest]
+    for rest, prefix in FUSED.items():
+        if q + rest in ours:
+            gate, up = ours[q + rest].chunk(2)
+            sd |= {p + prefix + "gate_proj.weight": gate, p + prefix + "up_proj.weight": up}
+    if any(q + suffix in ours for suffix in EXPERT_LAYOUT.suffixes):
+        sd |= missing_moe_pieces(ours, q, p, cfg, expert_bias=expert_bias)
+        layout = block.ffn.experts.layout
+        gate_up, down = (layout.to_out_in(ours[q + suffix]) for suffix in layout.suffixes)
+        sd |= {p + "mlp.experts.gate_up_proj": gate_up, p + "mlp.experts.down_proj": down}
+    return sd
+
+
 def deepseek_value(name: str, get: Get, cfg: ModelConfig, interleaved: bool,
                    experts: range | None = None) -> torch.Tensor:
     """Our tensor `name` from DeepSeek-V3's per-expert keys; `interleaved`: the checkpoint's
-    rope_interleave."""
+    rope_interleave. A multi-token-prediction depth's (mtp.{d}.*) from layer num_layers + d (moe.hf.mtp)."""
     if name in TOP_LEVEL:
         return top_level(name, get)
+    if name.startswith("mtp."):
+        return mtp.read_depth(name, get, cfg.num_layers,
+                              lambda layer: deepseek_value(layer, get, cfg, interleaved, experts))
     p, rest = in_layer(name, "a DeepSeek-V3 model")
     if rest in BLOCK_NORMS:
         return get(p + BLOCK_NORMS[rest])
@@ -169,13 +199,15 @@ class DeepSeekV3(ExportAdapter):
         return sigmoid_moe_opt(hf_config)
 
     def loading_class(self, hf_config):
-        """DeepseekV3ForCausalLM, skipping the checkpoint's multi-token-prediction layers (moe.hf.mtp)."""
+        """DeepseekV3ForCausalLM, skipping the checkpoint's multi-token-prediction layers on load
+        (moe.hf.mtp): moe.hf.convert.from_hf reads them from the files itself."""
         from transformers import DeepseekV3ForCausalLM
 
-        return skipping_mtp(DeepseekV3ForCausalLM, hf_config)
+        return mtp.skipping_mtp(DeepseekV3ForCausalLM, hf_config)
 
-    def note(self, hf_config, keys) -> str | None:
-        return mtp_note(hf_config, keys, self.hf_class)
+    def mtp_depths(self, hf_config, keys) -> int:
+        """The multi-token-prediction depths a directory holds (moe.hf.mtp.held)."""
+        return mtp.held(hf_config, keys)
 
     def reader(self, model_cfg, hf_config) -> Read:
         interleaved = bool(config_value(hf_config, "rope_interleave", True))
@@ -196,7 +228,7 @@ class DeepSeekV3(ExportAdapter):
         self.check_exportable(cfg, moe_opt)
         config = DeepseekV3Config(
             **mla_config_kwargs(cfg, moe_opt), **sigmoid_router_kwargs(cfg, moe_opt), rope_interleave=True,
-            num_nextn_predict_layers=0,  # no multi-token-prediction layer is written
+            num_nextn_predict_layers=cfg.mtp_layers,  # the depths the export writes (extra_state_dict)
         )
         config.rope_theta = float(cfg.rope_theta)  # 4.x reads rope_theta (see moe.hf.mixtral)
         return config
@@ -209,31 +241,26 @@ class DeepSeekV3(ExportAdapter):
         [E, H, F]), rope rows interleaved (an export)."""
         cfg = model.model_config
         ours = model.state_dict()
-        interleave = torch.argsort(deinterleave_order(cfg.qk_rope_head_dim))
         # tied: the LM head is the embedding again, as transformers holds it
         sd = {"model.embed_tokens.weight": ours["embed_tokens.weight"],
               "model.norm.weight": ours["norm.weight"], "lm_head.weight": ours["lm_head.weight"]}
         for i in range(cfg.num_layers):
-            q, p = f"layers.{i}.", f"model.layers.{i}."
-            sd |= {p + key: ours[q + rest] for rest, key in BLOCK_NORMS.items()}
-            for rest, key in ATTENTION.items():
-                if q + rest in ours:
-                    value = ours[q + rest]
-                    if rest in ROPE_ROWS:
-                        value = _rope_rows(value, cfg, interleave, ROPE_ROWS[rest])
-                    sd[p + key] = value
-            for rest, key in FFN.items():
-                if q + rest in ours:
-                    sd[p + key] = ours[q + rest]
-            for rest, prefix in FUSED.items():
-                if q + rest in ours:
-                    gate, up = ours[q + rest].chunk(2)
-                    sd |= {p + prefix + "gate_proj.weight": gate, p + prefix + "up_proj.weight": up}
-            if any(q + suffix in ours for suffix in EXPERT_LAYOUT.suffixes):
-                sd |= missing_moe_pieces(ours, q, p, cfg, expert_bias=self.expert_bias_key is not None)
-                layout = model.layers[i].ffn.experts.layout
-                gate_up, down = (layout.to_out_in(ours[q + suffix]) for suffix in layout.suffixes)
-                sd |= {p + "mlp.experts.gate_up_proj": gate_up, p + "mlp.experts.down_proj": down}
+            sd |= layer_state_dict(ours, cfg, model.layers[i], f"layers.{i}.", f"model.layers.{i}.",
+                                   expert_bias=self.expert_bias_key is not None)
+        return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+    def extra_state_dict(self, model) -> dict[str, torch.Tensor]:
+        """The multi-token-prediction depths (moe.hf.mtp), which DeepseekV3ForCausalLM does not hold, under
+        the files' keys (experts one by one), as the released directory holds its layer 61."""
+        cfg = model.model_config
+        ours = model.state_dict()
+        sd = {}
+        for d, depth in enumerate(model.mtp):
+            prefix = mtp.layer_prefix(cfg.num_layers, d)
+            block = layer_state_dict(ours, cfg, depth.block, f"mtp.{d}.block.", prefix,
+                                     expert_bias=self.expert_bias_key is not None)
+            sd |= mtp.depth_tensors(ours, cfg.num_layers, d, block)
+        sd = per_expert_keys(sd, cfg.num_layers + cfg.mtp_layers)
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
     def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

@@ -20,8 +20,10 @@ from moe.config.derived import is_moe_layer
 from moe.errors import ConfigError, UserError
 from moe.hf.tensors import TOP_LEVEL
 
-# Architecture fields init_from_hf takes from config.json; name/compile/init_from_hf stay the user's.
-KEEP_FROM_USER = ("name", "compile", "init_from_hf", "upcycle_from_hf", "upcycle_granularity")
+# Architecture fields init_from_hf takes from config.json; name/compile/init_from_hf stay the user's, and so
+# do the multi-token-prediction depths trained (up to those DIR holds: mtp_start)
+KEEP_FROM_USER = ("name", "compile", "init_from_hf", "upcycle_from_hf", "upcycle_granularity", "mtp_layers",
+                  "mtp_loss_weight")
 
 
 class HFStart(NamedTuple):
@@ -72,15 +74,37 @@ def hf_start(model, moe_opt, data) -> HFStart:
     else:
         check_weights(directory, field)  # at start-up: an LFS pointer, a cut-short file
     changes = {key: value for key, value in asdict(arch).items() if key not in KEEP_FROM_USER}
+    mtp_note = mtp_start(model, adapter, hf_config, directory) if field == "model.init_from_hf" else None
     if not (Path(path) / "tokenizer.json").is_file():
-        return HFStart(changes, {}, None)  # the data module still checks that the data's ids fit vocab_size
+        return HFStart(changes, {}, mtp_note)  # the data module still checks the data's ids fit vocab_size
     data_tok = data_tokenizer_dir(data)
     if data_tok is None and data.kind != "prepared":
-        return HFStart(changes, {"tokenizer": str(path)},
-                       f"{field}: tokenizing data with {path}'s tokenizer (set data.tokenizer to override)")
+        note = f"{field}: tokenizing data with {path}'s tokenizer (set data.tokenizer to override)"
+        return HFStart(changes, {"tokenizer": str(path)}, "\n".join(filter(None, [mtp_note, note])))
     if data_tok is not None:
         check_same_ids(data_tok, Path(path), data)
-    return HFStart(changes, {}, None)
+    return HFStart(changes, {}, mtp_note)
+
+
+def mtp_start(model, adapter, hf_config, directory: Path) -> str | None:
+    """model.mtp_layers with model.init_from_hf: the depths trained start from DIR's (moe.hf.mtp), so at most
+    the ones DIR holds (else a UserError); a note naming those DIR holds and the run leaves out."""
+    from moe.hf.tensors import SafetensorsDir
+
+    field = "model.init_from_hf"
+    held = adapter.mtp_depths(hf_config, SafetensorsDir(directory, field).file_of)
+    if model.mtp_layers > held:
+        raise UserError(field, str(directory), f"set model.mtp_layers={held} (or fewer), or start from a "
+                        f"directory that holds {model.mtp_layers}",
+                        problem=f"holds {held} multi-token-prediction layer(s), and model.mtp_layers="
+                                f"{model.mtp_layers} starts that many from it")
+    if held <= model.mtp_layers:
+        return None
+    first = hf_config.num_hidden_layers + model.mtp_layers
+    layers = ", ".join(f"model.layers.{i}.*" for i in range(first, hf_config.num_hidden_layers + held))
+    return (f"{field}: {directory} holds {held} multi-token-prediction layer(s); model.mtp_layers="
+            f"{model.mtp_layers} trains {model.mtp_layers}, so {layers} are not read (set model.mtp_layers="
+            f"{held} to train them with the loss weight model.mtp_loss_weight)")
 
 
 def check_hf_start(model, moe_opt) -> None:

@@ -1,6 +1,7 @@
 """Export a model as a Mixtral (GQA) or DeepSeek-V3 (MLA) directory that transformers loads offline.
 
-`moe.hf` converts models in memory; this writes config.json + model.safetensors +
+`moe.hf` converts models in memory; this writes config.json + model.safetensors (and, for a DeepSeek-V3 model
+with multi-token-prediction depths, model-mtp.safetensors and the index naming both: moe.hf.mtp) +
 generation_config.json + tokenizer files atomically (a temp dir renamed into place, so a
 failure leaves nothing half-written).
 """
@@ -27,6 +28,7 @@ def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_tem
     without being an export this product wrote (moe.outputs).
     """
     from moe.hf import to_hf
+    from moe.hf.convert import write_extra
 
     out = check_output("export_hf", out_dir, HF_EXPORT, overwrite, reads or {})
     hf = to_hf(model)  # ConfigError for ALiBi, dense layers, shared expert, un-normalised top-k
@@ -48,6 +50,7 @@ def export_hf(model: MoETransformer, out_dir: str | Path, tokenizer, *, chat_tem
         with on_interrupt(f"export_hf={out} was not written (its temporary directory was removed; an export "
                           "already there is as it was)"):
             hf.save_pretrained(str(tmp), safe_serialization=True)
+            write_extra(model, tmp)  # what the transformers class does not hold (multi-token prediction)
             tokenizer.save_pretrained(str(tmp))
             mark(tmp, HF_EXPORT)
             publish(tmp, out, replace=overwrite)

@@ -1,4 +1,5 @@
-"""The decoder: embeddings -> blocks (attention + MoE or dense SwiGLU) -> norm -> logits.
+"""The decoder: embeddings -> blocks (attention + MoE or dense SwiGLU) -> norm -> logits, and in training
+the multi-token-prediction depths after it (model.mtp_layers, moe/model/mtp.py).
 
 Reads top to bottom, nanoGPT style. The model never mentions ranks or hardware:
 expert parallelism, activation checkpointing and compilation are applied afterwards by
@@ -37,6 +38,7 @@ from moe.model.loss import router_loss_sum
 from moe.model.mla import MLAttention
 from moe.model.mlp import SwiGLU
 from moe.model.moe import Experts, MoELayer, Router, RoutingStats
+from moe.model.mtp import MTPDepth, mtp_loss
 from moe.model.norm import RMSNorm
 from moe.model.pytree import pytree_dataclass
 from moe.model.routing import expert_activation
@@ -86,11 +88,16 @@ class ModelOutput:
     z_loss: torch.Tensor
     kv_cache: list[KVCache] | None = None
     lm_loss: torch.Tensor | None = None  # forward(labels_BS=...): mean CE, from moe.model.fused_ce
+    # forward(labels_BS=...) with model.mtp_layers: the mean over depths of each one's mean CE (moe.model.mtp)
+    mtp_loss: torch.Tensor | None = None
+    mtp_loss_weight: float = 0.0  # model.mtp_loss_weight
 
     @property
     def loss(self) -> torch.Tensor:
-        """The training objective: the LM loss plus every MoE layer's router terms (forward with labels)."""
-        return self.lm_loss + self.router_loss
+        """The training objective (forward with labels): the LM loss plus every MoE layer's router terms, plus
+        model.mtp_loss_weight times the multi-token-prediction loss where the model has depths."""
+        loss = self.lm_loss + self.router_loss
+        return loss if self.mtp_loss is None else loss + self.mtp_loss_weight * self.mtp_loss
 
 
 @runtime_checkable
@@ -131,6 +138,10 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(model_cfg.hidden_size, model_cfg.vocab_size, bias=False)
         if model_cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # multi-token prediction (moe.model.mtp): depth d's block is layer num_layers + d
+        self.mtp = nn.ModuleList([
+            MTPDepth(block_cls(model_cfg, moe_opt, model_cfg.num_layers + d), model_cfg.hidden_size,
+                     model_cfg.rms_norm_eps) for d in range(model_cfg.mtp_layers)])
         self.init_seed = draw_base_seed() if init_seed is None else init_seed
         self.init_std = init_stds(model_cfg)
         initialize(self, self.init_seed, *self.init_std)
@@ -181,7 +192,9 @@ class MoETransformer(nn.Module):
         routing stats and capacity), so pass a mask for generation, not training.
         generating: per-token (dropless) routing, and no routing statistics or losses.
         labels_BS (-100 = no loss): the LM head and cross-entropy run together in token chunks
-        (moe.model.fused_ce) and return `lm_loss`, never the [tokens, vocab] logits (None then).
+        (moe.model.fused_ce) and return `lm_loss`, never the [tokens, vocab] logits (None then); with
+        model.mtp_layers the depths run after the main blocks and return `mtp_loss` (moe.model.mtp), their
+        MoE layers' routing after the main model's. Without labels they do not run.
         """
         want = (input_ids_BS.shape[0], position_offset + input_ids_BS.shape[1])
         if attention_mask_BS is not None and tuple(attention_mask_BS.shape) != want:
@@ -205,11 +218,17 @@ class MoETransformer(nn.Module):
             lm = sequence.lm_loss(hidden_BSH, self.lm_head.weight, labels_BS)
         else:
             lm = linear_cross_entropy(hidden_BSH.flatten(0, 1), self.lm_head.weight, labels_BS.flatten())
+        mtp = None
+        if labels_BS is not None and len(self.mtp):  # sequence parallelism is refused with depths
+            mtp, mtp_routing = mtp_loss(self.mtp, self.embed_tokens, self.lm_head.weight, input_ids_BS,
+                                        hidden_BSH, labels_BS)
+            routing += mtp_routing
         zero = torch.zeros((), device=hidden_BSH.device)
         aux_loss = torch.stack([s.aux_loss for s in routing]).mean() if routing else zero
         z_loss = torch.stack([s.z_loss for s in routing]).mean() if routing else zero
         router_loss = router_loss_sum(routing, self.moe_opt)
-        return ModelOutput(logits_BSV, routing, router_loss, aux_loss, z_loss, kv_cache, lm)
+        return ModelOutput(logits_BSV, routing, router_loss, aux_loss, z_loss, kv_cache, lm, mtp,
+                           self.model_config.mtp_loss_weight)
 
 
 @torch.no_grad()

@@ -2,8 +2,8 @@
 
 Its training_step is one optimizer step, moe.module.train_step.TrainStep (manual optimization: Lightning
 hands it one step's rows; what it shares with NeuronLitMoE is moe.module.shared_hooks); the objective is
-the model's `ModelOutput.loss` (CE + every MoE layer's router terms), the optimizer and schedule
-moe.module.optim's; how the model is spread over devices is the
+the model's `ModelOutput.loss` (CE + every MoE layer's router terms + the weighted multi-token-prediction
+loss), the optimizer and schedule moe.module.optim's; how the model is spread over devices is the
 backend's business (moe/backends), which parallelises it in `configure_model` and answers what differs
 by hardware inside the step and in checkpoints. The Neuron backend trains the same model, loss, optimizer
 groups and step through its own NxD module (moe/backends/neuron/module.py).
@@ -54,10 +54,11 @@ class LitMoE(SharedHooks, L.LightningModule):
     def forward(self, input_ids: torch.Tensor) -> ModelOutput:
         return self.model(input_ids)
 
-    def micro_batch_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch."""
+    def micro_batch_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, list, torch.Tensor | None]:
+        """(training loss, LM loss, each MoE layer's RoutingStats, multi-token-prediction loss or None) of one
+        micro-batch."""
         out = self.model(batch["input_ids"], labels_BS=batch["labels"])  # chunked LM head + CE
-        return out.loss, out.lm_loss, out.routing
+        return out.loss, out.lm_loss, out.routing, out.mtp_loss
 
     def training_step(self, rows: dict, batch_idx: int) -> torch.Tensor:
         """The step (SharedHooks), and its loss on the progress bar."""

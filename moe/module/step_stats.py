@@ -24,7 +24,7 @@ from moe.model.loss import router_loss
 
 MONITOR_KEYS = ("drop_fraction", "max_expert_load", "mean_expert_load", "router_entropy")
 ROUTING_KEYS = ("aux_loss", "z_loss") + MONITOR_KEYS
-KEYS = ("loss", "lm_loss") + ROUTING_KEYS
+KEYS = ("loss", "lm_loss", "mtp_loss") + ROUTING_KEYS  # mtp_loss: NaN for a model without depths
 
 
 @dataclass
@@ -32,6 +32,7 @@ class StepStats:
     sums: dict = field(default_factory=lambda: dict.fromkeys(KEYS, 0.0))
     loss_count: int = 0  # micro-batches (pipeline: steps) whose loss this rank holds
     lm_count: int = 0  # ... whose LM loss it holds (NxD's pipeline returns the loss alone)
+    mtp_count: int = 0  # ... whose multi-token-prediction loss it holds (model.mtp_layers)
     routing_count: int = 0  # MoE-layer forwards this rank ran
     monitor_count: int = 0  # ... that computed the monitoring numbers (MONITOR_KEYS)
     micro_batches: int = 0
@@ -39,14 +40,17 @@ class StepStats:
     last_tokens_per_forward: int = 0
     means: dict | None = None  # the means over every rank, once computed (step_means)
 
-    def add_losses(self, loss, lm_loss=None) -> None:
-        """One micro-batch's training loss and, when known, its LM loss."""
+    def add_losses(self, loss, lm_loss=None, mtp_loss=None) -> None:
+        """One micro-batch's training loss and, when known, its LM loss and multi-token-prediction loss."""
         self.means = None
         self.sums["loss"] = self.sums["loss"] + _detached(loss)
         self.loss_count += 1
         if lm_loss is not None:
             self.sums["lm_loss"] = self.sums["lm_loss"] + _detached(lm_loss)
             self.lm_count += 1
+        if mtp_loss is not None:
+            self.sums["mtp_loss"] = self.sums["mtp_loss"] + _detached(mtp_loss)
+            self.mtp_count += 1
 
     def add_loss_term(self, value) -> None:
         """A term of the training loss this rank computed without the rest of it (a pipeline stage's router
@@ -69,9 +73,9 @@ class StepStats:
             self.last_tokens_per_expert = [r.tokens_per_expert_E.detach() for r in routing]
             self.last_tokens_per_forward = tokens
 
-    def add(self, *, loss, lm_loss, routing, tokens: int) -> None:
+    def add(self, *, loss, lm_loss, routing, tokens: int, mtp_loss=None) -> None:
         """One micro-batch: its losses and the RoutingStats of each of its MoE layers."""
-        self.add_losses(loss, lm_loss)
+        self.add_losses(loss, lm_loss, mtp_loss)
         self.add_routing(routing, tokens)
         self.micro_batches += 1
 
@@ -84,7 +88,7 @@ class StepStats:
         return torch.cat([torch.stack(values), counts])
 
     def _counts(self) -> list[int]:
-        by_key = {"loss": self.loss_count, "lm_loss": self.lm_count,
+        by_key = {"loss": self.loss_count, "lm_loss": self.lm_count, "mtp_loss": self.mtp_count,
                   **dict.fromkeys(MONITOR_KEYS, self.monitor_count)}
         return [by_key.get(k, self.routing_count) for k in KEYS]
 

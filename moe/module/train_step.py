@@ -108,8 +108,10 @@ class StepModule(Protocol):
     model: nn.Module  # what trains: its MoE layers are monitored, their replays cleared, their bias balanced
     schedule: Schedule | None  # a pipeline's, which runs every micro-batch itself; None: the step does
 
-    def micro_batch_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None, list]:
-        """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch."""
+    def micro_batch_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None, list,
+                                                     torch.Tensor | None]:
+        """(training loss, LM loss, each MoE layer's RoutingStats, multi-token-prediction loss or None) of one
+        micro-batch."""
 
     def manual_backward(self, loss: torch.Tensor) -> None:
         """Lightning's backward, through its strategy and precision (AMP's scaling, DeepSpeed's engine)."""
@@ -173,9 +175,10 @@ class TrainStep:
                 torch.manual_seed(step_seed(cfg.seed, rank, step - 1, i))  # router jitter replays on resume
                 clear_replays(module.model)
                 with backend.micro_batch_sync(module, last=i == len(batches) - 1):
-                    loss, lm_loss, routing = module.micro_batch_loss(batch)
+                    loss, lm_loss, routing, mtp_loss = module.micro_batch_loss(batch)
                     module.manual_backward(loss / len(batches))
-                self.stats.add(loss=loss, lm_loss=lm_loss, routing=routing, tokens=batch["input_ids"].numel())
+                self.stats.add(loss=loss, lm_loss=lm_loss, routing=routing, tokens=batch["input_ids"].numel(),
+                               mtp_loss=mtp_loss)
                 self.count_expert_picks(routing)
                 losses.append(loss.detach())
             loss = torch.stack(losses).mean()

@@ -66,8 +66,17 @@ def _add_prefix(module, state_dict, prefix, *_):
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
+def block_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every decoder block, as `getattr(parent, attribute)`: model.layers' (named by
+    their index in the whole model), then each multi-token-prediction depth's (moe.model.mtp, `block`), so a
+    policy that wraps, shards or compiles blocks reaches all of them."""
+    slots = [(model.layers, name) for name, _ in model.layers.named_children()]
+    return slots + [(depth, "block") for depth in getattr(model, "mtp", None) or ()]
+
+
 def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
-    """Activation checkpointing on `model.layers`.
+    """Activation checkpointing on the decoder blocks (`model.layers` and the multi-token-prediction depths'
+    blocks, by their layer index).
 
     none: nothing. full: every block. every_n: blocks i with (i + 1) % every_n == 0 (the
     N-th, 2N-th, ... block). moe_only: blocks whose FFN is an MoELayer. selective: the core
@@ -78,8 +87,9 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
     never repeats a collective nor meets a near-tie that routes differently the second time.
     Projections and dense FFNs keep their activations.
     """
-    for name, block in list(model.layers.named_children()):  # name: the layer's index in the whole model
-        i = int(name)
+    for parent, name in block_slots(model):
+        block = getattr(parent, name)
+        i = block.layer_idx  # the layer's index in the whole model (num_layers + d for depth d's)
         if isinstance(block, CheckpointWrapper) or isinstance(block.attn.core, CheckpointWrapper):
             raise ConfigError("parallel.activation_checkpointing", policy,
                               "apply activation checkpointing once, on a freshly built model",
@@ -92,7 +102,7 @@ def apply_ac(model: nn.Module, policy: str, every_n: int = 1) -> nn.Module:
                     block.ffn.shared_expert = CheckpointWrapper(block.ffn.shared_expert)
         elif (policy == "full" or (policy == "every_n" and (i + 1) % every_n == 0)
               or (policy == "moe_only" and block.is_moe)):
-            setattr(model.layers, name, CheckpointWrapper(block))
+            setattr(parent, name, CheckpointWrapper(block))
             if block.is_moe and hasattr(block.ffn.dispatcher, "replay"):  # recomputed: reuse its host values
                 block.ffn.dispatcher.replay = deque()
     return model
@@ -159,7 +169,8 @@ def apply_compile(model: nn.Module) -> nn.Module:
     recomputation): with `selective` AC the rest of each block is compiled.
     """
     eager = 0
-    for block in model.layers:
+    blocks = [getattr(parent, name) for parent, name in block_slots(model)]
+    for block in blocks:
         if isinstance(block, CheckpointWrapper):
             eager += 1
             continue
@@ -170,7 +181,7 @@ def apply_compile(model: nn.Module) -> nn.Module:
     if eager:
         from lightning.pytorch.utilities import rank_zero_warn
 
-        rank_zero_warn(f"model.compile=true compiles nothing in the {eager} of {len(model.layers)} blocks "
+        rank_zero_warn(f"model.compile=true compiles nothing in the {eager} of {len(blocks)} blocks "
                        "that activation checkpointing wraps whole (parallel.activation_checkpointing=full, "
                        "every_n or moe_only): they run eager. parallel.activation_checkpointing=selective "
                        "compiles each block's projections and norms and its MoE layer's routing and combine; "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from moe.model.moe import Experts
-from moe.parallel.apply import WRAPPED
+from moe.parallel.apply import WRAPPED, block_slots
 
 
 def _inner(module: nn.Module) -> nn.Module:
@@ -45,13 +45,15 @@ def apply_fsdp(model: nn.Module, meshes, expert_divide_factor: int, reshard_afte
     if offload_experts:  # in for their block's forward and backward only, whatever parallel.zero_stage says
         expert_options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         expert_options["reshard_after_forward"] = True
-    for block in model.layers:
+    for parent, name in block_slots(model):
+        block = getattr(parent, name)
         inner = _inner(block)
         if inner.is_moe:
             experts = inner.ffn.experts
             fully_shard(experts, mesh=meshes.experts, shard_placement_fn=lambda _: Shard(1), **expert_options)
             experts.set_gradient_divide_factor(expert_divide_factor)
-        fully_shard(block, mesh=meshes.dense, **options)
+        # a multi-token-prediction depth is one unit with its block (its norms and eh_proj around it)
+        fully_shard(parent if name == "block" else block, mesh=meshes.dense, **options)
     # The root (embeddings, final norm, LM head) keeps its weights from forward to backward, torch's default
     # for a root (torchtitan leaves it so): its backward starts right after forward, so freeing them gains
     # no memory, and torch <= 2.11 hooks the re-gather on `tree_flatten(output)` only (moe.model.pytree).

@@ -35,6 +35,7 @@ from torch import nn
 from moe.config.derived import dense_width, head_dim_of
 from moe.model.attention import Attention
 from moe.model.mla import MLAttention
+from moe.parallel.apply import block_slots
 
 
 def fused_segments(name: str, model_cfg) -> list[int] | None:
@@ -95,7 +96,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
                 input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest),
                 use_local_output=local))
 
-    for block in model.layers:
+    for block in (getattr(parent, name) for parent, name in block_slots(model)):
         if not block.is_moe:
             gather_input(block.ffn, 1)
             parallelize_module(block.ffn, tp_mesh, {"gate_up_proj": ColwiseParallel(), "down_proj": out})

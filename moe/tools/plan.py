@@ -20,6 +20,7 @@ from moe.config.derived import (
     is_moe_layer,
     launch_overrides,
     layers_per_stage,
+    num_blocks,
     pipeline_in_flight,
     stages_per_rank,
     trainer_world,
@@ -101,8 +102,10 @@ def activation_bytes(model, moe_opt, parallel, hardware, trainer, dims: Parallel
             return attn - scores + (moe_selective if is_moe else dense)
         return attn + ffn
 
-    stage = range(layers_per_stage(m.num_layers, dims.pp))  # the first stage; the others alike but for MoE
-    kept = sum(layer(i) for i in stage)
+    # the first stage; the others alike but for MoE. The multi-token-prediction depths' blocks are layers
+    # too (pp is 1 with them), and each depth also keeps its two norms' outputs and their concatenation (4h)
+    stage = range(layers_per_stage(num_blocks(m), dims.pp))
+    kept = sum(layer(i) for i in stage) + m.mtp_layers * split(4 * h, 0)
     recompute = max((attn + (moe if is_moe_layer(i, m) else dense)) - layer(i)
                     for i in stage)  # one checkpointed layer is live again during backward
     tokens = s * b
@@ -113,7 +116,10 @@ def activation_bytes(model, moe_opt, parallel, hardware, trainer, dims: Parallel
         per_rank = stages_per_rank(schedule, p.pp_stages_per_rank)
         in_flight = pipeline_in_flight(schedule, dims.pp, per_rank, microbatches)
     if spec.fused_cross_entropy:  # a chunk's fp32 logits and softmax, the head's fp32 gradient
-        logits = 2 * min(tokens, CE_CHUNK_TOKENS) * m.vocab_size * 4 + m.vocab_size * m.hidden_size * 4
+        # one more head gradient per multi-token-prediction depth: each loss holds its own to the backward
+        heads = 1 + m.mtp_layers
+        chunk = min(tokens, CE_CHUNK_TOKENS)
+        logits = 2 * chunk * m.vocab_size * 4 + heads * m.vocab_size * m.hidden_size * 4
     else:
         logits = 2 * tokens * m.vocab_size * 4 / t  # fp32 logits and the cross-entropy's log-probabilities
     note = f"{p.activation_checkpointing} checkpointing, micro-batch {b} x {s} tokens"
@@ -258,7 +264,7 @@ def memory_estimate(model, moe_opt, parallel, hardware, trainer, dims: ParallelD
     bd = param_breakdown(model)
     ep, tp, pp, dp = dims.ep, dims.tp, dims.pp, dims.dp
     layer_dense = bd.attention + bd.routers + bd.shared_experts + bd.dense_mlp
-    outer = bd.embedding + bd.lm_head + bd.final_norm
+    outer = bd.embedding + bd.lm_head + bd.final_norm + bd.mtp  # mtp: its depths' own (pp is 1 with them)
     if pp > 1:  # first stage holds the embedding, last the norm and lm_head (tied: both keep a copy)
         outer = max(bd.embedding, (bd.lm_head or bd.embedding) + bd.final_norm)
     spec = spec_of(hardware)

@@ -25,7 +25,7 @@ from moe.outputs import atomic_path
 from moe.train.console import STEP_LOGGER, log_step
 
 METRIC_COLUMNS = [
-    "step", "loss", "lm_loss", "aux_loss", "z_loss", "drop_fraction", "max_expert_load",
+    "step", "loss", "lm_loss", "mtp_loss", "aux_loss", "z_loss", "drop_fraction", "max_expert_load",
     "mean_expert_load", "router_entropy", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss",
     "tokens_per_expert", "tokens_per_forward", "skipped_steps", "spikes",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe.config.derived import PP_SCHEDULES, expert_dp_size, layers_per_stage, precision
+from moe.config.derived import PP_SCHEDULES, expert_dp_size, layers_per_stage, num_blocks, precision
 from moe.config.size import param_breakdown
 from moe.config.specs import BackendSpec
 
@@ -29,13 +29,14 @@ class FSDP2Spec(BackendSpec):
         plus one block's unsharded fp32 gradient before its reduce-scatter."""
         m, bd, p = model, param_breakdown(model), parallel
         compute = 2 if self.gathers_bf16(trainer, hardware) else 4
-        n_moe, n_dense = bd.num_moe_layers, m.num_layers - bd.num_moe_layers
-        attention = bd.attention / m.num_layers / p.tp
+        blocks = num_blocks(m)  # the multi-token-prediction depths' blocks are units as the layers are
+        n_moe, n_dense = bd.num_moe_layers, blocks - bd.num_moe_layers
+        attention = bd.attention / blocks / p.tp
         experts = bd.experts / p.ep / n_moe if n_moe else 0
         rest_of_moe = attention + (bd.routers + bd.shared_experts) / n_moe if n_moe else 0
         dense_block = attention + bd.dense_mlp / n_dense / p.tp if n_dense else 0
         block = max(rest_of_moe + experts, dense_block)
-        layers = layers_per_stage(m.num_layers, p.pp)
+        layers = layers_per_stage(blocks, p.pp)
         kept = layers if p.zero_stage == 2 or p.pp > 1 else min(2, layers)
         kept_experts = min(2, layers) if p.offload_experts else kept
         gathered = kept * block
@@ -44,7 +45,8 @@ class FSDP2Spec(BackendSpec):
             gathered = kept * max(rest_of_moe, dense_block) + kept_experts * experts
             expert_dp = expert_dp_size(dp, p.tp, p.ep, self.ep_folds_tp)
             copied_in = experts * 4 / max(1, expert_dp)
-        return (bd.embedding + bd.lm_head + bd.final_norm + gathered) * compute + block * 4 + copied_in
+        root = bd.embedding + bd.lm_head + bd.final_norm + bd.mtp
+        return (root + gathered) * compute + block * 4 + copied_in
 
 
 SPEC = FSDP2Spec(  # FSDP2 shards weights too (ZeRO-3 class); pipelining: torch.distributed.pipelining

@@ -75,10 +75,11 @@ class NeuronLitMoE(SharedHooks, NeuronLTModule):
         return super().training_step(rows, batch_idx)
 
     def micro_batch_loss(self, batch: dict):
-        """(training loss, LM loss, each MoE layer's RoutingStats) of one micro-batch (NxDCausalLM's). NxD's
-        MoE layers compute their statistics on every forward (moe/backends/neuron/nxd_moe_layer.py)."""
+        """(training loss, LM loss, each MoE layer's RoutingStats, None: no multi-token prediction on trn1) of
+        one micro-batch (NxDCausalLM's). NxD's MoE layers compute their statistics on every forward
+        (moe/backends/neuron/nxd_moe_layer.py)."""
         loss, lm = self.model(batch["input_ids"], batch["labels"])
-        return loss, lm, pop_routing(self.model.modules())
+        return loss, lm, pop_routing(self.model.modules()), None
 
     def validation_step(self, batch: dict, batch_idx: int):
         """LM loss (router terms are not computed in eval); metrics sum it over ranks. With pipeline

@@ -27,6 +27,13 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
     check_whole_kv_heads(m, p.tp)
     check_untied_embeddings(m, "trn1 (the embedding and the LM head are separate parallel layers)")
     check_neuron_model_pieces(parallel, model)
+    need(not m.mtp_layers, "model.mtp_layers", m.mtp_layers,
+         "set model.mtp_layers=0 on trn1, or train multi-token prediction with hardware=gpu, gpu_fsdp2 or "
+         "cpu",
+         "is not built on trn1: neuronx-distributed v2.28.0 has no multi-token-prediction module (nothing "
+         "under modules/ nor its pipeline, which cuts the model at transformer_layer_cls blocks, "
+         "pipeline/model.py:235-242, :346), and the backend's forward runs the main blocks alone "
+         "(moe/backends/neuron/causal_lm.py NxDCausalLM)")
     need(p.activation_checkpointing != "every_n", "parallel.activation_checkpointing", "every_n",
          "use none, full, moe_only or selective on trn1",
          "has no neuronx-distributed equivalent (it checkpoints by module class)")

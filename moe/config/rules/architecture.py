@@ -63,6 +63,7 @@ def validate_model(m, r=None, prefix: str = "model") -> None:
          f"{prefix}.dense_intermediate_size", m.dense_intermediate_size,
          "use a positive width or null (= intermediate_size)")
     validate_layer_types(m, prefix)
+    validate_mtp(m, prefix)
     validate_gpt_oss_pieces(m, r, prefix)
     if r is not None:
         validate_routing(r)
@@ -78,6 +79,23 @@ def validate_dense_layers(m, prefix: str) -> None:
          f"holds {bad}, outside the model's layers")
     need(len(set(layers)) == len(layers), f"{prefix}.dense_layers", layers, "list each layer once",
          "repeats a layer")
+
+
+def validate_mtp(m, prefix: str) -> None:
+    """model.mtp_layers and model.mtp_loss_weight: a count of depths and a weight, neither negative; the
+    depths' blocks follow the layers after the last (their index num_layers + k), which a per-layer
+    attention pattern does not name."""
+    need(isinstance(m.mtp_layers, int) and m.mtp_layers >= 0, f"{prefix}.mtp_layers", m.mtp_layers,
+         "use 0 (no multi-token prediction) or the number of extra tokens to predict (DeepSeek-V3: 1)",
+         "must be a whole number, 0 or more")
+    finite_number(f"{prefix}.mtp_loss_weight", m.mtp_loss_weight, "use a weight such as 0.1 (DeepSeek-V3's)")
+    need(m.mtp_loss_weight >= 0, f"{prefix}.mtp_loss_weight", m.mtp_loss_weight,
+         "use a weight such as 0.1 (DeepSeek-V3's), or 0 to train the depths without their loss",
+         "must not be negative")
+    need(not m.mtp_layers or m.attention_layer_types is None, f"{prefix}.mtp_layers", m.mtp_layers,
+         f"set {prefix}.mtp_layers=0, or {prefix}.attention_layer_types=null",
+         f"adds blocks after the {m.num_layers} layers that attention_layer_types describes, which name no "
+         "attention for them")
 
 
 def validate_layer_types(m, prefix: str) -> None:

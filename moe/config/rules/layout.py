@@ -135,6 +135,27 @@ def check_model_split(parallel, model) -> None:
          f"does not divide num_layers={m.num_layers}")
 
 
+def check_mtp_layout(parallel, model) -> None:
+    """model.mtp_layers runs its depths after the main model's last block, on the whole sequence: not under
+    pipeline parallelism, whose stages pass only hidden states (moe/model/stage.py: the last stage has neither
+    the token ids the depths embed nor their blocks), nor under sequence parallelism, where token i + k may
+    lie in the next rank's chunk (Megatron-Core rolls across ranks for it: multi_token_prediction.py
+    roll_tensor with a cp_group)."""
+    p, m = parallel, model
+    if not m.mtp_layers:
+        return
+    need(p.pp == 1, "model.mtp_layers", m.mtp_layers,
+         "use parallel.pp=1 (FSDP2 and expert parallelism shard the model instead), or model.mtp_layers=0",
+         f"does not run with pipeline parallelism (parallel.pp={p.pp}): the multi-token-prediction depths "
+         "need the token ids and the main model's last hidden states together, and pipeline stages pass "
+         "only hidden states")
+    need(not p.sequence_parallel, "model.mtp_layers", m.mtp_layers,
+         "set parallel.sequence_parallel=false (tensor parallelism without it runs them), or "
+         "model.mtp_layers=0",
+         "does not run with sequence parallelism: each depth shifts the tokens along the sequence, and a "
+         "rank's chunk of it lacks the tokens that follow it")
+
+
 def check_whole_kv_heads(m, tp: int) -> None:
     """Tensor parallelism splits grouped-query attention by KV head (trn1's GQAQKVColumnParallelLinear and
     the fsdp2 backend's column-parallel k/v): each rank holds whole KV heads, none is replicated."""
