@@ -339,7 +339,7 @@ def test_the_hf_pieces_are_nxds_parameters_under_our_names_and_train_as_litmoe_a
                 ours[our_name(name)].copy_(param)
     batch = batch_of(module.cfg)
     loss, lm = module.model(batch["input_ids"], batch["labels"])
-    ref_loss, ref_lm, _ = reference.micro_batch_loss(batch)
+    ref_loss, ref_lm, _, _ = reference.micro_batch_loss(batch)
     torch.testing.assert_close(lm, ref_lm, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
 
