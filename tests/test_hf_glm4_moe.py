@@ -1,8 +1,8 @@
 """GLM-4.5 both ways (moe/hf/glm4_moe.py): a tiny random transformers Glm4MoeForCausalLM (3 layers, the first
 dense, partial RoPE 0.5, q/k/v biases, sigmoid routing in 2 groups with the expert bias, routed scaling 2.5, a
 shared expert) imports with its logits and greedy tokens, our model exports to a directory transformers loads
-with no missing or unexpected keys and no warnings, a fine-tuned import round-trips, and its MTP layers are
-skipped with a note. Two cases: QK-norm on with plain RoPE, QK-norm off with YaRN past the original context.
+with no missing or unexpected keys and no warnings, a fine-tuned import round-trips, and its MTP layer
+round-trips with it. Two cases: QK-norm on with plain RoPE, QK-norm off with YaRN past the original context.
 """
 import json
 import shutil
@@ -217,28 +217,73 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_own_bf16():
         assert relative(model(IDS).logits_BSV, hf(IDS).logits) < BF16_RELATIVE
 
 
-def test_a_directory_with_an_mtp_layer_is_read_without_it_with_one_note(tmp_path, capsys):
+def test_a_directory_with_an_mtp_layer_round_trips_with_it(tmp_path, capsys):
     """GLM-4.5's released directories keep a multi-token-prediction layer after the main ones (GLM-4.5-Air:
-    model.layers.46.*): the main model is read, that layer skipped and named once, as DeepSeek-V3's."""
-    hf = hf_model()
-    hf.save_pretrained(tmp_path)
-    files = load_file(tmp_path / "model.safetensors")
-    mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in files.items() if ".layers.2." in k}
-    mtp |= {f"model.layers.3.{n}.weight": torch.ones(64) for n in ("enorm", "hnorm", "shared_head.norm")}
-    mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
-    save_file(files | mtp, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    model.layers.46.*) in DeepSeek-V3's layout (moe/hf/mtp.py): it imports as depth 0 (model.mtp_layers=1),
+    every tensor as the files hold it, the main model's logits transformers'; trained, exported and
+    re-imported, every tensor and both losses are kept; the export holds exactly the directory's tensors
+    when untrained and loads in transformers with no warning."""
+    from moe.hf.convert import write_extra
+    from moe.hf.tensors import SafetensorsDir
 
-    read_hf_config(tmp_path, "hf_dir")
+    def export_hf(model, directory):  # infer.py export_hf='s writing, without a tokenizer
+        to_hf(model).save_pretrained(directory)
+        write_extra(model, directory)
+
+    hf = hf_model()
+    src = tmp_path / "src"
+    hf.save_pretrained(src)
+    files = load_file(src / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    mtp = {k.replace("layers.2.", "layers.3."): v + 0.01 * torch.randn(v.shape, generator=g)
+           for k, v in files.items() if ".layers.2." in k}
+    mtp |= {f"model.layers.3.{n}.weight": torch.rand(64, generator=g) + 0.5 for n in ("enorm", "hnorm",
+                                                                                      "shared_head.norm")}
+    mtp["model.layers.3.eh_proj.weight"] = 0.1 * torch.randn(64, 128, generator=g)
+    mtp |= {"model.layers.3.embed_tokens.weight": files["model.embed_tokens.weight"].clone(),  # the copies
+            "model.layers.3.shared_head.head.weight": files["lm_head.weight"].clone()}
+    files |= mtp
+    save_file(files, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+
+    read_hf_config(src, "hf_dir")
+    model = from_hf(src).eval()
     said = capsys.readouterr().err
-    assert said.count("note:") == 1 and "model.layers.3.*" in said and "Glm4MoeForCausalLM skips" in said
-    assert "does not define" not in said
-    model = from_hf(tmp_path).eval()
-    assert model.model_config.num_layers == 3
-    assert "UNEXPECTED" not in capsys.readouterr().err  # transformers skipped it quietly
+    assert "note:" not in said and "UNEXPECTED" not in said
+    assert model.model_config.num_layers == 3 and model.model_config.mtp_layers == 1
+    sd = model.state_dict()
+    for ours, key in (("mtp.0.eh_proj.weight", "eh_proj"), ("mtp.0.hnorm.weight", "hnorm"),
+                      ("mtp.0.norm.weight", "shared_head.norm"),
+                      ("mtp.0.block.ffn.router.weight", "mlp.gate")):
+        assert torch.equal(sd[ours], files[f"model.layers.3.{key}.weight"]), ours
     with torch.no_grad():
         assert relative(model(IDS).logits_BSV, hf(IDS).logits) < 1e-5
+
+    untouched = tmp_path / "untouched"
+    export_hf(model, untouched)
+    written = SafetensorsDir(untouched)
+    assert set(written.file_of) == set(files)
+    assert all(torch.equal(written.get(key), value) for key, value in files.items())
+
+    model.train()
+    batch = dict(input_ids_BS=IDS[:, :-1], labels_BS=IDS[:, 1:])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(3):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    out = tmp_path / "export"
+    export_hf(model, out)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    back = from_hf(out)
+    assert all(torch.equal(back.state_dict()[name], value) for name, value in model.state_dict().items())
+    model.eval(), back.eval()
+    with torch.no_grad():
+        want, got = model(**batch), back(**batch)
+        assert torch.equal(got.mtp_loss, want.mtp_loss) and torch.equal(got.lm_loss, want.lm_loss)
+        theirs = loads_cleanly(transformers.Glm4MoeForCausalLM, out)
+        assert relative(theirs(IDS).logits, model(IDS).logits_BSV) < 1e-5
 
 
 EXPORT_REFUSALS = [

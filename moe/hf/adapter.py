@@ -136,7 +136,7 @@ FAMILY_PIECES = {
     "partial_rotary_factor": (1.0, ("glm4_moe",)),
     "shared_expert_gate": (False, ("qwen2_moe",)),
     "dense_layers": (None, ("qwen3_moe", "qwen2_moe")),
-    "mtp_layers": (0, ("deepseek_v3",)),  # DeepSeek's multi-token-prediction layout (moe.hf.mtp)
+    "mtp_layers": (0, ("deepseek_v3", "glm4_moe")),  # DeepSeek's multi-token-prediction layout (moe.hf.mtp)
 }
 PER_LAYER_WINDOWS = ("gpt_oss",)  # families whose class windows some layers only (layer_types)
 

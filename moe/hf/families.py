@@ -72,9 +72,8 @@ def read_hf_config(path: str | Path, field: str):
 
 
 def note_unread(config, path) -> None:
-    """One line naming what the directory holds that the import skips (HFAdapter.note: GLM-4.5's
-    multi-token-prediction layers); a directory whose weights cannot be listed says nothing here (its load
-    says why)."""
+    """One line naming what the directory holds that the import skips (HFAdapter.note); a directory whose
+    weights cannot be listed says nothing here (its load says why)."""
     try:
         keys = SafetensorsDir(path).file_of
     except UserError:

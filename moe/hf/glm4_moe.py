@@ -14,9 +14,10 @@ transformers 5.24 `models/glm4_moe/modeling_glm4_moe.py`:
              shared expert (:371-385): moe.hf.sigmoid_router, shared with DeepSeek-V3.
   keys       Qwen-MoE's (moe.hf.sparse_moe) but the shared expert under mlp.shared_experts and the expert
              bias mlp.gate.e_score_correction_bias.
-  MTP        the checkpoints' multi-token-prediction layers (num_nextn_predict_layers, after the main ones)
-             are skipped on import with a note (moe.hf.mtp); an export writes none and says so
-             (num_nextn_predict_layers: 0).
+  MTP        the checkpoints' multi-token-prediction layers (num_nextn_predict_layers, after the main ones:
+             GLM-4.5-Air's layer 46) in DeepSeek-V3's layout (enorm, hnorm, eh_proj, shared_head, a decoder
+             layer of GLM's keys; moe.hf.mtp), read beside the transformers model (it skips them,
+             modeling_glm4_moe.py:461) and written beside its files (model.mtp_layers).
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ import torch
 
 from moe.config.derived import head_dim_of
 from moe.config.schema import ModelConfig, MoEOptConfig
+from moe.hf import mtp
 from moe.hf.adapter import Read, check_plain_pieces, refuse_unless
 from moe.hf.dense import llama_family_config
-from moe.hf.mtp import mtp_note, skipping_mtp
 from moe.hf.rope import rope_parameters
 from moe.hf.sigmoid_router import (
     ROUTING_KEYS,
@@ -39,7 +40,15 @@ from moe.hf.sigmoid_router import (
     sigmoid_config_kwargs,
     sigmoid_moe_opt,
 )
-from moe.hf.sparse_moe import FUSED, SINGLE, SparseMoeFamily, sparse_moe_state_dict, sparse_moe_value
+from moe.hf.sparse_moe import (
+    FUSED,
+    SINGLE,
+    SparseMoeFamily,
+    layer_tensors,
+    per_expert_keys,
+    sparse_moe_state_dict,
+    sparse_moe_value,
+)
 
 SHARED = {"ffn.shared_expert.down_proj.weight": "mlp.shared_experts.down_proj.weight",
           "ffn.router.expert_bias": "mlp.gate.e_score_correction_bias"}
@@ -65,17 +74,22 @@ class Glm4Moe(SparseMoeFamily):
         return sigmoid_moe_opt(hf_config)
 
     def loading_class(self, hf_config):
-        """Glm4MoeForCausalLM, skipping the checkpoint's multi-token-prediction layers (moe.hf.mtp)."""
+        """Glm4MoeForCausalLM, skipping the checkpoint's multi-token-prediction layers on load (moe.hf.mtp):
+        moe.hf.convert.from_hf reads them from the files itself."""
         from transformers import Glm4MoeForCausalLM
 
-        return skipping_mtp(Glm4MoeForCausalLM, hf_config)
+        return mtp.skipping_mtp(Glm4MoeForCausalLM, hf_config)
 
-    def note(self, hf_config, keys) -> str | None:
-        return mtp_note(hf_config, keys, self.hf_class)
+    def mtp_depths(self, hf_config, keys) -> int:
+        return mtp.held(hf_config, keys)
 
     def reader(self, model_cfg, hf_config) -> Read:
-        return lambda name, get, experts=None: sparse_moe_value(name, get, model_cfg.num_experts, experts,
-                                                                GLM_SINGLE, GLM_FUSED)
+        def value(name, get, experts=None):
+            if name.startswith("mtp."):  # a depth: its own tensors, and its block as layer num_layers + d
+                return mtp.read_depth(name, get, model_cfg.num_layers,
+                                      lambda layer: value(layer, get, experts))
+            return sparse_moe_value(name, get, model_cfg.num_experts, experts, GLM_SINGLE, GLM_FUSED)
+        return value
 
     # -- writing ----------------------------------------------------------------------------------
     def check_family(self, cfg: ModelConfig) -> None:
@@ -101,7 +115,7 @@ class Glm4Moe(SparseMoeFamily):
             tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope,
             attention_bias=cfg.qkv_bias, attention_dropout=0.0, use_qk_norm=cfg.qk_norm == "per_head",
             **sigmoid_config_kwargs(cfg, moe_opt),
-            num_nextn_predict_layers=0,  # no multi-token-prediction layer is written
+            num_nextn_predict_layers=cfg.mtp_layers,  # the depths the export writes (extra_state_dict)
         ), cfg)
 
     def prepare(self, hf_model) -> None:
@@ -121,3 +135,21 @@ class Glm4Moe(SparseMoeFamily):
             if block.is_moe:
                 sd |= missing_moe_pieces(ours, f"layers.{i}.", f"model.layers.{i}.", model.model_config)
         return sd
+
+    def extra_state_dict(self, model) -> dict[str, torch.Tensor]:
+        """The multi-token-prediction depths (moe.hf.mtp), which Glm4MoeForCausalLM does not hold, under the
+        files' keys (experts one by one), as the released directory holds its layer 46."""
+        cfg, ours = model.model_config, model.state_dict()
+        sd = {}
+        for d, depth in enumerate(model.mtp):
+            p, q = mtp.layer_prefix(cfg.num_layers, d), f"mtp.{d}.block."
+            block = {}
+            for name, value in ours.items():
+                if name.startswith(q):
+                    block |= layer_tensors(cfg, p, name.removeprefix(q), value, depth.block, GLM_SINGLE,
+                                           GLM_FUSED)
+            if depth.block.is_moe:
+                block |= missing_moe_pieces(ours, q, p, cfg)
+            sd |= mtp.depth_tensors(ours, cfg.num_layers, d, block)
+        sd = per_expert_keys(sd, cfg.num_layers + cfg.mtp_layers)
+        return {k: v.detach().clone().contiguous() for k, v in sd.items()}

@@ -99,15 +99,3 @@ def skipping_mtp(model_class, hf_config):
     patterns = [*(model_class._keys_to_ignore_on_load_unexpected or []), *skip]
     return type(model_class.__name__, (model_class,), {"_keys_to_ignore_on_load_unexpected": patterns})
 
-
-def mtp_note(hf_config, keys, hf_class: str) -> str | None:
-    """Names the depths a directory of a family whose depths we do not read holds (`keys`): skipped."""
-    first = config_value(hf_config, "num_hidden_layers")
-    layers = [first + d for d in range(declared(hf_config))
-              if any(k.startswith(layer_prefix(first, d)) for k in keys)]
-    if not layers:
-        return None
-    names = ", ".join(f"model.layers.{i}.*" for i in layers)
-    return (f"holds {len(layers)} multi-token-prediction layer(s) ({names}; num_nextn_predict_layers="
-            f"{declared(hf_config)}): skipped, as transformers' {hf_class} skips them; the main model's "
-            f"{first} layers are read")

@@ -86,28 +86,35 @@ def split_sizes(cfg: ModelConfig, rest: str, rows: int) -> list[int]:
 
 def sparse_moe_state_dict(model, single: dict = SINGLE, fused: dict = FUSED) -> dict[str, torch.Tensor]:
     """Our weights under transformers 5.x's keys (experts stacked [E, out, in]); `single`, `fused` as
-    sparse_moe_value's."""
+    sparse_moe_value's. Multi-token-prediction depths (mtp.*) are a family's extra_state_dict's."""
     cfg = model.model_config
     sd = {}
     for name, value in model.state_dict().items():
+        if name.startswith("mtp."):
+            continue
         if name in TOP_LEVEL:
             sd[TOP_LEVEL[name]] = value
             continue
         match = LAYER.fullmatch(name)
         i, rest = int(match.group(1)), match.group(2)
-        p = f"model.layers.{i}."
-        if rest in single:
-            sd[p + single[rest]] = value
-        elif rest in fused:
-            pieces = value.split(split_sizes(cfg, rest, value.shape[0]))
-            sd |= {p + key: piece for key, piece in zip(fused[rest], pieces, strict=True)}
-        elif rest in STACKED_EXPERTS:
-            layout = model.layers[i].ffn.experts.layout
-            hf_name = "gate_up_proj" if layout.is_gate_up(rest) else "down_proj"
-            sd[f"{p}mlp.experts.{hf_name}"] = layout.to_out_in(value)
-        else:
-            raise KeyError(f"{name}: no transformers key for it")
+        sd |= layer_tensors(cfg, f"model.layers.{i}.", rest, value, model.layers[i], single, fused)
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+
+def layer_tensors(cfg: ModelConfig, p: str, rest: str, value: torch.Tensor, block, single: dict,
+                  fused: dict) -> dict[str, torch.Tensor]:
+    """Our layer tensor `rest` (of `block`) under transformers 5.x's keys at the checkpoint's layer prefix
+    `p`."""
+    if rest in single:
+        return {p + single[rest]: value}
+    if rest in fused:
+        pieces = value.split(split_sizes(cfg, rest, value.shape[0]))
+        return {p + key: piece for key, piece in zip(fused[rest], pieces, strict=True)}
+    if rest in STACKED_EXPERTS:
+        layout = block.ffn.experts.layout
+        hf_name = "gate_up_proj" if layout.is_gate_up(rest) else "down_proj"
+        return {f"{p}mlp.experts.{hf_name}": layout.to_out_in(value)}
+    raise KeyError(f"{p}{rest}: no transformers key for it")
 
 
 def per_expert_keys(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
