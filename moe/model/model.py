@@ -31,6 +31,7 @@ from moe.model.attention import (  # noqa: F401 (re-exported: moe.model.model's 
     rope_cos_sin,
     rotate_half,
 )
+from moe.model.documents import Documents
 from moe.model.fused_ce import linear_cross_entropy
 from moe.model.init import draw_base_seed, init_stds, initialize
 from moe.model.loss import router_loss_sum
@@ -64,8 +65,10 @@ class Block(nn.Module):
             self.ffn = SwiGLU(cfg.hidden_size, dense_width(cfg))
 
     def forward(self, x_BSH, kv_cache: KVCache | None = None, position_offset: int = 0,
-                attention_mask_BS: torch.Tensor | None = None, generating: bool = False):
-        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), kv_cache, position_offset, attention_mask_BS)
+                attention_mask_BS: torch.Tensor | None = None, generating: bool = False,
+                documents: Documents | None = None):
+        attn = self.attn(self.attn_norm(x_BSH), kv_cache, position_offset, attention_mask_BS, documents)
+        x_BSH = x_BSH + attn
         if self.is_moe:
             y_BSH, stats = self.ffn(self.ffn_norm(x_BSH), generating)
         else:
@@ -173,7 +176,8 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids_BS: torch.Tensor, kv_cache: list[KVCache] | None = None,
                 position_offset: int = 0, attention_mask_BS: torch.Tensor | None = None,
-                generating: bool = False, labels_BS: torch.Tensor | None = None) -> ModelOutput:
+                generating: bool = False, labels_BS: torch.Tensor | None = None,
+                documents: Documents | None = None) -> ModelOutput:
         """attention_mask_BS: optional [B, position_offset + S], 1 = real token, 0 = left padding, over
         every position fed so far (cached ones included). Pads take positions like tokens; RoPE, ALiBi
         and the window see only distances, so a row's shift by its pad count changes nothing. Pads are
@@ -182,6 +186,8 @@ class MoETransformer(nn.Module):
         generating: per-token (dropless) routing, and no routing statistics or losses.
         labels_BS (-100 = no loss): the LM head and cross-entropy run together in token chunks
         (moe.model.fused_ce) and return `lm_loss`, never the [tokens, vocab] logits (None then).
+        documents: the packed documents of each row (moe.model.documents, data.document_mask), over the
+        whole sequence: block-causal attention and positions that restart at each document (training only).
         """
         want = (input_ids_BS.shape[0], position_offset + input_ids_BS.shape[1])
         if attention_mask_BS is not None and tuple(attention_mask_BS.shape) != want:
@@ -194,7 +200,7 @@ class MoETransformer(nn.Module):
         routing: list[RoutingStats] = []
         for i, block in enumerate(self.layers):
             cache = None if kv_cache is None else kv_cache[i]
-            x_BSH, stats = block(x_BSH, cache, position_offset, attention_mask_BS, generating)
+            x_BSH, stats = block(x_BSH, cache, position_offset, attention_mask_BS, generating, documents)
             if stats is not None:
                 routing.append(stats)
         hidden_BSH = self.norm(x_BSH)

@@ -26,6 +26,11 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
          "(its attention projection is GQAQKVColumnParallelLinear, modules/qkv_linear.py:371)")
     check_whole_kv_heads(m, p.tp)
     check_untied_embeddings(m, "trn1 (the embedding and the LM head are separate parallel layers)")
+    need(not getattr(data, "document_mask", False), "data.document_mask", True,
+         "set data.document_mask=false on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
+         "is not available on trn1: neuronx-distributed's attention kernel takes only `causal: bool`, "
+         "no mask (kernels/flash_attn.py:162-169 nki_flash_attn_func, :30 _flash_attn_forward), and its "
+         "pipeline carries input_ids and labels only")
     need(m.qk_norm == "none", "model.qk_norm", m.qk_norm,
          "set model.qk_norm=none on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
          "is not built on trn1: the backend swaps qkv_proj for neuronx-distributed's ColumnParallelLinear "
