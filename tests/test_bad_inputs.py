@@ -160,6 +160,12 @@ CONFIG_CASES = [
     (["parallel.hybrid_shard_degree=2"], "parallel.hybrid_shard_degree", "2",
      None, "hybrid_shard_degree=null"),
     (["parallel=dp2_ep8"], "parallel.dp", "16", None, "trainer.devices=2 trainer.num_nodes=8"),
+    (["hardware=trn1", "data.document_mask=true", "dry_run=true"], "data.document_mask", "True",
+     "kernels/flash_attn.py:162-169", "set data.document_mask=false on trn1"),
+    (["data.format=chat", "data.chat_template=tokenizer", "data.document_mask=true"], "data.document_mask",
+     "True", "tokenizer's own chat template", "{prompt}/{completion} data.chat_template"),
+    (["hardware=gpu_fsdp2", "parallel.pp=2", "trainer.devices=2", "dry_run=true", "data.document_mask=true"],
+     "data.document_mask", "True", "pipeline stages", "train with parallel.pp=1"),
     (["hardware=trn1", "hardware.neuron_precision=bf16_sr", "dry_run=true"],
      "hardware.neuron_precision", "'bf16_sr'", None, "use hardware.neuron_precision=mixed"),
     (["hardware=trn1", "parallel=tp8_pp8_ep8", "moe_opt=dropless", "dry_run=true"],
@@ -338,6 +344,18 @@ def test_missing_raw_data_file(tmp_path):
 def test_online_data_without_a_tokenizer(tmp_path):
     code, err = run_train(tmp_path / "run", "data.tokenizer=null")
     assert_user_error(code, err, "data.tokenizer", "None", "pass data.tokenizer=DIR")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_prepared_chat_dir_rendered_by_the_tokenizer_template_is_refused_before_the_run(tmp_path):
+    """A prepared dir's meta.json says how its rows were rendered: document_mask on rows of the tokenizer's
+    own chat template is refused by train.py (exit 2, one paragraph, no run dir)."""
+    data = tmp_path / "prep"
+    (data / "tokenizer").mkdir(parents=True)
+    (data / "meta.json").write_text(json.dumps({"seq_len": 128, "config": {"format": "chat",
+                                                                          "chat_template": "tokenizer"}}))
+    code, err = run_train(tmp_path / "run", "data=prepared", f"data.path={data}", "data.document_mask=true")
+    assert_user_error(code, err, "data.document_mask", "True", "{prompt}/{completion}")
     assert not (tmp_path / "run").exists()
 
 

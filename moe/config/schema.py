@@ -322,6 +322,9 @@ class DataConfig(Section):
     split_seed: int = 1234
     chat_template: str = DEFAULT_CHAT_TEMPLATE  # chat: {prompt} and {completion} slots, or `tokenizer`
     assistant_only_loss: bool = False
+    # packed documents do not see each other: block-causal attention, positions restarting at each document,
+    # no loss on the label after an EOS (moe/model/documents.py, docs/DATA.md "Document masking")
+    document_mask: bool = False
     num_workers: int = 0
     shuffle: bool = True
 

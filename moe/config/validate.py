@@ -40,6 +40,7 @@ from moe.config.rules.layout import (
 from moe.config.rules.training import (
     check_activation_checkpointing,
     check_data,
+    check_document_mask,
     check_finite,
     check_fp8_experts,
     check_guard,
@@ -66,7 +67,8 @@ RULES = [  # in order: keys and numbers, counts, the hardware, divisibility of t
     check_world_divisible, check_dp_matches_world, check_ep, check_hybrid_shard, check_global_batch,
     check_sequence_parallel, check_zero_stage, check_model_split, check_mtp_layout,
     check_activation_checkpointing,
-    check_seq_len, check_data, check_optimizer, check_schedule, check_guard, check_instantiables,
+    check_seq_len, check_data, check_document_mask, check_optimizer, check_schedule, check_guard,
+    check_instantiables,
     BACKEND_RULES, check_fp8_experts, check_planning, check_simulate, check_waits,
 ]
 

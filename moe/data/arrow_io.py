@@ -181,5 +181,10 @@ def prepared_facts(data) -> dict:
     A missing directory is left for the DataModule to report (a dry run does not need the data).
     """
     if data.kind == "prepared" and data.path and (Path(data.path) / "meta.json").is_file():
-        return {"seq_len": int(read_meta(data.path)["seq_len"])}
+        meta = read_meta(data.path)
+        facts = {"seq_len": int(meta["seq_len"])}
+        made_with = meta.get("config", {})
+        if getattr(data, "document_mask", False) and "format" in made_with:  # how its rows were rendered
+            facts |= {"format": made_with["format"], "chat_template": made_with.get("chat_template")}
+        return facts
     return {}

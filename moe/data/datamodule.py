@@ -8,7 +8,8 @@ runs open the cache instantly. Cache root: $MOE_DATA_CACHE, else ~/.cache/moe/da
 Training batches are optimizer steps: a rank's `micro_batch_size x accumulate_grad_batches` rows, its
 micro-batches in order (the step cuts them, moe.module.train_step); validation batches are
 `val_micro_batches` micro-batches. Each holds `input_ids` [rows, seq_len] and `labels` [rows, seq_len]
-(next tokens, -100 where no loss).
+(next tokens, -100 where no loss); with data.document_mask also `document_ids` [rows, seq_len]
+(moe.model.documents), and no loss on the label after an EOS.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from moe.data.sampler import StreamSampler, validation_batches
 from moe.data.sources import describe_sources, resolve
 from moe.data.tokenizer_chat import load_template_tokenizer, template_text
 from moe.errors import UserError, WriteFailed
+from moe.model.documents import document_ids, hide_boundary_targets
 from moe.paths import local_path
 
 log = logging.getLogger(__name__)
@@ -48,10 +50,11 @@ def _local(path: str | None) -> str | None:
 
 
 class BlockBatches(Dataset):
-    """Index array -> collated batch; blocks of L+1 become inputs [:-1] and labels [1:]."""
+    """Index array -> collated batch; blocks of L+1 become inputs [:-1] and labels [1:]. `eos_id` (document
+    masking): each token's document from the EOS tokens, and no target after an EOS."""
 
-    def __init__(self, blocks: PackedBlocks):
-        self.blocks = blocks
+    def __init__(self, blocks: PackedBlocks, eos_id: int | None = None):
+        self.blocks, self.eos_id = blocks, eos_id
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -62,7 +65,10 @@ class BlockBatches(Dataset):
         if mask is not None:
             labels[mask[:, 1:] == 0] = IGNORE_INDEX
         inputs = torch.from_numpy(np.ascontiguousarray(ids[:, :-1]))
-        return {"input_ids": inputs, "labels": torch.from_numpy(labels)}
+        if self.eos_id is None:
+            return {"input_ids": inputs, "labels": torch.from_numpy(labels)}
+        labels = hide_boundary_targets(torch.from_numpy(labels), inputs, self.eos_id)
+        return {"input_ids": inputs, "labels": labels, "document_ids": document_ids(inputs, self.eos_id)}
 
 
 class _ResumableLoader(DataLoader):
@@ -269,8 +275,10 @@ class MoEDataModule(L.LightningDataModule):
 
     def _loader(self, blocks: PackedBlocks, sampler) -> DataLoader:
         workers = self.cfg.num_workers
-        return _ResumableLoader(BlockBatches(blocks), sampler=sampler, batch_size=None, num_workers=workers,
-                                persistent_workers=workers > 0, pin_memory=torch.cuda.is_available())
+        eos_id = self.meta["tokenizer"]["eos_id"] if getattr(self.cfg, "document_mask", False) else None
+        return _ResumableLoader(BlockBatches(blocks, eos_id), sampler=sampler, batch_size=None,
+                                num_workers=workers, persistent_workers=workers > 0,
+                                pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.prepared.splits["train"], self.train_sampler())

@@ -15,6 +15,7 @@ from torch import nn
 
 from moe.config.derived import head_dim_of, rotary_dim_of, window_of
 from moe.config.schema import ModelConfig
+from moe.model.documents import Documents, FlexDocumentMask, rope_cos_sin_at
 from moe.model.norm import RMSNorm, rms_norm
 from moe.model.rope import attention_factor, inverse_frequencies, rope_cos_sin
 
@@ -129,6 +130,8 @@ class CoreAttention(nn.Module):
         self.scale = scale
 
     def forward(self, q, k, v, mask, is_causal: bool, enable_gqa: bool) -> torch.Tensor:
+        if isinstance(mask, FlexDocumentMask):  # data.document_mask on CUDA: flex_attention's kernel
+            return mask.attend(q, k, v, self.scale, enable_gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                               enable_gqa=enable_gqa, scale=self.scale)
 
@@ -148,14 +151,21 @@ class CausalSelfAttention(nn.Module):
         self.rope_cfg, self.rope_dim = cfg, dim
         self.rope_scale = attention_factor(cfg)
 
-    def rope(self, position_offset: int, length: int, device, dtype):
-        """cos/sin [S, rope_dim] for positions position_offset.. (the same rows the full sequence gets)."""
+    def rope(self, position_offset: int, length: int, device, dtype, documents: Documents | None = None):
+        """cos/sin [S, rope_dim] for positions position_offset.. (the same rows the full sequence gets);
+        with `documents`, [B, 1, S, rope_dim] for each token's position in its document."""
         inv_freq = inverse_frequencies(self.rope_cfg, self.rope_dim, device)
+        if documents is not None:
+            return rope_cos_sin_at(documents.positions_BS, inv_freq, self.rope_scale, dtype)
         return rope_cos_sin(position_offset, length, inv_freq, self.rope_scale, dtype)
 
     def attend(self, q, k, v, kv_cache: KVCache | None, position_offset: int,
-               attention_mask_BS: torch.Tensor | None, enable_gqa: bool = False) -> torch.Tensor:
+               attention_mask_BS: torch.Tensor | None, enable_gqa: bool = False,
+               documents: Documents | None = None) -> torch.Tensor:
         """softmax(q k^T * core.scale + mask) v over this call's and the cached keys -> [B, heads, S, Dv]."""
+        if documents is not None:
+            return self._attend_documents(q, k, v, kv_cache, position_offset, attention_mask_BS, enable_gqa,
+                                          documents)
         S = q.shape[2]
         k_start = position_offset
         if kv_cache is not None:
@@ -168,6 +178,28 @@ class CausalSelfAttention(nn.Module):
             k, v, mask = self._with_sinks(k, v, mask, position_offset, S, k_start, q.dtype)
             is_causal = False
         return self.core(q, k, v, mask, is_causal, enable_gqa)
+
+    def _attend_documents(self, q, k, v, kv_cache, position_offset, attention_mask_BS, enable_gqa,
+                          documents: Documents) -> torch.Tensor:
+        """Block-causal attention (moe.model.documents): a token sees its own document's earlier tokens,
+        within this layer's window; training only (no cache, no padding mask)."""
+        if kv_cache is not None or attention_mask_BS is not None or position_offset:
+            raise ValueError("documents is for training forwards: no kv_cache, attention_mask_BS or "
+                             "position_offset with it")
+        slopes = self.alibi_slopes if self.position_encoding == "alibi" else None
+        sinks = getattr(self, "sinks", None)
+        if documents.use_flex and sinks is None:
+            mask = FlexDocumentMask(documents, self.sliding_window, slopes)
+            return self.core(q, k, v, mask, False, enable_gqa)
+        allowed = documents.allowed(self.sliding_window)  # [B, 1, S, S]
+        mask = allowed
+        if slopes is not None:  # ALiBi's bias [h, S, S] over the document mask -> [B, h, S, S]
+            S = q.shape[2]
+            bias, _ = self._mask(0, S, 0, S, q.dtype, q.device)
+            mask = bias.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            k, v, mask = self._with_sinks(k, v, mask, 0, q.shape[2], 0, q.dtype)
+        return self.core(q, k, v, mask, False, enable_gqa)
 
     def _with_sinks(self, k, v, mask, q_start, q_len, k_start, dtype):
         """Attention sinks (gpt-oss) as one more key: its key and value are zero and the mask adds head h's
@@ -271,7 +303,7 @@ class Attention(CausalSelfAttention):
             self.register_buffer("alibi_slopes", alibi_slopes(self.num_heads).to(device), persistent=False)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, position_offset: int = 0,
-                attention_mask_BS: torch.Tensor | None = None):
+                attention_mask_BS: torch.Tensor | None = None, documents: Documents | None = None):
         qkv = self.qkv_proj(x)  # sequence-parallel layers gather the full sequence here
         parts = self.normed(*qkv.split(self.split_sizes, dim=-1))
         if self.sequence_first:
@@ -281,10 +313,10 @@ class Attention(CausalSelfAttention):
             B, S, _ = qkv.shape
             q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2) for t in parts)
         if self.position_encoding == "rope":
-            cos, sin = self.rope(position_offset, S, x.device, q.dtype)
+            cos, sin = self.rope(position_offset, S, x.device, q.dtype, documents)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.attend(q, k, v, kv_cache, position_offset, attention_mask_BS,
-                        self.num_heads != self.num_kv_heads)  # [B, heads, S, hd]
+                        self.num_heads != self.num_kv_heads, documents)  # [B, heads, S, hd]
         if self.sequence_first:
             return self.o_proj(y.permute(2, 0, 1, 3).reshape(S, B, -1))
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))

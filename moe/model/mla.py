@@ -31,6 +31,7 @@ from torch import nn
 from moe.config.derived import window_of
 from moe.config.schema import ModelConfig
 from moe.model.attention import CausalSelfAttention, CoreAttention, KVCache, SumGradOver, apply_rope
+from moe.model.documents import Documents
 from moe.model.norm import RMSNorm
 from moe.model.rope import mla_softmax_scale
 
@@ -74,7 +75,7 @@ class MLAttention(CausalSelfAttention):
         return self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSH)))
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, position_offset: int = 0,
-                attention_mask_BS: torch.Tensor | None = None):
+                attention_mask_BS: torch.Tensor | None = None, documents: Documents | None = None):
         B, S, _ = x.shape
         # -1 heads: this rank's under tensor parallelism (q_proj/q_b_proj and kv_b_proj column-parallel)
         q = self.queries(x).view(B, S, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
@@ -85,11 +86,12 @@ class MLAttention(CausalSelfAttention):
         kv = self.kv_b_proj(self.kv_a_norm(latent)).view(B, S, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
 
-        cos, sin = self.rope(position_offset, S, x.device, q.dtype)
+        cos, sin = self.rope(position_offset, S, x.device, q.dtype, documents)
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope[:, None], cos, sin)  # k: one head
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         if self.v_dim < q.shape[-1]:  # zero columns: q, k and v of one head dim, as fused SDPA kernels need
             v = F.pad(v, (0, q.shape[-1] - self.v_dim))
-        y = self.attend(q, k, v, kv_cache, position_offset, attention_mask_BS)[..., :self.v_dim]
+        y = self.attend(q, k, v, kv_cache, position_offset, attention_mask_BS, documents=documents)
+        y = y[..., :self.v_dim]
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))

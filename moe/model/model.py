@@ -32,6 +32,7 @@ from moe.model.attention import (  # noqa: F401 (re-exported: moe.model.model's 
     rope_cos_sin,
     rotate_half,
 )
+from moe.model.documents import Documents
 from moe.model.fused_ce import linear_cross_entropy
 from moe.model.init import draw_base_seed, init_stds, initialize
 from moe.model.loss import router_loss_sum
@@ -66,8 +67,10 @@ class Block(nn.Module):
             self.ffn = SwiGLU(cfg.hidden_size, dense_width(cfg))
 
     def forward(self, x_BSH, kv_cache: KVCache | None = None, position_offset: int = 0,
-                attention_mask_BS: torch.Tensor | None = None, generating: bool = False):
-        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), kv_cache, position_offset, attention_mask_BS)
+                attention_mask_BS: torch.Tensor | None = None, generating: bool = False,
+                documents: Documents | None = None):
+        attn = self.attn(self.attn_norm(x_BSH), kv_cache, position_offset, attention_mask_BS, documents)
+        x_BSH = x_BSH + attn
         if self.is_moe:
             y_BSH, stats = self.ffn(self.ffn_norm(x_BSH), generating)
         else:
@@ -184,7 +187,8 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids_BS: torch.Tensor, kv_cache: list[KVCache] | None = None,
                 position_offset: int = 0, attention_mask_BS: torch.Tensor | None = None,
-                generating: bool = False, labels_BS: torch.Tensor | None = None) -> ModelOutput:
+                generating: bool = False, labels_BS: torch.Tensor | None = None,
+                documents: Documents | None = None) -> ModelOutput:
         """attention_mask_BS: optional [B, position_offset + S], 1 = real token, 0 = left padding, over
         every position fed so far (cached ones included). Pads take positions like tokens; RoPE, ALiBi
         and the window see only distances, so a row's shift by its pad count changes nothing. Pads are
@@ -195,6 +199,8 @@ class MoETransformer(nn.Module):
         (moe.model.fused_ce) and return `lm_loss`, never the [tokens, vocab] logits (None then); with
         model.mtp_layers the depths run after the main blocks and return `mtp_loss` (moe.model.mtp), their
         MoE layers' routing after the main model's. Without labels they do not run.
+        documents: the packed documents of each row (moe.model.documents, data.document_mask), over the
+        whole sequence: block-causal attention and positions that restart at each document (training only).
         """
         want = (input_ids_BS.shape[0], position_offset + input_ids_BS.shape[1])
         if attention_mask_BS is not None and tuple(attention_mask_BS.shape) != want:
@@ -207,7 +213,7 @@ class MoETransformer(nn.Module):
         routing: list[RoutingStats] = []
         for i, block in enumerate(self.layers):
             cache = None if kv_cache is None else kv_cache[i]
-            x_BSH, stats = block(x_BSH, cache, position_offset, attention_mask_BS, generating)
+            x_BSH, stats = block(x_BSH, cache, position_offset, attention_mask_BS, generating, documents)
             if stats is not None:
                 routing.append(stats)
         hidden_BSH = self.norm(x_BSH)
@@ -221,7 +227,7 @@ class MoETransformer(nn.Module):
         mtp = None
         if labels_BS is not None and len(self.mtp):  # sequence parallelism is refused with depths
             mtp, mtp_routing = mtp_loss(self.mtp, self.embed_tokens, self.lm_head.weight, input_ids_BS,
-                                        hidden_BSH, labels_BS)
+                                        hidden_BSH, labels_BS, documents)
             routing += mtp_routing
         zero = torch.zeros((), device=hidden_BSH.device)
         aux_loss = torch.stack([s.aux_loss for s in routing]).mean() if routing else zero

@@ -48,10 +48,11 @@ class MTPDepth(nn.Module):
         self.block = block
         self.norm = RMSNorm(hidden_size, eps)
 
-    def forward(self, hidden_BSH: torch.Tensor, embedded_BSH: torch.Tensor):
-        """(h^k, the block's RoutingStats or None) from h^{k-1} and the embeddings of the tokens k ahead."""
+    def forward(self, hidden_BSH: torch.Tensor, embedded_BSH: torch.Tensor, documents=None):
+        """(h^k, the block's RoutingStats or None) from h^{k-1} and the embeddings of the tokens k ahead;
+        `documents` (moe.model.documents): the main model's block-causal layout, position i's as its."""
         x_BSH = self.eh_proj(torch.cat([self.enorm(embedded_BSH), self.hnorm(hidden_BSH)], dim=-1))
-        x_BSH, stats = self.block(x_BSH)
+        x_BSH, stats = self.block(x_BSH, documents=documents)
         return self.norm(x_BSH), stats
 
 
@@ -63,17 +64,22 @@ def shift_left(x_BS: torch.Tensor, k: int, fill: int) -> torch.Tensor:
 
 def mtp_loss(depths: nn.ModuleList, embed: nn.Module, head_weight_VH: torch.Tensor,
              input_ids_BS: torch.Tensor, hidden_BSH: torch.Tensor,
-             labels_BS: torch.Tensor) -> tuple[torch.Tensor, list]:
+             labels_BS: torch.Tensor, documents=None) -> tuple[torch.Tensor, list]:
     """(the mean over depths of each depth's mean cross-entropy, the RoutingStats of the depths' MoE layers).
 
     hidden_BSH: the main model's output after its final norm; labels_BS: the main model's (token i + 1 at
     i, -100 = no loss). The LM head and cross-entropy run in token chunks (moe.model.fused_ce) as the main
-    loss does."""
+    loss does. With packed `documents` (data.document_mask) the depths attend as the main model does, and
+    position i carries no loss at depth k when token i + k lies in another document."""
     losses, routing = [], []
     for k, depth in enumerate(depths, start=1):
-        hidden_BSH, stats = depth(hidden_BSH, embed(shift_left(input_ids_BS, k, 0)))
+        hidden_BSH, stats = depth(hidden_BSH, embed(shift_left(input_ids_BS, k, 0)), documents)
         if stats is not None:
             routing.append(stats)
-        labels_N = shift_left(labels_BS, k, IGNORE_INDEX).flatten()
+        labels_BS_k = shift_left(labels_BS, k, IGNORE_INDEX)
+        if documents is not None:
+            same_document = shift_left(documents.ids_BS, k, -1) == documents.ids_BS
+            labels_BS_k = labels_BS_k.masked_fill(~same_document, IGNORE_INDEX)
+        labels_N = labels_BS_k.flatten()
         losses.append(linear_cross_entropy(hidden_BSH.flatten(0, 1), head_weight_VH, labels_N))
     return torch.stack(losses).mean(), routing

@@ -16,6 +16,7 @@ import math
 import lightning as L
 import torch
 
+from moe.model.documents import packed_documents
 from moe.model.model import ModelOutput, MoETransformer
 from moe.module.optim import build_optimizer, build_scheduler
 from moe.module.shared_hooks import SharedHooks
@@ -57,7 +58,8 @@ class LitMoE(SharedHooks, L.LightningModule):
     def micro_batch_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, list, torch.Tensor | None]:
         """(training loss, LM loss, each MoE layer's RoutingStats, multi-token-prediction loss or None) of one
         micro-batch."""
-        out = self.model(batch["input_ids"], labels_BS=batch["labels"])  # chunked LM head + CE
+        out = self.model(batch["input_ids"], labels_BS=batch["labels"],  # chunked LM head + CE
+                         documents=packed_documents(batch))
         return out.loss, out.lm_loss, out.routing, out.mtp_loss
 
     def training_step(self, rows: dict, batch_idx: int) -> torch.Tensor:
@@ -72,7 +74,7 @@ class LitMoE(SharedHooks, L.LightningModule):
             layer.monitor = False
         if self.schedule is not None:
             return self.schedule.validation_step(self, batch)
-        out = self.model(batch["input_ids"], labels_BS=batch["labels"])
+        out = self.model(batch["input_ids"], labels_BS=batch["labels"], documents=packed_documents(batch))
         self.val_stats.add_losses(out.lm_loss, out.lm_loss)  # summed over every rank at the pass's end
         return out.lm_loss
 

@@ -91,7 +91,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
 
     def gather_input(module: nn.Module, args: int, local: bool = False) -> None:
         if sequence_parallel:
-            rest = (None,) * (args - 1)  # kv cache, position offset, mask: not tensors to lay out
+            rest = (None,) * (args - 1)  # kv cache, position offset, mask, documents: not tensors to lay out
             parallelize_module(module, tp_mesh, PrepareModuleInput(
                 input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest),
                 use_local_output=local))
@@ -102,14 +102,14 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.M
             parallelize_module(block.ffn, tp_mesh, {"gate_up_proj": ColwiseParallel(), "down_proj": out})
     for module in model.modules():
         if isinstance(module, Attention):
-            gather_input(module, 4)
+            gather_input(module, 5)
             parallelize_module(module, tp_mesh, {"qkv_proj": ColwiseParallel(), "o_proj": out})
             module.split_sizes = [size // tp for size in module.split_sizes]  # this rank's heads
             module.tp_group = tp_mesh.get_group()  # a per-head qk_norm weight's gradient: summed over it
             if module.sinks is not None:  # attend() takes this rank's heads' sinks (to_local)
                 module.sinks = nn.Parameter(distribute_tensor(module.sinks, tp_mesh, [Shard(0)]))
         elif isinstance(module, MLAttention):
-            gather_input(module, 4, local=True)
+            gather_input(module, 5, local=True)
             queries = "q_proj" if hasattr(module, "q_proj") else "q_b_proj"
             parallelize_module(module, tp_mesh, {queries: ColwiseParallel(), "kv_b_proj": ColwiseParallel(),
                                                  "o_proj": out})

@@ -34,6 +34,11 @@ def check_neuron(parallel, model, moe_opt, trainer, hardware, data, planning: bo
          "under modules/ nor its pipeline, which cuts the model at transformer_layer_cls blocks, "
          "pipeline/model.py:235-242, :346), and the backend's forward runs the main blocks alone "
          "(moe/backends/neuron/causal_lm.py NxDCausalLM)")
+    need(not getattr(data, "document_mask", False), "data.document_mask", True,
+         "set data.document_mask=false on trn1, or train with hardware=gpu, gpu_fsdp2 or cpu",
+         "is not available on trn1: neuronx-distributed's attention kernel takes only `causal: bool`, "
+         "no mask (kernels/flash_attn.py:162-169 nki_flash_attn_func, :30 _flash_attn_forward), and its "
+         "pipeline carries input_ids and labels only")
     need(p.activation_checkpointing != "every_n", "parallel.activation_checkpointing", "every_n",
          "use none, full, moe_only or selective on trn1",
          "has no neuronx-distributed equivalent (it checkpoints by module class)")

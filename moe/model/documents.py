@@ -1,0 +1,154 @@
+"""Documents packed into one block that do not see each other (`data.document_mask`).
+
+Concat packing (moe/data/packing.py) joins rows, each ending in EOS, into blocks. With document masking a
+token sees only the earlier tokens of its own document (block-causal attention), its RoPE position counts
+from its document's first token, and no label crosses a boundary: the label after an EOS (the next
+document's first token) carries no loss. This is Megatron's `reset_attention_mask`, `reset_position_ids`
+and `eod_mask_loss` (megatron/core/datasets/gpt_dataset.py `_get_ltor_masks_and_position_ids`), and
+torchtitan's block-causal mask. A document's tokens then get exactly the logits and loss they would get
+run alone.
+
+Boundaries come from the EOS tokens themselves: a document is the tokens up to and including an EOS. The
+data loader derives `document_ids` [B, S] from the inputs (`document_ids`), the model turns them into
+`Documents` (positions and masks), and each attention layer asks it for its mask: a boolean
+[B, 1, S, S] for SDPA, or a flex_attention BlockMask (CUDA, where flex_attention exists).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def document_ids(input_ids_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[B, S] int32: the index of each token's document in its row; an EOS belongs to the document it ends,
+    the token after it starts the next one."""
+    ends = (input_ids_BS == eos_id).to(torch.int32)
+    return (ends.cumsum(-1) - ends).to(torch.int32)
+
+
+def hide_boundary_targets(labels_BS: torch.Tensor, input_ids_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """labels with IGNORE_INDEX where the input is an EOS: its target is the next document's first token,
+    which the EOS's own document cannot predict (Megatron's eod_mask_loss)."""
+    return labels_BS.masked_fill(input_ids_BS == eos_id, IGNORE_INDEX)
+
+
+def positions_in_documents(doc_ids_BS: torch.Tensor) -> torch.Tensor:
+    """[B, S] int64: each token's distance from its document's first token in the row (0 at a start)."""
+    S = doc_ids_BS.shape[-1]
+    index = torch.arange(S, device=doc_ids_BS.device).expand_as(doc_ids_BS)
+    starts = torch.ones_like(doc_ids_BS, dtype=torch.bool)
+    starts[:, 1:] = doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+    return index - first
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class Documents:
+    """One forward's document layout over the full sequence (under sequence parallelism too: attention
+    gathers the sequence before it reads the mask and positions). `use_flex`: attend with flex_attention's
+    BlockMask instead of SDPA's dense mask (None: where it runs compiled, on CUDA)."""
+
+    ids_BS: torch.Tensor
+    use_flex: bool | None = None
+    positions_BS: torch.Tensor = field(init=False)
+    _dense: dict = field(default_factory=dict, init=False, repr=False)
+    _blocks: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self):
+        self.positions_BS = positions_in_documents(self.ids_BS)
+        if self.use_flex is None:
+            self.use_flex = self.ids_BS.is_cuda and flex_available()
+
+    def allowed(self, window: int | None) -> torch.Tensor:
+        """bool [B, 1, S, S], True = may attend: same document, causal, and within `window` positions."""
+        if window not in self._dense:
+            ids = self.ids_BS
+            S = ids.shape[-1]
+            pos = torch.arange(S, device=ids.device)
+            ok = (pos[None, :] <= pos[:, None])[None] & (ids[:, :, None] == ids[:, None, :])
+            if window is not None:
+                ok = ok & (pos[None, :] > pos[:, None] - window)[None]
+            self._dense[window] = ok[:, None]
+        return self._dense[window]
+
+    def block_mask(self, window: int | None):
+        """flex_attention's BlockMask of the same rule (one for all heads)."""
+        if window not in self._blocks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            ids = self.ids_BS
+
+            def mask_mod(b, h, q, kv):
+                ok = (kv <= q) & (ids[b, q] == ids[b, kv])
+                return ok & (kv > q - window) if window is not None else ok
+
+            B, S = ids.shape
+            self._blocks[window] = create_block_mask(mask_mod, B, None, S, S, device=ids.device)
+        return self._blocks[window]
+
+
+@dataclass
+class FlexDocumentMask:
+    """What CoreAttention reads, in place of SDPA's mask, to attend with flex_attention: the documents, the
+    layer's window and its ALiBi slopes (None for RoPE)."""
+
+    documents: Documents
+    window: int | None
+    alibi_slopes: torch.Tensor | None = None
+
+    def attend(self, q, k, v, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+        """flex_attention under the document mask; ALiBi as a score_mod adding -slope * distance (the bias
+        CausalSelfAttention._mask gives SDPA). Compiled on CUDA (its fused kernel), eager elsewhere (torch's
+        reference implementation of the same maths, which the tests compare with SDPA)."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        score_mod = None
+        if self.alibi_slopes is not None:
+            slopes = self.alibi_slopes
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + slopes[h] * (kv_idx - q_idx).to(torch.float32)
+
+        attend = _compiled_flex() if q.is_cuda else flex_attention
+        return attend(q, k, v, score_mod=score_mod, block_mask=self.documents.block_mask(self.window),
+                      scale=scale, enable_gqa=enable_gqa)
+
+
+_COMPILED = []
+
+
+def _compiled_flex():
+    if not _COMPILED:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED[0]
+
+
+def rope_cos_sin_at(positions_BS: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype):
+    """cos/sin [B, 1, S, D] for each token's own position, the same float32 operations as
+    moe.model.rope.rope_cos_sin (so a document's rows equal those of the document run alone)."""
+    pos = positions_BS.to(device=inv_freq.device, dtype=torch.float)
+    freqs = pos[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def packed_documents(batch: dict) -> Documents | None:
+    """The Documents of a training batch that carries `document_ids` (data.document_mask), else None."""
+    ids = batch.get("document_ids")
+    return None if ids is None else Documents(ids)
