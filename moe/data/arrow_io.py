@@ -178,8 +178,10 @@ def prepared_facts(data) -> dict:
     """For `data=prepared`, what DIR/meta.json fixes of the data section: {"seq_len": ...}, so validation
     checks the real length (merged into a copy of the config while the run settles it); {} otherwise.
 
-    A missing directory is left for the DataModule to report (a dry run does not need the data).
+    A missing directory is left for the DataModule to report (a dry run does not need the data). A mixture's
+    sources share the first one's seq_len (moe/data/mixture.py refuses another).
     """
-    if data.kind == "prepared" and data.path and (Path(data.path) / "meta.json").is_file():
-        return {"seq_len": int(read_meta(data.path)["seq_len"])}
+    path = data.sources[0].path if data.sources else data.path
+    if data.kind == "prepared" and path and (Path(path) / "meta.json").is_file():
+        return {"seq_len": int(read_meta(path)["seq_len"])}
     return {}

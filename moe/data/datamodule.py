@@ -28,6 +28,7 @@ from moe.config.schema import TOKENIZER_TEMPLATE
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import PackedBlocks, load_prepared, read_meta
 from moe.data.prep_pipeline import content_config, digest, prepare
+from moe.data.mixture import load_mixture, source_dirs
 from moe.data.sampler import StreamSampler, validation_batches
 from moe.data.sources import describe_sources, resolve
 from moe.data.tokenizer_chat import load_template_tokenizer, template_text
@@ -141,19 +142,24 @@ class MoEDataModule(L.LightningDataModule):
         self.start_step: int | None = None
         self.start_row = 0
         self.prepared = None
-        if data_cfg.kind == "prepared":
+        self.sources = None  # a mixture's [(dir, meta)] in data.sources' order; None: the one source
+        if data_cfg.sources:
+            self.sources = source_dirs(data_cfg.sources)
+            self.dir, self.meta = self.sources[0]
+            for path, meta in self.sources:
+                self._check_prepared_tokenizer(path, meta)
+            self._vocab_size = self.meta["tokenizer"]["vocab_size"]
+            self._take_seq_len()
+        elif data_cfg.kind == "prepared":
             if not data_cfg.path:
                 raise UserError("data.path", data_cfg.path,
                                 "pass data.path=DIR, a `python data_prep.py` output",
                                 problem="is required for data=prepared")
             self.dir = Path(_local(data_cfg.path)).expanduser().absolute()
             self.meta = read_meta(self.dir)
-            self._check_prepared_tokenizer()
+            self._check_prepared_tokenizer(self.dir, self.meta)
             self._vocab_size = self.meta["tokenizer"]["vocab_size"]
-            if data_cfg.seq_len != self.meta["seq_len"]:
-                log.warning("data.seq_len=%s replaced by %s from %s/meta.json", data_cfg.seq_len,
-                            self.meta["seq_len"], self.dir)
-                data_cfg.seq_len = self.meta["seq_len"]  # downstream (throughput, MFU) reads cfg.data.seq_len
+            self._take_seq_len()
         elif data_cfg.kind == "online":
             self.prep = online_prep_config(data_cfg)
             with _as_data_error():
@@ -187,8 +193,7 @@ class MoEDataModule(L.LightningDataModule):
         """At start-up, before the model exists: the data's vocabulary and length fit the model, and prepared
         data opens whole (a damaged shard is named here, not in the middle of Lightning's setup)."""
         if self.cfg.kind == "prepared" and self.prepared is None:
-            self.prepare_data()
-            self.prepared = load_prepared(self.dir)
+            self.prepared = self._open()
         if self.vocab_size > model_cfg.vocab_size:
             raise UserError("model.vocab_size", model_cfg.vocab_size,
                             f"set model.vocab_size={self.vocab_size} (or more; a multiple of 64 is faster on "
@@ -200,10 +205,21 @@ class MoEDataModule(L.LightningDataModule):
                             "blocks (data_prep.py seq_len=N / data.seq_len=N)",
                             problem=f"is shorter than the data's seq_len {self.seq_len}")
 
-    def _check_prepared_tokenizer(self) -> None:
-        tok_dir = self.dir / self.meta["tokenizer"]["dir"]
-        if tk.file_sha256(tok_dir / "tokenizer.json") != self.meta["tokenizer"]["sha256"]:
-            raise UserError("data.path", str(self.dir), "re-run data_prep.py, or restore the tokenizer "
+    def _take_seq_len(self) -> None:
+        if self.cfg.seq_len != self.meta["seq_len"]:
+            log.warning("data.seq_len=%s replaced by %s from %s/meta.json", self.cfg.seq_len,
+                        self.meta["seq_len"], self.dir)
+            self.cfg.seq_len = self.meta["seq_len"]  # downstream (throughput, MFU) reads cfg.data.seq_len
+
+    def _open(self):
+        """The prepared blocks, memory-mapped (a mixture: every source's, end to end)."""
+        self.prepare_data()
+        return load_mixture(self.sources) if self.sources else load_prepared(self.dir)
+
+    def _check_prepared_tokenizer(self, path: Path, meta: dict) -> None:
+        tok_dir = path / meta["tokenizer"]["dir"]
+        if tk.file_sha256(tok_dir / "tokenizer.json") != meta["tokenizer"]["sha256"]:
+            raise UserError("data.path", str(path), "re-run data_prep.py, or restore the tokenizer "
                             "it wrote", problem="holds a tokenizer/tokenizer.json that changed since "
                             "data_prep.py wrote it (sha256 differs from meta.json)")
         if self.cfg.tokenizer:
@@ -212,7 +228,7 @@ class MoEDataModule(L.LightningDataModule):
             if given.get_vocab(with_added_tokens=True) != ours.get_vocab(with_added_tokens=True):
                 raise UserError("data.tokenizer", self.cfg.tokenizer, f"drop data.tokenizer (prepared dirs "
                                 f"carry their own, {tok_dir}), or re-run data_prep.py with this tokenizer",
-                                problem=f"has a different vocabulary from the one {self.dir} was tokenized "
+                                problem=f"has a different vocabulary from the one {path} was tokenized "
                                 "with")
 
     def _online_vocab(self) -> int:
@@ -238,8 +254,7 @@ class MoEDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.prepared is None:
-            self.prepare_data()
-            self.prepared = load_prepared(self.dir)
+            self.prepared = self._open()
         rank, size = self._data_parallel_rank_and_size()
         self.dp_rank = rank if self.dp_rank is None else self.dp_rank
         self.dp_size = size if self.dp_size is None else self.dp_size
@@ -262,10 +277,14 @@ class MoEDataModule(L.LightningDataModule):
         position."""
         trainer = getattr(self, "trainer", None)
         self.start_step = trainer.global_step if trainer is not None else 0
-        return StreamSampler(len(self.prepared.splits["train"]), self.micro_batch_size * self.accumulate,
+        train = self.prepared.splits["train"]
+        sizes, weights = len(train), None
+        if self.sources:
+            sizes, weights = train.sizes, [source.weight for source in self.cfg.sources]
+        return StreamSampler(sizes, self.micro_batch_size * self.accumulate,
                              total=self.max_steps, seed=self.seed, shuffle=self.cfg.shuffle,
                              dp_rank=self.dp_rank, dp_size=self.dp_size, start_step=self.start_step,
-                             start_row=self.start_row)
+                             start_row=self.start_row, weights=weights)
 
     def _loader(self, blocks: PackedBlocks, sampler) -> DataLoader:
         workers = self.cfg.num_workers
@@ -291,7 +310,14 @@ class MoEDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         steps = 0 if trainer is None or self.start_step is None else trainer.global_step - self.start_step
         return {"rows_consumed": int(self.start_row + steps * self.rows_per_step), "seed": self.seed,
-                "train_blocks": len(self.prepared.splits["train"]) if self.prepared else None}
+                "train_blocks": self._train_blocks()}
+
+    def _train_blocks(self):
+        """The block count the stream runs over (a mixture: one per source)."""
+        if self.prepared is None:
+            return None
+        train = self.prepared.splits["train"]
+        return list(train.sizes) if self.sources else len(train)
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "rows_consumed" in state_dict:
