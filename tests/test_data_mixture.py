@@ -1,6 +1,8 @@
 """Weighted mixtures (data.sources): proportions, determinism, exact resume, one source == data.path, refusals."""
 from __future__ import annotations
 
+import csv
+
 import numpy as np
 import pytest
 from test_bad_inputs import assert_user_error, run_train
@@ -11,6 +13,7 @@ from moe.config.schema import DataSource
 from moe.data import MoEDataModule, prepare
 from moe.data.sample_corpus import corpus_lines
 from moe.data.sampler import StreamSampler
+from moe.tools.report import load_run, report_run
 
 from conftest import REPO
 
@@ -112,3 +115,24 @@ def test_bad_mixtures_are_refused(dirs, tmp_path, case):
     code, err = run_train(tmp_path / "run", "data=prepared", sources, *extra)
     assert_user_error(code, err, field, value, fix)
     assert not (tmp_path / "run").exists()
+
+
+def test_validation_loss_per_source_in_metrics_csv(dirs, tmp_path):
+    """Each source's validation batches are its own; metrics.csv has val_loss/<name> beside val_loss, whose
+    micro-batches are theirs together (2 each here, so val_loss is their mean)."""
+    sources = f"data.sources=[{{path: {dirs['a']}, weight: 0.7}}, {{path: {dirs['b']}, weight: 0.3, name: bee}}]"
+    code, err = run_train(tmp_path / "run", "data=prepared", sources, "trainer.max_steps=2",
+                          "trainer.val_check_interval=2", "trainer.limit_val_batches=2",
+                          "trainer.micro_batch_size=2", "trainer.save_checkpoints=false",
+                          "trainer.progress_bar=false")
+    assert code == 0, err
+    with open(tmp_path / "run" / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames[-2:] == ["val_loss/a", "val_loss/bee"]
+        val = [r for r in reader if r["val_loss"]]
+    assert [int(r["step"]) for r in val] == [2]
+    a, b, both = (float(val[0][k]) for k in ("val_loss/a", "val_loss/bee", "val_loss"))
+    assert 0 < a != b > 0 and both == pytest.approx((a + b) / 2, rel=1e-6)
+    report_run(load_run(tmp_path / "run"))  # the run report lists them too
+    text = (tmp_path / "run" / "report.md").read_text()
+    assert f"## Validation loss by source\n\n| step | a | bee |\n|---|---|---|\n| 2 | {a:.4f} | {b:.4f} |" in text

@@ -49,10 +49,11 @@ def _local(path: str | None) -> str | None:
 
 
 class BlockBatches(Dataset):
-    """Index array -> collated batch; blocks of L+1 become inputs [:-1] and labels [1:]."""
+    """Index array -> collated batch; blocks of L+1 become inputs [:-1] and labels [1:]. `by_source`: a
+    mixture's validation batches, each of one source, also say which (`source`, its index in data.sources)."""
 
-    def __init__(self, blocks: PackedBlocks):
-        self.blocks = blocks
+    def __init__(self, blocks: PackedBlocks, by_source: bool = False):
+        self.blocks, self.by_source = blocks, by_source
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -63,7 +64,10 @@ class BlockBatches(Dataset):
         if mask is not None:
             labels[mask[:, 1:] == 0] = IGNORE_INDEX
         inputs = torch.from_numpy(np.ascontiguousarray(ids[:, :-1]))
-        return {"input_ids": inputs, "labels": torch.from_numpy(labels)}
+        batch = {"input_ids": inputs, "labels": torch.from_numpy(labels)}
+        if self.by_source:
+            batch["source"] = int(self.blocks.source_of(idx[:1])[0])
+        return batch
 
 
 class _ResumableLoader(DataLoader):
@@ -286,22 +290,27 @@ class MoEDataModule(L.LightningDataModule):
                              dp_rank=self.dp_rank, dp_size=self.dp_size, start_step=self.start_step,
                              start_row=self.start_row, weights=weights)
 
-    def _loader(self, blocks: PackedBlocks, sampler) -> DataLoader:
+    def _loader(self, blocks: PackedBlocks, sampler, by_source: bool = False) -> DataLoader:
         workers = self.cfg.num_workers
-        return _ResumableLoader(BlockBatches(blocks), sampler=sampler, batch_size=None, num_workers=workers,
+        return _ResumableLoader(BlockBatches(blocks, by_source), sampler=sampler, batch_size=None, num_workers=workers,
                                 persistent_workers=workers > 0, pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.prepared.splits["train"], self.train_sampler())
 
     def val_dataloader(self) -> DataLoader:
+        """One source: its first `limit_val_batches` micro-batches. A mixture: that many of each source's
+        validation blocks in turn, a batch never spanning two sources (their losses are logged apart)."""
         blocks = self.prepared.splits.get("validation")
-        n = len(blocks) if blocks is not None else 0
         size = self.micro_batch_size * self.val_micro_batches
-        batches = validation_batches(n, size, self.limit_val_batches, self.dp_rank, self.dp_size)
-        if self.val_micro_batches > 1:
-            batches = [b for b in batches if len(b) == size]
-        return self._loader(blocks, batches) if batches else []
+        parts = [(0, len(blocks) if blocks is not None else 0)]
+        if self.sources and blocks is not None:
+            parts = list(zip(blocks.starts[:-1].tolist(), blocks.sizes))
+        batches = []
+        for start, n in parts:
+            own = validation_batches(n, size, self.limit_val_batches, self.dp_rank, self.dp_size)
+            batches += [start + b for b in own if self.val_micro_batches == 1 or len(b) == size]
+        return self._loader(blocks, batches, by_source=bool(self.sources)) if batches else []
 
     # ---- resume ----
     def state_dict(self) -> dict:
