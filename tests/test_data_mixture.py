@@ -98,7 +98,7 @@ def test_lightning_kill_and_relaunch_gives_the_same_mixed_stream(dirs, tmp_path)
     assert len(full) == 6 and first + rest == full
 
 
-@pytest.mark.parametrize("case", ["weight", "seq_len", "tokenizer", "both"])
+@pytest.mark.parametrize("case", ["weight", "seq_len", "tokenizer", "both", "no_path", "online", "missing"])
 def test_bad_mixtures_are_refused(dirs, tmp_path, case):
     a, b = dirs["a"], dirs["b"]
     overrides = {
@@ -109,10 +109,14 @@ def test_bad_mixtures_are_refused(dirs, tmp_path, case):
         "tokenizer": (f"data.sources=[{{path: {a}}}, {{path: {dirs['other']}}}]", "data.sources[1].path",
                       repr(str(dirs["other"])), f"tokenizer={a / 'tokenizer'}"),
         "both": (f"data.sources=[{{path: {a}}}]", "data.path", repr(str(b)), "drop data.path"),
+        "no_path": ("data.sources=[{weight: 1}]", "data.sources[0].path", "None", "data_prep.py output dir"),
+        "online": (f"data.sources=[{{path: {a}}}]", "data.kind", "'online'", "train with data=prepared"),
+        "missing": (f"data.sources=[{{path: {a}}}, {{path: {tmp_path / 'nowhere'}}}]", "data.sources[1].path",
+                    repr(str(tmp_path / "nowhere")), "python data_prep.py"),
     }
     sources, field, value, fix = overrides[case]
-    extra = [f"data.path={b}"] if case == "both" else []
-    code, err = run_train(tmp_path / "run", "data=prepared", sources, *extra)
+    extra = {"both": ["data=prepared", f"data.path={b}"], "online": ["data=sample"]}.get(case, ["data=prepared"])
+    code, err = run_train(tmp_path / "run", *extra, sources)
     assert_user_error(code, err, field, value, fix)
     assert not (tmp_path / "run").exists()
 

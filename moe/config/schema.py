@@ -317,7 +317,7 @@ class DataSource:
     """One dataset of a weighted mixture (`data.sources`): a prepared dir, its share of the training stream
     and the name its validation loss is logged under (default: the directory's name)."""
 
-    path: str = "???"
+    path: Optional[str] = None  # required (a rule says so with the fix)
     weight: float = 1.0
     name: Optional[str] = None
 

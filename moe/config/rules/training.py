@@ -94,15 +94,17 @@ def check_sources(d) -> None:
     weight; their shared tokenizer and seq_len are checked where their meta.json is read
     (moe/data/mixture.py)."""
     example = "data.sources='[{path: DIR_A, weight: 0.7}, {path: DIR_B, weight: 0.3}]'"
-    need(not d.path, "data.path", d.path, f"drop data.path (data.path=null) and list every dataset in "
-         f"data.sources, or drop data.sources (data.sources=null) to train on data.path alone",
-         "is set together with data.sources: which one to train on is ambiguous")
-    need(len(d.sources) >= 1, "data.sources", [], f"list at least one prepared dir, e.g. {example}, or "
-         "set data.sources=null and data.path=DIR", "is empty")
     need(d.kind == "prepared", "data.kind", d.kind, "prepare each source with `python data_prep.py ... "
          f"output=DIR` and train with data=prepared {example}",
          "is not prepared: data.sources mixes prepared dirs only")
+    need(len(d.sources) >= 1, "data.sources", [], f"list at least one prepared dir, e.g. {example}, or "
+         "set data.sources=null and data.path=DIR", "is empty")
+    need(not d.path, "data.path", d.path, f"drop data.path (data.path=null) and list every dataset in "
+         f"data.sources, or drop data.sources (data.sources=null) to train on data.path alone",
+         "is set together with data.sources: which one to train on is ambiguous")
     for k, source in enumerate(d.sources):
+        need(bool(source.path), f"data.sources[{k}].path", source.path,
+             f"give every source a data_prep.py output dir, e.g. {example}", "is required")
         finite_number(f"data.sources[{k}].weight", source.weight, "use a positive weight such as 0.3")
         need(source.weight > 0, f"data.sources[{k}].weight", source.weight,
              "use a positive weight such as 0.3 (weights need not sum to 1), or drop the source",
