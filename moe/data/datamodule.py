@@ -150,8 +150,8 @@ class MoEDataModule(L.LightningDataModule):
         if data_cfg.sources:
             self.sources = source_dirs(data_cfg.sources)
             self.dir, self.meta = self.sources[0]
-            for path, meta in self.sources:
-                self._check_prepared_tokenizer(path, meta)
+            for k, (path, meta) in enumerate(self.sources):
+                self._check_prepared_tokenizer(path, meta, f"data.sources[{k}].path")
             self._vocab_size = self.meta["tokenizer"]["vocab_size"]
             self._take_seq_len()
         elif data_cfg.kind == "prepared":
@@ -220,10 +220,10 @@ class MoEDataModule(L.LightningDataModule):
         self.prepare_data()
         return load_mixture(self.sources) if self.sources else load_prepared(self.dir)
 
-    def _check_prepared_tokenizer(self, path: Path, meta: dict) -> None:
+    def _check_prepared_tokenizer(self, path: Path, meta: dict, field: str = "data.path") -> None:
         tok_dir = path / meta["tokenizer"]["dir"]
         if tk.file_sha256(tok_dir / "tokenizer.json") != meta["tokenizer"]["sha256"]:
-            raise UserError("data.path", str(path), "re-run data_prep.py, or restore the tokenizer "
+            raise UserError(field, str(path), "re-run data_prep.py, or restore the tokenizer "
                             "it wrote", problem="holds a tokenizer/tokenizer.json that changed since "
                             "data_prep.py wrote it (sha256 differs from meta.json)")
         if self.cfg.tokenizer:
