@@ -34,8 +34,9 @@ class Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(tmp_path: Path, max_steps: int, stop_at: int | None = None, ckpt: str | None = None) -> list:
-    cfg = DataConfig(path=str(REPO / "data/sample/train.txt"), tokenizer=str(REPO / "data/sample"))
+def fit(tmp_path: Path, max_steps: int, stop_at: int | None = None, ckpt: str | None = None,
+        cfg: DataConfig | None = None) -> list:
+    cfg = cfg or DataConfig(path=str(REPO / "data/sample/train.txt"), tokenizer=str(REPO / "data/sample"))
     dm = MoEDataModule(cfg, micro_batch_size=2, accumulate_grad_batches=2, max_steps=max_steps, seed=7,
                        limit_val_batches=0)
     model = Recorder()

@@ -307,6 +307,27 @@ class OptimizerConfig(Section):
     grad_clip: float = 1.0  # 0 = off
 
 
+# stream positions per mixture chunk (moe/data/sampler.py): each source's share of every chunk is its weight
+# to within 1/MIXTURE_CHUNK
+MIXTURE_CHUNK = 65536
+
+
+@dataclass
+class DataSource:
+    """One dataset of a weighted mixture (`data.sources`): a prepared dir, its share of the training stream
+    and the name its validation loss is logged under (default: the directory's name)."""
+
+    path: Optional[str] = None  # required (a rule says so with the fix)
+    weight: float = 1.0
+    name: Optional[str] = None
+
+
+def source_label(source) -> str:
+    """A mixture source's `name`, else its directory's name: the key of its validation loss
+    (val_loss/<label>)."""
+    return source.name or str(source.path).rstrip("/").rsplit("/", 1)[-1]
+
+
 @dataclass
 class DataConfig(Section):
     """Training data: a prepared Arrow dir, online packing of raw files, or the bundled sample."""
@@ -314,6 +335,8 @@ class DataConfig(Section):
     name: str = "sample"
     kind: Annotated[str, DataKind] = "online"
     path: Optional[str] = None  # prepared: data_prep output dir; online: raw file/glob/dir
+    # prepared dirs drawn by weight (docs/DATA.md, Mixtures); null = the one source data.path
+    sources: Optional[list[DataSource]] = None
     format: Annotated[str, DataFormat] = "text"  # online
     text_column: str = "text"
     tokenizer: Optional[str] = None  # tokenizer dir (tokenizer.json); prepared dirs carry their own

@@ -178,10 +178,12 @@ def prepared_facts(data) -> dict:
     """For `data=prepared`, what DIR/meta.json fixes of the data section: {"seq_len": ...}, so validation
     checks the real length (merged into a copy of the config while the run settles it); {} otherwise.
 
-    A missing directory is left for the DataModule to report (a dry run does not need the data).
+    A missing directory is left for the DataModule to report (a dry run does not need the data). A mixture's
+    sources share the first one's seq_len (moe/data/mixture.py refuses another).
     """
-    if data.kind == "prepared" and data.path and (Path(data.path) / "meta.json").is_file():
-        meta = read_meta(data.path)
+    path = data.sources[0].path if data.sources else data.path
+    if data.kind == "prepared" and path and (Path(path) / "meta.json").is_file():
+        meta = read_meta(path)
         facts = {"seq_len": int(meta["seq_len"])}
         made_with = meta.get("config", {})
         if getattr(data, "document_mask", False) and "format" in made_with:  # how its rows were rendered

@@ -28,6 +28,7 @@ from moe.config.rules.entries import validate_prep
 from moe.config.schema import TOKENIZER_TEMPLATE
 from moe.data import tokenizer as tk
 from moe.data.arrow_io import PackedBlocks, load_prepared, read_meta
+from moe.data.mixture import load_mixture, source_dirs
 from moe.data.prep_pipeline import content_config, digest, prepare
 from moe.data.sampler import StreamSampler, validation_batches
 from moe.data.sources import describe_sources, resolve
@@ -51,10 +52,11 @@ def _local(path: str | None) -> str | None:
 
 class BlockBatches(Dataset):
     """Index array -> collated batch; blocks of L+1 become inputs [:-1] and labels [1:]. `eos_id` (document
-    masking): each token's document from the EOS tokens, and no target after an EOS."""
+    masking): each token's document from the EOS tokens, and no target after an EOS. `by_source`: a mixture's
+    validation batches, each of one source, also say which (`source`, its index in data.sources)."""
 
-    def __init__(self, blocks: PackedBlocks, eos_id: int | None = None):
-        self.blocks, self.eos_id = blocks, eos_id
+    def __init__(self, blocks: PackedBlocks, eos_id: int | None = None, by_source: bool = False):
+        self.blocks, self.eos_id, self.by_source = blocks, eos_id, by_source
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -65,10 +67,13 @@ class BlockBatches(Dataset):
         if mask is not None:
             labels[mask[:, 1:] == 0] = IGNORE_INDEX
         inputs = torch.from_numpy(np.ascontiguousarray(ids[:, :-1]))
-        if self.eos_id is None:
-            return {"input_ids": inputs, "labels": torch.from_numpy(labels)}
-        labels = hide_boundary_targets(torch.from_numpy(labels), inputs, self.eos_id)
-        return {"input_ids": inputs, "labels": labels, "document_ids": document_ids(inputs, self.eos_id)}
+        batch = {"input_ids": inputs, "labels": torch.from_numpy(labels)}
+        if self.eos_id is not None:
+            hidden = hide_boundary_targets(batch["labels"], inputs, self.eos_id)
+            batch = {"input_ids": inputs, "labels": hidden, "document_ids": document_ids(inputs, self.eos_id)}
+        if self.by_source:
+            batch["source"] = int(self.blocks.source_of(idx[:1])[0])
+        return batch
 
 
 class _ResumableLoader(DataLoader):
@@ -147,19 +152,24 @@ class MoEDataModule(L.LightningDataModule):
         self.start_step: int | None = None
         self.start_row = 0
         self.prepared = None
-        if data_cfg.kind == "prepared":
+        self.sources = None  # a mixture's [(dir, meta)] in data.sources' order; None: the one source
+        if data_cfg.sources:
+            self.sources = source_dirs(data_cfg.sources)
+            self.dir, self.meta = self.sources[0]
+            for k, (path, meta) in enumerate(self.sources):
+                self._check_prepared_tokenizer(path, meta, f"data.sources[{k}].path")
+            self._vocab_size = self.meta["tokenizer"]["vocab_size"]
+            self._take_seq_len()
+        elif data_cfg.kind == "prepared":
             if not data_cfg.path:
                 raise UserError("data.path", data_cfg.path,
                                 "pass data.path=DIR, a `python data_prep.py` output",
                                 problem="is required for data=prepared")
             self.dir = Path(_local(data_cfg.path)).expanduser().absolute()
             self.meta = read_meta(self.dir)
-            self._check_prepared_tokenizer()
+            self._check_prepared_tokenizer(self.dir, self.meta)
             self._vocab_size = self.meta["tokenizer"]["vocab_size"]
-            if data_cfg.seq_len != self.meta["seq_len"]:
-                log.warning("data.seq_len=%s replaced by %s from %s/meta.json", data_cfg.seq_len,
-                            self.meta["seq_len"], self.dir)
-                data_cfg.seq_len = self.meta["seq_len"]  # downstream (throughput, MFU) reads cfg.data.seq_len
+            self._take_seq_len()
         elif data_cfg.kind == "online":
             self.prep = online_prep_config(data_cfg)
             with _as_data_error():
@@ -193,8 +203,7 @@ class MoEDataModule(L.LightningDataModule):
         """At start-up, before the model exists: the data's vocabulary and length fit the model, and prepared
         data opens whole (a damaged shard is named here, not in the middle of Lightning's setup)."""
         if self.cfg.kind == "prepared" and self.prepared is None:
-            self.prepare_data()
-            self.prepared = load_prepared(self.dir)
+            self.prepared = self._open()
         if self.vocab_size > model_cfg.vocab_size:
             raise UserError("model.vocab_size", model_cfg.vocab_size,
                             f"set model.vocab_size={self.vocab_size} (or more; a multiple of 64 is faster on "
@@ -206,10 +215,21 @@ class MoEDataModule(L.LightningDataModule):
                             "blocks (data_prep.py seq_len=N / data.seq_len=N)",
                             problem=f"is shorter than the data's seq_len {self.seq_len}")
 
-    def _check_prepared_tokenizer(self) -> None:
-        tok_dir = self.dir / self.meta["tokenizer"]["dir"]
-        if tk.file_sha256(tok_dir / "tokenizer.json") != self.meta["tokenizer"]["sha256"]:
-            raise UserError("data.path", str(self.dir), "re-run data_prep.py, or restore the tokenizer "
+    def _take_seq_len(self) -> None:
+        if self.cfg.seq_len != self.meta["seq_len"]:
+            log.warning("data.seq_len=%s replaced by %s from %s/meta.json", self.cfg.seq_len,
+                        self.meta["seq_len"], self.dir)
+            self.cfg.seq_len = self.meta["seq_len"]  # downstream (throughput, MFU) reads cfg.data.seq_len
+
+    def _open(self):
+        """The prepared blocks, memory-mapped (a mixture: every source's, end to end)."""
+        self.prepare_data()
+        return load_mixture(self.sources) if self.sources else load_prepared(self.dir)
+
+    def _check_prepared_tokenizer(self, path: Path, meta: dict, field: str = "data.path") -> None:
+        tok_dir = path / meta["tokenizer"]["dir"]
+        if tk.file_sha256(tok_dir / "tokenizer.json") != meta["tokenizer"]["sha256"]:
+            raise UserError(field, str(path), "re-run data_prep.py, or restore the tokenizer "
                             "it wrote", problem="holds a tokenizer/tokenizer.json that changed since "
                             "data_prep.py wrote it (sha256 differs from meta.json)")
         if self.cfg.tokenizer:
@@ -218,7 +238,7 @@ class MoEDataModule(L.LightningDataModule):
             if given.get_vocab(with_added_tokens=True) != ours.get_vocab(with_added_tokens=True):
                 raise UserError("data.tokenizer", self.cfg.tokenizer, f"drop data.tokenizer (prepared dirs "
                                 f"carry their own, {tok_dir}), or re-run data_prep.py with this tokenizer",
-                                problem=f"has a different vocabulary from the one {self.dir} was tokenized "
+                                problem=f"has a different vocabulary from the one {path} was tokenized "
                                 "with")
 
     def _online_vocab(self) -> int:
@@ -244,8 +264,7 @@ class MoEDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.prepared is None:
-            self.prepare_data()
-            self.prepared = load_prepared(self.dir)
+            self.prepared = self._open()
         rank, size = self._data_parallel_rank_and_size()
         self.dp_rank = rank if self.dp_rank is None else self.dp_rank
         self.dp_size = size if self.dp_size is None else self.dp_size
@@ -268,15 +287,19 @@ class MoEDataModule(L.LightningDataModule):
         position."""
         trainer = getattr(self, "trainer", None)
         self.start_step = trainer.global_step if trainer is not None else 0
-        return StreamSampler(len(self.prepared.splits["train"]), self.micro_batch_size * self.accumulate,
+        train = self.prepared.splits["train"]
+        sizes, weights = len(train), None
+        if self.sources:
+            sizes, weights = train.sizes, [source.weight for source in self.cfg.sources]
+        return StreamSampler(sizes, self.micro_batch_size * self.accumulate,
                              total=self.max_steps, seed=self.seed, shuffle=self.cfg.shuffle,
                              dp_rank=self.dp_rank, dp_size=self.dp_size, start_step=self.start_step,
-                             start_row=self.start_row)
+                             start_row=self.start_row, weights=weights)
 
-    def _loader(self, blocks: PackedBlocks, sampler) -> DataLoader:
+    def _loader(self, blocks: PackedBlocks, sampler, by_source: bool = False) -> DataLoader:
         workers = self.cfg.num_workers
         eos_id = self.meta["tokenizer"]["eos_id"] if getattr(self.cfg, "document_mask", False) else None
-        return _ResumableLoader(BlockBatches(blocks, eos_id), sampler=sampler, batch_size=None,
+        return _ResumableLoader(BlockBatches(blocks, eos_id, by_source), sampler=sampler, batch_size=None,
                                 num_workers=workers, persistent_workers=workers > 0,
                                 pin_memory=torch.cuda.is_available())
 
@@ -284,13 +307,18 @@ class MoEDataModule(L.LightningDataModule):
         return self._loader(self.prepared.splits["train"], self.train_sampler())
 
     def val_dataloader(self) -> DataLoader:
+        """One source: its first `limit_val_batches` micro-batches. A mixture: that many of each source's
+        validation blocks in turn, a batch never spanning two sources (their losses are logged apart)."""
         blocks = self.prepared.splits.get("validation")
-        n = len(blocks) if blocks is not None else 0
         size = self.micro_batch_size * self.val_micro_batches
-        batches = validation_batches(n, size, self.limit_val_batches, self.dp_rank, self.dp_size)
-        if self.val_micro_batches > 1:
-            batches = [b for b in batches if len(b) == size]
-        return self._loader(blocks, batches) if batches else []
+        parts = [(0, len(blocks) if blocks is not None else 0)]
+        if self.sources and blocks is not None:
+            parts = list(zip(blocks.starts[:-1].tolist(), blocks.sizes, strict=True))
+        batches = []
+        for start, n in parts:
+            own = validation_batches(n, size, self.limit_val_batches, self.dp_rank, self.dp_size)
+            batches += [start + b for b in own if self.val_micro_batches == 1 or len(b) == size]
+        return self._loader(blocks, batches, by_source=bool(self.sources)) if batches else []
 
     # ---- resume ----
     def state_dict(self) -> dict:
@@ -299,7 +327,14 @@ class MoEDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         steps = 0 if trainer is None or self.start_step is None else trainer.global_step - self.start_step
         return {"rows_consumed": int(self.start_row + steps * self.rows_per_step), "seed": self.seed,
-                "train_blocks": len(self.prepared.splits["train"]) if self.prepared else None}
+                "train_blocks": self._train_blocks()}
+
+    def _train_blocks(self):
+        """The block count the stream runs over (a mixture: one per source)."""
+        if self.prepared is None:
+            return None
+        train = self.prepared.splits["train"]
+        return list(train.sizes) if self.sources else len(train)
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "rows_consumed" in state_dict:

@@ -75,9 +75,11 @@ def read_tokenizer(path: str | Path, field: str = "tokenizer") -> tuple[Tokenize
 
 def data_tokenizer_dir(data) -> Path | None:
     """The tokenizer directory the data section names: data.tokenizer, or a prepared dataset's own (its
-    meta.json's); None when it names none (or the prepared dataset is not there yet)."""
-    if data.get("kind") == "prepared" and data.get("path"):
-        meta = local_path(data.path) / "meta.json"
+    meta.json's; a mixture's sources share the first one's); None when it names none (or the prepared
+    dataset is not there yet)."""
+    path = data.sources[0].path if data.get("sources") else data.get("path")
+    if data.get("kind") == "prepared" and path:
+        meta = local_path(path) / "meta.json"
         return meta.parent / json.loads(meta.read_text())["tokenizer"]["dir"] if meta.is_file() else None
     return local_path(data.tokenizer) if data.get("tokenizer") else None
 

@@ -85,6 +85,9 @@ class LitMoE(SharedHooks, L.LightningModule):
         super().on_validation_epoch_end()
         if not math.isnan(self.val_loss):
             self.log("val_loss", self.val_loss, prog_bar=True, sync_dist=True)
+        for name, loss in self.val_source_losses.items():
+            if not math.isnan(loss):
+                self.log(f"val_loss/{name}", loss, sync_dist=True)
 
     def configure_optimizers(self):
         optimizer = build_optimizer(self.model, self.cfg.optimizer)

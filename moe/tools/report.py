@@ -14,7 +14,7 @@ import io
 import math
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,8 @@ class Run:
     train: list[dict]  # metrics.csv training rows (strings)
     val: list[tuple[int, float]]  # (step, validation loss)
     routing: RoutingLog | None
+    # a mixture's (data.sources) validation rows: (step, {source name: its validation loss})
+    val_by_source: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     def column(self, key: str) -> np.ndarray:
         return np.asarray([_num(r.get(key)) for r in self.train], dtype=np.float64)
@@ -112,8 +114,11 @@ def load_run(path: Path, label: str | None = None) -> Run:
         min_capacity = int(config.get("moe_opt.min_capacity", MoEOptConfig.min_capacity))
         per_forward = mbs * seq if isinstance(mbs, int) and isinstance(seq, int) else None
         routing = routing_log_from_rows(train, int(top_k), min_capacity, tokens_per_forward=per_forward)
+    per_source = [k for k in (rows[0] if rows else {}) if k.startswith("val_loss/")]
+    val_by_source = [(int(_num(r["step"])), {k[len("val_loss/"):]: _num(r.get(k)) for k in per_source})
+                     for r in rows if per_source and not math.isnan(_num(r.get("val_loss")))]
     return Run(path, label or path.name, _read_overrides(path / ".hydra" / "overrides.yaml"), config, summary,
-               train, val, routing)
+               train, val, routing, val_by_source)
 
 
 def _natural(path: Path) -> list:
@@ -276,6 +281,13 @@ def report_run(run: Run, target: float = 0.01, from_step: int = 0) -> list[Path]
     if run.overrides:
         md += ["Overrides: `" + " ".join(f"{k}={v}" for k, v in run.overrides.items()) + "`", ""]
     md += [table([run], [run_row(run, advice)], [], target, link=False), "", LEGEND, ""]
+    if run.val_by_source:
+        names = list(run.val_by_source[0][1])
+        md += ["## Validation loss by source", "", "| step | " + " | ".join(names) + " |",
+               "|---|" + "---|" * len(names)]
+        md += [f"| {step} | " + " | ".join(_fmt(None if math.isnan(v) else v, ".4f") for v in losses.values())
+               + " |" for step, losses in run.val_by_source]
+        md += [""]
     if run.train:
         steps = run.column("step")
         lm = run.column("lm_loss")

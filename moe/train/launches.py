@@ -64,8 +64,9 @@ def tokenizer_sha256(data) -> str | None:
     from moe.paths import local_path
 
     try:
-        if data.kind == "prepared" and data.path:
-            return read_meta(Path(local_path(data.path)).expanduser())["tokenizer"]["sha256"]
+        path = data.sources[0].path if data.sources else data.path  # a mixture's sources share one
+        if data.kind == "prepared" and path:
+            return read_meta(Path(local_path(path)).expanduser())["tokenizer"]["sha256"]
         if data.tokenizer:
             file = Path(local_path(data.tokenizer)).expanduser() / "tokenizer.json"
             return file_sha256(file) if file.is_file() else None

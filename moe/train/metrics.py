@@ -1,8 +1,9 @@
 """Run outputs: metrics.csv (a row per logged optimizer step), summary.json, throughput and MFU.
 
 metrics.csv is the run's record: reports, sweeps and the capacity advisor read it.
-Validation rows carry only `step` and `val_loss`. On resume, rows past the restored
-step are dropped first, so a step retrained after a crash is never counted twice.
+Validation rows carry only `step` and `val_loss` (a mixture's, data.sources, also `val_loss/<source>`).
+On resume, rows past the restored step are dropped first, so a step retrained after a crash is never
+counted twice.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import lightning as L
 import torch
 
 from moe.checkpoint.io import write_json_atomic
+from moe.config.schema import source_label
 from moe.errors import write_failed
 from moe.model.moe import expert_kernel
 from moe.outputs import atomic_path
@@ -29,6 +31,11 @@ METRIC_COLUMNS = [
     "mean_expert_load", "router_entropy", "lr", "grad_norm", "tokens_per_s", "mfu", "val_loss",
     "tokens_per_expert", "tokens_per_forward", "skipped_steps", "spikes",
 ]
+
+
+def metric_columns(data) -> list[str]:
+    """metrics.csv's columns: a mixture (data.sources) adds each source's validation loss."""
+    return METRIC_COLUMNS + [f"val_loss/{source_label(s)}" for s in data.sources or []]
 
 
 def peak_memory_mib() -> float:
@@ -52,6 +59,8 @@ class RunMetrics(L.Callback):
     `guard` (moe.train.guard.SpikeGuard, optional) supplies the skipped-step and spike counters.
     """
 
+    columns = METRIC_COLUMNS  # metrics.csv's; metric_columns of the run's data once training starts
+
     def __init__(self, run_dir: str | Path, log_every_n_steps: int, tokens_per_step: int,
                  flops_per_token: float, peak_flops_total: float, key_config: dict, guard=None):
         self.run_dir = Path(run_dir)
@@ -73,6 +82,7 @@ class RunMetrics(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._last_step = self._start_step = trainer.global_step
         self._last_time = time.perf_counter()
+        self.columns = metric_columns(pl_module.cfg.data)
         if trainer.is_global_zero:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             kept = [r for r in read_metrics(self.metrics_path) if int(r["step"]) <= trainer.global_step]
@@ -81,7 +91,7 @@ class RunMetrics(L.Callback):
     def _rewrite(self, rows: list[dict]) -> None:
         with atomic_path(self.metrics_path, cleaned="the file is as it was") as tmp, \
                 tmp.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+            writer = csv.DictWriter(f, fieldnames=self.columns)
             writer.writeheader()
             writer.writerows(rows)
 
@@ -90,7 +100,7 @@ class RunMetrics(L.Callback):
         size = self.metrics_path.stat().st_size if self.metrics_path.exists() else 0
         try:
             with self.metrics_path.open("a", newline="") as f:
-                csv.DictWriter(f, fieldnames=METRIC_COLUMNS).writerow(row)
+                csv.DictWriter(f, fieldnames=self.columns).writerow(row)
         except OSError as err:
             os.truncate(self.metrics_path, size)
             kept = f"cut back to the rows before step {row['step']}"
@@ -135,9 +145,11 @@ class RunMetrics(L.Callback):
         """The pass's LM loss over every rank's validation batches (the module's, computed at its end)."""
         val_loss = pl_module.val_loss
         if trainer.is_global_zero and not trainer.sanity_checking and not math.isnan(val_loss):
-            self._append({"step": trainer.global_step, "val_loss": val_loss})
+            per_source = {f"val_loss/{name}": loss for name, loss in pl_module.val_source_losses.items()}
+            self._append({"step": trainer.global_step, "val_loss": val_loss, **per_source})
+            said = "".join(f", {name} {loss:.4f}" for name, loss in per_source.items())
             logging.getLogger(STEP_LOGGER).info(f"step {trainer.global_step}/{trainer.max_steps} "
-                                                f"val_loss {val_loss:.4f}")
+                                                f"val_loss {val_loss:.4f}{said}")
 
     # -- end of run ---------------------------------------------------------------------------
     def on_train_end(self, trainer, pl_module) -> None:

@@ -168,7 +168,9 @@ def _train(cfg: TrainConfig, dims: ParallelDims, notes: tuple[str, ...], run_dir
             devices=cfg.trainer.devices, num_nodes=cfg.trainer.num_nodes,
             max_steps=cfg.trainer.max_steps,  # a batch is a step's rows: the step accumulates and clips
             val_check_interval=cfg.trainer.val_check_interval,
-            check_val_every_n_epoch=None, limit_val_batches=cfg.trainer.limit_val_batches,
+            # the data module cuts validation to limit_val_batches a source (a mixture: each of data.sources)
+            check_val_every_n_epoch=None,
+            limit_val_batches=cfg.trainer.limit_val_batches * max(1, len(cfg.data.sources or [])),
             num_sanity_val_steps=0, use_distributed_sampler=False,
             logger=build_loggers(cfg.logger) or False,
             callbacks=build_callbacks(

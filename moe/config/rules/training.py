@@ -17,7 +17,7 @@ from moe.config.derived import precision_of
 from moe.config.rules.architecture import validate_model
 from moe.config.rules.entries import check_chat_template
 from moe.config.rules.refusals import check_seed, finite_number, need, one_of
-from moe.config.schema import TOKENIZER_TEMPLATE
+from moe.config.schema import MIXTURE_CHUNK, TOKENIZER_TEMPLATE, source_label
 from moe.errors import ConfigError, did_you_mean
 
 
@@ -85,6 +85,41 @@ def check_data(data) -> None:
          "use 0 (load in the training process) or more", "must not be negative")
     if d.format == "chat":
         check_chat_template("data.chat_template", d.chat_template)
+    if d.sources is not None:
+        check_sources(d)
+
+
+def check_sources(d) -> None:
+    """A weighted mixture (data.sources): prepared dirs only, instead of data.path, each with a positive
+    weight; their shared tokenizer and seq_len are checked where their meta.json is read
+    (moe/data/mixture.py)."""
+    example = "data.sources='[{path: DIR_A, weight: 0.7}, {path: DIR_B, weight: 0.3}]'"
+    need(d.kind == "prepared", "data.kind", d.kind, "prepare each source with `python data_prep.py ... "
+         f"output=DIR` and train with data=prepared {example}",
+         "is not prepared: data.sources mixes prepared dirs only")
+    need(len(d.sources) >= 1, "data.sources", [], f"list at least one prepared dir, e.g. {example}, or "
+         "set data.sources=null and data.path=DIR", "is empty")
+    need(not d.path, "data.path", d.path, "drop data.path (data.path=null) and list every dataset in "
+         "data.sources, or drop data.sources (data.sources=null) to train on data.path alone",
+         "is set together with data.sources: which one to train on is ambiguous")
+    for k, source in enumerate(d.sources):
+        need(bool(source.path), f"data.sources[{k}].path", source.path,
+             f"give every source a data_prep.py output dir, e.g. {example}", "is required")
+        finite_number(f"data.sources[{k}].weight", source.weight, "use a positive weight such as 0.3")
+        need(source.weight > 0, f"data.sources[{k}].weight", source.weight,
+             "use a positive weight such as 0.3 (weights need not sum to 1), or drop the source",
+             "must be positive")
+    total = sum(source.weight for source in d.sources)
+    for k, source in enumerate(d.sources):
+        need(source.weight / total * MIXTURE_CHUNK >= 1, f"data.sources[{k}].weight", source.weight,
+             f"raise it to at least {total / MIXTURE_CHUNK:.3g} of the {total:g} total, or drop the source",
+             f"is below 1/{MIXTURE_CHUNK} of the weights' sum: the source would never be drawn")
+    names = [source_label(source) for source in d.sources]
+    for k, name in enumerate(names):
+        need(names.index(name) == k, f"data.sources[{k}]", name,
+             "give it another name: {path: ..., weight: ..., name: OTHER}",
+             f"has the same name as data.sources[{names.index(name)}]: their validation losses would be "
+             "logged under one key")
 
 
 def check_document_mask(data, parallel) -> None:
