@@ -14,8 +14,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
-from moe.checkpoint.picker import resolve_checkpoint
 from moe.config.choices import INFER_DTYPES
 from moe.config.rules.entries import validate_infer
 from moe.config.schema import DEFAULT_CHAT_TEMPLATE, TOKENIZER_TEMPLATE
@@ -93,6 +91,8 @@ def load(cfg) -> Loaded:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.ckpt:
+        from moe.infer.load import resolve_checkpoint  # the checkpoint formats: imported for ckpt= only
+
         path = resolve_checkpoint(cfg.ckpt, cfg.runs_dir)
         model, train_cfg = model_from_checkpoint(path)
         if cfg.tokenizer:

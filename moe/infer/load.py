@@ -13,14 +13,26 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
-from moe.checkpoint.picker import read_checkpoint
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import UserError, first_line
 from moe.hf import read_hf_config
 from moe.model import MoETransformer
 
 PREFIX = "model."  # LitMoE.model
+
+
+def _picker():
+    """moe.checkpoint.picker with every backend's own format registered: imported when a checkpoint is read
+    (torch.distributed.checkpoint's import is a second or two of an hf_dir= start-up)."""
+    import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
+    from moe.checkpoint import picker
+
+    return picker
+
+
+def resolve_checkpoint(ckpt: str, runs_dir: str) -> Path:
+    """moe.checkpoint.picker.resolve_checkpoint, the formats registered first."""
+    return _picker().resolve_checkpoint(ckpt, runs_dir)
 
 
 def checkpoint_config(ckpt: dict, path: str | Path) -> DictConfig:
@@ -45,7 +57,7 @@ def model_from_checkpoint(path: str | Path) -> tuple[MoETransformer, DictConfig]
     """(model in eval mode, fp32 on CPU, full experts; training config) from a train.py checkpoint. The
     model is built on the meta device and takes the checkpoint's tensors as they are (read_checkpoint maps
     the file in): the weights are held once, never a randomly initialised copy beside them."""
-    ckpt = read_checkpoint(path)
+    ckpt = _picker().read_checkpoint(path)
     cfg = checkpoint_config(ckpt, path)
     model_cfg = _typed(ModelConfig, OmegaConf.to_container(cfg.model), path, "model")
     moe_opt = _typed(MoEOptConfig, OmegaConf.to_container(cfg.get("moe_opt", {})), path, "moe_opt")
