@@ -12,7 +12,8 @@ from tests.test_mtp import deepseek_dir
 
 
 def saved(family: str, path):
-    """A family's tiny random directory, as the family's own tests build it; the files' MTP tensors (DeepSeek-V3)."""
+    """A family's tiny random directory, as the family's own tests build it; the files' MTP tensors
+    (DeepSeek-V3's; none for the others)."""
     if family == "deepseek_v3":
         return deepseek_dir(path)[1]
     hf = {"mixtral": lambda: test_hf.hf_model(*test_hf.CASES[1]),
