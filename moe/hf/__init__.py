@@ -13,7 +13,7 @@
     moe/hf/mtp.py          the multi-token-prediction layers an import skips, with a note
     moe/hf/dense.py        dense Mistral/Llama -> MoE by upcycling (and the Llama family's config and keys)
     moe/hf/families.py     model_type -> adapter (read_hf_config); our attention -> the family we export to
-    moe/hf/convert.py      to_hf, from_hf, tensor_source
+    moe/hf/convert.py      to_hf, from_hf (a directory: from_hf_dir), tensor_source
     moe/hf/tensors.py      shared keys, lazy safetensors reads, the weights' start-up checks
     moe/hf/rope.py         a transformers config's RoPE, its scaling and partial width <-> our rope_* keys
     moe/hf/start.py        model.init_from_hf / upcycle_from_hf: what a run settles from the directory

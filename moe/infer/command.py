@@ -14,8 +14,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
-from moe.checkpoint.picker import resolve_checkpoint
 from moe.config.choices import INFER_DTYPES
 from moe.config.rules.entries import validate_infer
 from moe.config.schema import DEFAULT_CHAT_TEMPLATE, TOKENIZER_TEMPLATE
@@ -90,7 +88,11 @@ def load(cfg) -> Loaded:
                         "and hf_dir are both missing")
     markers: list[str] = []
     eos_ids: list[int] = []
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     if cfg.ckpt:
+        from moe.infer.load import resolve_checkpoint  # the checkpoint formats: imported for ckpt= only
+
         path = resolve_checkpoint(cfg.ckpt, cfg.runs_dir)
         model, train_cfg = model_from_checkpoint(path)
         if cfg.tokenizer:
@@ -102,7 +104,7 @@ def load(cfg) -> Loaded:
         source, tok_field = str(path), "tokenizer" if cfg.tokenizer else "ckpt"
     else:
         hf_dir = Path(cfg.hf_dir).expanduser()
-        model = model_from_hf_dir(hf_dir)
+        model = model_from_hf_dir(hf_dir, dtype=dtype)  # read in the dtype it runs in
         tok_dir = local_path(cfg.tokenizer) if cfg.tokenizer else hf_dir
         template = cfg.chat_template or DEFAULT_CHAT_TEMPLATE
         eos_ids = generation_eos_ids(hf_dir)
@@ -123,8 +125,7 @@ def load(cfg) -> Loaded:
                                                           and has_template)
     if tokenizer.eos_token_id is not None:
         eos_ids = [tokenizer.eos_token_id, *[i for i in eos_ids if i != tokenizer.eos_token_id]]
-    device = resolve_device(cfg.device)
-    model = model.to(device=device, dtype=resolve_dtype(cfg.dtype, device))
+    model = model.to(device=device, dtype=dtype)
     return Loaded(model, tokenizer, Path(tok_dir), template, eos_ids, source, own_template)
 
 

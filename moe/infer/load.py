@@ -10,16 +10,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
-from moe.checkpoint.picker import read_checkpoint
 from moe.config.schema import ModelConfig, MoEOptConfig
 from moe.errors import UserError, first_line
 from moe.hf import read_hf_config
 from moe.model import MoETransformer
 
 PREFIX = "model."  # LitMoE.model
+
+
+def _picker():
+    """moe.checkpoint.picker with every backend's own format registered: imported when a checkpoint is read
+    (torch.distributed.checkpoint's import is a second or two of an hf_dir= start-up)."""
+    import moe.backends.checkpoint_formats  # noqa: F401  (every backend's own format, registered on import)
+    from moe.checkpoint import picker
+
+    return picker
+
+
+def resolve_checkpoint(ckpt: str, runs_dir: str) -> Path:
+    """moe.checkpoint.picker.resolve_checkpoint, the formats registered first."""
+    return _picker().resolve_checkpoint(ckpt, runs_dir)
 
 
 def checkpoint_config(ckpt: dict, path: str | Path) -> DictConfig:
@@ -41,14 +54,17 @@ def _typed(schema, values: dict, path, section: str):
 
 
 def model_from_checkpoint(path: str | Path) -> tuple[MoETransformer, DictConfig]:
-    """(model in eval mode, fp32 on CPU, full experts; training config) from a train.py checkpoint."""
-    ckpt = read_checkpoint(path)
+    """(model in eval mode, fp32 on CPU, full experts; training config) from a train.py checkpoint. The
+    model is built on the meta device and takes the checkpoint's tensors as they are (read_checkpoint maps
+    the file in): the weights are held once, never a randomly initialised copy beside them."""
+    ckpt = _picker().read_checkpoint(path)
     cfg = checkpoint_config(ckpt, path)
     model_cfg = _typed(ModelConfig, OmegaConf.to_container(cfg.model), path, "model")
     moe_opt = _typed(MoEOptConfig, OmegaConf.to_container(cfg.get("moe_opt", {})), path, "moe_opt")
     state = {k[len(PREFIX):]: v for k, v in ckpt["state_dict"].items() if k.startswith(PREFIX)}
-    model = MoETransformer(model_cfg, moe_opt)
-    _load_state(model, state, path)
+    with torch.device("meta"):
+        model = MoETransformer(model_cfg, moe_opt)
+    _load_state(model, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, path)
     return model.eval(), cfg
 
 
@@ -66,22 +82,24 @@ def _load_state(model: MoETransformer, state: dict, path) -> None:
         raise UserError("ckpt", str(path), "pass a checkpoint of this architecture (its own hyper_parameters "
                         "describe it; it may come from another version or model family)",
                         problem="does not match the model its config describes (" + "; ".join(parts) + ")")
-    model.load_state_dict(state, strict=True)
+    model.load_assigned(state)
 
 
 # -- Mixtral, DeepSeek-V3 and gpt-oss directories (config.json + safetensors) -----------------------------
 
 
-def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None) -> MoETransformer:
-    """MoETransformer (eval) from a directory of a family moe.hf.families converts; dropless routing as the
-    checkpoint computes it."""
+def model_from_hf_dir(path: str | Path, field: str = "hf_dir", moe_opt=None,
+                      dtype: torch.dtype | None = None) -> MoETransformer:
+    """MoETransformer (eval, on the CPU) from a directory of a family moe.hf.families converts, read from its
+    files one tensor at a time in `dtype` (None: the checkpoint's; moe.hf.convert.from_hf); dropless routing
+    as the checkpoint computes it."""
     from moe.hf import from_hf
     from moe.hf.tensors import check_weights_dir
 
     read_hf_config(path, field)
     check_weights_dir(Path(path).expanduser(), field)
     try:
-        return from_hf(Path(path).expanduser(), moe_opt=moe_opt).eval()
+        return from_hf(Path(path).expanduser(), moe_opt=moe_opt, dtype=dtype).eval()
     except (OSError, KeyError, RuntimeError) as err:
         first = first_line(err, 300)
         raise UserError(field, str(path), "point to a complete save_pretrained directory (config.json and "

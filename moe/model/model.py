@@ -173,12 +173,23 @@ class MoETransformer(nn.Module):
         """`to_empty(device)` (storage for what this process holds, values unset), then what it loses:
         new Parameters get the LM head tie and the expert marks again, computed buffers are recomputed."""
         self.to_empty(device=device)
+        self._rebind(Attention | Router)
+
+    def load_assigned(self, state: dict[str, torch.Tensor]) -> None:
+        """load_state_dict(strict, assign) into a model built on the meta device: its parameters become
+        `state`'s tensors themselves (a checkpoint mapped in by torch.load(mmap=True) is not copied), then
+        get what assignment loses, as to_storage gives it (the loaded expert bias is kept)."""
+        self.load_state_dict(state, strict=True, assign=True)
+        self._rebind(Attention)
+
+    def _rebind(self, computed) -> None:
+        """The LM head tie and the expert marks on new Parameters; init_buffers of the `computed` modules."""
         if self.model_config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         for module in self.modules():
             if isinstance(module, Experts):
                 module.mark_expert(module.first_expert)
-            elif isinstance(module, Attention | Router):
+            elif isinstance(module, computed):
                 module.init_buffers()
 
     def new_kv_cache(self) -> list[KVCache]:
