@@ -153,8 +153,9 @@ def test_a_fresh_process_finds_a_trn1_run_s_checkpoint_through_infer(tmp_path):
         if done:
             (directory / "done").write_text("")
     torch.save({"global_step": 1, "state_dict": {}}, checkpoints / "step-000001.ckpt")
-    code = ("import sys, moe.infer.command; from moe.checkpoint.picker import resolve_checkpoint, "
-            "verify_checkpoint; path = resolve_checkpoint(sys.argv[1]); "
+    code = ("import sys; from moe.infer.load import resolve_checkpoint; "  # infer.py ckpt='s own path
+            "from moe.checkpoint.picker import verify_checkpoint; "
+            "path = resolve_checkpoint(sys.argv[1], 'runs'); "
             "print(path.name, verify_checkpoint(path), 'neuronx_distributed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
                          cwd=REPO)
