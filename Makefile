@@ -25,7 +25,7 @@ setup: $(STAMP) ## create .venv (CPU torch 2.13.0, pinned by constraints.txt) an
 train: $(STAMP) ## default run: tiny MoE, bundled data, CPU (a few minutes); ARGS='key=value ...' to override
 	$(PY) train.py $(ARGS)
 
-test: $(STAMP) ## fast test suite (about 7 minutes on 2 cores with TEST_WORKERS=2 pytest-xdist workers, 0: one process; CI runs it, then test-slurm beside test-multinode, test-slow, test-floor and test-neuron; docs/TESTING.md)
+test: $(STAMP) ## fast test suite (about 5 minutes on 2 cores with TEST_WORKERS=2 pytest-xdist workers, 0: one process; CI runs it, then test-slurm beside test-multinode, test-slow, test-floor and test-neuron; docs/TESTING.md)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # a launch's ranks start one after another (rank 0 imports and composes, then starts the rest), so one slow
