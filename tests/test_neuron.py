@@ -769,12 +769,12 @@ def test_trn1_checkpoints_generate_convert_and_export(trn1_run, tmp_path):
     """infer.py reads the run's newest NxD checkpoint; convert_nxd writes the same weights as one
     portable .ckpt; export_hf from it gives a Mixtral directory holding those weights."""
     from moe.backends.neuron.nxd_checkpoint import read_checkpoint
-    from moe.checkpoint.picker import resolve_checkpoint, verify_checkpoint
+    from moe.checkpoint.picker import verify_checkpoint
     from moe.hf import from_hf
-    from moe.infer.load import model_from_checkpoint
+    from moe.infer.load import model_from_checkpoint, resolve_checkpoint  # infer's: the formats registered
 
     newest = trn1_run / "checkpoints" / "step-000006.ckpt"
-    assert resolve_checkpoint(str(trn1_run)) == newest
+    assert resolve_checkpoint(str(trn1_run), "runs") == newest
     proc = run_entry(
         "infer.py", f"ckpt={trn1_run}", "prompt=Once upon a time", "max_new_tokens=4", timeout=300
     )
