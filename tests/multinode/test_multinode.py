@@ -138,8 +138,11 @@ def test_torchrun_restarts_through_its_shared_store_are_refused_at_launch(tmp_pa
     """(e) torchrun's default: its workers share the rendezvous host's store, whose keys outlive a restart
     (pytorch/pytorch#135712): a restart would connect to dead peers or hang. With --max-restarts, every rank
     says so at launch, with the fix (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and nothing is written."""
+    # both workers reach the check together: with node 1's usual cold start its worker was still starting when
+    # node 0's refusal ended the attempt (torchrun stops the other node's workers), on an idle machine always
     with TwoNodes((*RUN, *EP_ACROSS_NODES), nproc_per_node=1, cwd=tmp_path, logs=tmp_path / "logs",
-                  timeout=TIMEOUT, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}) as nodes:
+                  timeout=TIMEOUT, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0",
+                                        "MOE_TEST_COLD_START_S": "0"}) as nodes:
         nodes.wait(codes=(1, 1))
     for node in nodes.nodes:
         out = node.output()
