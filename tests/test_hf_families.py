@@ -27,7 +27,7 @@ from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
 from moe.model.attention import Attention
 from moe.model.moe import MoELayer
-from tests._hf_loading import loads_cleanly, relative_error
+from tests._hf_loading import loads_cleanly, relative_error, tunes_and_reimports
 
 COMMON = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
@@ -184,25 +184,7 @@ def test_init_from_hf_then_training_then_export_reimports_with_the_loss_it_train
     with torch.device("meta"):
         model = MoETransformer(model_cfg, moe_opt, init_seed=0)
     model.materialize("cpu", tensor_source(tmp_path / "start", model_cfg))  # tensor by tensor, as ranks do
-    with torch.no_grad():
-        assert relative(model.eval()(IDS).logits_BSV, hf(IDS).logits) < 1e-5
-    labels = torch.roll(IDS, -1, dims=1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(3):
-        out = model(IDS, labels_BS=labels)
-        losses.append(float(out.lm_loss))
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    with torch.no_grad():
-        trained = float(model.eval()(IDS, labels_BS=labels).lm_loss)
-        assert trained < losses[0]
-        to_hf(model).save_pretrained(tmp_path / "tuned")
-        again = from_hf(tmp_path / "tuned").eval()
-        assert again.model_config.hf_family == family
-        assert float(again(IDS, labels_BS=labels).lm_loss) == pytest.approx(trained, rel=1e-6)
+    tunes_and_reimports(model, hf, IDS, tmp_path / "tuned", family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

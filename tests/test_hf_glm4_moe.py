@@ -25,7 +25,7 @@ from moe.infer.command import run
 from moe.infer.generate import generate
 from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
-from tests._hf_loading import decoded_logits, loads_cleanly
+from tests._hf_loading import decoded_logits, loads_cleanly, tunes_and_reimports
 from tests.test_hf_families import hf_greedy, relative
 
 V = 97
@@ -184,25 +184,7 @@ def test_init_from_hf_then_training_then_export_reimports_with_the_loss_it_train
     with torch.device("meta"):
         model = MoETransformer(model_cfg, OmegaConf.to_object(cfg.moe_opt), init_seed=0)
     model.materialize("cpu", tensor_source(tmp_path / "start", model_cfg))  # tensor by tensor, as ranks do
-    with torch.no_grad():
-        assert relative(model.eval()(IDS).logits_BSV, hf(IDS).logits) < 1e-5
-    labels = torch.roll(IDS, -1, dims=1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(3):
-        out = model(IDS, labels_BS=labels)
-        losses.append(float(out.lm_loss))
-        out.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    with torch.no_grad():
-        trained = float(model.eval()(IDS, labels_BS=labels).lm_loss)
-        assert trained < losses[0]
-        to_hf(model).save_pretrained(tmp_path / "tuned")
-        again = from_hf(tmp_path / "tuned").eval()
-        assert again.model_config.hf_family == "glm4_moe"
-        assert float(again(IDS, labels_BS=labels).lm_loss) == pytest.approx(trained, rel=1e-6)
+    tunes_and_reimports(model, hf, IDS, tmp_path / "tuned", "glm4_moe")
 
 
 def test_bf16_logits_are_as_close_to_fp32_as_transformers_own_bf16():
