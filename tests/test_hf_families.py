@@ -101,6 +101,20 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return relative_error(a.float(), b.float())
 
 
+def infer_greedy_is_generates(hf, tmp_path) -> None:
+    """`infer.py hf_dir=DIR greedy=true` (its run(), in this process) on `hf` saved with the bundled sample's
+    tokenizer (512 ids) gives transformers' greedy tokens."""
+    hf.save_pretrained(tmp_path)
+    sample = Path(__file__).resolve().parents[1] / "data" / "sample"
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(sample / name, tmp_path)
+    cfg = OmegaConf.merge(OmegaConf.structured(InferConfig), dict(
+        hf_dir=str(tmp_path), prompt="Once upon a time", max_new_tokens=6, greedy=True, stop_at_eos=False))
+    [result] = run(cfg)
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)("Once upon a time")["input_ids"]
+    assert result["tokens"] == hf_greedy(hf, torch.tensor([ids]), 6)[0]
+
+
 def hf_greedy(hf, ids_BS: torch.Tensor, n: int) -> list[list[int]]:
     out = hf.generate(input_ids=ids_BS, attention_mask=torch.ones_like(ids_BS), max_new_tokens=n,
                       min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -135,15 +149,7 @@ def test_a_directory_imports_with_transformers_logits_and_greedy_tokens(family, 
 def test_infer_hf_dir_greedy_gives_transformers_greedy_tokens(family, tmp_path):
     """`infer.py hf_dir=DIR greedy=true` (its run(), in this process) on a directory with a tokenizer."""
     hf = hf_model(family, vocab_size=512)  # the bundled sample tokenizer's 512 ids
-    hf.save_pretrained(tmp_path)
-    sample = Path(__file__).resolve().parents[1] / "data" / "sample"
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(sample / name, tmp_path)
-    cfg = OmegaConf.merge(OmegaConf.structured(InferConfig), dict(
-        hf_dir=str(tmp_path), prompt="Once upon a time", max_new_tokens=6, greedy=True, stop_at_eos=False))
-    [result] = run(cfg)
-    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)("Once upon a time")["input_ids"]
-    assert result["tokens"] == hf_greedy(hf, torch.tensor([ids]), 6)[0]
+    infer_greedy_is_generates(hf, tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -5,7 +5,6 @@ with no missing or unexpected keys and no warnings, a fine-tuned import round-tr
 round-trips with it. Two cases: QK-norm on with plain RoPE, QK-norm off with YaRN past the original context.
 """
 import json
-import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -16,17 +15,15 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from moe.config import ModelConfig, MoEOptConfig, TrainConfig
-from moe.config.infer import InferConfig
 from moe.config.size import param_breakdown
 from moe.errors import ConfigError
 from moe.hf import from_hf, read_hf_config, tensor_source, to_hf
 from moe.hf.start import hf_start
-from moe.infer.command import run
 from moe.infer.generate import generate
 from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
 from tests._hf_loading import decoded_logits, loads_cleanly, tunes_and_reimports
-from tests.test_hf_families import hf_greedy, relative
+from tests.test_hf_families import hf_greedy, infer_greedy_is_generates, relative
 
 V = 97
 IDS = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -120,15 +117,7 @@ def test_a_directory_imports_with_transformers_logits_and_greedy_tokens(case, tm
 def test_infer_hf_dir_greedy_gives_transformers_greedy_tokens(tmp_path):
     """`infer.py hf_dir=DIR greedy=true` (its run(), in this process) on a directory with a tokenizer."""
     hf = hf_model(vocab_size=512)  # the bundled sample tokenizer's 512 ids
-    hf.save_pretrained(tmp_path)
-    sample = Path(__file__).resolve().parents[1] / "data" / "sample"
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(sample / name, tmp_path)
-    cfg = OmegaConf.merge(OmegaConf.structured(InferConfig), dict(
-        hf_dir=str(tmp_path), prompt="Once upon a time", max_new_tokens=6, greedy=True, stop_at_eos=False))
-    [result] = run(cfg)
-    ids = transformers.AutoTokenizer.from_pretrained(tmp_path)("Once upon a time")["input_ids"]
-    assert result["tokens"] == hf_greedy(hf, torch.tensor([ids]), 6)[0]
+    infer_greedy_is_generates(hf, tmp_path)
 
 
 @pytest.mark.parametrize("kw", [{}, dict(qk_norm="none", rope_type="linear", rope_factor=4.0)])
