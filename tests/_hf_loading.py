@@ -70,3 +70,19 @@ def tunes_and_reimports(model, hf, ids_BS: torch.Tensor, directory, family: str)
         again = from_hf(directory).eval()
         assert again.model_config.hf_family == family
         assert abs(float(again(ids_BS, labels_BS=labels).lm_loss) - trained) <= 1e-6 * abs(trained)
+
+
+@torch.no_grad()
+def perturbed(model):
+    """`model` with every norm weight drawn from [0.5, 1.5], every bias parameter from [-0.5, 0.5] and every
+    router expert bias (ours `expert_bias`, transformers' `e_score_correction_bias`) from [-0.1, 0.1], from
+    torch's generator: none at its initial 1 or 0, so that a conversion that dropped one would show."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.uniform_(0.5, 1.5)
+        elif name.endswith("bias"):
+            p.uniform_(-0.5, 0.5)
+    for name, b in model.named_buffers():
+        if name.endswith(("expert_bias", "e_score_correction_bias")):
+            b.uniform_(-0.1, 0.1)
+    return model

@@ -15,7 +15,7 @@ from moe.errors import ConfigError
 from moe.hf import from_hf, model_config_from_hf, moe_opt_from_hf, tensor_source, to_hf
 from moe.hf.deepseek_v3 import DeepSeekV3, deinterleave_order
 from moe.model import MoETransformer
-from tests._hf_loading import decoded_logits
+from tests._hf_loading import decoded_logits, perturbed
 
 V = 61
 # (q_lora_rank, rope_interleave, first_k_dense, n_group/topk_group, tied, n_shared, scaling, norm_topk)
@@ -62,15 +62,7 @@ def ours(seed=0, **kw) -> MoETransformer:
     opt = MoEOptConfig(capacity_factor=None, eval_capacity_factor=None, score_function="sigmoid",
                        num_groups=4, group_top_k=2, topk_scaling_factor=2.5, enable_expert_bias=True)
     torch.manual_seed(seed)
-    model = MoETransformer(replace(cfg, **kw), opt).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-        for layer in model.layers:
-            if layer.is_moe:
-                layer.ffn.router.expert_bias.uniform_(-0.1, 0.1)
-    return model
+    return perturbed(MoETransformer(replace(cfg, **kw), opt).eval())
 
 
 IDS = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(5))

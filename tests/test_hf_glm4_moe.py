@@ -22,7 +22,7 @@ from moe.hf.start import hf_start
 from moe.infer.generate import generate
 from moe.infer.load import model_from_hf_dir
 from moe.model import MoETransformer
-from tests._hf_loading import decoded_logits, loads_cleanly, tunes_and_reimports
+from tests._hf_loading import decoded_logits, loads_cleanly, perturbed, tunes_and_reimports
 from tests.test_hf_families import hf_greedy, infer_greedy_is_generates, relative
 
 V = 97
@@ -52,17 +52,7 @@ def hf_config(use_qk_norm=True, rope=None, **kw):
 def hf_model(case: str = "qk_norm", dtype=torch.float32, seed: int = 0, **kw):
     """Every norm away from 1, every bias and expert bias away from 0, so that they are tested too."""
     torch.manual_seed(seed)
-    model = transformers.Glm4MoeForCausalLM(hf_config(**CASES[case], **kw)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.uniform_(-0.5, 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.uniform_(-0.1, 0.1)
-    return model.to(dtype)
+    return perturbed(transformers.Glm4MoeForCausalLM(hf_config(**CASES[case], **kw)).eval()).to(dtype)
 
 
 def our_model(seed: int = 0, **kw) -> MoETransformer:
@@ -75,17 +65,7 @@ def our_model(seed: int = 0, **kw) -> MoETransformer:
                        num_groups=2, group_top_k=2, topk_scaling_factor=2.5, enable_expert_bias=True,
                        normalize_top_k=True)
     torch.manual_seed(seed)
-    model = MoETransformer(replace(cfg, **kw), opt).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.uniform_(-0.5, 0.5)
-        for layer in model.layers:
-            if layer.is_moe:
-                layer.ffn.router.expert_bias.uniform_(-0.1, 0.1)
-    return model
+    return perturbed(MoETransformer(replace(cfg, **kw), opt).eval())
 
 
 @pytest.mark.parametrize("case", CASES)
