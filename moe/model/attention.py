@@ -15,9 +15,9 @@ from torch import nn
 
 from moe.config.derived import head_dim_of, rotary_dim_of, window_of
 from moe.config.schema import ModelConfig
-from moe.model.documents import Documents, FlexDocumentMask, rope_cos_sin_at
+from moe.model.documents import Documents, FlexDocumentMask
 from moe.model.norm import RMSNorm, rms_norm
-from moe.model.rope import attention_factor, inverse_frequencies, rope_cos_sin
+from moe.model.rope import attention_factor, inverse_frequencies, rope_cos_sin, rope_cos_sin_at
 
 # ----------------------------------------------------------------------------- positions
 
@@ -156,7 +156,8 @@ class CausalSelfAttention(nn.Module):
         with `documents`, [B, 1, S, rope_dim] for each token's position in its document."""
         inv_freq = inverse_frequencies(self.rope_cfg, self.rope_dim, device)
         if documents is not None:
-            return rope_cos_sin_at(documents.positions_BS, inv_freq, self.rope_scale, dtype)
+            cos, sin = rope_cos_sin_at(documents.positions_BS, inv_freq, self.rope_scale, dtype)
+            return cos[:, None], sin[:, None]  # [B, 1, S, D]: each token's own position
         return rope_cos_sin(position_offset, length, inv_freq, self.rope_scale, dtype)
 
     def attend(self, q, k, v, kv_cache: KVCache | None, position_offset: int,

@@ -136,18 +136,6 @@ def _compiled_flex():
     return _COMPILED[0]
 
 
-def rope_cos_sin_at(positions_BS: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype):
-    """cos/sin [B, 1, S, D] for each token's own position, the same float32 operations as
-    moe.model.rope.rope_cos_sin (so a document's rows equal those of the document run alone)."""
-    pos = positions_BS.to(device=inv_freq.device, dtype=torch.float)
-    freqs = pos[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
-
-
 def packed_documents(batch: dict) -> Documents | None:
     """The Documents of a training batch that carries `document_ids` (data.document_mask), else None."""
     ids = batch.get("document_ids")

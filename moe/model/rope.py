@@ -115,10 +115,17 @@ def mla_softmax_scale(m, qk_head_dim: int) -> float | None:
 
 
 def rope_cos_sin(start: int, length: int, inv_freq: torch.Tensor, scale: float, dtype):
-    """cos/sin [S, D] for positions start..start+S-1, times `scale` (attention_factor), in `dtype`;
-    computed in float32 as transformers' rotary embeddings (modeling_deepseek_v3.py:95-101)."""
-    pos = torch.arange(start, start + length, dtype=torch.float, device=inv_freq.device)
-    freqs = pos[:, None] * inv_freq[None, :]
+    """cos/sin [S, D] for positions start..start+S-1, times `scale` (attention_factor), in `dtype`."""
+    positions = torch.arange(start, start + length, device=inv_freq.device)
+    return rope_cos_sin_at(positions, inv_freq, scale, dtype)
+
+
+def rope_cos_sin_at(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype):
+    """cos/sin [..., D] for the given positions (any shape: a row's, or each token's own in packed
+    documents, moe.model.documents), times `scale` (attention_factor), in `dtype`; computed in float32 as
+    transformers' rotary embeddings (modeling_deepseek_v3.py:95-101)."""
+    pos = positions.to(device=inv_freq.device, dtype=torch.float)
+    freqs = pos[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     if scale != 1.0:
