@@ -250,18 +250,11 @@ class DeepSeekV3(ExportAdapter):
         return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
     def extra_state_dict(self, model) -> dict[str, torch.Tensor]:
-        """The multi-token-prediction depths (moe.hf.mtp), which DeepseekV3ForCausalLM does not hold, under
-        the files' keys (experts one by one), as the released directory holds its layer 61."""
-        cfg = model.model_config
-        ours = model.state_dict()
-        sd = {}
-        for d, depth in enumerate(model.mtp):
-            prefix = mtp.layer_prefix(cfg.num_layers, d)
-            block = layer_state_dict(ours, cfg, depth.block, f"mtp.{d}.block.", prefix,
-                                     expert_bias=self.expert_bias_key is not None)
-            sd |= mtp.depth_tensors(ours, cfg.num_layers, d, block)
-        sd = per_expert_keys(sd, cfg.num_layers + cfg.mtp_layers)
-        return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+        """The multi-token-prediction depths (moe.hf.mtp), which DeepseekV3ForCausalLM does not hold, as the
+        released directory holds its layer 61."""
+        cfg, expert_bias = model.model_config, self.expert_bias_key is not None
+        return mtp.depths_state_dict(model, lambda ours, block, q, p: layer_state_dict(
+            ours, cfg, block, q, p, expert_bias=expert_bias))
 
     def per_expert(self, sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
         """transformers 5.x's stacked expert tensors -> the per-expert keys of the files (and of 4.x)."""

@@ -45,7 +45,6 @@ from moe.hf.sparse_moe import (
     SINGLE,
     SparseMoeFamily,
     layer_tensors,
-    per_expert_keys,
     sparse_moe_state_dict,
     sparse_moe_value,
 )
@@ -137,19 +136,14 @@ class Glm4Moe(SparseMoeFamily):
         return sd
 
     def extra_state_dict(self, model) -> dict[str, torch.Tensor]:
-        """The multi-token-prediction depths (moe.hf.mtp), which Glm4MoeForCausalLM does not hold, under the
-        files' keys (experts one by one), as the released directory holds its layer 46."""
-        cfg, ours = model.model_config, model.state_dict()
-        sd = {}
-        for d, depth in enumerate(model.mtp):
-            p, q = mtp.layer_prefix(cfg.num_layers, d), f"mtp.{d}.block."
-            block = {}
+        """The multi-token-prediction depths (moe.hf.mtp), which Glm4MoeForCausalLM does not hold, as the
+        released directory holds its layer 46."""
+        cfg = model.model_config
+
+        def write_layer(ours, block, q, p):
+            sd = {}
             for name, value in ours.items():
                 if name.startswith(q):
-                    block |= layer_tensors(cfg, p, name.removeprefix(q), value, depth.block, GLM_SINGLE,
-                                           GLM_FUSED)
-            if depth.block.is_moe:
-                block |= missing_moe_pieces(ours, q, p, cfg)
-            sd |= mtp.depth_tensors(ours, cfg.num_layers, d, block)
-        sd = per_expert_keys(sd, cfg.num_layers + cfg.mtp_layers)
-        return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+                    sd |= layer_tensors(cfg, p, name.removeprefix(q), value, block, GLM_SINGLE, GLM_FUSED)
+            return sd | (missing_moe_pieces(ours, q, p, cfg) if block.is_moe else {})
+        return mtp.depths_state_dict(model, write_layer)

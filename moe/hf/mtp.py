@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from moe.hf.sparse_moe import per_expert_keys
 from moe.hf.tensors import TOP_LEVEL, Get, config_value
 
 OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
@@ -88,6 +89,20 @@ def depth_tensors(ours: dict[str, torch.Tensor], num_layers: int, depth: int,
     sd |= {p + rest: main[key] for rest, key in COPIES.items()}
     return sd | block_tensors
 
+
+
+def depths_state_dict(model, write_layer: Callable[[dict, object, str, str], dict]
+                      ) -> dict[str, torch.Tensor]:
+    """Every depth of `model` under the files' keys (experts one by one), as the released directories hold
+    them: its own tensors and the embedding/head copies (depth_tensors), its block written by the family's
+    `write_layer(ours, block, our_prefix, checkpoint_prefix)` (5.x keys, experts stacked)."""
+    cfg, ours = model.model_config, model.state_dict()
+    sd = {}
+    for d, depth in enumerate(model.mtp):
+        block = write_layer(ours, depth.block, f"mtp.{d}.block.", layer_prefix(cfg.num_layers, d))
+        sd |= depth_tensors(ours, cfg.num_layers, d, block)
+    sd = per_expert_keys(sd, cfg.num_layers + cfg.mtp_layers)
+    return {k: v.detach().clone().contiguous() for k, v in sd.items()}
 
 def skipping_mtp(model_class, hf_config):
     """`model_class`, or a subclass of the same name that ignores this checkpoint's declared depths on load
