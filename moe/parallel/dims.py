@@ -319,6 +319,12 @@ class ParallelDims:
                                                               mesh_dim_names=("checkpoint",))
         return self._built["checkpoint_mesh"]
 
+    def forget_world(self) -> None:
+        """Drop the process groups and meshes made so far: their world has ended (destroy_process_group), and a
+        later world in this process (a multirun of simulations; settle returns one ParallelDims per config)
+        must build its own, not name groups that world never registered."""
+        self._built.clear()
+
     def _flattened_meshes(self, device_type: str) -> Meshes:
         """The same views on torch without DeviceMesh._unflatten (2.9, trn1's and older GPU images'): one mesh
         of the finest dims both views share, each view flattened from it, as torchtitan built them before

@@ -120,6 +120,19 @@ def _zero_shards(dims: ParallelDims) -> tuple[int, int]:
     return dims.dp, dims.expert_dp
 
 
+def _forget_earlier_worlds_meshes() -> None:
+    """Clear DTensor's sharding-propagation cache. It matches meshes by their ranks, layout and dim names,
+    not by their process groups (DeviceMesh.__eq__), so after an earlier world in this process (a multirun of
+    simulations) a cached output spec could carry that world's mesh, and a collective a group name this world
+    never registered."""
+    from torch.distributed.tensor import DTensor, debug
+
+    if hasattr(debug, "_clear_sharding_prop_cache"):  # torch >= 2.10: the Python and the C++ fast-path cache
+        debug._clear_sharding_prop_cache()
+    else:  # torch 2.9: the Python cache only (a thread-local lru_cache)
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.cache_clear()
+
+
 def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
     """Run the simulated step of rank `cfg.simulate_rank`; write <run_dir>/simulation.json."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -134,6 +147,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
 
     rank, start, spec = cfg.simulate_rank, time.perf_counter(), spec_of(cfg.hardware)
     param_dtype, autocast = _param_dtype_and_autocast(cfg.trainer, cfg.hardware)
+    _forget_earlier_worlds_meshes()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world)
     try:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # meta parameters become fake ones
@@ -184,6 +198,7 @@ def simulate(cfg, dims: ParallelDims, run_dir: str | Path | None) -> Simulation:
         offloaded = _offloaded_states(model, optimizer, fsdp_tracker) if cfg.parallel.offload_experts else {}
     finally:
         dist.destroy_process_group()
+        dims.forget_world()
 
     device_peak = max(peak.values(), key=lambda kinds: kinds["Total"])
     breakdown = {getattr(k, "value", str(k)): v / GIB for k, v in device_peak.items() if v}
