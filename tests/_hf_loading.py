@@ -34,15 +34,20 @@ def loads_cleanly(model_cls, path):
     return model.eval()
 
 
-def decoded_logits(model, ids: torch.Tensor, prefix: int) -> torch.Tensor:
-    """The logits of `ids` as KV-cache decoding computes them: `prefix` tokens prefilled, then one token a
-    step (to compare with one full forward)."""
+def decoded_logits(model, ids: torch.Tensor, prefix: int, mask_BS: torch.Tensor | None = None,
+                   latent: bool = True, step: int = 1) -> torch.Tensor:
+    """The logits of `ids` as KV-cache decoding computes them: `prefix` tokens prefilled, then `step` tokens a
+    call (to compare with one full forward); `mask_BS` the left padding's, `latent` new_kv_cache's."""
+    def mask(end: int):
+        return None if mask_BS is None else mask_BS[:, :end]
+
     with torch.no_grad():
-        cache = model.new_kv_cache()
-        first = model(ids[:, :prefix], kv_cache=cache, generating=True).logits_BSV
-        steps = [model(ids[:, i:i + 1], kv_cache=cache, position_offset=i, generating=True).logits_BSV
-                 for i in range(prefix, ids.shape[1])]
-    return torch.cat([first, *steps], dim=1)
+        cache = model.new_kv_cache(latent=latent)
+        first = model(ids[:, :prefix], kv_cache=cache, attention_mask_BS=mask(prefix), generating=True)
+        steps = [model(ids[:, i:i + step], kv_cache=cache, position_offset=i, generating=True,
+                       attention_mask_BS=mask(min(i + step, ids.shape[1]))).logits_BSV
+                 for i in range(prefix, ids.shape[1], step)]
+    return torch.cat([first.logits_BSV, *steps], dim=1)
 
 
 def tunes_and_reimports(model, hf, ids_BS: torch.Tensor, directory, family: str) -> None:

@@ -307,18 +307,6 @@ def test_yarn_export_loads_cleanly_with_equal_logits_and_no_mtp_layer(tmp_path):
     assert back.model_config == replace(model.model_config, name=str(tmp_path), num_kv_heads=4)
 
 
-def test_yarn_greedy_decoding_with_our_kv_cache_gives_transformers_tokens():
-    from moe.infer.generate import generate, left_pad
-
-    hf = hf_model(*CASES[0], rope=YARN[1])
-    model = from_hf(hf).eval()
-    ids_BS, mask_BS = left_pad([[5, 9, 3, 7, 11, 2, 8, 40, 41, 12], [4, 1, 57]], pad_token_id=0)
-    n = 14  # to position 24, past the 16 original ones
-    out = hf.generate(input_ids=ids_BS, attention_mask=mask_BS, max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert generate(model, ids_BS, mask_BS, max_new_tokens=n).tokens == out[:, ids_BS.shape[1]:].tolist()
-
-
 def test_a_directory_declaring_an_mtp_layer_it_does_not_hold_is_read_without_one(tmp_path, capsys):
     """transformers' DeepseekV3Config declares num_nextn_predict_layers=1 by default, and its save_pretrained
     writes no such layer: the import reads the main model (model.mtp_layers=0), quietly. A directory that
@@ -335,3 +323,56 @@ def test_a_directory_declaring_an_mtp_layer_it_does_not_hold_is_read_without_one
         torch.testing.assert_close(model(LONG).logits_BSV, hf(LONG).logits, rtol=0, atol=1e-5)
     said = capsys.readouterr().err
     assert "note:" not in said and "does not define" not in said and "UNEXPECTED" not in said
+
+
+# -- the latent KV cache: decode steps read each token's latent and RoPE key, W_UK and W_UV absorbed -------
+
+PADDED = [[5, 9, 3, 7, 11, 2, 8, 40, 41, 12], [4, 1, 57]]
+
+
+# each way MLA is set up: the query latent with DeepSeek's interleaved RoPE and YaRN (mscale_all_dim !=
+# mscale: the softmax scale corrected), no query latent (DeepSeek-V2-Lite's q_lora_rank: null) with
+# rotate-half RoPE, and a sliding window (the cache trimmed to it)
+LATENT_CACHE_MODELS = {"q_lora, interleaved, YaRN": lambda: from_hf(hf_model(*CASES[0], rope=YARN[1])).eval(),
+                       "no q_lora": lambda: from_hf(hf_model(*CASES[1])).eval(),
+                       "window 4": lambda: ours(sliding_window=4)}
+
+
+@pytest.mark.parametrize("name", list(LATENT_CACHE_MODELS))
+@pytest.mark.parametrize("step", [1, 3])  # one token a call, and calls of 3 tokens after the prefill
+def test_latent_cache_logits_equal_the_expanded_caches_and_the_full_forward(name, step):
+    from moe.infer.generate import left_pad
+    from tests._hf_loading import relative_error
+
+    model = LATENT_CACHE_MODELS[name]()
+    ids_BS, mask_BS = left_pad(PADDED, pad_token_id=0)
+    with torch.no_grad():
+        full = model(ids_BS, attention_mask_BS=mask_BS, generating=True).logits_BSV
+    latent = decoded_logits(model, ids_BS, 4, mask_BS, step=step)
+    expanded = decoded_logits(model, ids_BS, 4, mask_BS, latent=False, step=step)
+    real = mask_BS.bool()  # a pad's own logits are not used
+    assert relative_error(latent[real], expanded[real]) < 2e-6  # measured <= 6.6e-7 of the largest logit
+    assert relative_error(latent[real], full[real]) < 2e-6
+
+
+@pytest.mark.parametrize("case, rope", [(CASES[0], YARN[1]), (CASES[1], None)])
+def test_latent_cache_greedy_tokens_equal_the_expanded_caches_and_transformers(case, rope):
+    """A left-padded batch past YaRN's original context; the cache's bytes are the latent's: layers x tokens
+    x (kv_lora_rank + qk_rope_head_dim) x 4 (fp32), pads included, the last new token never fed."""
+    from moe.infer.generate import generate, left_pad
+
+    hf = hf_model(*case, rope=rope)
+    model = from_hf(hf).eval()
+    ids_BS, mask_BS = left_pad(PADDED, pad_token_id=0)
+    n = 14  # to position 24, past the 16 original ones
+    want = hf.generate(input_ids=ids_BS, attention_mask=mask_BS, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0, eos_token_id=None)[:, ids_BS.shape[1]:].tolist()
+    latent = generate(model, ids_BS, mask_BS, max_new_tokens=n)
+    expanded = generate(model, ids_BS, mask_BS, max_new_tokens=n, latent_cache=False)
+    assert latent.tokens == expanded.tokens == want
+    cfg = model.model_config
+    tokens = ids_BS.shape[0] * (ids_BS.shape[1] + n - 1)
+    assert latent.cache_bytes == cfg.num_layers * tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    # the expanded cache: every head's key and value, the value padded to the key's width (moe/model/mla.py)
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert expanded.cache_bytes == cfg.num_layers * tokens * cfg.num_heads * 2 * qk * 4

@@ -29,6 +29,7 @@ class Generation:
     prompt_tokens: int  # real (unpadded) prompt tokens in the batch
     prefill_s: float  # forward over the prompts, up to the first new token
     decode_s: float  # every later step
+    cache_bytes: int = 0  # the KV cache's size at the end (0 without one)
 
     @property
     def num_new_tokens(self) -> int:
@@ -112,12 +113,15 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     vocab_limit: int | None = None,
+    latent_cache: bool = True,
 ) -> Generation:
     """Continue each row of `input_ids_BS` (left-padded; mask 1 = real token) by up to max_new_tokens.
 
     A row stops after it emits any of `eos_token_id`; the loop ends when every row has.
     `use_cache=False` recomputes the whole sequence each step (the reference the cache is
     tested against). `vocab_limit` forbids ids >= it (embedding rows the tokenizer lacks).
+    `latent_cache=False`: an MLA model caches the expanded per-head keys and values instead of its
+    latent (moe/model/mla.py; the same tokens, for comparison).
     """
     param = next(model.parameters())
     device = param.device
@@ -144,7 +148,7 @@ def generate(
     with generation_mode(model):
         _sync(device)
         t0 = time.perf_counter()
-        cache = model.new_kv_cache() if use_cache else None
+        cache = model.new_kv_cache(latent=latent_cache) if use_cache else None
         prefill_s = 0.0
         seq_BS = ids_BS
         pos = 0  # tokens fed to the cache so far
@@ -182,4 +186,5 @@ def generate(
         cut = next((i for i, t in enumerate(row) if t in eos_ids), None)
         tokens.append(row if cut is None else row[: cut + 1])
         finished.append(cut is not None)
-    return Generation(tokens, finished, prompt_tokens, prefill_s, total_s - prefill_s)
+    cache_bytes = sum(layer.nbytes for layer in cache) if use_cache else 0
+    return Generation(tokens, finished, prompt_tokens, prefill_s, total_s - prefill_s, cache_bytes)

@@ -89,7 +89,8 @@ class SumGradOver(torch.autograd.Function):
 class KVCache:
     """One layer's keys/values for generation: kv heads only (GQA), trimmed to the sliding window.
 
-    `k`, `v` are [B, kv_heads, S, D]; `start` is the absolute position of `k[:, :, 0]`.
+    `k`, `v` are [B, kv_heads, S, D]; `start` is the absolute position of `k[:, :, 0]`. A cache of one
+    tensor (MLA's latent cache, moe.model.mla.LatentKVCache) appends with v=None and keeps `v` None.
     """
 
     def __init__(self, window: int | None = None):
@@ -103,7 +104,12 @@ class KVCache:
         """Absolute position one past the last cached token (= tokens seen so far)."""
         return self.start + (0 if self.k is None else self.k.shape[2])
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, position: int):
+    @property
+    def nbytes(self) -> int:
+        """The bytes its tensors hold."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor | None, position: int):
         """Add new k/v at absolute `position`; return (all k, all v, their start) for this step."""
         if position != self.end:
             raise ValueError(
@@ -111,11 +117,13 @@ class KVCache:
                 f"pass position_offset={self.end} (the number of tokens already fed)"
             )
         if self.k is not None:
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+            k = torch.cat([self.k, k], dim=2)
+            v = None if v is None else torch.cat([self.v, v], dim=2)
         start, total = self.start, k.shape[2]
         # The next query at position `end` needs only the window - 1 keys before it.
         keep = total if self.window is None else min(total, self.window - 1)
-        self.k, self.v = k[:, :, total - keep:], v[:, :, total - keep:]
+        self.k = k[:, :, total - keep:]
+        self.v = None if v is None else v[:, :, total - keep:]
         self.start = start + total - keep
         return k, v, start
 
@@ -171,14 +179,22 @@ class CausalSelfAttention(nn.Module):
         k_start = position_offset
         if kv_cache is not None:
             k, v, k_start = kv_cache.append(k, v, position_offset)
-        mask, is_causal = self._mask(position_offset, S, k_start, k.shape[2], q.dtype, q.device)
-        if attention_mask_BS is not None:
-            mask = self._hide_padding(mask, attention_mask_BS, position_offset, S, k_start, k.shape[2])
-            is_causal = False
+        mask, is_causal = self.visible(position_offset, S, k_start, k.shape[2], attention_mask_BS, q.dtype,
+                                       q.device)
         if getattr(self, "sinks", None) is not None:  # [heads]: model.attention_sinks (GQA)
             k, v, mask = self._with_sinks(k, v, mask, position_offset, S, k_start, q.dtype)
             is_causal = False
         return self.core(q, k, v, mask, is_causal, enable_gqa)
+
+    def visible(self, q_start: int, q_len: int, k_start: int, k_len: int,
+                attention_mask_BS: torch.Tensor | None, dtype, device):
+        """(attn_mask, is_causal) for SDPA: which keys each query sees (causal, this layer's window, ALiBi's
+        bias) with left padding's pad keys hidden; (None, True/False) where SDPA's own fast path does."""
+        mask, is_causal = self._mask(q_start, q_len, k_start, k_len, dtype, device)
+        if attention_mask_BS is not None:
+            mask = self._hide_padding(mask, attention_mask_BS, q_start, q_len, k_start, k_len)
+            is_causal = False
+        return mask, is_causal
 
     def _attend_documents(self, q, k, v, kv_cache, position_offset, attention_mask_BS, enable_gqa,
                           documents: Documents) -> torch.Tensor:

@@ -36,7 +36,7 @@ from moe.model.documents import Documents
 from moe.model.fused_ce import linear_cross_entropy
 from moe.model.init import draw_base_seed, init_stds, initialize
 from moe.model.loss import router_loss_sum
-from moe.model.mla import MLAttention
+from moe.model.mla import LatentKVCache, MLAttention
 from moe.model.mlp import SwiGLU
 from moe.model.moe import Experts, MoELayer, Router, RoutingStats
 from moe.model.mtp import MTPDepth, mtp_loss
@@ -192,9 +192,12 @@ class MoETransformer(nn.Module):
             elif isinstance(module, computed):
                 module.init_buffers()
 
-    def new_kv_cache(self) -> list[KVCache]:
-        """An empty per-layer cache to pass as `kv_cache` for generation."""
-        return [KVCache(window_of(self.model_config, i)) for i in range(len(self.layers))]
+    def new_kv_cache(self, latent: bool = True) -> list[KVCache]:
+        """An empty per-layer cache to pass as `kv_cache` for generation. With model.attention=mla it holds
+        each token's latent and RoPE key (moe.model.mla.LatentKVCache) and decode steps attend through
+        them; `latent=False`: the expanded per-head keys and values instead (the reference it equals)."""
+        kind = LatentKVCache if latent and self.model_config.attention == "mla" else KVCache
+        return [kind(window_of(self.model_config, i)) for i in range(len(self.layers))]
 
     def forward(self, input_ids_BS: torch.Tensor, kv_cache: list[KVCache] | None = None,
                 position_offset: int = 0, attention_mask_BS: torch.Tensor | None = None,
