@@ -1,5 +1,6 @@
 """data.streaming: blocks packed from the files as training reads them are data_prep.py's blocks, split,
-ordered and sharded as the offline stream is, and a resume at another batch geometry goes on at the next row."""
+ordered and sharded as the offline stream is, and a resume at another batch geometry goes on at the next
+row."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from moe.data import MoEDataModule, prepare
 from moe.data.arrow_io import load_prepared
 from moe.data.sample_corpus import chat_rows, corpus_lines
 from moe.data.sampler import StreamSampler
-from moe.errors import ConfigError
+from moe.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_TOK = str(REPO / "data" / "sample")
@@ -72,7 +73,8 @@ def test_streaming_blocks_are_the_offline_blocks(tmp_path, chat):
     val = list(dm.val_dataloader())
     want_val = [offline.get(np.arange(k, min(k + 2, VAL))) for k in range(0, VAL, 2)]
     assert [b["input_ids"].tolist() for b in val] == [ids[:, :-1].tolist() for ids, _ in want_val]
-    order = VAL + StreamSampler(n - VAL, rows, total=steps, seed=3, shuffle=False).items(np.arange(steps * rows))
+    sampler = StreamSampler(n - VAL, rows, total=steps, seed=3, shuffle=False)
+    order = VAL + sampler.items(np.arange(steps * rows))
     assert order.max() == n - 1 and (np.diff(order) < 0).any()  # a whole pass, and the next begun
     for step, batch in enumerate(train):
         ids, mask = offline.get(order[step * rows:(step + 1) * rows])
@@ -136,3 +138,20 @@ def test_streaming_refusals_name_the_field(override, field):
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert err.value.field == field
+
+
+def test_streaming_start_up_names_a_wrong_column_and_a_short_corpus(tmp_path):
+    """The first batch of rows is read at start-up: a missing column or a corpus shorter than one block is
+    refused there, under its data.* key, not in the middle of training."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"body": "some words here"}\n' * 4)
+    cfg = DataConfig(kind="online", path=str(rows), tokenizer=SAMPLE_TOK, streaming=True, seq_len=8)
+    with pytest.raises(UserError) as err:
+        streaming_module(cfg)
+    assert err.value.field == "data.text_column"
+    short = tmp_path / "short.txt"
+    short.write_text("a few words\n")
+    cfg = DataConfig(kind="online", path=str(short), tokenizer=SAMPLE_TOK, streaming=True, seq_len=64)
+    with pytest.raises(UserError) as err:
+        streaming_module(cfg)
+    assert err.value.field == "data.seq_len"

@@ -36,8 +36,8 @@ from moe.data.sources import describe_sources, resolve
 from moe.data.streaming import BlockSource, BlockStream
 from moe.data.tokenizer_chat import load_template_tokenizer, template_text
 from moe.errors import UserError, WriteFailed
-from moe.outputs import publish
 from moe.model.documents import document_ids, hide_boundary_targets
+from moe.outputs import publish
 from moe.paths import local_path
 
 log = logging.getLogger(__name__)
@@ -94,12 +94,13 @@ class StreamBatches(IterableDataset):
         return self.total
 
     def __iter__(self):
-        blocks = self.stream.train(self.start_row)
-        for _ in range(self.start_step, self.total):
-            step = [next(blocks) for _ in range(self.rows * self.dp_size)]
-            mine = step[self.dp_rank::self.dp_size]
-            masks = None if mine[0][1] is None else np.stack([m for _, m in mine])
-            yield block_batch(np.stack([ids for ids, _ in mine]), masks, self.eos_id)
+        with _as_data_error():  # a bad row met on the way is named under its data.* key
+            blocks = self.stream.train(self.start_row)
+            for _ in range(self.start_step, self.total):
+                step = [next(blocks) for _ in range(self.rows * self.dp_size)]
+                mine = step[self.dp_rank::self.dp_size]
+                masks = None if mine[0][1] is None else np.stack([m for _, m in mine])
+                yield block_batch(np.stack([ids for ids, _ in mine]), masks, self.eos_id)
 
 
 class BlockBatches(Dataset):
@@ -332,6 +333,11 @@ class MoEDataModule(L.LightningDataModule):
             return
         with _as_data_error():
             source = BlockSource(self.prep)
+            if next(source.blocks(), None) is None:  # the first batch of rows, read now: a wrong format or a
+                # too short corpus fails at start-up, not in the middle of Lightning's loop
+                raise UserError("data.seq_len", self.prep.seq_len, "lower data.seq_len, or add data",
+                                problem=f"is too long: {self.prep.input} holds fewer tokens than one block of "
+                                f"seq_len + 1 = {self.prep.seq_len + 1}")
         self.stream = BlockStream(source, self.cfg.streaming_val_blocks, self.cfg.shuffle,
                                   self.cfg.shuffle_buffer, self.seed)
         self.meta = {"seq_len": self.prep.seq_len, "tokenizer": source.tokenizer_facts()}
@@ -387,8 +393,8 @@ class MoEDataModule(L.LightningDataModule):
 
     def _loader(self, blocks: PackedBlocks, sampler, by_source: bool = False) -> DataLoader:
         workers = self.cfg.num_workers
-        return _ResumableLoader(BlockBatches(blocks, self._eos_id, by_source), sampler=sampler, batch_size=None,
-                                num_workers=workers, persistent_workers=workers > 0,
+        return _ResumableLoader(BlockBatches(blocks, self._eos_id, by_source), sampler=sampler,
+                                batch_size=None, num_workers=workers, persistent_workers=workers > 0,
                                 pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
@@ -409,7 +415,8 @@ class MoEDataModule(L.LightningDataModule):
     def _validation_blocks(self):
         if self.streaming:
             if self._stream_validation is None:  # read once: the first streaming_val_blocks blocks
-                self._stream_validation = InMemoryBlocks(*self.stream.validation())
+                with _as_data_error():
+                    self._stream_validation = InMemoryBlocks(*self.stream.validation())
             return self._stream_validation
         return self.prepared.splits.get("validation")
 

@@ -43,7 +43,8 @@ class BlockSource:
         self.prep, self.kind, self.items = prep, kind, items
         own = prep.format == "chat" and prep.chat_template == TOKENIZER_TEMPLATE
         self.hf = load_template_tokenizer(prep.tokenizer) if own else None
-        self.spec = FormatSpec(prep.format, prep.text_column, prep.chat_template, blank_lines_ok=kind == "text")
+        self.spec = FormatSpec(prep.format, prep.text_column, prep.chat_template,
+                               blank_lines_ok=kind == "text")
         markers = tk.template_markers(prep.chat_template) if prep.format == "chat" else []
         self.tok, self.eos, self.pad, _, _ = prep_tokenizer(prep, None, self.spec, markers, False)
         self.eos_id, self.pad_id = self.tok.token_to_id(self.eos), self.tok.token_to_id(self.pad or self.eos)
@@ -74,7 +75,8 @@ class BlockSource:
             counts = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
             datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False  # local files: no request to the hub
             try:
-                rows = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True, **kwargs)
+                rows = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True,
+                                             **kwargs)
             finally:
                 datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
             try:
@@ -95,8 +97,8 @@ class BlockSource:
         if reason == NOT_PREFIX:
             raise UserError("data.chat_template", self.prep.chat_template, "use a template that renders a "
                             "conversation's earlier turns the same whatever follows them",
-                            problem=f"renders row {first_row + i} so that its first turns are not a prefix of "
-                            f"the whole: {self.chat.explain(row)}")
+                            problem=f"renders row {first_row + i} so that its first turns are not a "
+                            f"prefix of the whole: {self.chat.explain(row)}")
         if self.chat is not None:
             reason = self.chat.explain(row)
         raise UserError("data.path", self.prep.input, "fix that row, or prepare the data with data_prep.py "
@@ -137,10 +139,11 @@ class BlockStream:
         self.seed = seed
 
     def _pass(self):
-        """One pass, a block at a time: (ids [L+1], mask [L+1] or None)."""
+        """One pass, a block at a time: (ids [L+1], mask [L+1] or None), each its own copy (a view would
+        keep its batch's whole array alive in the shuffle buffer)."""
         for ids, masks in self.source.blocks():
             for k in range(len(ids)):
-                yield ids[k], None if masks is None else masks[k]
+                yield ids[k].copy(), None if masks is None else masks[k].copy()
 
     def validation(self) -> tuple[np.ndarray, np.ndarray | None]:
         """The first val_blocks blocks of a pass, stacked (empty arrays when val_blocks is 0)."""
