@@ -3,7 +3,9 @@
 `kind=prepared` memory-maps a data_prep.py output. `kind=online` runs the same pipeline
 from raw input at start-up into a cache keyed by the config, the tokenizer and the input
 files (size, mtime), so it yields exactly the blocks data_prep.py would write, and later
-runs open the cache instantly. Cache root: $MOE_DATA_CACHE, else ~/.cache/moe/data.
+runs open the cache instantly. Cache root: $MOE_DATA_CACHE, else ~/.cache/moe/data. `kind=online` with
+`streaming` packs the same blocks as training reads them instead (moe.data.streaming), caching only the
+tokenizer.
 
 Training batches are optimizer steps: a rank's `micro_batch_size x accumulate_grad_batches` rows, its
 micro-batches in order (the step cuts them, moe.module.train_step); validation batches are
@@ -338,6 +340,8 @@ class MoEDataModule(L.LightningDataModule):
                 raise UserError("data.seq_len", self.prep.seq_len, "lower data.seq_len, or add data",
                                 problem=f"is too long: {self.prep.input} holds fewer tokens than one block of "
                                 f"seq_len + 1 = {self.prep.seq_len + 1}")
+        log.info("streaming %s: validation is its first %d blocks (data.val_fraction is not read)",
+                 self.prep.input, self.cfg.streaming_val_blocks)
         self.stream = BlockStream(source, self.cfg.streaming_val_blocks, self.cfg.shuffle,
                                   self.cfg.shuffle_buffer, self.seed)
         self.meta = {"seq_len": self.prep.seq_len, "tokenizer": source.tokenizer_facts()}
