@@ -335,11 +335,12 @@ class MoEDataModule(L.LightningDataModule):
             return
         with _as_data_error():
             source = BlockSource(self.prep)
-            if next(source.blocks(), None) is None:  # the first batch of rows, read now: a wrong format or a
-                # too short corpus fails at start-up, not in the middle of Lightning's loop
+            # the rows up to the first block, read now: a wrong format or a corpus shorter than one block
+            # fails at start-up, not in the middle of Lightning's loop
+            if next(source.blocks(), None) is None:
                 raise UserError("data.seq_len", self.prep.seq_len, "lower data.seq_len, or add data",
-                                problem=f"is too long: {self.prep.input} holds fewer tokens than one block of "
-                                f"seq_len + 1 = {self.prep.seq_len + 1}")
+                                problem=f"is too long: {self.prep.input} holds fewer tokens than one block "
+                                f"of seq_len + 1 = {self.prep.seq_len + 1}")
         log.info("streaming %s: validation is its first %d blocks (data.val_fraction is not read)",
                  self.prep.input, self.cfg.streaming_val_blocks)
         self.stream = BlockStream(source, self.cfg.streaming_val_blocks, self.cfg.shuffle,
