@@ -277,3 +277,24 @@ def test_rows_the_template_cannot_render_are_bad_rows_named_with_the_templates_r
     out = prep_rows(tmp_path, tok_dir, [CHAT, TOOL_CHAT, no_reply], on_bad_row="skip")
     meta = json.loads((out / "meta.json").read_text())
     assert meta["rows"]["skipped"] == {"no_assistant_reply": 1, "template_error": 1}
+
+
+def test_streaming_renders_with_the_tokenizers_template_as_data_prep_does(tmp_path, monkeypatch):
+    """data.streaming=true with chat_template=tokenizer: its blocks and masks are data_prep's, and the
+    tokenizer it keeps carries the template (inference renders as training did)."""
+    monkeypatch.setenv("MOE_DATA_CACHE", str(tmp_path / "cache"))
+    tok_dir = make_tokenizer(tmp_path, "llama3_1")
+    rows = [CHAT, TOOL_CHAT] * 3
+    want = load_prepared(prep_rows(tmp_path, tok_dir, rows, packing="concat", seq_len=64)).splits["train"]
+    cfg = DataConfig(kind="online", path=str(tmp_path / "chat.jsonl"), format="chat", tokenizer=str(tok_dir),
+                     chat_template="tokenizer", assistant_only_loss=True, seq_len=64, streaming=True,
+                     shuffle=False, streaming_val_blocks=0)
+    dm = MoEDataModule(cfg, 1, 1, len(want), 1234, 0, dp_rank=0, dp_size=1)
+    dm.setup("fit")
+    ids, mask = want.get(np.arange(len(want)))
+    labels = np.where(mask[:, 1:] == 0, -100, ids[:, 1:])
+    got = list(dm.train_dataloader())
+    assert np.array_equal(np.concatenate([b["labels"].numpy() for b in got]), labels)
+    assert np.array_equal(np.concatenate([b["input_ids"].numpy() for b in got]), ids[:, :-1])
+    saved = json.loads((dm.tokenizer_dir / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == (TEMPLATES / FAMILIES["llama3_1"][0]).read_text()

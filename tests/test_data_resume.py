@@ -58,3 +58,14 @@ def test_lightning_resume_continues_the_stream(tmp_path, monkeypatch):
     first = fit(tmp_path / "b", max_steps=6, stop_at=3)  # as if killed after the step-3 checkpoint
     rest = fit(tmp_path / "c", max_steps=6, ckpt=str(tmp_path / "b" / "ckpt" / "last.ckpt"))
     assert len(full) == 6 and all(len(rows) == 4 for rows in full) and first + rest == full
+
+
+def test_lightning_resume_continues_a_streaming_stream(tmp_path, monkeypatch):
+    """data.streaming=true (an IterableDataset, shuffled by a seeded buffer): the same kill and relaunch."""
+    monkeypatch.setenv("MOE_DATA_CACHE", str(tmp_path / "cache"))
+    cfg = DataConfig(path=str(REPO / "data/sample/train.txt"), tokenizer=str(REPO / "data/sample"),
+                     streaming=True, shuffle_buffer=16)
+    full = fit(tmp_path / "a", max_steps=6, cfg=cfg)
+    first = fit(tmp_path / "b", max_steps=6, stop_at=3, cfg=cfg)
+    rest = fit(tmp_path / "c", max_steps=6, ckpt=str(tmp_path / "b" / "ckpt" / "last.ckpt"), cfg=cfg)
+    assert len(full) == 6 and all(len(rows) == 4 for rows in full) and first + rest == full

@@ -350,6 +350,12 @@ class DataConfig(Section):
     document_mask: bool = False
     num_workers: int = 0
     shuffle: bool = True
+    # online only: blocks packed lazily from the files as training reads them, nothing cached for the whole
+    # corpus (moe/data/streaming.py, docs/DATA.md "Streaming"); validation is the first streaming_val_blocks
+    # blocks of the corpus (val_fraction is not read), data.shuffle a seeded buffer of shuffle_buffer blocks
+    streaming: bool = False
+    streaming_val_blocks: int = 32
+    shuffle_buffer: int = 1024
 
 
 @dataclass

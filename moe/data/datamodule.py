@@ -3,7 +3,9 @@
 `kind=prepared` memory-maps a data_prep.py output. `kind=online` runs the same pipeline
 from raw input at start-up into a cache keyed by the config, the tokenizer and the input
 files (size, mtime), so it yields exactly the blocks data_prep.py would write, and later
-runs open the cache instantly. Cache root: $MOE_DATA_CACHE, else ~/.cache/moe/data.
+runs open the cache instantly. Cache root: $MOE_DATA_CACHE, else ~/.cache/moe/data. `kind=online` with
+`streaming` packs the same blocks as training reads them instead (moe.data.streaming), caching only the
+tokenizer.
 
 Training batches are optimizer steps: a rank's `micro_batch_size x accumulate_grad_batches` rows, its
 micro-batches in order (the step cuts them, moe.module.train_step); validation batches are
@@ -16,12 +18,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from moe.config.data_prep import PrepConfig
 from moe.config.rules.entries import validate_prep
@@ -32,9 +35,11 @@ from moe.data.mixture import load_mixture, source_dirs
 from moe.data.prep_pipeline import content_config, digest, prepare
 from moe.data.sampler import StreamSampler, validation_batches
 from moe.data.sources import describe_sources, resolve
+from moe.data.streaming import BlockSource, BlockStream
 from moe.data.tokenizer_chat import load_template_tokenizer, template_text
 from moe.errors import UserError, WriteFailed
 from moe.model.documents import document_ids, hide_boundary_targets
+from moe.outputs import publish
 from moe.paths import local_path
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,56 @@ def _local(path: str | None) -> str | None:
     return None if path is None else str(local_path(path))
 
 
+def block_batch(ids: np.ndarray, mask: np.ndarray | None, eos_id: int | None) -> dict[str, torch.Tensor]:
+    """Blocks of L+1 -> inputs [:-1] and labels [1:] (-100 where the mask says no loss); `eos_id` (document
+    masking): each token's document from the EOS tokens, and no target after an EOS."""
+    labels = ids[:, 1:].copy()
+    if mask is not None:
+        labels[mask[:, 1:] == 0] = IGNORE_INDEX
+    inputs = torch.from_numpy(np.ascontiguousarray(ids[:, :-1]))
+    batch = {"input_ids": inputs, "labels": torch.from_numpy(labels)}
+    if eos_id is not None:
+        hidden = hide_boundary_targets(batch["labels"], inputs, eos_id)
+        batch = {"input_ids": inputs, "labels": hidden, "document_ids": document_ids(inputs, eos_id)}
+    return batch
+
+
+class InMemoryBlocks:
+    """Blocks held in arrays (streaming's validation blocks), read like PackedBlocks."""
+
+    def __init__(self, ids: np.ndarray, masks: np.ndarray | None):
+        self.ids, self.masks = ids, masks
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def get(self, idx) -> tuple[np.ndarray, np.ndarray | None]:
+        return self.ids[idx], None if self.masks is None else self.masks[idx]
+
+
+class StreamBatches(IterableDataset):
+    """Streaming's training batches: steps `start_step .. total-1`, each this rank's share of the next
+    `rows x dp_size` stream positions (rank r takes the r-th, the (r+dp)-th, ..., as StreamSampler does),
+    from stream position `start_row`. `len()` is `total`, as StreamSampler's."""
+
+    def __init__(self, stream: BlockStream, rows: int, total: int, dp_rank: int, dp_size: int,
+                 start_step: int, start_row: int, eos_id: int | None):
+        self.stream, self.rows, self.total, self.eos_id = stream, rows, total, eos_id
+        self.dp_rank, self.dp_size, self.start_step, self.start_row = dp_rank, dp_size, start_step, start_row
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self):
+        with _as_data_error():  # a bad row met on the way is named under its data.* key
+            blocks = self.stream.train(self.start_row)
+            for _ in range(self.start_step, self.total):
+                step = [next(blocks) for _ in range(self.rows * self.dp_size)]
+                mine = step[self.dp_rank::self.dp_size]
+                masks = None if mine[0][1] is None else np.stack([m for _, m in mine])
+                yield block_batch(np.stack([ids for ids, _ in mine]), masks, self.eos_id)
+
+
 class BlockBatches(Dataset):
     """Index array -> collated batch; blocks of L+1 become inputs [:-1] and labels [1:]. `eos_id` (document
     masking): each token's document from the EOS tokens, and no target after an EOS. `by_source`: a mixture's
@@ -62,15 +117,7 @@ class BlockBatches(Dataset):
         return len(self.blocks)
 
     def __getitem__(self, idx) -> dict[str, torch.Tensor]:
-        ids, mask = self.blocks.get(idx)
-        labels = ids[:, 1:].copy()
-        if mask is not None:
-            labels[mask[:, 1:] == 0] = IGNORE_INDEX
-        inputs = torch.from_numpy(np.ascontiguousarray(ids[:, :-1]))
-        batch = {"input_ids": inputs, "labels": torch.from_numpy(labels)}
-        if self.eos_id is not None:
-            hidden = hide_boundary_targets(batch["labels"], inputs, self.eos_id)
-            batch = {"input_ids": inputs, "labels": hidden, "document_ids": document_ids(inputs, self.eos_id)}
+        batch = block_batch(*self.blocks.get(idx), self.eos_id)
         if self.by_source:
             batch["source"] = int(self.blocks.source_of(idx[:1])[0])
         return batch
@@ -132,6 +179,14 @@ def online_cache_dir(prep: PrepConfig) -> Path:
     return cache_root() / f"{Path(str(items[0])).stem}-{key[:16]}"
 
 
+def stream_tokenizer_home(prep: PrepConfig) -> Path:
+    """Streaming keeps only its tokenizer, keyed by the content config and the tokenizer's bytes (not by the
+    input files: nothing of them is kept)."""
+    tok_file = Path(prep.tokenizer) / "tokenizer.json"
+    tok_sha = tk.file_sha256(tok_file) if tok_file.is_file() else str(prep.tokenizer)
+    return cache_root() / f"stream-{digest(content_config(prep), tok_sha)[:16]}"
+
+
 class MoEDataModule(L.LightningDataModule):
     """`dims` (moe.parallel.dims.ParallelDims) says which data-parallel rank this process is: ranks of one
     tensor/pipeline-parallel group read the same data. Without one, every process is its own rank.
@@ -170,6 +225,12 @@ class MoEDataModule(L.LightningDataModule):
             self._check_prepared_tokenizer(self.dir, self.meta)
             self._vocab_size = self.meta["tokenizer"]["vocab_size"]
             self._take_seq_len()
+        elif data_cfg.kind == "online" and getattr(data_cfg, "streaming", False):
+            self.prep = online_prep_config(data_cfg)
+            self.dir, self.meta = stream_tokenizer_home(self.prep), None
+            self.stream, self._stream_validation = None, None
+            with _as_data_error():
+                self._vocab_size = self._online_vocab()
         elif data_cfg.kind == "online":
             self.prep = online_prep_config(data_cfg)
             with _as_data_error():
@@ -248,9 +309,16 @@ class MoEDataModule(L.LightningDataModule):
         return tk.vocab_size(tok)
 
     # ---- Lightning hooks ----
+    @property
+    def streaming(self) -> bool:
+        return self.cfg.kind == "online" and getattr(self.cfg, "streaming", False)
+
     def prepare_data(self) -> None:
         """Online: build the cache once (atomic; when processes race, the first finished one is kept:
-        moe.outputs.publish)."""
+        moe.outputs.publish). Streaming: its source, and its tokenizer written once the same way."""
+        if self.streaming:
+            self._prepare_stream()
+            return
         if self.cfg.kind == "online" and not (self.dir / "meta.json").is_file():
             log.info("online data: packing %s into %s", self.prep.input, self.dir)
             try:
@@ -262,8 +330,35 @@ class MoEDataModule(L.LightningDataModule):
         if self.meta is None:
             self.meta = read_meta(self.dir)
 
+    def _prepare_stream(self) -> None:
+        if self.stream is not None:
+            return
+        with _as_data_error():
+            source = BlockSource(self.prep)
+            # the rows up to the first block, read now: a wrong format or a corpus shorter than one block
+            # fails at start-up, not in the middle of Lightning's loop
+            if next(source.blocks(), None) is None:
+                raise UserError("data.seq_len", self.prep.seq_len, "lower data.seq_len, or add data",
+                                problem=f"is too long: {self.prep.input} holds fewer tokens than one block "
+                                f"of seq_len + 1 = {self.prep.seq_len + 1}")
+        log.info("streaming %s: validation is its first %d blocks (data.val_fraction is not read)",
+                 self.prep.input, self.cfg.streaming_val_blocks)
+        self.stream = BlockStream(source, self.cfg.streaming_val_blocks, self.cfg.shuffle,
+                                  self.cfg.shuffle_buffer, self.seed)
+        self.meta = {"seq_len": self.prep.seq_len, "tokenizer": source.tokenizer_facts()}
+        if not (self.dir / "tokenizer").is_dir():
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.dir.parent / f".{self.dir.name}.tmp-{os.getpid()}"
+            source.save_tokenizer(tmp / "tokenizer")
+            try:
+                publish(tmp, self.dir, replace=False)
+            except UserError:  # another process published the same tokenizer first
+                shutil.rmtree(tmp, ignore_errors=True)
+
     def setup(self, stage: str | None = None) -> None:
-        if self.prepared is None:
+        if self.streaming:
+            self.prepare_data()
+        elif self.prepared is None:
             self.prepared = self._open()
         rank, size = self._data_parallel_rank_and_size()
         self.dp_rank = rank if self.dp_rank is None else self.dp_rank
@@ -296,20 +391,44 @@ class MoEDataModule(L.LightningDataModule):
                              dp_rank=self.dp_rank, dp_size=self.dp_size, start_step=self.start_step,
                              start_row=self.start_row, weights=weights)
 
+    @property
+    def _eos_id(self) -> int | None:
+        """The EOS id document masking reads boundaries from; None without it."""
+        return self.meta["tokenizer"]["eos_id"] if getattr(self.cfg, "document_mask", False) else None
+
     def _loader(self, blocks: PackedBlocks, sampler, by_source: bool = False) -> DataLoader:
         workers = self.cfg.num_workers
-        eos_id = self.meta["tokenizer"]["eos_id"] if getattr(self.cfg, "document_mask", False) else None
-        return _ResumableLoader(BlockBatches(blocks, eos_id, by_source), sampler=sampler, batch_size=None,
-                                num_workers=workers, persistent_workers=workers > 0,
+        return _ResumableLoader(BlockBatches(blocks, self._eos_id, by_source), sampler=sampler,
+                                batch_size=None, num_workers=workers, persistent_workers=workers > 0,
                                 pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
+        if self.streaming:
+            return self._stream_loader()
         return self._loader(self.prepared.splits["train"], self.train_sampler())
+
+    def _stream_loader(self) -> DataLoader:
+        """Streaming: the same rows per step and rank as train_sampler's, read from the files in order."""
+        trainer = getattr(self, "trainer", None)
+        self.start_step = trainer.global_step if trainer is not None else 0
+        batches = StreamBatches(self.stream, self.micro_batch_size * self.accumulate, self.max_steps,
+                                self.dp_rank, self.dp_size, self.start_step, self.start_row, self._eos_id)
+        workers = self.cfg.num_workers
+        return _ResumableLoader(batches, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+                                pin_memory=torch.cuda.is_available())
+
+    def _validation_blocks(self):
+        if self.streaming:
+            if self._stream_validation is None:  # read once: the first streaming_val_blocks blocks
+                with _as_data_error():
+                    self._stream_validation = InMemoryBlocks(*self.stream.validation())
+            return self._stream_validation
+        return self.prepared.splits.get("validation")
 
     def val_dataloader(self) -> DataLoader:
         """One source: its first `limit_val_batches` micro-batches. A mixture: that many of each source's
         validation blocks in turn, a batch never spanning two sources (their losses are logged apart)."""
-        blocks = self.prepared.splits.get("validation")
+        blocks = self._validation_blocks()
         size = self.micro_batch_size * self.val_micro_batches
         parts = [(0, len(blocks) if blocks is not None else 0)]
         if self.sources and blocks is not None:

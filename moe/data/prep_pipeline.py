@@ -131,8 +131,10 @@ def _texts_for_training(raw: datasets.Dataset, spec: FormatSpec, batch_size: int
                 yield text
 
 
-def _tokenizer(cfg: PrepConfig, raw: datasets.Dataset, spec: FormatSpec, markers: list[str], progress: bool):
-    """(tokenizer, eos token, pad token or None, specials added for the template, where it came from)."""
+def prep_tokenizer(cfg: PrepConfig, raw: datasets.Dataset | None, spec: FormatSpec, markers: list[str],
+                   progress: bool):
+    """(tokenizer, eos token, pad token or None, specials added for the template, where it came from).
+    `raw` is read only to train a BPE (no cfg.tokenizer)."""
     if cfg.tokenizer is not None:
         tok, tcfg = tk.read_tokenizer(cfg.tokenizer)
         source = str(cfg.tokenizer)
@@ -213,7 +215,7 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
     spec = FormatSpec(cfg.format, cfg.text_column, cfg.chat_template, blank_lines_ok=raw.kind == "text")
     check_columns(spec, raw.dataset.column_names)
     markers = tk.template_markers(cfg.chat_template) if cfg.format == "chat" else []
-    tok, eos, pad, added, tok_source = _tokenizer(cfg, raw.dataset, spec, markers, progress)
+    tok, eos, pad, added, tok_source = prep_tokenizer(cfg, raw.dataset, spec, markers, progress)
     # the template (and the BOS it writes) travel with the tokenizer: inference renders as training did
     kept = {"chat_template": template_text(hf), "bos_token": hf.bos_token} if hf is not None else {}
     tok_sha = tk.save_tokenizer(tok, out_dir / "tokenizer", eos=eos, pad=pad, model_max_length=cfg.seq_len,

@@ -253,13 +253,24 @@ def _clean_copy(path: str, builder: str, out_dir: Path, skipped: Counter) -> str
     return str(out)
 
 
-def _load_files(builder: str, files: list[str], cache_dir: Path, num_proc: int) -> datasets.Dataset:
+def builder_args(builder: str) -> tuple[str, dict]:
+    """The `datasets` builder and its arguments that read files of kind `builder` (offline and streaming)."""
     # utf-8-sig: a byte-order mark some editors put first (U+FEFF) is dropped, not tokenized into row 0
     kwargs = {"encoding": "utf-8-sig"} if builder in ("text", "csv", "tsv") else {}
     if builder == "tsv":  # datasets' csv builder with tabs
         builder, kwargs["delimiter"] = "csv", "\t"
     if builder == "text":
         kwargs["keep_linebreaks"] = False
+    return builder, kwargs
+
+
+def refuse_bad_bytes(path: str) -> None:
+    """on_bad_row=error's byte check of one line-based file (a UserError naming the first bad line)."""
+    _checked_bytes(path, "error", Path(path).parent, RawData(None, "", []))
+
+
+def _load_files(builder: str, files: list[str], cache_dir: Path, num_proc: int) -> datasets.Dataset:
+    builder, kwargs = builder_args(builder)
     counts = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False  # local files: no download-count request to the hub
     try:

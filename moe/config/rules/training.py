@@ -87,6 +87,23 @@ def check_data(data) -> None:
         check_chat_template("data.chat_template", d.chat_template)
     if d.sources is not None:
         check_sources(d)
+    if d.streaming:
+        check_streaming(d)
+
+
+def check_streaming(d) -> None:
+    """Streaming packs online inputs as it reads them: one worker at most (more would each read the whole
+    stream), counts that are not negative; mixtures are of prepared dirs, refused by check_sources."""
+    need(d.kind == "online", "data.kind", d.kind, "use data=online data.path=FILES data.tokenizer=DIR, or "
+         "set data.streaming=false", "is not online: data.streaming packs raw files as it reads them")
+    need(d.num_workers in (0, 1), "data.num_workers", d.num_workers, "use data.num_workers=1 (one worker "
+         "reads, tokenizes and packs the stream) or 0", "is more than one: each worker would read the whole "
+         "stream with data.streaming=true")
+    need(d.streaming_val_blocks >= 0, "data.streaming_val_blocks", d.streaming_val_blocks,
+         "use 0 (no validation) or more, e.g. 32", "must not be negative")
+    need(d.shuffle_buffer >= 1 or not d.shuffle, "data.shuffle_buffer", d.shuffle_buffer,
+         "use a positive buffer such as 1024 blocks, or set data.shuffle=false",
+         "must be positive to shuffle")
 
 
 def check_sources(d) -> None:
