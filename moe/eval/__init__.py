@@ -1,0 +1,1 @@
+"""Evaluation: lm-evaluation-harness tasks (local files only) and held-out perplexity on our own model."""
