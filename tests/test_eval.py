@@ -16,8 +16,9 @@ from moe.eval.tasks import BUNDLED_TASKS, stay_offline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# the second is over 128 tokens: several windows
 TEXTS = ["Once upon a time there was a little bird.",
-         " ".join((REPO / "data/sample/train.txt").read_text().splitlines()[:4])]  # over 128 tokens: several windows
+         " ".join((REPO / "data/sample/train.txt").read_text().splitlines()[:4])]
 
 
 def ecfg(**kw):
@@ -146,7 +147,8 @@ def test_a_task_lm_eval_would_download_is_refused_with_the_fix(tmp_path):
     (hub / "arc_hub.yaml").write_text("task: arc_hub\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\n"
                                       "output_type: multiple_choice\ntest_split: test\ndoc_to_text: q\n"
                                       "doc_to_choice: [a, b]\ndoc_to_target: 0\n")
-    proc = run_entry("moe/eval/__main__.py", f"ckpt={ckpt}", "tasks=[arc_hub]", f"task_dirs=[{hub}]", here=True)
+    proc = run_entry("moe/eval/__main__.py", f"ckpt={ckpt}", "tasks=[arc_hub]", f"task_dirs=[{hub}]",
+                     here=True)
     assert proc.returncode == 2, proc.stderr
     said = " ".join(proc.stderr.split())
     assert "dataset_path='allenai/ai2_arc'" in said and "fetches nothing" in said

@@ -1,4 +1,4 @@
-"""Typed schema of `python -m moe.eval` (conf/eval.yaml), registered in Hydra's ConfigStore as `eval_schema`."""
+"""Typed schema of `python -m moe.eval` (conf/eval.yaml), in Hydra's ConfigStore as `eval_schema`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -40,7 +40,8 @@ def output_path(cfg, checkpoint: Path | None) -> Path | None:
     if path is None:
         return None
     if path.is_dir():
-        raise UserError("output", cfg.output, f"name a file, e.g. {path / EVAL_FILE}", problem="is a directory")
+        raise UserError("output", cfg.output, f"name a file, e.g. {path / EVAL_FILE}",
+                        problem="is a directory")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -84,7 +85,11 @@ def run(cfg) -> dict:
     """python -m moe.eval: returns what eval.json holds (also written where output_path says, and printed)."""
     stay_offline()  # before lm_eval (and so datasets) is imported
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm_eval's bootstrap stderr: in this process, no pool
-    import lm_eval
+    try:
+        import lm_eval
+    except ImportError as err:
+        raise UserError("lm_eval", "not installed", "pip install -c constraints.txt -e '.[eval]' (make setup "
+                        "installs it)", problem="is needed by python -m moe.eval") from err
     from lm_eval.utils import make_table
 
     from moe.checkpoint.trust import set_allow_pickle

@@ -37,8 +37,8 @@ MAX_GEN_TOKS = 256  # hf:628, for a generate_until task that names no max_gen_to
 class MoELM(TemplateLM):
     """A MoETransformer (eval mode, on its device) and its tokenizer as an lm_eval LM."""
 
-    def __init__(self, model: MoETransformer, tokenizer, *, batch_size: int = 8, max_length: int | None = None,
-                 eos_ids: list[int] | None = None, seed: int = 1234):
+    def __init__(self, model: MoETransformer, tokenizer, *, batch_size: int = 8,
+                 max_length: int | None = None, eos_ids: list[int] | None = None, seed: int = 1234):
         super().__init__()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -67,8 +67,8 @@ class MoELM(TemplateLM):
     def tokenizer_name(self) -> str:
         return str(getattr(self.tokenizer, "name_or_path", "moe")).replace("/", "__")
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   left_truncate_len: int | None = None, **kwargs) -> list[int]:
         """hf:1040: the tokenizer's own special tokens unless told, none when the text starts with BOS."""
         special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
@@ -103,11 +103,12 @@ class MoELM(TemplateLM):
         for chunk in order.get_batched(n=override_bs or self.batch_size):
             for _, _, continuation in chunk:
                 if not 0 < len(continuation) <= self.max_length:  # hf:1417
-                    raise UserError("max_length", self.max_length, "raise max_length, or evaluate a model with a "
-                                    "longer context", problem=f"cannot hold a {len(continuation)}-token "
-                                    "continuation")
+                    raise UserError("max_length", self.max_length, "raise max_length, or evaluate a model "
+                                    "with a longer context",
+                                    problem=f"cannot hold a {len(continuation)}-token continuation")
             # hf:1431: the last max_length + 1 tokens, the last one only predicted
-            rows = [(context + continuation)[-(self.max_length + 1):][:-1] for _, context, continuation in chunk]
+            rows = [(context + continuation)[-(self.max_length + 1):][:-1]
+                    for _, context, continuation in chunk]
             logits_BSV = self._logits(rows)
             for (key, context, continuation), row, logits_SV in zip(chunk, rows, logits_BSV, strict=True):
                 # hf:1191 _select_cont_toks: the positions that predict the continuation
@@ -142,7 +143,8 @@ class MoELM(TemplateLM):
         for start in tqdm(range(0, len(windows), self.batch_size), disable=disable_tqdm,
                           desc="loglikelihood_rolling batches"):
             batch = windows[start:start + self.batch_size]
-            scores = self._loglikelihood_tokens([w for _, w in batch], disable_tqdm=True, override_bs=len(batch))
+            scores = self._loglikelihood_tokens([w for _, w in batch], disable_tqdm=True,
+                                                override_bs=len(batch))
             for (i, _), (logprob, _) in zip(batch, scores, strict=True):
                 totals[i] += logprob
         for text, total in zip(texts, totals, strict=True):
@@ -153,7 +155,8 @@ class MoELM(TemplateLM):
         """Continue each context (greedy unless the task samples), cut at the first stop string; requests
         batched by equal generation settings, longest first (hf:1574-1716)."""
         tok = self.tokenizer
-        order = Collator([req.args for req in requests], sort_fn=lambda req: (-len(self.tok_encode(req[0])), req[0]),
+        order = Collator([req.args for req in requests],
+                         sort_fn=lambda req: (-len(self.tok_encode(req[0])), req[0]),
                          group_by="gen_kwargs", group_fn=lambda req: req[1])
         eos_text = tok.decode(self.eot_token_id, skip_special_tokens=False)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (self.eos_ids or [0])[0]
@@ -166,8 +169,8 @@ class MoELM(TemplateLM):
             max_new = kwargs.pop("max_gen_toks")
             room = self.max_length - max_new  # hf:1646: the context keeps room for what is generated
             if room <= 0:
-                raise UserError("max_gen_toks", max_new, f"ask for fewer than max_length={self.max_length} new "
-                                "tokens", problem="leaves no room for the context")
+                raise UserError("max_gen_toks", max_new, f"ask for fewer than max_length={self.max_length} "
+                                "new tokens", problem="leaves no room for the context")
             # hf:1065 tok_batch_encode: no special tokens when the first context starts with BOS
             special = {"add_special_tokens": False} if has_bos_prefix(contexts[0], tok.bos_token) else {}
             encoded = [tok.encode(c, **special)[-room:] or [self.prefix_token_id] for c in contexts]

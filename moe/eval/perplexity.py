@@ -30,14 +30,15 @@ def read_documents(path_text: str) -> list[str]:
                 text = json.loads(line)["text"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 raise UserError("perplexity_file", path_text, 'write one {"text": "..."} object a line',
-                                problem=f"has a line without a text field (line {number}: {first_line(err)})") \
-                    from err
+                                problem=f"has a line without a text field (line {number}: "
+                                f"{first_line(err)})") from err
             if not isinstance(text, str) or not text.strip():
                 raise UserError("perplexity_file", path_text, "make every text a non-empty string",
                                 problem=f"has text {text!r} on line {number}")
             documents.append(text)
     if not documents:
-        raise UserError("perplexity_file", path_text, "give it at least one non-empty line", problem="is empty")
+        raise UserError("perplexity_file", path_text, "give it at least one non-empty line",
+                        problem="is empty")
     return documents
 
 

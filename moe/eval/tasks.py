@@ -17,10 +17,11 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
 BUNDLED_TASKS = ("moe_tiny_mc", "moe_tiny_cloze")
 # datasets' builders that read local files (data_files); any other dataset_path must be a local directory
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
-LOCAL_COPY_FIX = ("copy the task's yaml from lm_eval/tasks/<name>/ into a directory, save its data there as "
-                  "jsonl (on a machine with network: datasets.load_dataset(...)[split].to_json(FILE)), set "
-                  "`dataset_path: json` and `dataset_kwargs: {data_files: {test: FILE}}` in the yaml, and pass "
-                  "task_dirs=[DIR] (docs/EVALUATION.md)")
+LOCAL_COPY_FIX = ("copy the task's yaml from lm_eval/tasks/<name>/ into a directory, save its data there "
+                  "as jsonl (on a machine with network: "
+                  "datasets.load_dataset(...)[split].to_json(FILE)), set `dataset_path: json` and "
+                  "`dataset_kwargs: {data_files: {test: FILE}}` in the yaml, and pass task_dirs=[DIR] "
+                  "(docs/EVALUATION.md)")
 
 
 def stay_offline() -> None:
@@ -56,8 +57,9 @@ def local_config(cfg: dict, yaml_path: Path | None) -> dict:
     if isinstance(path, str) and path not in FILE_BUILDERS:
         cfg["dataset_path"] = path = _local(path, base)
         if not Path(path).expanduser().exists():
-            raise UserError("tasks", name, LOCAL_COPY_FIX, problem=f"reads dataset_path={path!r} from the Hugging "
-                            "Face hub (no such local directory beside its yaml); evaluation fetches nothing")
+            raise UserError("tasks", name, LOCAL_COPY_FIX,
+                            problem=f"reads dataset_path={path!r} from the Hugging Face hub (no such local "
+                            "directory beside its yaml); evaluation fetches nothing")
     if path in FILE_BUILDERS and not kwargs.get("data_files") and not kwargs.get("data_dir"):
         raise UserError("tasks", name, "name the local files in the task yaml: dataset_kwargs: {data_files: "
                         "{test: FILE.jsonl}} (docs/EVALUATION.md)",
