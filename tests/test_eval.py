@@ -3,6 +3,7 @@ perplexity against the model's own loss, a sharded checkpoint against its consol
 of a task lm_eval would download."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -70,10 +71,20 @@ def test_rolling_loglikelihood_and_greedy_generation_match_lm_evals_hf_backend(o
     rolling = [Instance("loglikelihood_rolling", doc={}, arguments=(t,), idx=0) for t in TEXTS]
     for a, b in zip(ours.loglikelihood_rolling(rolling), hf.loglikelihood_rolling(rolling), strict=True):
         assert math.isclose(a, b, rel_tol=1e-5)
-    settings = {"until": ["."], "max_gen_toks": 12, "do_sample": False}
     prompts = ["Once upon a time", "The cat", "Lucy liked to swim in the"]
-    asks = [Instance("generate_until", doc={}, arguments=(p, dict(settings)), idx=0) for p in prompts]
-    assert ours.generate_until(asks) == hf.generate_until(asks)
+
+    def asks(until: list[list[str]]) -> list:
+        return [Instance("generate_until", doc={}, arguments=(p, {"until": u, "max_gen_toks": 12,
+                                                                  "do_sample": False}), idx=0)
+                for p, u in zip(prompts, until, strict=True)]
+
+    whole = ours.generate_until(asks([[]] * 3))
+    assert whole == hf.generate_until(asks([[]] * 3)) and all(whole)
+    # a word each text holds as its stop string: the text up to it, from both
+    stops = [[re.findall(r"[a-z]{2,}", text[2:])[0]] for text in whole]
+    cut = ours.generate_until(asks(stops))
+    assert cut == hf.generate_until(asks(stops))
+    assert cut == [t.split(s)[0] for t, [s] in zip(whole, stops, strict=True)]
 
 
 def test_perplexity_is_the_models_own_loss_on_the_same_windows():
@@ -153,3 +164,36 @@ def test_a_task_lm_eval_would_download_is_refused_with_the_fix(tmp_path):
     said = " ".join(proc.stderr.split())
     assert "dataset_path='allenai/ai2_arc'" in said and "fetches nothing" in said
     assert not (tmp_path / "runs" / "a" / "eval.json").exists()
+
+
+def test_a_local_task_dir_reads_its_data_beside_its_yaml_from_any_working_directory(tmp_path, monkeypatch):
+    """A generate_until task copied as lm_eval's own are (yaml + jsonl, `data_files` relative to the yaml),
+    run from another directory: one answer is the model's own greedy text, so exact_match is 1/4."""
+    from lm_eval.api.instance import Instance
+    from transformers import AutoTokenizer
+
+    from moe.eval.lm import MoELM
+
+    model = tiny_model(seed=4)
+    ckpt = save_ckpt(tmp_path / "runs" / "a" / "checkpoints" / "last.ckpt", model)
+    settings = {"until": ["\n"], "max_gen_toks": 6, "do_sample": False}
+    prompts = ["Once upon a time", "The cat", "Lucy liked", "Tom went"]
+    own = MoELM(model, AutoTokenizer.from_pretrained(SAMPLE_TOK)).generate_until(
+        [Instance("generate_until", doc={}, arguments=(prompts[0], dict(settings)), idx=0)])[0]
+    assert own  # a text, not the empty string every stop would give
+    local = tmp_path / "lm_eval_local"
+    local.mkdir()
+    answers = [own, "no", "no", "no"]
+    (local / "echo.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
+                                              for p, a in zip(prompts, answers, strict=True)))
+    (local / "echo_local.yaml").write_text(
+        "task: echo_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: echo.jsonl\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{prompt}}'\n"
+        "doc_to_target: '{{answer}}'\n"
+        f"generation_kwargs: {json.dumps(settings)}\nmetric_list:\n  - metric: exact_match\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    got = run(ecfg(ckpt=str(ckpt), tasks=["echo_local"], task_dirs=[str(local)]))
+    assert got["tasks"]["echo_local"]["exact_match"] == 0.25 and got["tasks"]["echo_local"]["samples"] == 4
+    assert json.loads((tmp_path / "runs" / "a" / "eval.json").read_text())["tasks"] == got["tasks"]

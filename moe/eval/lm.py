@@ -7,8 +7,8 @@ loaded by `lm_eval --model hf` are the same: the same tokenization of (context, 
 lm_eval/api/model.py:393-472), the same left truncation to the context, the same ordering and batching
 (lm_eval.models.utils.Collator) and the same greedy check. Two differences, neither changing a number in fp32:
 the log-softmax runs in fp32 on the continuation's positions only (hf:1504 takes it over every position in the
-model's dtype), and generation runs to EOS or max_gen_toks and then cuts at the stop strings (hf: a stopping
-criterion ends it at the first stop string), so the text is the same.
+model's dtype), and a row's generation stops once its whole decoded text holds a stop string (hf: a stopping
+criterion on the last few tokens' text); either way the text is then cut at the first stop string.
 
 Routing is per token (the forward's `generating=True`, dropless): a token's experts never depend on which
 other requests share its batch, nor on the padding.
@@ -151,6 +151,18 @@ class MoELM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
         return totals
 
+    def _holds_any(self, stops: list[str]):
+        """generate's `stopped`: the rows whose new text holds one of `stops` (None: no stop strings)."""
+        stops = [s for s in stops if s]
+        if not stops:
+            return None
+
+        def stopped(new_BN: torch.Tensor) -> torch.Tensor:
+            texts = (self.tokenizer.decode(row, skip_special_tokens=True) for row in new_BN.tolist())
+            return torch.tensor([any(s in text for s in stops) for text in texts])
+
+        return stopped
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Continue each context (greedy unless the task samples), cut at the first stop string; requests
         batched by equal generation settings, longest first (hf:1574-1716)."""
@@ -180,7 +192,7 @@ class MoELM(TemplateLM):
                            temperature=float(kwargs.get("temperature", 0.0)) if sampled else 0.0,
                            top_k=int(kwargs.get("top_k") or 0), top_p=float(kwargs.get("top_p") or 1.0),
                            eos_token_id=self.eos_ids, pad_token_id=pad_id, generator=self.generator,
-                           vocab_limit=len(tok))
+                           vocab_limit=len(tok), stopped=self._holds_any([s for s in until if s != eos_text]))
             for context, setting, new in zip(contexts, settings, out.tokens, strict=True):
                 text = postprocess_generated_text(tok.decode(new, skip_special_tokens=True), until, None)
                 results.append(text)
