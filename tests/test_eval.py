@@ -163,6 +163,8 @@ def test_a_task_lm_eval_would_download_is_refused_with_the_fix(tmp_path):
     assert proc.returncode == 2, proc.stderr
     said = " ".join(proc.stderr.split())
     assert "dataset_path='allenai/ai2_arc'" in said and "fetches nothing" in said
+    proc = run_entry("moe/eval/__main__.py", f"ckpt={ckpt}", "taks=[moe_tiny_mc]", here=True)  # a typo
+    assert proc.returncode == 2 and "docs/EVALUATION.md" in proc.stderr, proc.stderr
     assert not (tmp_path / "runs" / "a" / "eval.json").exists()
 
 

@@ -30,5 +30,5 @@ if __name__ == "__main__":
     from moe.train.preflight import check_composes
 
     # a composition error (unknown key, YAML slip): one paragraph, exit 2
-    check_composes(sys.argv[1:], CONF_DIR, "eval", "python -m moe.eval")
+    check_composes(sys.argv[1:], CONF_DIR, "eval", "-m moe.eval")
     main()
