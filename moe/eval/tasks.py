@@ -8,6 +8,7 @@ read beside the yaml, not in the working directory, so a task directory works fr
 """
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
@@ -31,11 +32,22 @@ def stay_offline() -> None:
     os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
+def _found(path: Path) -> bool:
+    """`path` exists, or names files as a glob pattern (data_files may: `test-*.jsonl`)."""
+    if path.exists():
+        return True
+    anchor = Path(path.anchor or ".")
+    try:
+        return any(anchor.glob(str(path.relative_to(anchor)))) if glob.has_magic(str(path)) else False
+    except (ValueError, NotImplementedError):  # a pattern pathlib cannot take
+        return False
+
+
 def _local(value, base: Path):
-    """A relative path (or a list / dict of them) made absolute against `base`, when it exists there."""
+    """A relative path (or a list / dict of them) made absolute against `base`, when it is found there."""
     if isinstance(value, str):
         path = Path(value).expanduser()
-        return str(base / path) if not path.is_absolute() and (base / path).exists() else value
+        return str(base / path) if not path.is_absolute() and _found(base / path) else str(path)
     if isinstance(value, list):
         return [_local(v, base) for v in value]
     if isinstance(value, dict):
@@ -43,19 +55,35 @@ def _local(value, base: Path):
     return value
 
 
-def local_config(cfg: dict, yaml_path: Path | None) -> dict:
-    """A task's config with its relative paths read beside its yaml; a hub dataset refused."""
-    name = cfg.get("task", "?")
+def _paths(value) -> list[str]:
+    """The path strings of a data_files value (a path, a list, a split -> path(s) dict)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [p for v in value for p in _paths(v)]
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _paths(v)]
+    return []
+
+
+def local_config(task: dict, yaml_path: Path | None) -> dict:
+    """A task's config (lm_eval's) with its relative paths read beside its yaml; a hub dataset refused."""
+    name = task.get("task", "?")
     base = Path(yaml_path).parent if yaml_path else Path.cwd()
-    kwargs = dict(cfg.get("dataset_kwargs") or {})
+    kwargs = dict(task.get("dataset_kwargs") or {})
     for key in ("data_files", "data_dir"):
         if key in kwargs:
             kwargs[key] = _local(kwargs[key], base)
     if kwargs:
-        cfg["dataset_kwargs"] = kwargs
-    path = cfg.get("dataset_path")
+        task["dataset_kwargs"] = kwargs
+    missing = [p for p in _paths(kwargs.get("data_files")) if not _found(Path(p))]
+    if missing:
+        raise UserError("tasks", name, f"put the file beside {yaml_path or 'the task yaml'} (a relative path "
+                        "is read there) or give its absolute path in data_files",
+                        problem=f"names data_files that do not exist: {', '.join(missing[:3])}")
+    path = task.get("dataset_path")
     if isinstance(path, str) and path not in FILE_BUILDERS:
-        cfg["dataset_path"] = path = _local(path, base)
+        task["dataset_path"] = path = _local(path, base)
         if not Path(path).expanduser().exists():
             raise UserError("tasks", name, LOCAL_COPY_FIX,
                             problem=f"reads dataset_path={path!r} from the Hugging Face hub (no such local "
@@ -64,7 +92,7 @@ def local_config(cfg: dict, yaml_path: Path | None) -> dict:
         raise UserError("tasks", name, "name the local files in the task yaml: dataset_kwargs: {data_files: "
                         "{test: FILE.jsonl}} (docs/EVALUATION.md)",
                         problem=f"has dataset_path={path!r} and no data_files to read")
-    return cfg
+    return task
 
 
 def task_manager(task_dirs: list[str]):
