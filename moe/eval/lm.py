@@ -4,9 +4,9 @@ generate_until, batched, the last through moe.infer.generate's KV cache.
 Each request is scored as lm_eval's Hugging Face backend scores it (lm_eval 0.4.13,
 lm_eval/models/huggingface.py, cited `hf:LINE` below), so a task's numbers from our model and from its export
 loaded by `lm_eval --model hf` are the same: the same tokenization of (context, continuation) (TemplateLM,
-lm_eval/api/model.py:393-472), the same left truncation to the context, the same ordering and batching
+lm_eval/api/model.py:393-471), the same left truncation to the context, the same ordering and batching
 (lm_eval.models.utils.Collator) and the same greedy check. Two differences, neither changing a number in fp32:
-the log-softmax runs in fp32 on the continuation's positions only (hf:1504 takes it over every position in the
+the log-softmax runs in fp32 on the continuation's positions only (hf:1503 takes it over every position in the
 model's dtype), and a row's generation stops once its whole decoded text holds a stop string (hf: a stopping
 criterion on the last few tokens' text); either way the text is then cut at the first stop string.
 
@@ -78,7 +78,7 @@ class MoELM(TemplateLM):
 
     @torch.no_grad()
     def _logits(self, rows: list[list[int]]) -> torch.Tensor:
-        """Right-padded rows (hf:1467 pads on the right: causal attention never lets a pad reach a real token)
+        """Right-padded rows (hf:1483 pads on the right: causal attention never lets a pad reach a real token)
         through the model: logits [rows, width, vocab]."""
         width = max(len(r) for r in rows)
         ids_BS = torch.zeros((len(rows), width), dtype=torch.long)
@@ -106,7 +106,7 @@ class MoELM(TemplateLM):
                     raise UserError("max_length", self.max_length, "raise max_length, or evaluate a model "
                                     "with a longer context",
                                     problem=f"cannot hold a {len(continuation)}-token continuation")
-            # hf:1431: the last max_length + 1 tokens, the last one only predicted
+            # hf:1436: the last max_length + 1 tokens, the last one only predicted
             rows = [(context + continuation)[-(self.max_length + 1):][:-1]
                     for _, context, continuation in chunk]
             logits_BSV = self._logits(rows)
@@ -118,7 +118,7 @@ class MoELM(TemplateLM):
                 for key_, cont, logprobs_1CV in order.get_cache(req_str=key, cxt_toks=context,
                                                                 cont_toks=continuation, logits=scored_1CV):
                     cont_1C = torch.tensor(cont, dtype=torch.long, device=logprobs_1CV.device)[None]
-                    is_greedy = bool((greedy_1C[:, -cont_1C.shape[1]:] == cont_1C).all())  # hf:1538
+                    is_greedy = bool((greedy_1C[:, -cont_1C.shape[1]:] == cont_1C).all())  # hf:1546
                     logprob = float(torch.gather(logprobs_1CV, 2, cont_1C[..., None]).sum())
                     results.append((logprob, is_greedy))
                     if key_ is not None:
@@ -129,7 +129,7 @@ class MoELM(TemplateLM):
 
     def rolling_windows(self, text: str) -> list[tuple[None, list[int], list[int]]]:
         """The text's tokens as disjoint (context, continuation) windows of at most max_length, the first
-        conditioned on prefix_token_id (hf:1241-1251): every token predicted once, with the most context."""
+        conditioned on prefix_token_id (hf:1241-1256): every token predicted once, with the most context."""
         windows = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(text),
                                                      prefix_token=self.prefix_token_id,
                                                      max_seq_len=self.max_length, context_len=1)
@@ -179,7 +179,7 @@ class MoELM(TemplateLM):
             kwargs = normalize_gen_kwargs(settings[0], self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
             max_new = kwargs.pop("max_gen_toks")
-            room = self.max_length - max_new  # hf:1646: the context keeps room for what is generated
+            room = self.max_length - max_new  # hf:1644: the context keeps room for what is generated
             if room <= 0:
                 raise UserError("max_gen_toks", max_new, f"ask for fewer than max_length={self.max_length} "
                                 "new tokens", problem="leaves no room for the context")
