@@ -6,7 +6,7 @@ from typing import Annotated
 
 from hydra.core.config_store import ConfigStore
 
-from moe.config.choices import InferDtype
+from moe.config.choices import BUNDLED_EVAL_TASKS, InferDtype
 
 
 @dataclass
@@ -20,7 +20,7 @@ class EvalConfig:
     device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
     dtype: Annotated[str, InferDtype] = "auto"  # auto: bf16 on cuda, fp32 on cpu
     allow_pickle: bool = False  # load a checkpoint whose unpickling runs code (only one you trust)
-    tasks: list[str] = field(default_factory=lambda: ["moe_tiny_mc", "moe_tiny_cloze"])  # task/group names
+    tasks: list[str] = field(default_factory=lambda: list(BUNDLED_EVAL_TASKS))  # task/group names
     task_dirs: list[str] = field(default_factory=list)  # more directories of lm_eval task yaml (local data)
     num_fewshot: int | None = None  # null: each task's own
     limit: int | None = None  # at most this many documents per task (null: all)

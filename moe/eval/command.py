@@ -71,25 +71,33 @@ def task_summary(results: dict) -> dict:
     return summary
 
 
-def evaluate_tasks(lm, manager, cfg) -> dict:
+def evaluate_tasks(lm, manager, tasks: list[str], *, num_fewshot: int | None, limit: int | None,
+                   seed: int) -> dict:
     """lm_eval's simple_evaluate on `lm` (an LM object: no model of lm_eval's is built)."""
     from lm_eval.evaluator import simple_evaluate
 
-    return simple_evaluate(model=lm, tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot, limit=cfg.limit,
+    return simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                            bootstrap_iters=BOOTSTRAP_ITERS, log_samples=False, task_manager=manager,
-                           random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed,
-                           fewshot_random_seed=cfg.seed)
+                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                           fewshot_random_seed=seed)
 
 
-def run(cfg) -> dict:
-    """python -m moe.eval: returns what eval.json holds (also written where output_path says, and printed)."""
+def import_lm_eval():
+    """lm_eval, offline (nothing it runs may reach the network), or the fix when it is not installed."""
     stay_offline()  # before lm_eval (and so datasets) is imported
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm_eval's bootstrap stderr: in this process, no pool
     try:
         import lm_eval
     except ImportError as err:
         raise UserError("lm_eval", "not installed", "pip install -c constraints.txt -e '.[eval]' (make setup "
-                        "installs it)", problem="is needed by python -m moe.eval") from err
+                        "installs it)", problem="is needed by evaluation (python -m moe.eval, "
+                        "trainer.eval_every_n_steps)") from err
+    return lm_eval
+
+
+def run(cfg) -> dict:
+    """python -m moe.eval: returns what eval.json holds (also written where output_path says, and printed)."""
+    lm_eval = import_lm_eval()
     from lm_eval.utils import make_table
 
     from moe.checkpoint.trust import set_allow_pickle
@@ -124,7 +132,8 @@ def run(cfg) -> dict:
               "lm_eval_version": lm_eval.__version__, "limit": cfg.limit, "tasks": {}}
     with on_interrupt("evaluation stopped; eval.json was not written" if out else "evaluation stopped"):
         if manager is not None:
-            results = evaluate_tasks(lm, manager, cfg)
+            results = evaluate_tasks(lm, manager, cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit,
+                                     seed=cfg.seed)
             record["tasks"] = task_summary(results)
             record["num_fewshot"] = results.get("n-shot", {})
             print(make_table(results))

@@ -12,10 +12,10 @@ import glob
 import os
 from pathlib import Path
 
+from moe.config.choices import BUNDLED_EVAL_TASKS as BUNDLED_TASKS
 from moe.errors import UserError
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
-BUNDLED_TASKS = ("moe_tiny_mc", "moe_tiny_cloze")
 # datasets' builders that read local files (data_files); any other dataset_path must be a local directory
 FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
 LOCAL_COPY_FIX = ("copy the task's yaml from lm_eval/tasks/<name>/ into a directory, save its data there "
