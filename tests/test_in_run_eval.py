@@ -79,3 +79,15 @@ def test_a_task_that_is_not_there_is_refused_before_the_run_starts():
     cfg = compose_cfg("trainer.eval_every_n_steps=10", "trainer.eval_tasks=[hellaswag]")
     with pytest.raises(UserError, match="hellaswag.*is not a task in the bundled tasks"):
         InRunEval(cfg.trainer, SAMPLE_TOK, 0)
+
+
+@pytest.mark.slow
+def test_on_two_ddp_ranks_each_evaluates_and_training_is_as_without(train_run, tmp_path):
+    """trainer.devices=2 on the CPU (gloo): every rank evaluates its replica (lm_eval hands results only to
+    LOCAL_RANK 0, which each rank is meanwhile), rank 0 writes the rows, and training is as without."""
+    two = (*RUN, "trainer.devices=2")
+    plain, _ = train_run(*two, run_dir=tmp_path / "plain")
+    evaluated, _ = train_run(*two, *EVAL, run_dir=tmp_path / "evaluated")
+    for a, b in zip(trained_rows(plain), trained_rows(evaluated), strict=True):
+        assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}
+    assert [step for step, _ in load_run(evaluated).evals] == [2, 4]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -71,6 +72,22 @@ def quiet():
         lm_eval_log.setLevel(level)
 
 
+@contextlib.contextmanager
+def results_on_every_rank():
+    """lm_eval returns results only where LOCAL_RANK is 0 (lm_eval/evaluator.py:385, for tensor-parallel
+    launches where every rank reports lm.rank 0); here each rank evaluates a whole replica of its own, so
+    each is its rank 0 meanwhile."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        yield
+    finally:
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = local_rank
+
+
 class InRunEval:
     """The tasks of `trainer` (TrainConfig.trainer's eval_* keys) on the run's model, read with the tokenizer
     in `tokenizer_dir` (the one the run's data was made with). Built before training starts, so a task name
@@ -100,7 +117,7 @@ class InRunEval:
 
         started = time.perf_counter()
         model = module.model
-        with rng_kept(), model_kept(model), quiet(), torch.no_grad(), \
+        with rng_kept(), model_kept(model), quiet(), results_on_every_rank(), torch.no_grad(), \
                 trainer.precision_plugin.forward_context():
             eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
             lm = MoELM(model, self.tokenizer, batch_size=self.batch_size, eos_ids=eos, seed=self.seed)
