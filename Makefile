@@ -7,7 +7,7 @@ ARGS ?=
 TEST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train data test test-slow test-slurm test-multinode test-neuron test-floor gpu-check coverage smoke sweep-smoke report bench lint compile-neuron clean
+.PHONY: help setup train eval data test test-slow test-slurm test-multinode test-neuron test-floor gpu-check coverage smoke sweep-smoke report bench lint compile-neuron clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-15s %s\n", $$1, $$2}'
@@ -24,6 +24,10 @@ setup: $(STAMP) ## create .venv (CPU torch 2.13.0, pinned by constraints.txt) an
 
 train: $(STAMP) ## default run: tiny MoE, bundled data, CPU (a few minutes); ARGS='key=value ...' to override
 	$(PY) train.py $(ARGS)
+
+RUN ?= last
+eval: $(STAMP) ## lm-evaluation-harness on a run (RUN=runs/<name>, a checkpoint or a sharded one; default: the newest): the bundled offline tasks, a table, <run>/eval.json; ARGS='perplexity_file=F tasks=[...] task_dirs=[...]' (docs/EVALUATION.md)
+	$(PY) -m moe.eval ckpt=$(RUN) $(ARGS)
 
 test: $(STAMP) ## fast test suite (about 5 minutes on 2 cores with TEST_WORKERS=2 pytest-xdist workers, 0: one process; CI runs it, then test-slurm beside test-multinode, test-slow, test-floor and test-neuron; docs/TESTING.md)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(ARGS)

@@ -61,6 +61,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def job(cfg: DictConfig) -> float | None:
     """One run: a plan (dry run, simulation) or a training run."""
+    from moe.eval.in_run import InRunEval
     from moe.train.console import say
     from moe.train.run import objective, settle, train
 
@@ -71,7 +72,7 @@ def job(cfg: DictConfig) -> float | None:
             say(note)
         plan(settled, run_dir)
         return None
-    return objective(train(cfg, run_dir=run_dir))
+    return objective(train(cfg, run_dir=run_dir, in_run_eval=InRunEval))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,7 @@ def train_here(tmp_path):
     with the config train.py's task gets (Hydra's run dir set; `env` set meanwhile): for tests that are not
     about the command line, no subprocess and no interpreter start-up. Returns the run dir; the environment,
     the thread count, Hydra's global state and the default process group are restored after each run."""
+    from moe.eval.in_run import InRunEval
     from moe.train.preflight import compose_config
     from moe.train.run import train
 
@@ -141,7 +142,7 @@ def train_here(tmp_path):
         with restored_process_state(env):
             cfg, _ = compose_config([f"hydra.run.dir={run_dir}", *FAST_RUN, *overrides], str(REPO / "conf"),
                                     "train")
-            return train(cfg, run_dir)
+            return train(cfg, run_dir, in_run_eval=InRunEval)
 
     return _run
 

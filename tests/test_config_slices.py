@@ -7,7 +7,7 @@ The Backend holds the run's config: it takes it once, in its constructor (a subc
 `prepare`), and the modules it builds (LitMoE, NeuronLitMoE) read the backend's; their methods'
 `self.cfg.<section>` reads, and a helper's reads of a LightningModule's own config (`module.cfg`,
 `pl_module.cfg`), are that holder's. The other entry points' configs (data_prep's PrepConfig, infer's
-InferConfig) are theirs, not train.py's.
+InferConfig, moe.eval's EvalConfig) are theirs, not train.py's.
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ SECTIONS = {"model", "moe_opt", "parallel", "hardware", "optimizer", "data", "tr
             "callbacks", "seed", "run_name", "resume", "dry_run", "simulate", "simulate_rank", "routing_skew",
             "allow_pickle", "lock_wait_s"}
 HOLDERS = {"self", "module", "pl_module", "lit_module"}  # a holder's own config (module docstring)
-NOT_TRAIN = ("moe/infer/", "moe/data/prep_pipeline.py", "moe/config/rules/entries.py")  # other entry points
+NOT_TRAIN = ("moe/infer/", "moe/eval/", "moe/data/prep_pipeline.py", "moe/config/rules/entries.py")  # other
+# entry points
 PART_TYPES = ("ModelConfig", "MoEOptConfig", "ParallelConfig", "HardwareConfig", "OptimizerConfig",
-              "DataConfig", "TrainerConfig", "Section", "PrepConfig", "InferConfig")
+              "DataConfig", "TrainerConfig", "Section", "PrepConfig", "InferConfig", "EvalConfig")
 
 # Every function that takes the whole config, and why it must: entry points, the conversions of the whole,
 # and the few that combine every section (the planner, the simulation, the run itself).

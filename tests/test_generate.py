@@ -82,6 +82,19 @@ def test_eos_stops_each_row_and_pads_the_rest():
     assert stopped.num_new_tokens == 3 and stopped.tokens_per_s > 0
 
 
+def test_rows_the_caller_says_are_done_take_pads_and_all_done_ends_the_loop():
+    """generate's `stopped` (lm_eval's stop strings): a row stops after the step it is reported done."""
+    model = build(seed=2)
+    ids, mask = left_pad(PROMPTS, pad_token_id=0)
+    free = generate(model, ids, mask, max_new_tokens=8).tokens
+    out = generate(model, ids, mask, max_new_tokens=8, pad_token_id=0,
+                   stopped=lambda new_BN: torch.tensor([True, new_BN.shape[1] >= 2, new_BN.shape[1] >= 4]))
+    assert out.num_new_tokens == 3 * 4  # the loop ends at the fourth step, when every row is done
+    assert [row[:n] for row, n in zip(out.tokens, (1, 2, 4), strict=True)] == \
+        [row[:n] for row, n in zip(free, (1, 2, 4), strict=True)]
+    assert out.tokens[0][1:] == [0, 0, 0] and out.tokens[1][2:] == [0, 0]  # pads once done
+
+
 def test_seeded_sampling_is_reproducible():
     model = build(seed=3)
     ids, mask = left_pad(PROMPTS, pad_token_id=0)

@@ -14,7 +14,7 @@ from conftest import REPO
 # The stages, lowest first: a module may import its own stage and earlier ones only.
 STAGES = {"errors": 0, "paths": 0, "ranks": 0, "outputs": 0, "inputs": 0, "faults": 0, "config": 1, "data": 2,
           "model": 2, "hf": 3, "parallel": 4, "checkpoint": 5, "module": 6, "backends": 7, "train": 8,
-          "infer": 9, "tools": 10}
+          "infer": 9, "eval": 10, "tools": 11}
 KEPT_PATHS = {"moe.moe_layer", "moe.report", "moe.supervise"}  # re-exports of older import paths: the top
 # A backend's declarations, read by the validator and the planner without its library: its spec, its library's
 # refusals and the registry listing them (moe/backends/registry.py). They sit at the config stage: they import

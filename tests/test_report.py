@@ -33,8 +33,10 @@ def route(rng, skew_E: np.ndarray) -> np.ndarray:
     return np.argsort(-scores_TE, axis=1)[:, :K]
 
 
-def make_run(path, cf, seed=0, steps=20, overrides=(), tokens_per_forward=True, forwards=1, done=True):
-    """A run dir as train.py leaves it: metrics.csv (+ validation rows), summary.json, .hydra/."""
+def make_run(path, cf, seed=0, steps=20, overrides=(), tokens_per_forward=True, forwards=1, done=True,
+             evals=None):
+    """A run dir as train.py leaves it: metrics.csv (+ validation rows; with `evals`, {step: {"eval/<task>/
+    <metric>": value}}, in-run evaluation rows), summary.json, .hydra/."""
     rng = np.random.default_rng(seed)
     skew_LE = rng.dirichlet(np.full(E, 2.0), size=LAYERS)  # some experts are popular
     cap = expert_capacity(T, E, K, cf, MIN_CAP)
@@ -54,9 +56,12 @@ def make_run(path, cf, seed=0, steps=20, overrides=(), tokens_per_forward=True, 
                      "tokens_per_forward": T if tokens_per_forward else ""})
         if step % 10 == 0:
             rows.append({"step": step, "val_loss": loss + 0.1})
+        if step in (evals or {}):
+            rows.append({"step": step, **evals[step]})
     path.mkdir(parents=True)
+    columns = METRIC_COLUMNS + list(dict.fromkeys(k for values in (evals or {}).values() for k in values))
     with (path / "metrics.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
     config = {"model": {"name": "tiny", "num_experts": E, "top_k": K},
@@ -167,6 +172,29 @@ def test_sweep_report_has_one_row_per_run_and_writes_non_empty_pngs(tmp_path, ca
         assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5_000
     for j in range(5):
         assert (root / str(j) / "report.md").exists()
+
+
+def test_sweep_report_has_a_column_and_a_plot_against_the_swept_key_per_in_run_evaluation(tmp_path):
+    """Each run's last in-run evaluation (trainer.eval_every_n_steps) is a column of the sweep table, its
+    metrics plotted against the capacity factor; a run without evaluations shows a dash."""
+    root = tmp_path / "sweep"
+    for job, cf in enumerate((1.0, 1.5, None)):
+        evals = {10: {"eval/moe_tiny_mc/acc": 0.2, "eval/moe_tiny_cloze/perplexity": 900.0},
+                 20: {"eval/moe_tiny_mc/acc": 0.3 + 0.1 * job, "eval/moe_tiny_cloze/perplexity": 50.0 - job}}
+        make_run(root / str(job), cf, evals=evals)
+    make_run(root / "3", 2.0)
+    written = report(root)
+    md = (root / "report.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| run |"))
+    assert "| val loss | moe_tiny_mc/acc | moe_tiny_cloze/perplexity | drop % |" in head
+    rows = table_rows(md)
+    assert [(r[1], r[6], r[7]) for r in rows] == [("1.0", "0.3000", "50.0000"), ("1.5", "0.4000", "49.0000"),
+                                                  ("dropless", "0.5000", "48.0000"), ("2.0", "—", "—")]
+    png = root / "sweep_eval.png"
+    assert png in written and png.read_bytes()[:8] == PNG and png.stat().st_size > 5_000
+    assert "(sweep_eval.png)" in md and "against moe_opt.capacity_factor" in md.split("(sweep_eval.png)")[0]
+    assert (root / "0" / "eval.png") in written and not (root / "3" / "eval.png").exists()
+    assert "| 20 | 0.3000 | 50.0000 |" in (root / "0" / "report.md").read_text()
 
 
 def test_sweep_drop_rate_does_not_rise_with_capacity_factor_on_the_same_seed(tmp_path):

@@ -71,6 +71,7 @@ def test_sweep_smoke_is_the_tiny_model_on_one_cpu_process():
     cfg = _compose(["+sweep=sweep_smoke"], hydra_cfg=True)
     assert (cfg.model.name, cfg.hardware.name, cfg.trainer.devices) == ("tiny", "cpu", 1)
     assert cfg.trainer.log_every_n_steps == 1 and cfg.resume is False
+    assert cfg.trainer.eval_every_n_steps == 12 and cfg.trainer.max_steps % 12 == 0  # evaluated at its end
     assert cfg.hydra.sweep.dir == "multirun/sweep-smoke"
 
 
@@ -179,7 +180,8 @@ def test_make_sweep_smoke_path_end_to_end(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     printed = [Path(p) for p in proc.stdout.split()]
-    assert printed[0] == sweep / "report.md" and len(printed) == 3 + 3 * 3
+    # report.md, sweep_capacity/eval/loss.png; each run: report.md, eval.png, loss.png, expert_load.png
+    assert printed[0] == sweep / "report.md" and len(printed) == 4 + 3 * 4
     assert all(p.exists() and p.stat().st_size > 0 for p in printed)
     from moe.tools.advisor import advise, drop_rate
     from moe.tools.report import load_run, run_row
@@ -188,6 +190,9 @@ def test_make_sweep_smoke_path_end_to_end(tmp_path):
     runs = [load_run(sweep / str(j)) for j in range(3)]
     assert [r.config["moe_opt.capacity_factor"] for r in runs] == [1.0, 1.5, None]
     assert [len(r.train) for r in runs] == [24, 24, 24]
+    assert all([step for step, _ in r.evals] == [12, 24] for r in runs)  # in-run evaluation's rows
+    head = next(line for line in printed[0].read_text().splitlines() if line.startswith("| run |"))
+    assert "| moe_tiny_mc/acc | moe_tiny_mc/acc_norm |" in head and (sweep / "sweep_eval.png") in printed
     mean_drops = [run_row(r, None)["drop_pct"] for r in runs]
     assert mean_drops[0] >= mean_drops[1] >= mean_drops[2] == 0.0
     for job in range(3):

@@ -28,10 +28,13 @@ DataFormat = Literal["text", "chat", "sentence"]
 Packing = Literal["concat", "pad"]
 BadRowPolicy = Literal["error", "skip", "repair"]
 InferDtype = Literal["auto", "fp32", "bf16", "fp16"]
+# the lm_eval tasks bundled in moe/eval/bundled: the default of python -m moe.eval and of in-run evaluation
+BUNDLED_EVAL_TASKS = ("moe_tiny_mc", "moe_tiny_cloze")
 
 __all__ = [  # the types and their values
     "ATTENTION_LAYER_TYPES", "EXPERT_ACTIVATIONS", "AttentionLayerType", "ExpertActivation",
-    "AC_POLICIES", "ATTENTIONS", "AUX_LOSS_GROUPS", "BAD_ROW_POLICIES", "DATA_FORMATS", "DATA_KINDS",
+    "AC_POLICIES", "ATTENTIONS", "AUX_LOSS_GROUPS", "BAD_ROW_POLICIES", "BUNDLED_EVAL_TASKS", "DATA_FORMATS",
+    "DATA_KINDS",
     "DROP_POLICIES", "INFER_DTYPES", "LOAD_BALANCING_TYPES", "MLA_DIMS", "NEURON_PRECISIONS", "PACKINGS",
     "POSITION_ENCODINGS", "QK_NORMS", "ROPE_TYPES", "ROUTER_DTYPES", "SCORE_FUNCTIONS", "SPIKE_ACTIONS",
     "AcPolicy", "Attention", "AuxLossGroup", "BadRowPolicy", "DataFormat", "DataKind", "DropPolicy",

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Optional, TypeVar
 from hydra.core.config_store import ConfigStore
 
 from moe.config.choices import (
+    BUNDLED_EVAL_TASKS,
     AcPolicy,
     Attention,
     AuxLossGroup,
@@ -389,6 +390,13 @@ class TrainerConfig(Section):
     # warn | skip (the update) | rollback (to the last checkpoint, skip since)
     spike_action: Annotated[str, SpikeAction] = "warn"
     spike_max_rollbacks: int = 3  # past this many rollbacks in a run, a spike is skipped instead
+    # in-run evaluation (moe/eval/in_run.py, docs/EVALUATION.md): lm_eval tasks on the model being trained
+    # after every N-th optimizer step, logged as eval/<task>/<metric>; training is the same with it; 0 = off
+    eval_every_n_steps: int = 0
+    eval_tasks: list[str] = field(default_factory=lambda: list(BUNDLED_EVAL_TASKS))  # bundled or task dirs'
+    eval_task_dirs: list[str] = field(default_factory=list)  # directories of lm_eval task yaml (local data)
+    eval_limit: Optional[int] = None  # at most this many documents a task (null: all)
+    eval_batch_size: int = 8  # requests per forward
 
 
 @dataclass

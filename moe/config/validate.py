@@ -44,6 +44,7 @@ from moe.config.rules.training import (
     check_finite,
     check_fp8_experts,
     check_guard,
+    check_in_run_eval,
     check_instantiables,
     check_known_keys,
     check_model,
@@ -68,7 +69,7 @@ RULES = [  # in order: keys and numbers, counts, the hardware, divisibility of t
     check_sequence_parallel, check_zero_stage, check_model_split, check_mtp_layout,
     check_activation_checkpointing,
     check_seq_len, check_data, check_document_mask, check_optimizer, check_schedule, check_guard,
-    check_instantiables,
+    check_in_run_eval, check_instantiables,
     BACKEND_RULES, check_fp8_experts, check_planning, check_simulate, check_waits,
 ]
 

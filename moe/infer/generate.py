@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +114,7 @@ def generate(
     use_cache: bool = True,
     vocab_limit: int | None = None,
     latent_cache: bool = True,
+    stopped: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Generation:
     """Continue each row of `input_ids_BS` (left-padded; mask 1 = real token) by up to max_new_tokens.
 
@@ -122,6 +123,8 @@ def generate(
     tested against). `vocab_limit` forbids ids >= it (embedding rows the tokenizer lacks).
     `latent_cache=False`: an MLA model caches the expanded per-head keys and values instead of its
     latent (moe/model/mla.py; the same tokens, for comparison).
+    `stopped(new_BN)` (the new tokens so far) says which rows are done besides EOS (a stop string in their
+    text): they stop, and take pads from then on, as rows past EOS do; their tokens are kept whole.
     """
     param = next(model.parameters())
     device = param.device
@@ -169,8 +172,10 @@ def generate(
                 prefill_s = time.perf_counter() - t0
             if len(eos_ids):
                 done_B |= torch.isin(tok_B, eos_t)
-                if bool(done_B.all()):
-                    break
+            if stopped is not None:
+                done_B |= stopped(new_BN[:, :steps]).to(device)
+            if (len(eos_ids) or stopped is not None) and bool(done_B.all()):
+                break
             if steps == max_new_tokens:
                 break
             step_in = tok_B[:, None]

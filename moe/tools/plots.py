@@ -1,4 +1,4 @@
-"""PNG plots for `moe.report`: sweep trade-off, loss curves, per-layer expert load.
+"""PNG plots for `moe.report`: sweep trade-off, loss curves, per-layer expert load, in-run evaluations.
 
 Headless (Agg backend); every function writes one PNG and returns its path.
 """
@@ -76,6 +76,49 @@ def plot_sweep(points: list[dict], x_label: str, path: Path) -> Path:
     if any(p.get("drop_pct") is not None for p in points):
         axes[0].axhline(1.0, color="grey", lw=0.8, ls=":")
         axes[0].text(ticks[0], 1.0, " 1% target", va="bottom", fontsize=7, color="grey")
+    return _save(fig, path)
+
+
+def _panels(count: int):
+    """A figure of `count` panels, three a row (the unused ones hidden)."""
+    cols = min(count, 3)
+    rows = -(-count // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[count:]:
+        ax.axis("off")
+    return fig, axes.flat[:count]
+
+
+def plot_sweep_evals(points: list[dict], names: list[str], x_label: str, path: Path) -> Path:
+    """Each in-run evaluation metric (`<task>/<metric>`, its last value in each run: points' `evals`) against
+    the swept value, a panel each; one line per group of other overrides."""
+    xs, ticks, labels = _positions([p["x"] for p in points])
+    groups = sorted({p["group"] for p in points})
+    fig, axes = _panels(len(names))
+    for ax, name in zip(axes, names, strict=True):
+        for group in groups:
+            pts = sorted((x, p["evals"][name]) for x, p in zip(xs, points, strict=True)
+                         if p["group"] == group and p["evals"].get(name) is not None)
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=group or None)
+        ax.set_title(name, fontsize=9)
+        ax.set_xticks(ticks, labels)
+        ax.set_xlabel(x_label)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_evals(evals: list[tuple[int, dict[str, float]]], names: list[str], path: Path) -> Path:
+    """One run's in-run evaluations over its steps ((step, {name: value}) in order), a panel per metric."""
+    fig, axes = _panels(len(names))
+    for ax, name in zip(axes, names, strict=True):
+        pts = [(step, values[name]) for step, values in evals if name in values]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], "o-")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
     return _save(fig, path)
 
 

@@ -23,6 +23,7 @@ import yaml
 
 from moe.config.schema import MoEOptConfig
 from moe.errors import UserError, exit_on_user_error, on_interrupt
+from moe.eval import EVAL_PREFIX
 from moe.inputs import load_json, load_yaml
 from moe.outputs import atomic_path
 from moe.tools.advisor import WHAT_IF_FACTORS, Advice, RoutingLog, advise, routing_log_from_rows
@@ -47,6 +48,8 @@ class Run:
     routing: RoutingLog | None
     # a mixture's (data.sources) validation rows: (step, {source name: its validation loss})
     val_by_source: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    # in-run evaluations (trainer.eval_every_n_steps): (step, {"<task>/<metric>": value})
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     def column(self, key: str) -> np.ndarray:
         return np.asarray([_num(r.get(key)) for r in self.train], dtype=np.float64)
@@ -118,7 +121,19 @@ def load_run(path: Path, label: str | None = None) -> Run:
     val_by_source = [(int(_num(r["step"])), {k[len("val_loss/"):]: _num(r.get(k)) for k in per_source})
                      for r in rows if per_source and not math.isnan(_num(r.get("val_loss")))]
     return Run(path, label or path.name, _read_overrides(path / ".hydra" / "overrides.yaml"), config, summary,
-               train, val, routing, val_by_source)
+               train, val, routing, val_by_source, evaluations(rows))
+
+
+def evaluations(rows: list[dict]) -> list[tuple[int, dict[str, float]]]:
+    """metrics.csv's in-run evaluation rows: (step, {"<task>/<metric>": value}), in order."""
+    keys = [k for k in (rows[0] if rows else {}) if k and k.startswith(EVAL_PREFIX)]
+    found = []
+    for row in rows:
+        values = {k[len(EVAL_PREFIX):]: _num(row.get(k)) for k in keys}
+        values = {k: v for k, v in values.items() if not math.isnan(v)}
+        if values:
+            found.append((int(_num(row["step"])), values))
+    return found
 
 
 def _natural(path: Path) -> list:
@@ -184,6 +199,7 @@ def run_row(run: Run, advice: Advice | None) -> dict[str, Any]:
         "peak_memory_mib": run.summary.get("peak_memory_mib"),
         "advised_cf": advice.capacity_factor if advice else None,
         "advice_exact": advice.exact if advice else True,
+        "evals": run.evals[-1][1] if run.evals else {},  # the last in-run evaluation's
         "done": bool(run.summary),
         "stopped": None if run.summary else stop_reason(run.path),
     }
@@ -213,7 +229,8 @@ def table(runs: list[Run], rows: list[dict], keys: list[str], target: float, lin
     """Markdown table, one row per run: differing overrides then the numbers; link: to each run's report."""
     names = [k.split(".")[-1] if sum(x.split(".")[-1] == k.split(".")[-1] for x in keys) == 1 else k
              for k in keys]
-    head = (["run", *names, "steps", "final loss", "best loss", "val loss", "drop %", "max/mean load",
+    evals = eval_names(rows)
+    head = (["run", *names, "steps", "final loss", "best loss", "val loss", *evals, "drop %", "max/mean load",
              "tokens/s", "peak MiB", f"cf for ≤{100 * target:g}% drops"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run, row in zip(runs, rows, strict=True):
@@ -222,6 +239,7 @@ def table(runs: list[Run], rows: list[dict], keys: list[str], target: float, lin
                  *(_show(k, run.overrides.get(k, run.config.get(k))) for k in keys),
                  _fmt(row["steps"], "d") + ("" if row["done"] else f" ({row['stopped']})"),
                  _fmt(row["final_loss"], ".4f"), _fmt(row["best_loss"], ".4f"), _fmt(row["val_loss"], ".4f"),
+                 *(_fmt(row["evals"].get(name), ".4f") for name in evals),
                  _fmt(row["drop_pct"], ".2f"), _fmt(row["load_ratio"], ".2f"),
                  _fmt(row["tokens_per_s"], ",.0f"), _fmt(row["peak_memory_mib"], ",.0f"),
                  advised if row["advice_exact"] else f"≈{advised}"]
@@ -229,9 +247,15 @@ def table(runs: list[Run], rows: list[dict], keys: list[str], target: float, lin
     return "\n".join(lines)
 
 
+def eval_names(rows: list[dict]) -> list[str]:
+    """Every `<task>/<metric>` some run evaluated, in the order they first appear."""
+    return list(dict.fromkeys(name for row in rows for name in row["evals"]))
+
+
 LEGEND = """\
 Columns: *final/best loss* are training losses (LM + router terms) of the logged steps; *val loss*
-the last validation loss (run at `moe_opt.eval_capacity_factor`); *drop %* the mean share of
+the last validation loss (run at `moe_opt.eval_capacity_factor`); *task/metric* (runs with
+`trainer.eval_every_n_steps`) the last in-run evaluation's lm_eval metric; *drop %* the mean share of
 token->expert assignments dropped over logged steps; *max/mean load* the busiest expert's tokens
 over the mean (after drops, mean over layers and steps; 1.00 = balanced); *tokens/s* training
 throughput after the first step; *peak MiB* peak device (CPU: host RSS) memory; the last column is
@@ -288,6 +312,15 @@ def report_run(run: Run, target: float = 0.01, from_step: int = 0) -> list[Path]
         md += [f"| {step} | " + " | ".join(_fmt(None if math.isnan(v) else v, ".4f") for v in losses.values())
                + " |" for step, losses in run.val_by_source]
         md += [""]
+    if run.evals:
+        names = list(dict.fromkeys(name for _, values in run.evals for name in values))
+        md += ["## Evaluations", "", "In-run lm_eval tasks (`trainer.eval_every_n_steps`) after these steps.",
+               "",
+               "| step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        md += [f"| {step} | " + " | ".join(_fmt(values.get(name), ".4f") for name in names) + " |"
+               for step, values in run.evals]
+        written.append(report_plots.plot_evals(run.evals, names, run.path / "eval.png"))
+        md += ["", "![each evaluation over the steps](eval.png)", ""]
     if run.train:
         steps = run.column("step")
         lm = run.column("lm_loss")
@@ -348,6 +381,9 @@ def report_sweep(root: Path, runs: list[Run], target: float = 0.01, from_step: i
         x_key, points = sweep_points(runs, rows, keys)
         written.append(report_plots.plot_sweep(points, x_key, root / "sweep_capacity.png"))
         md += [f"![drop %, loss and throughput against {x_key}](sweep_capacity.png)", ""]
+        if names := eval_names(rows):
+            written.append(report_plots.plot_sweep_evals(points, names, x_key, root / "sweep_eval.png"))
+            md += [f"![each in-run evaluation (the last of each run) against {x_key}](sweep_eval.png)", ""]
     curves = {r.label + " " + " ".join(_show(k, r.overrides.get(k, r.config.get(k))) for k in keys):
               (r.column("step"), r.column("loss")) for r in runs if r.train}
     if curves:

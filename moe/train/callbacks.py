@@ -24,10 +24,11 @@ from moe.parallel.dims import ParallelDims
 
 
 def build_callbacks(trainer, callbacks: dict, run_dir: Path, dims: ParallelDims, backend, guard, *,
-                    flops_per_token: float, peak_tflops: float, key_config: dict) -> list:
+                    flops_per_token: float, peak_tflops: float, key_config: dict, evaluator=None) -> list:
     """The run's callbacks, then `callbacks.<name>`'s. guard: the run's moe.train.guard.SpikeGuard, which
     the module's step asks too; flops_per_token, peak_tflops (one device's) and key_config (the values a
-    report compares runs by): RunMetrics's MFU and summary."""
+    report compares runs by): RunMetrics's MFU and summary; evaluator: in-run evaluation
+    (moe.eval.in_run.InRunEval, trainer.eval_every_n_steps), which RunMetrics runs and logs; None: none."""
     from moe.train.console import StepProgressBar, bar_shown
     from moe.train.garbage import StepGarbageCollection
     from moe.train.local_ranks import LOCAL_RANKS
@@ -39,7 +40,7 @@ def build_callbacks(trainer, callbacks: dict, run_dir: Path, dims: ParallelDims,
         RunMetrics(
             run_dir, log_every_n_steps=trainer.log_every_n_steps, tokens_per_step=dims.tokens_per_step,
             flops_per_token=flops_per_token, peak_flops_total=peak_tflops * 1e12 * dims.world,
-            key_config=key_config, guard=guard,
+            key_config=key_config, guard=guard, evaluator=evaluator,
         ),
         guard,
         LOCAL_RANKS,  # the ranks this process launched, if any: watched by the run (moe.train.local_ranks)

@@ -1,7 +1,9 @@
 """Run outputs: metrics.csv (a row per logged optimizer step), summary.json, throughput and MFU.
 
 metrics.csv is the run's record: reports, sweeps and the capacity advisor read it.
-Validation rows carry only `step` and `val_loss` (a mixture's, data.sources, also `val_loss/<source>`).
+Validation rows carry only `step` and `val_loss` (a mixture's, data.sources, also `val_loss/<source>`);
+in-run evaluation's rows (trainer.eval_every_n_steps, moe.eval.in_run) only `step` and `eval/<task>/<metric>`,
+columns the file gains at the first evaluation (the file is rewritten then, once) and keeps on resume.
 On resume, rows past the restored step are dropped first, so a step retrained after a crash is never
 counted twice.
 """
@@ -56,15 +58,19 @@ class RunMetrics(L.Callback):
     """Writes metrics.csv's row of each logged optimizer step from the step's record (its means over every
     rank, read back by the step, moe.module.train_step.StepRecord), and summary.json.
 
-    `guard` (moe.train.guard.SpikeGuard, optional) supplies the skipped-step and spike counters.
+    `guard` (moe.train.guard.SpikeGuard, optional) supplies the skipped-step and spike counters; `evaluator`
+    (moe.eval.in_run.InRunEval, optional) evaluates the model after the steps it is due, every rank, and
+    its numbers go to metrics.csv and every logger like a step's.
     """
 
     columns = METRIC_COLUMNS  # metrics.csv's; metric_columns of the run's data once training starts
 
     def __init__(self, run_dir: str | Path, log_every_n_steps: int, tokens_per_step: int,
-                 flops_per_token: float, peak_flops_total: float, key_config: dict, guard=None):
+                 flops_per_token: float, peak_flops_total: float, key_config: dict, guard=None,
+                 evaluator=None):
         self.run_dir = Path(run_dir)
         self.guard = guard
+        self.evaluator = evaluator
         self.metrics_path = self.run_dir / "metrics.csv"
         self.log_every = max(1, log_every_n_steps)
         self.tokens_per_step = tokens_per_step
@@ -85,8 +91,10 @@ class RunMetrics(L.Callback):
         self.columns = metric_columns(pl_module.cfg.data)
         if trainer.is_global_zero:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            kept = [r for r in read_metrics(self.metrics_path) if int(r["step"]) <= trainer.global_step]
-            self._rewrite(kept)
+            rows = read_metrics(self.metrics_path)
+            # the columns an earlier launch added (its evaluations) stay, whether or not this one evaluates
+            self.columns += [c for c in (rows[0] if rows else {}) if c not in self.columns]
+            self._rewrite([r for r in rows if int(r["step"]) <= trainer.global_step])
 
     def _rewrite(self, rows: list[dict]) -> None:
         with atomic_path(self.metrics_path, cleaned="the file is as it was") as tmp, \
@@ -96,7 +104,13 @@ class RunMetrics(L.Callback):
             writer.writerows(rows)
 
     def _append(self, row: dict) -> None:
-        """One row, or none: a refused write is cut back to the rows before it (a resume reads them)."""
+        """One row, or none: a refused write is cut back to the rows before it (a resume reads them). A row
+        with columns the file lacks (the first evaluation's) rewrites the file whole with them added."""
+        new = [key for key in row if key not in self.columns]
+        if new:
+            self.columns = self.columns + new
+            self._rewrite([*read_metrics(self.metrics_path), row])
+            return
         size = self.metrics_path.stat().st_size if self.metrics_path.exists() else 0
         try:
             with self.metrics_path.open("a", newline="") as f:
@@ -120,8 +134,14 @@ class RunMetrics(L.Callback):
         tokens_per_s = self.tokens_per_step * steps_done / max(seconds, 1e-9)
         if trainer.progress_bar_callback is not None:  # only the bar reads it
             pl_module.log("tok/s", tokens_per_s, prog_bar=True, logger=False, rank_zero_only=True)
-        if not record.logged:
-            return  # nothing read back from the device on a step that is not logged
+        if record.logged:  # nothing read back from the device on a step that is not logged
+            self._log_step(trainer, record, tokens_per_s)
+        if self.evaluator is not None and self.evaluator.due(step):
+            self._evaluate(trainer, pl_module, step)
+            self._last_time = time.perf_counter()  # the next step's throughput leaves the evaluation out
+
+    def _log_step(self, trainer, record, tokens_per_s: float) -> None:
+        step = record.step
         row = {
             "step": step, **record.means,
             "lr": optimizer_lr(trainer),
@@ -140,6 +160,17 @@ class RunMetrics(L.Callback):
             numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
             for logger in trainer.loggers:
                 logger.log_metrics(numeric, step=step)
+
+    def _evaluate(self, trainer, pl_module, step: int) -> None:
+        """The evaluation after `step` (every rank runs it on its own replica: the same numbers), its row."""
+        values, seconds = self.evaluator(pl_module, trainer)
+        if trainer.is_global_zero:
+            self._append({"step": step, **values})
+            said = ", ".join(f"{key.removeprefix('eval/')} {value:.4f}" for key, value in values.items())
+            logging.getLogger(STEP_LOGGER).info(f"step {step}/{trainer.max_steps} eval ({seconds:.1f} s): "
+                                                f"{said}")
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=step)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         """The pass's LM loss over every rank's validation batches (the module's, computed at its end)."""

@@ -175,7 +175,8 @@ def compose_config(overrides: list[str], config_dir: str, config_name: str,
     return cfg, run_dir
 
 
-KEYS_DOC = {"train.py": "docs/CONFIG.md", "infer.py": "docs/INFERENCE.md", "data_prep.py": "docs/DATA.md"}
+KEYS_DOC = {"train.py": "docs/CONFIG.md", "infer.py": "docs/INFERENCE.md", "data_prep.py": "docs/DATA.md",
+            "-m moe.eval": "docs/EVALUATION.md"}
 
 
 def composition_error(err: Exception, overrides: list[str], command: str = "train.py") -> UserError:

@@ -23,6 +23,7 @@ from moe.config.validate import validate
 from moe.errors import (
     COLLECTIVE_FAILED_EXIT,
     CollectiveFailed,
+    UserError,
     log_to_files,
     stop_when_a_log_file_cannot_be_written,
 )
@@ -80,20 +81,23 @@ def settled_of(cfg: DictConfig) -> Settled:
     return Settled(config, ParallelDims.from_config(config), (start.note,) if start.note else ())
 
 
-def train(cfg: DictConfig, run_dir: str | Path) -> Path:
+def train(cfg: DictConfig, run_dir: str | Path, in_run_eval=None) -> Path:
     """Settle the config, then train into `run_dir`, holding its lock (moe.train.run_lock) from before the
-    first thing the run writes to its end."""
+    first thing the run writes to its end. in_run_eval: what evaluates the model in the run when
+    trainer.eval_every_n_steps asks, called as `in_run_eval(cfg.trainer, tokenizer_dir, seed)`
+    (moe.eval.in_run.InRunEval, which train.py passes: evaluation is a later stage than the run)."""
     stop_when_a_log_file_cannot_be_written()  # train.log on a full disk: one paragraph, exit 2
     settled = settle(cfg)
     locks: list = []
     try:  # settled: from here the run reads frozen dataclasses and never edits its config
-        return _train(settled.config, settled.dims, settled.notes, Path(run_dir), locks)
+        return _train(settled.config, settled.dims, settled.notes, Path(run_dir), locks, in_run_eval)
     finally:
         for lock in locks:
             lock.release()
 
 
-def _train(cfg: TrainConfig, dims: ParallelDims, notes: tuple[str, ...], run_dir: Path, locks: list) -> Path:
+def _train(cfg: TrainConfig, dims: ParallelDims, notes: tuple[str, ...], run_dir: Path, locks: list,
+           in_run_eval=None) -> Path:
     from moe.ranks import is_rank_zero
     from moe.train.console import say
     from moe.train.run_lock import RunLock
@@ -155,6 +159,14 @@ def _train(cfg: TrainConfig, dims: ParallelDims, notes: tuple[str, ...], run_dir
             val_micro_batches=backend.val_micro_batches(),
         )
         datamodule.check_model(cfg.model)
+        evaluator = None
+        if cfg.trainer.eval_every_n_steps:  # its tasks and lm_eval checked before the run starts
+            if in_run_eval is None:
+                raise UserError("trainer.eval_every_n_steps", cfg.trainer.eval_every_n_steps,
+                                "train through train.py, or call train(cfg, run_dir, "
+                                "in_run_eval=moe.eval.in_run.InRunEval)",
+                                problem="asks for in-run evaluation, and train() was given no evaluator")
+            evaluator = in_run_eval(cfg.trainer, datamodule.tokenizer_dir, cfg.seed)
         if not locks and is_rank_zero():  # the checks that need no run dir have passed: the run starts
             locks.append(RunLock(run_dir, cfg.lock_wait_s))
             record_launch(run_dir, as_container(cfg), cfg.data, step_hint(resume_from) if resume_from else 0,
@@ -176,7 +188,7 @@ def _train(cfg: TrainConfig, dims: ParallelDims, notes: tuple[str, ...], run_dir
             callbacks=build_callbacks(
                 cfg.trainer, cfg.callbacks, run_dir, dims, backend, guard,
                 flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),
-                peak_tflops=cfg.hardware.peak_tflops, key_config=reports),
+                peak_tflops=cfg.hardware.peak_tflops, key_config=reports, evaluator=evaluator),
             default_root_dir=str(run_dir), enable_progress_bar=bar_shown(cfg.trainer.progress_bar),
             enable_checkpointing=False,  # the run's own StepCheckpoint (moe.train.step_checkpoint), if any
             deterministic=cfg.trainer.deterministic, enable_model_summary=False,

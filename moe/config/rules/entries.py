@@ -1,5 +1,5 @@
-"""data_prep.py's and infer.py's own keys (moe/config/data_prep.py PrepConfig, moe/config/infer.py
-InferConfig); names are top level there."""
+"""data_prep.py's, infer.py's and moe.eval's own keys (moe/config/data_prep.py PrepConfig, moe/config/infer.py
+InferConfig, moe/config/eval.py EvalConfig); names are top level there."""
 from __future__ import annotations
 
 import math
@@ -68,5 +68,17 @@ def validate_infer(cfg) -> None:
               ("batch_size", cfg.batch_size >= 1, "use 1 or more")]
     for name, ok, fix in checks:
         need(ok, name, getattr(cfg, name), fix)
+    check_seed("seed", cfg.seed)
+    one_of("dtype", cfg.dtype, ("auto", *INFER_DTYPES), "dtype")
+
+
+def validate_eval(cfg) -> None:
+    """python -m moe.eval's counts and dtype (moe/config/eval.py EvalConfig)."""
+    need(cfg.batch_size >= 1, "batch_size", cfg.batch_size, "use 1 or more")
+    need(cfg.limit is None or cfg.limit >= 1, "limit", cfg.limit, "use null (every document) or 1 or more")
+    need(cfg.num_fewshot is None or cfg.num_fewshot >= 0, "num_fewshot", cfg.num_fewshot,
+         "use null (each task's own) or 0 or more")
+    need(cfg.max_length is None or cfg.max_length >= 2, "max_length", cfg.max_length,
+         "use null (model.max_position_embeddings) or 2 or more")
     check_seed("seed", cfg.seed)
     one_of("dtype", cfg.dtype, ("auto", *INFER_DTYPES), "dtype")

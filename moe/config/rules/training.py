@@ -199,6 +199,31 @@ def check_guard(trainer) -> None:
          "use 0 (never stop) or more (e.g. 10)", "must not be negative")
 
 
+def check_in_run_eval(trainer, parallel, hardware) -> None:
+    """trainer.eval_*: in-run evaluation (moe/eval/in_run.py) runs the whole model on each rank, so only where
+    each rank holds all of it: the ddp strategy (one process, or DDP) without tensor, pipeline or expert
+    parallelism. Elsewhere the run's checkpoints are evaluated with python -m moe.eval."""
+    t = trainer
+    need(t.eval_every_n_steps >= 0, "trainer.eval_every_n_steps", t.eval_every_n_steps,
+         "use 0 (no evaluation in the run) or a step count such as 100", "must not be negative")
+    if not t.eval_every_n_steps:
+        return
+    need(len(t.eval_tasks) > 0, "trainer.eval_tasks", list(t.eval_tasks),
+         "name at least one task, e.g. trainer.eval_tasks=[moe_tiny_mc]", "is empty")
+    need(t.eval_batch_size >= 1, "trainer.eval_batch_size", t.eval_batch_size, "use 1 or more",
+         "must be at least 1")
+    need(t.eval_limit is None or t.eval_limit >= 1, "trainer.eval_limit", t.eval_limit,
+         "use null (every document) or 1 or more", "must be at least 1")
+    sharded = [f"parallel.{k}={getattr(parallel, k)}" for k in ("tp", "pp", "ep") if getattr(parallel, k) > 1]
+    if hardware.strategy != "ddp":
+        sharded.insert(0, f"hardware.strategy={hardware.strategy}")
+    need(not sharded, "trainer.eval_every_n_steps", t.eval_every_n_steps,
+         "set trainer.eval_every_n_steps=0 and evaluate the run's checkpoints with python -m moe.eval "
+         "ckpt=runs/<run> (docs/EVALUATION.md)",
+         f"evaluates in the run only where every rank holds the whole model (the ddp strategy without tp, pp "
+         f"or ep), and this run has {', '.join(sharded)}")
+
+
 def check_instantiables(logger, callbacks) -> None:
     """logger.<name> and callbacks.<name>: nodes with a `_target_`, as Hydra instantiates them."""
     for group, nodes in (("logger", logger), ("callbacks", callbacks)):
