@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe.model.moe import arrange_for_generation
+
 
 @dataclass
 class Generation:
@@ -112,13 +114,18 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     vocab_limit: int | None = None,
+    arrange_experts: bool = True,
 ) -> Generation:
     """Continue each row of `input_ids_BS` (left-padded; mask 1 = real token) by up to max_new_tokens.
 
     A row stops after it emits any of `eos_token_id`; the loop ends when every row has.
     `use_cache=False` recomputes the whole sequence each step (the reference the cache is
     tested against). `vocab_limit` forbids ids >= it (embedding rows the tokenizer lacks).
+    `arrange_experts` first puts the experts' weights in the memory order their matmuls want here
+    (moe.model.moe.arrange_for_generation: once per model; shapes and checkpoints unchanged).
     """
+    if arrange_experts:
+        arrange_for_generation(model)
     param = next(model.parameters())
     device = param.device
     ids_BS = input_ids_BS.to(device)
