@@ -159,10 +159,10 @@ def generate(
         while steps < max_new_tokens:
             if use_cache:
                 out = model(step_in, kv_cache=cache, position_offset=pos, attention_mask_BS=mask_BS,
-                            generating=True)
+                            generating=True, last_only=True)
                 pos += step_in.shape[1]
             else:
-                out = model(seq_BS, attention_mask_BS=mask_BS, generating=True)
+                out = model(seq_BS, attention_mask_BS=mask_BS, generating=True, last_only=True)
             tok_B = pick(out.logits_BSV[:, -1])
             tok_B = torch.where(done_B, torch.full_like(tok_B, pad_token_id), tok_B)
             new_BN[:, steps] = tok_B
