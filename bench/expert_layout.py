@@ -2,7 +2,7 @@
 step (no-grad forward of a few tokens) with the experts stored [E, in, out] and [E, out, in], per dtype.
 
     OMP_NUM_THREADS=1 python bench/expert_layout.py --dtype fp32 bf16 fp16
-    ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 python bench/expert_layout.py   # as a CPU without bf16 instructions
+    ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 python bench/expert_layout.py  # as without bf16 instructions
 
 Both layouts hold the same weights and run the same code (torch._grouped_mm through
 moe.model.moe.Experts); the layouts alternate run by run so the load of a shared machine hits both
@@ -65,11 +65,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     torch.set_num_threads(1)
-    bf16_isa = torch.ops.mkldnn._is_mkldnn_bf16_supported() if torch.backends.mkldnn.is_available() else False
+    mkldnn = torch.backends.mkldnn.is_available()
+    bf16_isa = mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     print(f"# torch {torch.__version__}, 1 thread; oneDNN bf16 reported {bf16_isa}; hidden {args.hidden}, "
           f"expert width {args.width}, {args.experts} experts top-{args.top_k}; median of {args.repeats}")
-    print("| dtype | step | tokens | [E, in, out] ms (best) | [E, out, in] ms (best) | [E, in, out] arranged ms "
-          "(best) | CPU ms in_out / out_in / arranged |")
+    print("| dtype | step | tokens | [E, in, out] ms (best) | [E, out, in] ms (best) | "
+          "[E, in, out] arranged ms (best) | CPU ms in_out / out_in / arranged |")
     print("|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(1)
     for name in args.dtype:
@@ -79,7 +80,7 @@ def main() -> None:
         arrange_for_generation(arranged)
         x = torch.randn(1, args.train_tokens, args.hidden, generator=gen).to(dtype)
 
-        def train(m):
+        def train(m, x=x):
             def step():
                 m.zero_grad(set_to_none=True)
                 m(x)[0].float().pow(2).mean().backward()
@@ -87,7 +88,8 @@ def main() -> None:
 
         r = timed({"io": train(io), "oi": train(oi)}, args.repeats)
         print(f"| {name} | fwd+bwd | {args.train_tokens} | {r['io'][0]:.2f} ({r['io'][1]:.2f}) | "
-              f"{r['oi'][0]:.2f} ({r['oi'][1]:.2f}) | - | {r['io'][2]:.1f} / {r['oi'][2]:.1f} / - |", flush=True)
+              f"{r['oi'][0]:.2f} ({r['oi'][1]:.2f}) | - | {r['io'][2]:.1f} / {r['oi'][2]:.1f} / - |",
+              flush=True)
         for t in args.decode_tokens:
             xd = torch.randn(t, 1, args.hidden, generator=gen).to(dtype)
 
@@ -100,8 +102,8 @@ def main() -> None:
 
             r = timed({"io": decode(io), "oi": decode(oi), "ar": decode(arranged)}, args.repeats)
             print(f"| {name} | decode x10 | {t} | {r['io'][0]:.2f} ({r['io'][1]:.2f}) | {r['oi'][0]:.2f} "
-                  f"({r['oi'][1]:.2f}) | {r['ar'][0]:.2f} ({r['ar'][1]:.2f}) | {r['io'][2]:.1f} / {r['oi'][2]:.1f} "
-                  f"/ {r['ar'][2]:.1f} |", flush=True)
+                  f"({r['oi'][1]:.2f}) | {r['ar'][0]:.2f} ({r['ar'][1]:.2f}) | {r['io'][2]:.1f} / "
+                  f"{r['oi'][2]:.1f} / {r['ar'][2]:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ def main() -> None:
     print(f"# device {device} ({platform.machine()}, {torch.get_num_threads()} threads), "
           f"torch {torch.__version__}, transformers {transformers.__version__}; median of {args.repeats}, "
           "interleaved")
-    print("| dtype | batch | new tokens | ours TTFT ms | transformers TTFT ms | ours tok/s | transformers tok/s "
-          "| ratio | ratio (best) | ours tok/CPU-s | transformers tok/CPU-s | ratio (CPU) | same tokens |")
+    print("| dtype | batch | new tokens | ours TTFT ms | transformers TTFT ms | ours tok/s | "
+          "transformers tok/s | ratio | ratio (best) | ours tok/CPU-s | transformers tok/CPU-s | ratio (CPU) "
+          "| same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(1)
     batches = {}
@@ -123,11 +124,12 @@ def main() -> None:
         hf = copy.deepcopy(hf_fp32).to(device=device, dtype=dtype).eval()
         for batch, (ids, mask) in batches.items():
             for n in [1, *args.new_tokens]:
-                def ours(n=n, ids=ids, mask=mask):
-                    return generate(model, ids, mask, max_new_tokens=n, arrange_experts=not args.no_arrange).tokens
+                def ours(n=n, ids=ids, mask=mask, model=model):
+                    return generate(model, ids, mask, max_new_tokens=n,
+                                    arrange_experts=not args.no_arrange).tokens
 
                 @torch.no_grad()
-                def theirs(n=n, ids=ids, mask=mask):
+                def theirs(n=n, ids=ids, mask=mask, hf=hf):
                     out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False, pad_token_id=0, eos_token_id=None)
                     return out[:, ids.shape[1]:].tolist()
@@ -138,9 +140,10 @@ def main() -> None:
                     ttft = ours_s, hf_s
                     continue
                 toks = batch * n
-                print(f"| {name} | {batch} | {n} | {1e3 * ttft[0]:.1f} | {1e3 * ttft[1]:.1f} | {toks / ours_s:.1f} "
-                      f"| {toks / hf_s:.1f} | {hf_s / ours_s:.2f}x | {hf_b / ours_b:.2f}x | {toks / ours_c:.1f} | "
-                      f"{toks / hf_c:.1f} | {hf_c / ours_c:.2f}x | {'yes' if a == b else 'no'} |", flush=True)
+                print(f"| {name} | {batch} | {n} | {1e3 * ttft[0]:.1f} | {1e3 * ttft[1]:.1f} | "
+                      f"{toks / ours_s:.1f} | {toks / hf_s:.1f} | {hf_s / ours_s:.2f}x | "
+                      f"{hf_b / ours_b:.2f}x | {toks / ours_c:.1f} | {toks / hf_c:.1f} | "
+                      f"{hf_c / ours_c:.2f}x | {'yes' if a == b else 'no'} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from moe.checkpoint.formats import PORTABLE
 from moe.checkpoint.io import atomic_torch_save
 from moe.config import ModelConfig, MoEOptConfig
 from moe.hf import from_hf, to_hf
+from moe.infer.generate import generate
 from moe.model import MoETransformer
 from moe.model.expert_layout import (
     EXPERT_LAYOUT,
@@ -28,7 +29,6 @@ from moe.model.expert_layout import (
     upgraded_checkpoint,
     upgraded_state,
 )
-from moe.infer.generate import generate
 from moe.model.moe import Experts, arrange_for_generation, grouped_mm_works
 
 CFG = ModelConfig(vocab_size=67, hidden_size=32, intermediate_size=20, num_layers=2, num_heads=4,
@@ -149,9 +149,10 @@ def test_upgrading_turns_expert_tensors_and_their_moments_only():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_generation_arranges_the_experts_once_and_changes_no_token_nor_checkpoint(dtype):
-    """(Widths of 16-byte multiples both ways: torch._grouped_mm's strides.) On the CPU, bf16 experts run from [E, out, in] memory while generating (kernel_order), fp32 from
+    """On the CPU, bf16 experts run from [E, out, in] memory while generating (kernel_order), fp32 from
     [E, in, out]; the arrangement is one copy per model, and the tokens, the logits and the state dict (its
-    shapes and values) are the stored layout's as before."""
+    shapes and values) are the stored layout's as before. (Widths of 16-byte multiples both ways, as
+    torch._grouped_mm wants its strides.)"""
     torch.manual_seed(0)
     model = MoETransformer(dataclasses.replace(CFG, intermediate_size=24), OPT).to(dtype).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}

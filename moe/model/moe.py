@@ -216,7 +216,8 @@ class Experts(nn.Module):
         use_gmm = self.use_grouped_mm
         if use_gmm is None:
             same_dtype = autocast is not None or dtype == self.gate_up.dtype  # autocast: weights cast below
-            use_gmm = (same_dtype and grouped_mm_works(x_MH.device, dtype, memory_order(self.gate_up, self.layout))
+            order = memory_order(self.gate_up, self.layout)
+            use_gmm = (same_dtype and grouped_mm_works(x_MH.device, dtype, order)
                        and grouped_mm_strides_fit(dtype, self.gate_up, self.down))
         self.kernel = "grouped_mm" if use_gmm else "loop"
         if use_gmm:
@@ -267,8 +268,9 @@ class Experts(nn.Module):
         return fused_activation(device, dtype)
 
     def arrange(self, order: ExpertLayout) -> None:
-        """Re-stride gate_up and down in place so their memory runs in `order` (moe.model.expert_layout.arranged):
-        shapes, values, names and checkpoints stay the stored layout's; a no-op when they already run so."""
+        """Re-stride gate_up and down in place so their memory runs in `order`
+        (moe.model.expert_layout.arranged): shapes, values, names and checkpoints stay the stored layout's;
+        a no-op when they already run so."""
         params = [getattr(self, name) for name in self.layout.names]
         if any(type(p.data) is not torch.Tensor for p in params):  # a DTensor shard: left as it is
             return
