@@ -3,6 +3,7 @@
 file restates it."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 import tokenize
@@ -15,17 +16,20 @@ from moe.checkpoint.formats import PORTABLE
 from moe.checkpoint.io import atomic_torch_save
 from moe.config import ModelConfig, MoEOptConfig
 from moe.hf import from_hf, to_hf
+from moe.infer.generate import generate
 from moe.model import MoETransformer
 from moe.model.expert_layout import (
     EXPERT_LAYOUT,
     IN_OUT,
     LAYOUT_KEY,
     OUT_IN,
+    kernel_order,
+    memory_order,
     storing,
     upgraded_checkpoint,
     upgraded_state,
 )
-from moe.model.moe import Experts, grouped_mm_works
+from moe.model.moe import Experts, arrange_for_generation, grouped_mm_works
 
 CFG = ModelConfig(vocab_size=67, hidden_size=32, intermediate_size=20, num_layers=2, num_heads=4,
                   num_kv_heads=2, max_position_embeddings=64, top_k=2, num_experts=4, rms_norm_eps=1e-6)
@@ -141,6 +145,35 @@ def test_upgrading_turns_expert_tensors_and_their_moments_only():
     assert up[moments + "step"] is state[moments + "step"]
     assert up["model.norm.weight"] is state["model.norm.weight"]
     assert upgraded_state(state, IN_OUT) is state  # the stored layout already
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_generation_arranges_the_experts_once_and_changes_no_token_nor_checkpoint(dtype):
+    """On the CPU, bf16 experts run from [E, out, in] memory while generating (kernel_order), fp32 from
+    [E, in, out]; the arrangement is one copy per model, and the tokens, the logits and the state dict (its
+    shapes and values) are the stored layout's as before. (Widths of 16-byte multiples both ways, as
+    torch._grouped_mm wants its strides.)"""
+    torch.manual_seed(0)
+    model = MoETransformer(dataclasses.replace(CFG, intermediate_size=24), OPT).to(dtype).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = generate(model, IDS, max_new_tokens=6, arrange_experts=False).tokens
+    experts = model.layers[0].ffn.experts
+    assert memory_order(experts.gate_up, IN_OUT) == IN_OUT
+    with torch.no_grad():
+        logits = model(IDS).logits_BSV
+    assert generate(model, IDS, max_new_tokens=6).tokens == plain
+    want = kernel_order(torch.device("cpu"), dtype)
+    assert want == (OUT_IN if dtype == torch.bfloat16 else IN_OUT)
+    assert memory_order(experts.gate_up, IN_OUT) == want and memory_order(experts.down, IN_OUT) == want
+    weights = experts.gate_up.data_ptr()
+    arrange_for_generation(model)  # already arranged: no copy
+    assert experts.gate_up.data_ptr() == weights
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits_BSV, logits, rtol=0, atol=0)
+    after = model.state_dict()
+    for key, value in before.items():
+        assert after[key].shape == value.shape
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
 
 
 # our expert tensors' names spelt out, and dims turned or cut on a line that is about experts

@@ -34,6 +34,17 @@ def test_kv_cache_gives_the_same_tokens_as_no_cache(kw):
     assert [len(t) for t in cached.tokens] == [12, 12, 12]  # no EOS given: every row runs to the limit
 
 
+def test_last_only_gives_the_last_positions_logits():
+    """What each generation step picks from (the prefill computes one position's logits, not S)."""
+    model = build()
+    ids, mask = left_pad(PROMPTS, pad_token_id=0)
+    with torch.no_grad():
+        full = model(ids, attention_mask_BS=mask).logits_BSV
+        last = model(ids, attention_mask_BS=mask, last_only=True).logits_BSV
+    assert last.shape == (len(PROMPTS), 1, V)
+    torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(sliding_window=3), dict(position_encoding="alibi")])
 def test_left_padded_batch_matches_each_prompt_alone(kw):
     model = build(seed=1, **kw)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe.model.moe import arrange_for_generation
+
 
 @dataclass
 class Generation:
@@ -115,6 +117,7 @@ def generate(
     vocab_limit: int | None = None,
     latent_cache: bool = True,
     stopped: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    arrange_experts: bool = True,
 ) -> Generation:
     """Continue each row of `input_ids_BS` (left-padded; mask 1 = real token) by up to max_new_tokens.
 
@@ -125,7 +128,11 @@ def generate(
     latent (moe/model/mla.py; the same tokens, for comparison).
     `stopped(new_BN)` (the new tokens so far) says which rows are done besides EOS (a stop string in their
     text): they stop, and take pads from then on, as rows past EOS do; their tokens are kept whole.
+    `arrange_experts` first puts the experts' weights in the memory order their matmuls want here
+    (moe.model.moe.arrange_for_generation: once per model; shapes and checkpoints unchanged).
     """
+    if arrange_experts:
+        arrange_for_generation(model)
     param = next(model.parameters())
     device = param.device
     ids_BS = input_ids_BS.to(device)
@@ -159,10 +166,10 @@ def generate(
         while steps < max_new_tokens:
             if use_cache:
                 out = model(step_in, kv_cache=cache, position_offset=pos, attention_mask_BS=mask_BS,
-                            generating=True)
+                            generating=True, last_only=True)
                 pos += step_in.shape[1]
             else:
-                out = model(seq_BS, attention_mask_BS=mask_BS, generating=True)
+                out = model(seq_BS, attention_mask_BS=mask_BS, generating=True, last_only=True)
             tok_B = pick(out.logits_BSV[:, -1])
             tok_B = torch.where(done_B, torch.full_like(tok_B, pad_token_id), tok_B)
             new_BN[:, steps] = tok_B

@@ -69,6 +69,9 @@ def attention_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: i
 
 # ----------------------------------------------------------------------------- attention
 
+# the last no-grad RoPE tables (CausalSelfAttention.rope): key -> (the config they were computed for, (cos, sin))
+_SHARED_ROPE: dict = {}
+
 
 class SumGradOver(torch.autograd.Function):
     """Identity forward; the backward sums the gradient over `group` (Megatron's f operator): for a tensor
@@ -161,7 +164,23 @@ class CausalSelfAttention(nn.Module):
 
     def rope(self, position_offset: int, length: int, device, dtype, documents: Documents | None = None):
         """cos/sin [S, rope_dim] for positions position_offset.. (the same rows the full sequence gets);
-        with `documents`, [B, 1, S, rope_dim] for each token's position in its document."""
+        with `documents`, [B, 1, S, rope_dim] for each token's position in its document.
+
+        Without autograd (generation, evaluation) the layers of one forward share one computation: the last
+        such call's tables are kept (`_SHARED_ROPE`, one entry) and reused by a call with the same config
+        object, dims, positions, device and dtype, as transformers computes them once per forward."""
+        if documents is not None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return self._rope(position_offset, length, device, dtype, documents)
+        key = (id(self.rope_cfg), self.rope_dim, self.rope_scale, position_offset, length, device, dtype)
+        kept = _SHARED_ROPE.get(key)
+        if kept is not None and kept[0] is self.rope_cfg:  # (the entry holds the config: its id stays its)
+            return kept[1]
+        cos_sin = self._rope(position_offset, length, device, dtype, None)
+        _SHARED_ROPE.clear()
+        _SHARED_ROPE[key] = (self.rope_cfg, cos_sin)
+        return cos_sin
+
+    def _rope(self, position_offset: int, length: int, device, dtype, documents: Documents | None):
         inv_freq = inverse_frequencies(self.rope_cfg, self.rope_dim, device)
         if documents is not None:
             cos, sin = rope_cos_sin_at(documents.positions_BS, inv_freq, self.rope_scale, dtype)

@@ -14,6 +14,11 @@ Checkpoints record the layout they were written in (`LAYOUT_KEY`); `upgraded_che
 written in another (or, with no record, `UNRECORDED`) into the stored layout wherever a checkpoint
 is read, beside moe.model.mlp.upgraded's renames. `storing(layout)` switches the stored layout for a
 block of code (tests prove a switch is all it takes; models built inside keep their own).
+
+Apart from the stored layout (shapes, names, checkpoints), a tensor's memory order can differ: `arranged`
+re-strides an expert tensor so that its memory runs in another layout's order while its shape and values stay
+the stored layout's (a column-major view, no change to any checkpoint). Generation arranges the experts once
+in `kernel_order`, the order the matmuls there run fastest from (docs/BENCHMARKS.md, "Expert weight layout").
 """
 from __future__ import annotations
 
@@ -134,6 +139,31 @@ def storing(layout: ExpertLayout) -> Iterator[ExpertLayout]:
         yield layout
     finally:
         _stored.pop()
+
+
+def memory_order(w: torch.Tensor, layout: ExpertLayout) -> ExpertLayout:
+    """The layout `w` (a tensor stored in `layout`) runs in memory: IN_OUT or OUT_IN, whichever its strides
+    match (IN_OUT when both or neither do)."""
+    in_out = layout.as_in_out(w)
+    return OUT_IN if in_out.transpose(1, 2).is_contiguous() and not in_out.is_contiguous() else IN_OUT
+
+
+def arranged(w: torch.Tensor, layout: ExpertLayout, order: ExpertLayout) -> torch.Tensor:
+    """`w` (stored in `layout`), its shape and values unchanged, its memory in `order`'s: `w` itself when it
+    already is, else one copy."""
+    if memory_order(w, layout) == order:
+        return w
+    in_order = IN_OUT.convert(layout.as_in_out(w), order).contiguous()
+    return layout.from_in_out(order.as_in_out(in_order))
+
+
+def kernel_order(device: torch.device, dtype: torch.dtype) -> ExpertLayout:
+    """The memory order the experts' no-grad matmuls run fastest from on `device` in `dtype`: on the CPU in
+    bf16 and fp16, [E, out, in] (the right operand column-major: 15-25x faster where the CPU lacks bf16
+    instructions, a few percent with them); [E, in, out] otherwise (fp32 on the CPU: up to 1.4x faster
+    than column-major at a few rows per expert). Figures: docs/BENCHMARKS.md, "Expert weight layout"."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    return OUT_IN if device.type == "cpu" and half else IN_OUT
 
 
 def recorded(checkpoint: dict) -> dict:

@@ -202,7 +202,7 @@ class MoETransformer(nn.Module):
     def forward(self, input_ids_BS: torch.Tensor, kv_cache: list[KVCache] | None = None,
                 position_offset: int = 0, attention_mask_BS: torch.Tensor | None = None,
                 generating: bool = False, labels_BS: torch.Tensor | None = None,
-                documents: Documents | None = None) -> ModelOutput:
+                documents: Documents | None = None, last_only: bool = False) -> ModelOutput:
         """attention_mask_BS: optional [B, position_offset + S], 1 = real token, 0 = left padding, over
         every position fed so far (cached ones included). Pads take positions like tokens; RoPE, ALiBi
         and the window see only distances, so a row's shift by its pad count changes nothing. Pads are
@@ -215,6 +215,8 @@ class MoETransformer(nn.Module):
         MoE layers' routing after the main model's. Without labels they do not run.
         documents: the packed documents of each row (moe.model.documents, data.document_mask), over the
         whole sequence: block-causal attention and positions that restart at each document (training only).
+        last_only: logits for each row's last position only ([B, 1, V]), all a generation step picks from
+        (transformers' generate asks the same, logits_to_keep=1: generation/utils.py:2952-2956 at 5.24).
         """
         want = (input_ids_BS.shape[0], position_offset + input_ids_BS.shape[1])
         if attention_mask_BS is not None and tuple(attention_mask_BS.shape) != want:
@@ -233,7 +235,8 @@ class MoETransformer(nn.Module):
         hidden_BSH = self.norm(x_BSH)
         logits_BSV = lm = None
         if labels_BS is None:
-            logits_BSV = self.lm_head(hidden_BSH if sequence is None else sequence.gather(hidden_BSH))
+            whole_BSH = hidden_BSH if sequence is None else sequence.gather(hidden_BSH)
+            logits_BSV = self.lm_head(whole_BSH[:, -1:] if last_only else whole_BSH)
         elif sequence is not None:
             lm = sequence.lm_loss(hidden_BSH, self.lm_head.weight, labels_BS)
         else:

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from moe.config.schema import group_scored_by, normalizes
 from moe.model.dispatcher import Dispatcher, LocalDispatcher, TokenShard
-from moe.model.expert_layout import ExpertLayout, stored
+from moe.model.expert_layout import ExpertLayout, arranged, kernel_order, memory_order, stored
 from moe.model.fp8 import fp8_grouped_mm, fp8_kernel
 from moe.model.fused_swiglu import activation as fused_activation
 from moe.model.init import draw_base_seed, initialize
@@ -53,7 +53,7 @@ from moe.model.routing import (
 from moe.model.sync import host_sizes
 
 __all__ = ["Router", "Experts", "MoEFeedForward", "MoELayer", "RoutingStats",
-           "autocast_dtype", "expert_kernel", "grouped_mm_works"]
+           "arrange_for_generation", "autocast_dtype", "expert_kernel", "grouped_mm_works"]
 
 @runtime_checkable
 class MoEFeedForward(Protocol):
@@ -149,6 +149,14 @@ def _probe_grouped_mm(device, dtype, layout: ExpertLayout) -> bool:
         return False
 
 
+def grouped_mm_strides_fit(dtype: torch.dtype, *weights: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes `weights` in `dtype`: it wants every stride but the unit one a
+    multiple of 16 bytes ("strides should be multiple of 16 bytes"), which small widths in half precision
+    miss (a bf16 [E, out, in] operand of in-width 20: 40 bytes); the experts then loop."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(s == 1 or s * size % 16 == 0 for w in weights for s in w.stride())
+
+
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype autocast runs matmuls in on `device` here, or None where autocast is off (or does not exist,
     as on the meta device)."""
@@ -208,7 +216,9 @@ class Experts(nn.Module):
         use_gmm = self.use_grouped_mm
         if use_gmm is None:
             same_dtype = autocast is not None or dtype == self.gate_up.dtype  # autocast: weights cast below
-            use_gmm = same_dtype and grouped_mm_works(x_MH.device, dtype, self.layout)
+            order = memory_order(self.gate_up, self.layout)
+            use_gmm = (same_dtype and grouped_mm_works(x_MH.device, dtype, order)
+                       and grouped_mm_strides_fit(dtype, self.gate_up, self.down))
         self.kernel = "grouped_mm" if use_gmm else "loop"
         if use_gmm:
             offs_E = _group_ends(counts_E, x_MH.device)
@@ -257,6 +267,18 @@ class Experts(nn.Module):
             return region(swiglu, True)
         return fused_activation(device, dtype)
 
+    def arrange(self, order: ExpertLayout) -> None:
+        """Re-stride gate_up and down in place so their memory runs in `order`
+        (moe.model.expert_layout.arranged): shapes, values, names and checkpoints stay the stored layout's;
+        a no-op when they already run so."""
+        params = [getattr(self, name) for name in self.layout.names]
+        if any(type(p.data) is not torch.Tensor for p in params):  # a DTensor shard: left as it is
+            return
+        weights = [arranged(p.data, self.layout, order) for p in params]
+        if grouped_mm_strides_fit(weights[0].dtype, *weights):  # else an order the grouped GEMM refuses
+            for p, w in zip(params, weights, strict=True):
+                p.data = w
+
     def shard(self, first: int, count: int) -> None:
         """Keep experts [first, first+count) only (expert parallelism)."""
         dim = self.layout.expert_dim
@@ -281,6 +303,14 @@ def _group_ends(counts_E: torch.Tensor | list[int], device) -> torch.Tensor:
     if isinstance(counts_E, list):
         return torch.tensor(list(itertools.accumulate(counts_E)), dtype=torch.int32, device=device)
     return torch.cumsum(counts_E, 0).to(torch.int32)
+
+
+def arrange_for_generation(model: nn.Module) -> None:
+    """Every expert's weights in the memory order its no-grad matmuls want for its device and dtype
+    (moe.model.expert_layout.kernel_order): one copy the first time, none after (moe.infer.generate)."""
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.arrange(kernel_order(m.gate_up.device, m.gate_up.dtype))
 
 
 def expert_kernel(model: nn.Module) -> str | None:
