@@ -115,6 +115,15 @@ class SequenceShard(Protocol):
                 labels_BS: torch.Tensor) -> torch.Tensor: ...
 
 
+def _empty_like(t: torch.Tensor, device) -> torch.Tensor:
+    """torch.empty_like(t, device=device), as Module.to_empty makes storage. A plain tensor goes straight
+    to the factory: empty_like from the meta device runs torch._refs, whose first call imports sympy (a third
+    of a second of every load); a tensor subclass (DTensor) keeps its own empty_like."""
+    if type(t) in (torch.Tensor, nn.Parameter):
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    return torch.empty_like(t, device=device)
+
+
 class MoETransformer(nn.Module):
     """Decoder-only LM; layer i is MoE when i >= first_k_dense_replace, (i + 1) % moe_layer_frequency == 0
     and i is not in dense_layers (moe.config.derived.is_moe_layer).
@@ -134,7 +143,11 @@ class MoETransformer(nn.Module):
         super().__init__()
         validate_model(model_cfg, moe_opt)
         self.model_config, self.moe_opt = model_cfg, moe_opt
-        self.embed_tokens = nn.Embedding(model_cfg.vocab_size, model_cfg.hidden_size)
+        # its values are initialize's below: handing Embedding its (empty) weight skips its own normal_ init,
+        # which on the meta device (every import and load) costs a second of start-up importing torch._dynamo
+        # (torch._refs.normal_); Linear's and the norms' inits take no such path
+        shape = (model_cfg.vocab_size, model_cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape), _freeze=False)
         block_cls = block_cls or Block
         self.layers = nn.ModuleList([block_cls(model_cfg, moe_opt, i) for i in range(model_cfg.num_layers)])
         self.norm = RMSNorm(model_cfg.hidden_size, model_cfg.rms_norm_eps)
@@ -172,7 +185,7 @@ class MoETransformer(nn.Module):
     def to_storage(self, device) -> None:
         """`to_empty(device)` (storage for what this process holds, values unset), then what it loses:
         new Parameters get the LM head tie and the expert marks again, computed buffers are recomputed."""
-        self.to_empty(device=device)
+        self._apply(lambda t: _empty_like(t, device))  # Module.to_empty, without its sympy import
         self._rebind(Attention | Router)
 
     def load_assigned(self, state: dict[str, torch.Tensor]) -> None:
