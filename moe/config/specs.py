@@ -92,6 +92,8 @@ class BackendSpec:
     # the checkpoint format it writes (moe.checkpoint.formats, by key) without and with expert parallelism:
     # one portable file holds every expert; under EP a sharded directory, each rank writing its own experts
     checkpoint_formats: tuple[str, str] = ("portable", "sharded")
+    # every rank holds the whole model as one module (DDP): in-run evaluation (moe/eval/in_run.py) runs it
+    whole_model_per_rank: bool = False
 
     def checkpoint_format(self, ep: int) -> str:
         """The key of the format a run with `ep` expert-parallel ranks writes."""

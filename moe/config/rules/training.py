@@ -7,6 +7,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf
 
+from moe.backends.registry import SPECS
 from moe.config.choices import (
     AC_POLICIES,
     DATA_FORMATS,
@@ -202,7 +203,7 @@ def check_guard(trainer) -> None:
 def check_in_run_eval(trainer, parallel, hardware) -> None:
     """trainer.eval_*: in-run evaluation (moe/eval/in_run.py) runs the whole model on each rank, so only where
     each rank holds all of it: the ddp strategy (one process, or DDP) without tensor, pipeline or expert
-    parallelism. Elsewhere the run's checkpoints are evaluated with python -m moe.eval."""
+    parallelism (BackendSpec.whole_model_per_rank). Elsewhere the run's checkpoints are evaluated with python -m moe.eval."""
     t = trainer
     need(t.eval_every_n_steps >= 0, "trainer.eval_every_n_steps", t.eval_every_n_steps,
          "use 0 (no evaluation in the run) or a step count such as 100", "must not be negative")
@@ -215,7 +216,7 @@ def check_in_run_eval(trainer, parallel, hardware) -> None:
     need(t.eval_limit is None or t.eval_limit >= 1, "trainer.eval_limit", t.eval_limit,
          "use null (every document) or 1 or more", "must be at least 1")
     sharded = [f"parallel.{k}={getattr(parallel, k)}" for k in ("tp", "pp", "ep") if getattr(parallel, k) > 1]
-    if hardware.strategy != "ddp":
+    if not SPECS[hardware.strategy].whole_model_per_rank:
         sharded.insert(0, f"hardware.strategy={hardware.strategy}")
     need(not sharded, "trainer.eval_every_n_steps", t.eval_every_n_steps,
          "set trainer.eval_every_n_steps=0 and evaluate the run's checkpoints with python -m moe.eval "
