@@ -167,10 +167,10 @@ def _split_rows(valid: np.ndarray, n_rows: int, val_fraction: float, seed: int) 
         raise UserError("val_fraction", val_fraction,
                         "add rows or lower val_fraction (or 0 for no validation)",
                         problem=f"leaves no training rows out of {n}")
+    # One byte a row is what packing keeps; the permutation (8 bytes a usable row) lives only in here.
     assign = np.full(n_rows, -1, dtype=np.int8)
-    perm = np.random.default_rng(seed).permutation(n)
-    assign[valid[perm[n_val:]]] = 0
-    assign[valid[perm[:n_val]]] = 1
+    assign[valid] = 0
+    assign[valid[np.random.default_rng(seed).permutation(n)[:n_val]]] = 1
     return assign
 
 
@@ -262,12 +262,15 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
                         "(counted in meta.json)", problem=f"has {sum(bad.values())} bad rows ({dict(bad)}); "
                         f"the first is row {first} (0-based, in file order): {reason}")
     skips.update(raw.skipped)
-    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
-    valid = np.flatnonzero(lengths > 0)
-    if not len(valid):
+    del reasons  # a string a row: not kept through packing
+    valid = np.flatnonzero(pc.greater(pc.list_value_length(table.column("input_ids")), 0)
+                           .to_numpy(zero_copy_only=False))
+    rows_used = len(valid)
+    if not rows_used:
         raise UserError("input", cfg.input, "check format/text_column match the data",
                         problem=f"has no usable rows (skipped: {dict(skips)})")
-    assign = _split_rows(valid, len(lengths), cfg.val_fraction, cfg.seed)
+    assign = _split_rows(valid, len(table), cfg.val_fraction, cfg.seed)
+    del valid
 
     dtype = token_dtype(vocab)
     block_len = cfg.seq_len + 1
@@ -300,7 +303,7 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
                       "source": tok_source},
         "tokens": totals,
         "splits": split_stats,
-        "rows": {"read": len(raw.dataset) + sum(raw.skipped.values()), "used": int(len(valid)),
+        "rows": {"read": len(raw.dataset) + sum(raw.skipped.values()), "used": rows_used,
                  "skipped": {k: v for k, v in sorted(skips.items()) if k not in BENIGN},
                  "repaired": dict(sorted(raw.repaired.items())),
                  "blank_lines_ignored": skips.get("blank_line", 0)},
