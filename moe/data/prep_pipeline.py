@@ -180,16 +180,25 @@ def _flat(chunk: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
     return chunk.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]], np.diff(offsets)
 
 
-def _pack(table: pa.Table, assign: np.ndarray, packers: list, writers: list, progress: bool) -> None:
+def _token_batches(tokenized: datasets.Dataset, table: pa.Table):
+    """The token rows' record batches in file order, each read from the map's Arrow files when packing
+    reaches it rather than through their memory map: a packed batch's pages leave the process, so its
+    resident memory does not grow with the split."""
+    files = [f["filename"] for f in tokenized.cache_files]
+    if not files:
+        yield from table.to_batches()
+    for name in files:
+        with pa.OSFile(name) as f:
+            yield from pa.ipc.open_stream(f)
+
+
+def _pack(batches, assign: np.ndarray, packers: list, writers: list, progress: bool) -> None:
     """One pass over the token rows in file order; each split's rows go to its packer and writer."""
-    ids_chunks = table.column("input_ids").chunks
-    has_mask = "loss_mask" in table.column_names
-    mask_chunks = table.column("loss_mask").chunks if has_mask else [None] * len(ids_chunks)
     bar = tqdm(total=len(assign), desc="Packing", unit=" rows", disable=not progress)
     row = 0
-    for ids_chunk, mask_chunk in zip(ids_chunks, mask_chunks, strict=True):
-        ids, lengths = _flat(ids_chunk)
-        mask = _flat(mask_chunk)[0] if mask_chunk is not None else None
+    for batch in batches:
+        ids, lengths = _flat(batch.column("input_ids"))
+        mask = _flat(batch.column("loss_mask"))[0] if "loss_mask" in batch.schema.names else None
         split_of_row = assign[row:row + len(lengths)]
         for split, (packer, writer) in enumerate(zip(packers, writers, strict=True)):
             rows = split_of_row == split
@@ -200,6 +209,8 @@ def _pack(table: pa.Table, assign: np.ndarray, packers: list, writers: list, pro
         row += len(lengths)
         bar.update(len(lengths))
     bar.close()
+    if row != len(assign):
+        raise RuntimeError(f"packing read {row} token rows of {len(assign)}")
 
 
 def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> dict:
@@ -262,6 +273,8 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
                         "(counted in meta.json)", problem=f"has {sum(bad.values())} bad rows ({dict(bad)}); "
                         f"the first is row {first} (0-based, in file order): {reason}")
     skips.update(raw.skipped)
+    rows_read = len(raw.dataset) + sum(raw.skipped.values())
+    raw.dataset = None  # unmapped: the pages of the input the map read leave the process before packing
     del reasons  # a string a row: not kept through packing
     valid = np.flatnonzero(pc.greater(pc.list_value_length(table.column("input_ids")), 0)
                            .to_numpy(zero_copy_only=False))
@@ -278,7 +291,7 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
     packers = [ConcatPacker(block_len, with_mask) if cfg.packing == "concat" else PadPacker(block_len, pad_id)
                for _ in SPLITS]
     writers = [SplitWriter(work / f"{name}.arrow", block_len, dtype, stored_mask) for name in SPLITS]
-    _pack(table, assign, packers, writers, progress)
+    _pack(_token_batches(tokenized, table), assign, packers, writers, progress)
     split_stats, split_ds = {}, {}
     for split, name in enumerate(SPLITS):
         stats = packers[split].finish()
@@ -303,7 +316,7 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
                       "source": tok_source},
         "tokens": totals,
         "splits": split_stats,
-        "rows": {"read": len(raw.dataset) + sum(raw.skipped.values()), "used": rows_used,
+        "rows": {"read": rows_read, "used": rows_used,
                  "skipped": {k: v for k, v in sorted(skips.items()) if k not in BENIGN},
                  "repaired": dict(sorted(raw.repaired.items())),
                  "blank_lines_ignored": skips.get("blank_line", 0)},
