@@ -180,7 +180,8 @@ def memory_child(args) -> None:
         tokens = hf_recipe(src, out, args)[0]
     else:
         prepare(prep_config(src, out, args), progress=False)
-        tokens = json.loads((out / "meta.json").read_text())["tokens"]["tokens_in"]
+        meta = json.loads((out / "meta.json").read_text())
+        tokens = meta["tokens"]["tokens_in"] - meta["rows"]["used"]  # without the EOS, as the HF side counts
     done.set()
     sampler.join()
     print(json.dumps({"baseline_kib": baseline, "anon_peak_kib": peak[0], "tokens": tokens}))
