@@ -159,18 +159,20 @@ def _count_skips(col: pa.ChunkedArray) -> Counter:
     return counts
 
 
-def _split_rows(valid: np.ndarray, n_rows: int, val_fraction: float, seed: int) -> np.ndarray:
-    """Per row: 0 = train, 1 = validation, -1 = unused. Validation rows are a seeded random share."""
-    n = len(valid)
+def _split_rows(usable: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
+    """Per row: 0 = train, 1 = validation, -1 = unused (`usable`: a bool a row). Validation rows are a seeded
+    random share of the usable ones. Per-row state is a byte a row, but for the seeded permutation that picks
+    them (8 bytes a usable row), which lives only in here: what the byte-identical choice costs."""
+    n = int(usable.sum())
     n_val = int(np.ceil(val_fraction * n)) if val_fraction > 0 else 0
     if val_fraction > 0 and n_val >= n:
         raise UserError("val_fraction", val_fraction,
                         "add rows or lower val_fraction (or 0 for no validation)",
                         problem=f"leaves no training rows out of {n}")
-    # One byte a row is what packing keeps; the permutation (8 bytes a usable row) lives only in here.
-    assign = np.full(n_rows, -1, dtype=np.int8)
-    assign[valid] = 0
-    assign[valid[np.random.default_rng(seed).permutation(n)[:n_val]]] = 1
+    split = np.zeros(n, dtype=np.int8)  # by usable row, in file order
+    split[np.random.default_rng(seed).permutation(n)[:n_val]] = 1
+    assign = np.full(len(usable), -1, dtype=np.int8)
+    assign[usable] = split
     return assign
 
 
@@ -276,14 +278,13 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
     rows_read = len(raw.dataset) + sum(raw.skipped.values())
     raw.dataset = None  # unmapped: the pages of the input the map read leave the process before packing
     del reasons  # a string a row: not kept through packing
-    valid = np.flatnonzero(pc.greater(pc.list_value_length(table.column("input_ids")), 0)
-                           .to_numpy(zero_copy_only=False))
-    rows_used = len(valid)
+    usable = pc.greater(pc.list_value_length(table.column("input_ids")), 0).to_numpy(zero_copy_only=False)
+    rows_used = int(usable.sum())
     if not rows_used:
         raise UserError("input", cfg.input, "check format/text_column match the data",
                         problem=f"has no usable rows (skipped: {dict(skips)})")
-    assign = _split_rows(valid, len(table), cfg.val_fraction, cfg.seed)
-    del valid
+    assign = _split_rows(usable, cfg.val_fraction, cfg.seed)
+    del usable
 
     dtype = token_dtype(vocab)
     block_len = cfg.seq_len + 1
