@@ -161,18 +161,22 @@ def _count_skips(col: pa.ChunkedArray) -> Counter:
     return counts
 
 
-def _split_rows(valid: np.ndarray, n_rows: int, val_fraction: float, seed: int) -> np.ndarray:
-    """Per row: 0 = train, 1 = validation, -1 = unused. Validation rows are a seeded random share."""
-    n = len(valid)
+def _split_rows(usable: np.ndarray, val_fraction: float, seed: int) -> np.ndarray:
+    """Per row: 0 = train, 1 = validation, -1 = unused (`usable`: a bool a row). Validation rows are a seeded
+    random share of the usable ones. Per-row state is a byte a row, but for the seeded permutation that picks
+    them (4 bytes a usable row), which lives only in here: what the byte-identical choice costs."""
+    n = int(usable.sum())
     n_val = int(np.ceil(val_fraction * n)) if val_fraction > 0 else 0
     if val_fraction > 0 and n_val >= n:
         raise UserError("val_fraction", val_fraction,
                         "add rows or lower val_fraction (or 0 for no validation)",
                         problem=f"leaves no training rows out of {n}")
-    assign = np.full(n_rows, -1, dtype=np.int8)
-    perm = np.random.default_rng(seed).permutation(n)
-    assign[valid[perm[n_val:]]] = 0
-    assign[valid[perm[:n_val]]] = 1
+    order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    np.random.default_rng(seed).shuffle(order)  # rng.permutation(n)'s order (it shuffles an int64 arange)
+    split = np.zeros(n, dtype=np.int8)  # by usable row, in file order
+    split[order[:n_val]] = 1
+    assign = np.full(len(usable), -1, dtype=np.int8)
+    assign[usable] = split
     return assign
 
 
@@ -182,16 +186,25 @@ def _flat(chunk: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
     return chunk.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]], np.diff(offsets)
 
 
-def _pack(table: pa.Table, assign: np.ndarray, packers: list, writers: list, progress: bool) -> None:
+def _token_batches(tokenized: datasets.Dataset, table: pa.Table):
+    """The token rows' record batches in file order, each read from the map's Arrow files when packing
+    reaches it rather than through their memory map: a packed batch's pages leave the process, so its
+    resident memory does not grow with the split."""
+    files = [f["filename"] for f in tokenized.cache_files]
+    if not files:
+        yield from table.to_batches()
+    for name in files:
+        with pa.OSFile(name) as f:
+            yield from pa.ipc.open_stream(f)
+
+
+def _pack(batches, assign: np.ndarray, packers: list, writers: list, progress: bool) -> None:
     """One pass over the token rows in file order; each split's rows go to its packer and writer."""
-    ids_chunks = table.column("input_ids").chunks
-    has_mask = "loss_mask" in table.column_names
-    mask_chunks = table.column("loss_mask").chunks if has_mask else [None] * len(ids_chunks)
     bar = tqdm(total=len(assign), desc="Packing", unit=" rows", disable=not progress)
     row = 0
-    for ids_chunk, mask_chunk in zip(ids_chunks, mask_chunks, strict=True):
-        ids, lengths = _flat(ids_chunk)
-        mask = _flat(mask_chunk)[0] if mask_chunk is not None else None
+    for batch in batches:
+        ids, lengths = _flat(batch.column("input_ids"))
+        mask = _flat(batch.column("loss_mask"))[0] if "loss_mask" in batch.schema.names else None
         split_of_row = assign[row:row + len(lengths)]
         for split, (packer, writer) in enumerate(zip(packers, writers, strict=True)):
             rows = split_of_row == split
@@ -202,6 +215,8 @@ def _pack(table: pa.Table, assign: np.ndarray, packers: list, writers: list, pro
         row += len(lengths)
         bar.update(len(lengths))
     bar.close()
+    if row != len(assign):
+        raise RuntimeError(f"packing read {row} token rows of {len(assign)}")
 
 
 def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> dict:
@@ -264,12 +279,16 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
                         "(counted in meta.json)", problem=f"has {sum(bad.values())} bad rows ({dict(bad)}); "
                         f"the first is row {first} (0-based, in file order): {reason}")
     skips.update(raw.skipped)
-    lengths = pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
-    valid = np.flatnonzero(lengths > 0)
-    if not len(valid):
+    rows_read = len(raw.dataset) + sum(raw.skipped.values())
+    raw.dataset = None  # unmapped: the pages of the input the map read leave the process before packing
+    del reasons  # a string a row: not kept through packing
+    usable = pc.greater(pc.list_value_length(table.column("input_ids")), 0).to_numpy(zero_copy_only=False)
+    rows_used = int(usable.sum())
+    if not rows_used:
         raise UserError("input", cfg.input, "check format/text_column match the data",
                         problem=f"has no usable rows (skipped: {dict(skips)})")
-    assign = _split_rows(valid, len(lengths), cfg.val_fraction, cfg.seed)
+    assign = _split_rows(usable, cfg.val_fraction, cfg.seed)
+    del usable
 
     dtype = token_dtype(vocab)
     block_len = cfg.seq_len + 1
@@ -277,7 +296,7 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
     packers = [ConcatPacker(block_len, with_mask) if cfg.packing == "concat" else PadPacker(block_len, pad_id)
                for _ in SPLITS]
     writers = [SplitWriter(work / f"{name}.arrow", block_len, dtype, stored_mask) for name in SPLITS]
-    _pack(table, assign, packers, writers, progress)
+    _pack(_token_batches(tokenized, table), assign, packers, writers, progress)
     split_stats, split_ds = {}, {}
     for split, name in enumerate(SPLITS):
         stats = packers[split].finish()
@@ -302,7 +321,7 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
                       "source": tok_source},
         "tokens": totals,
         "splits": split_stats,
-        "rows": {"read": len(raw.dataset) + sum(raw.skipped.values()), "used": int(len(valid)),
+        "rows": {"read": rows_read, "used": rows_used,
                  "skipped": {k: v for k, v in sorted(skips.items()) if k not in BENIGN},
                  "repaired": dict(sorted(raw.repaired.items())),
                  "blank_lines_ignored": skips.get("blank_line", 0)},

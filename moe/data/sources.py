@@ -31,6 +31,7 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "c
             ".txt": "text", ".text": "text"}
 LINE_BASED = ("json", "csv", "tsv", "text")
 GLOB_CHARS = set("*?[")
+TEXT_CHUNK_BYTES = 1 << 20  # what the datasets text loader reads at a time (_load_files)
 LOCAL_HINT = ("pass a local path instead: a jsonl/json/parquet/csv/tsv/txt file, a glob, a directory of such "
               "files, or a directory written by datasets' save_to_disk")
 
@@ -260,7 +261,9 @@ def builder_args(builder: str) -> tuple[str, dict]:
     if builder == "tsv":  # datasets' csv builder with tabs
         builder, kwargs["delimiter"] = "csv", "\t"
     if builder == "text":
-        kwargs["keep_linebreaks"] = False
+        # 1 MB read at a time instead of datasets' 10 MB: a chunk's lines live as Python strings while it is
+        # converted, and at 10 MB that (with the allocator's leftovers) grew the peak with the file's size
+        kwargs.update(keep_linebreaks=False, chunksize=TEXT_CHUNK_BYTES)
     return builder, kwargs
 
 
