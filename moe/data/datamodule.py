@@ -411,7 +411,8 @@ class MoEDataModule(L.LightningDataModule):
 
     @property
     def _eos_id(self) -> int | None:
-        """The EOS id document masking reads boundaries from; None without it."""
+        """The EOS id document masking reads boundaries from where no row starts were recorded; None without
+        it."""
         return self.meta["tokenizer"]["eos_id"] if getattr(self.cfg, "document_mask", False) else None
 
     def _loader(self, blocks: PackedBlocks, sampler, by_source: bool = False) -> DataLoader:
