@@ -163,3 +163,17 @@ def test_a_template_dir_without_the_column_is_refused_with_the_fix(tmp_path, lla
     with pytest.raises(UserError) as err:
         data_module(dataclasses.replace(cfg, document_mask=True))
     assert err.value.field == "MOE_DATA_CACHE" and "delete" in err.value.fix
+
+
+def test_the_starts_are_byte_identical_whatever_num_proc(tmp_path, llama):
+    """data_prep's output, doc_starts included, does not depend on num_proc or batch_size (the starts are
+    recorded while packing, after the workers' tokenization)."""
+    from test_data_prep import _tree
+
+    rows = [CHAT, SHORT] * 3
+    one = prep_rows(tmp_path, llama, rows, packing="concat", seq_len=32, val_fraction=0.3,
+                    output=str(tmp_path / "one"))
+    two = prep_rows(tmp_path, llama, rows, packing="concat", seq_len=32, val_fraction=0.3,
+                    output=str(tmp_path / "two"), num_proc=2, batch_size=1)
+    assert "doc_starts" in json.loads((one / "meta.json").read_text())["columns"]
+    assert _tree(one) == _tree(two)
