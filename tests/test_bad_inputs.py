@@ -162,8 +162,6 @@ CONFIG_CASES = [
     (["parallel=dp2_ep8"], "parallel.dp", "16", None, "trainer.devices=2 trainer.num_nodes=8"),
     (["hardware=trn1", "data.document_mask=true", "dry_run=true"], "data.document_mask", "True",
      "kernels/flash_attn.py:162-169", "set data.document_mask=false on trn1"),
-    (["data.format=chat", "data.chat_template=tokenizer", "data.document_mask=true"], "data.document_mask",
-     "True", "tokenizer's own chat template", "{prompt}/{completion} data.chat_template"),
     (["hardware=gpu_fsdp2", "parallel.pp=2", "trainer.devices=2", "dry_run=true", "data.document_mask=true"],
      "data.document_mask", "True", "pipeline stages", "train with parallel.pp=1"),
     (["hardware=trn1", "hardware.neuron_precision=bf16_sr", "dry_run=true"],
@@ -347,15 +345,17 @@ def test_online_data_without_a_tokenizer(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_prepared_chat_dir_rendered_by_the_tokenizer_template_is_refused_before_the_run(tmp_path):
-    """A prepared dir's meta.json says how its rows were rendered: document_mask on rows of the tokenizer's
-    own chat template is refused by train.py (exit 2, one paragraph, no run dir)."""
+def test_a_tokenizer_template_dir_without_document_starts_is_refused_before_the_run(tmp_path):
+    """A prepared dir's meta.json says how its rows were rendered and which columns it has: document_mask on
+    rows of the tokenizer's own chat template written before data_prep.py recorded where each row starts
+    is refused by train.py (exit 2, one paragraph, no run dir)."""
     data = tmp_path / "prep"
     (data / "tokenizer").mkdir(parents=True)
-    (data / "meta.json").write_text(json.dumps({"seq_len": 128, "config": {"format": "chat",
-                                                                          "chat_template": "tokenizer"}}))
+    (data / "meta.json").write_text(json.dumps({"seq_len": 128, "columns": ["input_ids", "loss_mask"],
+                                                "config": {"format": "chat", "chat_template": "tokenizer"}}))
     code, err = run_train(tmp_path / "run", "data=prepared", f"data.path={data}", "data.document_mask=true")
-    assert_user_error(code, err, "data.document_mask", "True", "{prompt}/{completion}")
+    assert_user_error(code, err, "data.path", repr(str(data)), "prepare it again with data_prep.py")
+    assert "doc_starts" in err
     assert not (tmp_path / "run").exists()
 
 

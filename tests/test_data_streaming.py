@@ -120,11 +120,11 @@ def test_streaming_resume_at_another_geometry_continues_the_shuffled_stream(tmp_
     resumed.setup("fit")
     resumed.load_state_dict(state)
     rest = rows_seen(cfg, micro=3, accum=1, dp=1, steps=10, start_step=0, start_row=resumed.start_row)
-    whole = [ids[:4].tolist() for ids, _ in islice(dm.stream.train(), 24 + 30)]
+    whole = [ids[:4].tolist() for ids, _, _ in islice(dm.stream.train(), 24 + 30)]
     assert sum(first, []) + sum(rest, []) == whole
     in_order = DataConfig(kind="online", path=path, tokenizer=SAMPLE_TOK, streaming=True, shuffle=False,
                           streaming_val_blocks=VAL, seq_len=24)
-    assert whole != [ids[:4].tolist() for ids, _ in islice(streaming_module(in_order).stream.train(), 54)]
+    assert whole != [ids[:4].tolist() for ids, _, _ in islice(streaming_module(in_order).stream.train(), 54)]
 
 
 @pytest.mark.parametrize("override, field", [

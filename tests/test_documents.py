@@ -112,7 +112,7 @@ def test_documents_from_eos_equal_the_rows_concat_packing_joined():
     lengths = rng.integers(2, 9, size=40)
     rows = [np.append(rng.integers(0, EOS, n - 1), EOS).astype(np.int32) for n in lengths]
     packer = ConcatPacker(block_len=17, with_mask=False)
-    blocks, _ = packer.add(np.concatenate(rows), None, lengths)
+    blocks, _, _ = packer.add(np.concatenate(rows), None, lengths)
     stream = torch.from_numpy(blocks.reshape(-1).astype(np.int64))[None]
     derived = np.bincount(document_ids(stream, EOS)[0].numpy())
     recorded = lengths[:len(derived)].copy()

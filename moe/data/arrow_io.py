@@ -3,7 +3,9 @@
 On disk (a `datasets.DatasetDict.save_to_disk` directory):
   train/, validation/   columns `input_ids` (fixed-size list of seq_len + 1 tokens, uint16 when the
                         vocabulary fits, else int32) and, when some tokens carry no loss, `loss_mask`
-                        (fixed-size list of uint8: 1 = this token is a training target)
+                        (fixed-size list of uint8: 1 = this token is a training target), and for rows
+                        rendered by the tokenizer's own chat template `doc_starts` (list of int32: the
+                        offsets in the block where a row starts, for data.document_mask)
   tokenizer/            the tokenizer the blocks were made with
   meta.json             written last: a directory without it is not a finished output
 """
@@ -20,6 +22,8 @@ import pyarrow as pa
 from datasets.arrow_writer import ArrowWriter
 from datasets.table import MemoryMappedTable
 
+from moe.config.schema import TOKENIZER_TEMPLATE
+from moe.data.packing import starts_after_eos
 from moe.errors import UserError, first_line
 
 SPLITS = ("train", "validation")
@@ -29,31 +33,44 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
 
 
-def block_features(block_len: int, dtype: str, with_mask: bool) -> datasets.Features:
+def block_features(block_len: int, dtype: str, with_mask: bool,
+                   with_starts: bool = False) -> datasets.Features:
     cols = {"input_ids": datasets.List(datasets.Value(dtype), length=block_len)}
     if with_mask:
         cols["loss_mask"] = datasets.List(datasets.Value("uint8"), length=block_len)
+    if with_starts:
+        cols["doc_starts"] = datasets.List(datasets.Value("int32"))
     return datasets.Features(cols)
 
 
-class SplitWriter:
-    """Append [k, block_len] block arrays to one Arrow file."""
+def _offsets_of(starts: np.ndarray) -> pa.ListArray:
+    """bool [k, L + 1] row starts -> each block's list of the offsets where a row starts."""
+    _, offsets = np.nonzero(starts)
+    ends = np.concatenate([[0], np.cumsum(starts.sum(axis=1))]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(ends), pa.array(offsets.astype(np.int32)))
 
-    def __init__(self, path: Path, block_len: int, dtype: str, with_mask: bool):
+
+class SplitWriter:
+    """Append [k, block_len] block arrays to one Arrow file (`with_starts`: and where each row starts)."""
+
+    def __init__(self, path: Path, block_len: int, dtype: str, with_mask: bool, with_starts: bool = False):
         self.path, self.block_len, self.dtype, self.with_mask = path, block_len, dtype, with_mask
-        self.features = block_features(block_len, dtype, with_mask)
+        self.with_starts = with_starts
+        self.features = block_features(block_len, dtype, with_mask, with_starts)
         self.writer = ArrowWriter(features=self.features, path=str(path))
 
     def _fixed(self, arr: np.ndarray, dtype) -> pa.Array:
         flat = pa.array(np.ascontiguousarray(arr, dtype=dtype).ravel())
         return pa.FixedSizeListArray.from_arrays(flat, self.block_len)
 
-    def write(self, blocks: np.ndarray, masks: np.ndarray | None) -> None:
+    def write(self, blocks: np.ndarray, masks: np.ndarray | None, starts: np.ndarray | None = None) -> None:
         if not len(blocks):
             return
         cols = {"input_ids": self._fixed(blocks, self.dtype)}
         if self.with_mask:
             cols["loss_mask"] = self._fixed(masks, np.uint8)
+        if self.with_starts:
+            cols["doc_starts"] = _offsets_of(starts)
         self.writer.write_table(pa.table(cols, schema=self.features.arrow_schema))
 
     def close(self, split: str, fingerprint: str) -> datasets.Dataset:
@@ -71,7 +88,8 @@ def save_splits(splits: dict[str, datasets.Dataset], out_dir: Path, one_file_per
 
 
 class PackedBlocks:
-    """One split's blocks, memory-mapped: `get(idx)` -> (ids [k, L+1] int64, mask [k, L+1] or None)."""
+    """One split's blocks, memory-mapped: `get(idx)` -> (ids [k, L+1] int64, mask [k, L+1] or None);
+    `document_starts` says where its documents start."""
 
     def __init__(self, ds: datasets.Dataset, block_len: int):
         table = ds.data.table if hasattr(ds.data, "table") else ds.data
@@ -79,6 +97,10 @@ class PackedBlocks:
         self.ids = [self._view(c) for c in table.column("input_ids").chunks]
         self.masks = ([self._view(c) for c in table.column("loss_mask").chunks]
                       if "loss_mask" in table.column_names else None)
+        self.doc_starts = None  # per chunk: (list offsets, in-block offsets) of the doc_starts column
+        if "doc_starts" in table.column_names:
+            self.doc_starts = [(c.offsets.to_numpy(), c.values.to_numpy(zero_copy_only=False))
+                               for c in table.column("doc_starts").chunks]
         lengths = [len(c) for c in self.ids]
         self.starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
@@ -103,6 +125,24 @@ class PackedBlocks:
         ids = self._gather(self.ids, idx).astype(np.int64)
         mask = self._gather(self.masks, idx) if self.masks is not None else None
         return ids, mask
+
+    def document_starts(self, idx, ids: np.ndarray, eos_id: int) -> np.ndarray:
+        """bool [k, L+1], True where a document starts in blocks `idx` (their `ids`): the recorded row starts
+        where the split has them, else the token after each EOS."""
+        if self.doc_starts is None:
+            return starts_after_eos(ids, eos_id)
+        idx = np.asarray(idx, dtype=np.int64)
+        out = np.zeros((len(idx), self.block_len), dtype=bool)
+        which = np.searchsorted(self.starts, idx, side="right") - 1
+        for c in np.unique(which):
+            rows = np.flatnonzero(which == c)
+            offsets, values = self.doc_starts[c]
+            local = idx[rows] - self.starts[c]
+            lo, hi = offsets[local], offsets[local + 1]
+            counts = hi - lo
+            first = np.repeat(lo - (np.cumsum(counts) - counts), counts)
+            out[np.repeat(rows, counts), values[first + np.arange(counts.sum())]] = True
+        return out
 
 
 @dataclass
@@ -184,9 +224,24 @@ def prepared_facts(data) -> dict:
     path = data.sources[0].path if data.sources else data.path
     if data.kind == "prepared" and path and (Path(path) / "meta.json").is_file():
         meta = read_meta(path)
-        facts = {"seq_len": int(meta["seq_len"])}
-        made_with = meta.get("config", {})
-        if getattr(data, "document_mask", False) and "format" in made_with:  # how its rows were rendered
-            facts |= {"format": made_with["format"], "chat_template": made_with.get("chat_template")}
-        return facts
+        return {"seq_len": int(meta["seq_len"])}
     return {}
+
+
+def check_document_starts(meta: dict, path: Path, field: str = "data.path") -> None:
+    """For data.document_mask: rows rendered by the tokenizer's own chat template may hold EOS tokens inside
+    (a turn's end), so their documents are read from the recorded row starts; a dir written before they were
+    recorded is refused (other dirs' rows end with their only EOS: documents are read from it)."""
+    made_with = meta.get("config", {})
+    own_template = made_with.get("format") == "chat" and made_with.get("chat_template") == TOKENIZER_TEMPLATE
+    if own_template and "doc_starts" not in meta.get("columns", []):
+        problem = ("does not record where its rows start (no doc_starts column; written before data_prep.py "
+                   "recorded them): rows rendered by the tokenizer's own chat template may hold the EOS "
+                   "token inside, so data.document_mask cannot find where documents end")
+        path = Path(path)
+        if path.parent.absolute() == online_cache_root().absolute():
+            raise UserError(ONLINE_CACHE_ENV, str(path.parent), f"delete {path} (the next train.py start "
+                            "packs data.path into it again, recording them), or set data.document_mask=false",
+                            problem=f"holds an online data cache entry, {path.name}, that {problem}")
+        raise UserError(field, str(path), "prepare it again with data_prep.py (output=DIR overwrite=true), "
+                        "which records them, or set data.document_mask=false", problem=problem)

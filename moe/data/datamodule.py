@@ -11,7 +11,8 @@ Training batches are optimizer steps: a rank's `micro_batch_size x accumulate_gr
 micro-batches in order (the step cuts them, moe.module.train_step); validation batches are
 `val_micro_batches` micro-batches. Each holds `input_ids` [rows, seq_len] and `labels` [rows, seq_len]
 (next tokens, -100 where no loss); with data.document_mask also `document_ids` [rows, seq_len]
-(moe.model.documents), and no loss on the label after an EOS.
+(moe.model.documents), and no loss on a label that starts a document. Documents start where data_prep
+recorded a row's start (the `doc_starts` column; streaming: its packer's), else after each EOS.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from moe.config.data_prep import PrepConfig
 from moe.config.rules.entries import validate_prep
 from moe.config.schema import TOKENIZER_TEMPLATE
 from moe.data import tokenizer as tk
-from moe.data.arrow_io import PackedBlocks, load_prepared, read_meta
+from moe.data.arrow_io import PackedBlocks, check_document_starts, load_prepared, read_meta
 from moe.data.mixture import load_mixture, source_dirs
 from moe.data.prep_pipeline import content_config, digest, prepare
 from moe.data.sampler import StreamSampler, validation_batches
@@ -38,7 +39,7 @@ from moe.data.sources import describe_sources, resolve
 from moe.data.streaming import BlockSource, BlockStream
 from moe.data.tokenizer_chat import load_template_tokenizer, template_text
 from moe.errors import UserError, WriteFailed
-from moe.model.documents import document_ids, hide_boundary_targets
+from moe.model.documents import document_ids_from_starts
 from moe.outputs import publish
 from moe.paths import local_path
 
@@ -55,31 +56,36 @@ def _local(path: str | None) -> str | None:
     return None if path is None else str(local_path(path))
 
 
-def block_batch(ids: np.ndarray, mask: np.ndarray | None, eos_id: int | None) -> dict[str, torch.Tensor]:
-    """Blocks of L+1 -> inputs [:-1] and labels [1:] (-100 where the mask says no loss); `eos_id` (document
-    masking): each token's document from the EOS tokens, and no target after an EOS."""
+def block_batch(ids: np.ndarray, mask: np.ndarray | None,
+                starts: np.ndarray | None) -> dict[str, torch.Tensor]:
+    """Blocks of L+1 -> inputs [:-1] and labels [1:] (-100 where the mask says no loss); `starts` (document
+    masking, bool [k, L+1]): each token's document, and no target that starts a document (the previous
+    document cannot predict it; Megatron's eod_mask_loss)."""
     labels = ids[:, 1:].copy()
     if mask is not None:
         labels[mask[:, 1:] == 0] = IGNORE_INDEX
     inputs = torch.from_numpy(np.ascontiguousarray(ids[:, :-1]))
     batch = {"input_ids": inputs, "labels": torch.from_numpy(labels)}
-    if eos_id is not None:
-        hidden = hide_boundary_targets(batch["labels"], inputs, eos_id)
-        batch = {"input_ids": inputs, "labels": hidden, "document_ids": document_ids(inputs, eos_id)}
+    if starts is not None:
+        batch["labels"][torch.from_numpy(starts[:, 1:])] = IGNORE_INDEX
+        batch["document_ids"] = document_ids_from_starts(torch.from_numpy(starts[:, :-1]))
     return batch
 
 
 class InMemoryBlocks:
     """Blocks held in arrays (streaming's validation blocks), read like PackedBlocks."""
 
-    def __init__(self, ids: np.ndarray, masks: np.ndarray | None):
-        self.ids, self.masks = ids, masks
+    def __init__(self, ids: np.ndarray, masks: np.ndarray | None, starts: np.ndarray):
+        self.ids, self.masks, self.starts = ids, masks, starts
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def get(self, idx) -> tuple[np.ndarray, np.ndarray | None]:
         return self.ids[idx], None if self.masks is None else self.masks[idx]
+
+    def document_starts(self, idx, ids: np.ndarray, eos_id: int) -> np.ndarray:
+        return self.starts[idx]
 
 
 class StreamBatches(IterableDataset):
@@ -88,8 +94,8 @@ class StreamBatches(IterableDataset):
     from stream position `start_row`. `len()` is `total`, as StreamSampler's."""
 
     def __init__(self, stream: BlockStream, rows: int, total: int, dp_rank: int, dp_size: int,
-                 start_step: int, start_row: int, eos_id: int | None):
-        self.stream, self.rows, self.total, self.eos_id = stream, rows, total, eos_id
+                 start_step: int, start_row: int, document_mask: bool):
+        self.stream, self.rows, self.total, self.document_mask = stream, rows, total, document_mask
         self.dp_rank, self.dp_size, self.start_step, self.start_row = dp_rank, dp_size, start_step, start_row
 
     def __len__(self) -> int:
@@ -101,13 +107,15 @@ class StreamBatches(IterableDataset):
             for _ in range(self.start_step, self.total):
                 step = [next(blocks) for _ in range(self.rows * self.dp_size)]
                 mine = step[self.dp_rank::self.dp_size]
-                masks = None if mine[0][1] is None else np.stack([m for _, m in mine])
-                yield block_batch(np.stack([ids for ids, _ in mine]), masks, self.eos_id)
+                masks = None if mine[0][1] is None else np.stack([m for _, m, _ in mine])
+                starts = np.stack([s for _, _, s in mine]) if self.document_mask else None
+                yield block_batch(np.stack([ids for ids, _, _ in mine]), masks, starts)
 
 
 class BlockBatches(Dataset):
     """Index array -> collated batch; blocks of L+1 become inputs [:-1] and labels [1:]. `eos_id` (document
-    masking): each token's document from the EOS tokens, and no target after an EOS. `by_source`: a mixture's
+    masking): each token's document from the blocks' document starts (after each EOS where none were
+    recorded), and no target that starts a document. `by_source`: a mixture's
     validation batches, each of one source, also say which (`source`, its index in data.sources)."""
 
     def __init__(self, blocks: PackedBlocks, eos_id: int | None = None, by_source: bool = False):
@@ -117,7 +125,9 @@ class BlockBatches(Dataset):
         return len(self.blocks)
 
     def __getitem__(self, idx) -> dict[str, torch.Tensor]:
-        batch = block_batch(*self.blocks.get(idx), self.eos_id)
+        ids, mask = self.blocks.get(idx)
+        starts = None if self.eos_id is None else self.blocks.document_starts(idx, ids, self.eos_id)
+        batch = block_batch(ids, mask, starts)
         if self.by_source:
             batch["source"] = int(self.blocks.source_of(idx[:1])[0])
         return batch
@@ -212,6 +222,7 @@ class MoEDataModule(L.LightningDataModule):
             self.sources = source_dirs(data_cfg.sources)
             self.dir, self.meta = self.sources[0]
             for k, (path, meta) in enumerate(self.sources):
+                self._check_document_starts(path, meta, f"data.sources[{k}].path")
                 self._check_prepared_tokenizer(path, meta, f"data.sources[{k}].path")
             self._vocab_size = self.meta["tokenizer"]["vocab_size"]
             self._take_seq_len()
@@ -222,6 +233,7 @@ class MoEDataModule(L.LightningDataModule):
                                 problem="is required for data=prepared")
             self.dir = Path(_local(data_cfg.path)).expanduser().absolute()
             self.meta = read_meta(self.dir)
+            self._check_document_starts(self.dir, self.meta)
             self._check_prepared_tokenizer(self.dir, self.meta)
             self._vocab_size = self.meta["tokenizer"]["vocab_size"]
             self._take_seq_len()
@@ -237,6 +249,8 @@ class MoEDataModule(L.LightningDataModule):
                 self.dir = online_cache_dir(self.prep)
             self.prep.output = str(self.dir)
             self.meta = read_meta(self.dir) if (self.dir / "meta.json").is_file() else None
+            if self.meta is not None:
+                self._check_document_starts(self.dir, self.meta)
             with _as_data_error():
                 self._vocab_size = self.meta["tokenizer"]["vocab_size"] if self.meta else self._online_vocab()
         else:
@@ -286,6 +300,10 @@ class MoEDataModule(L.LightningDataModule):
         """The prepared blocks, memory-mapped (a mixture: every source's, end to end)."""
         self.prepare_data()
         return load_mixture(self.sources) if self.sources else load_prepared(self.dir)
+
+    def _check_document_starts(self, path: Path, meta: dict, field: str = "data.path") -> None:
+        if getattr(self.cfg, "document_mask", False):
+            check_document_starts(meta, path, field)
 
     def _check_prepared_tokenizer(self, path: Path, meta: dict, field: str = "data.path") -> None:
         tok_dir = path / meta["tokenizer"]["dir"]
@@ -393,7 +411,8 @@ class MoEDataModule(L.LightningDataModule):
 
     @property
     def _eos_id(self) -> int | None:
-        """The EOS id document masking reads boundaries from; None without it."""
+        """The EOS id document masking reads boundaries from where no row starts were recorded; None without
+        it."""
         return self.meta["tokenizer"]["eos_id"] if getattr(self.cfg, "document_mask", False) else None
 
     def _loader(self, blocks: PackedBlocks, sampler, by_source: bool = False) -> DataLoader:
@@ -412,7 +431,8 @@ class MoEDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         self.start_step = trainer.global_step if trainer is not None else 0
         batches = StreamBatches(self.stream, self.micro_batch_size * self.accumulate, self.max_steps,
-                                self.dp_rank, self.dp_size, self.start_step, self.start_row, self._eos_id)
+                                self.dp_rank, self.dp_size, self.start_step, self.start_row,
+                                getattr(self.cfg, "document_mask", False))
         workers = self.cfg.num_workers
         return _ResumableLoader(batches, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
                                 pin_memory=torch.cuda.is_available())

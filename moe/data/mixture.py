@@ -67,6 +67,17 @@ class MixedBlocks:
         return ids, mask
 
 
+    def document_starts(self, idx, ids: np.ndarray, eos_id: int) -> np.ndarray:
+        """bool [k, L+1]: where documents start, each block read as its own source reads it."""
+        idx = np.asarray(idx, dtype=np.int64)
+        which = self.source_of(idx)
+        out = np.empty(ids.shape, dtype=bool)
+        for k in np.unique(which):
+            sel = which == k
+            out[sel] = self.parts[k].document_starts(idx[sel] - self.starts[k], ids[sel], eos_id)
+        return out
+
+
 def load_mixture(opened: list[tuple[Path, dict]]) -> Prepared:
     """Every source memory-mapped; each split's blocks laid end to end in data.sources' order."""
     loaded = [load_prepared(path, f"data.sources[{k}].path") for k, (path, _) in enumerate(opened)]

@@ -295,7 +295,9 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
     stored_mask = with_mask or cfg.packing == "pad"
     packers = [ConcatPacker(block_len, with_mask) if cfg.packing == "concat" else PadPacker(block_len, pad_id)
                for _ in SPLITS]
-    writers = [SplitWriter(work / f"{name}.arrow", block_len, dtype, stored_mask) for name in SPLITS]
+    # rows of the tokenizer's own template may hold EOS inside: where each starts is recorded (document_mask)
+    writers = [SplitWriter(work / f"{name}.arrow", block_len, dtype, stored_mask, with_starts=own_template)
+               for name in SPLITS]
     _pack(_token_batches(tokenized, table), assign, packers, writers, progress)
     split_stats, split_ds = {}, {}
     for split, name in enumerate(SPLITS):
@@ -315,7 +317,7 @@ def build(cfg: PrepConfig, out_dir: Path, work: Path, progress: bool = True) -> 
         "block_len": block_len,
         "packing": cfg.packing,
         "token_dtype": dtype,
-        "columns": ["input_ids", "loss_mask"] if stored_mask else ["input_ids"],
+        "columns": ["input_ids"] + ["loss_mask"] * stored_mask + ["doc_starts"] * own_template,
         "tokenizer": {"dir": "tokenizer", "sha256": tok_sha, "vocab_size": vocab, "eos_token": eos,
                       "eos_id": eos_id, "pad_token": pad, "pad_id": pad_id, "added_special_tokens": added,
                       "source": tok_source},

@@ -23,7 +23,7 @@ import pyarrow as pa
 from moe.config.data_prep import PrepConfig
 from moe.config.schema import TOKENIZER_TEMPLATE
 from moe.data import tokenizer as tk
-from moe.data.packing import ConcatPacker, PadPacker
+from moe.data.packing import ConcatPacker, PadPacker, starts_after_eos
 from moe.data.prep_pipeline import Encoder, prep_tokenizer
 from moe.data.sources import LINE_BASED, builder_args, load_disk, refuse_bad_bytes, resolve
 from moe.data.text_formats import BENIGN, FormatSpec, check_columns, needed_columns
@@ -106,7 +106,10 @@ class BlockSource:
                         problem=f"has a bad row, row {first_row + i} (0-based, in file order): {reason}")
 
     def blocks(self):
-        """One pass: (ids [k, L+1] int64, loss mask [k, L+1] uint8 or None) chunks, as data_prep packs."""
+        """One pass: (ids [k, L+1] int64, loss mask [k, L+1] uint8 or None, document starts bool [k, L+1])
+        chunks, as data_prep packs. The starts are the rows' own where EOS may sit inside a row (the
+        tokenizer's own chat template), else the token after each EOS: what the loader reads of data_prep's
+        output."""
         prep = self.prep
         packer = (ConcatPacker(self.block_len, prep.assistant_only_loss) if prep.packing == "concat"
                   else PadPacker(self.block_len, self.pad_id))
@@ -124,10 +127,12 @@ class BlockSource:
             mask = None
             if prep.assistant_only_loss:
                 mask = table.column("loss_mask").combine_chunks().values.to_numpy(zero_copy_only=False)
-            blocks, masks = packer.add(ids, mask, lengths[lengths > 0])  # empty rows are not rows (data_prep)
+            blocks, masks, starts = packer.add(ids, mask, lengths[lengths > 0])  # empty rows are not rows
             row += len(lengths)
             if len(blocks):
-                yield blocks.astype(np.int64), masks
+                if self.chat is None:
+                    starts = starts_after_eos(blocks, self.eos_id)
+                yield blocks.astype(np.int64), masks, starts
 
 
 class BlockStream:
@@ -139,19 +144,20 @@ class BlockStream:
         self.seed = seed
 
     def _pass(self):
-        """One pass, a block at a time: (ids [L+1], mask [L+1] or None), each its own copy (a view would
-        keep its batch's whole array alive in the shuffle buffer)."""
-        for ids, masks in self.source.blocks():
+        """One pass, a block at a time: (ids [L+1], mask [L+1] or None, document starts [L+1]), each its own
+        copy (a view would keep its batch's whole array alive in the shuffle buffer)."""
+        for ids, masks, starts in self.source.blocks():
             for k in range(len(ids)):
-                yield ids[k].copy(), None if masks is None else masks[k].copy()
+                yield ids[k].copy(), None if masks is None else masks[k].copy(), starts[k].copy()
 
-    def validation(self) -> tuple[np.ndarray, np.ndarray | None]:
+    def validation(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """The first val_blocks blocks of a pass, stacked (empty arrays when val_blocks is 0)."""
         taken = list(islice(self._pass(), self.val_blocks))
         if not taken:
-            return np.zeros((0, self.source.block_len), np.int64), None
-        masks = None if taken[0][1] is None else np.stack([m for _, m in taken])
-        return np.stack([ids for ids, _ in taken]), masks
+            width = self.source.block_len
+            return np.zeros((0, width), np.int64), None, np.zeros((0, width), bool)
+        masks = None if taken[0][1] is None else np.stack([m for _, m, _ in taken])
+        return np.stack([ids for ids, _, _ in taken]), masks, np.stack([s for _, _, s in taken])
 
     def _epochs(self):
         """The training blocks of every pass, without end."""

@@ -8,8 +8,10 @@ and `eod_mask_loss` (megatron/core/datasets/gpt_dataset.py `_get_ltor_masks_and_
 torchtitan's block-causal mask. A document's tokens then get exactly the logits and loss they would get
 run alone.
 
-Boundaries come from the EOS tokens themselves: a document is the tokens up to and including an EOS. The
-data loader derives `document_ids` [B, S] from the inputs (`document_ids`), the model turns them into
+A document is a packed row. The data loader reads where each starts in a block: the starts the packer
+recorded (rows rendered by the tokenizer's own chat template, which may hold EOS tokens inside), else the
+token after each EOS (a row's only EOS is its last token). It turns them into `document_ids` [B, S]
+(`document_ids_from_starts`; `document_ids` reads the same from EOS tokens), the model turns those into
 `Documents` (positions and masks), and each attention layer asks it for its mask: a boolean
 [B, 1, S, S] for SDPA, or a flex_attention BlockMask (CUDA, where flex_attention exists).
 """
@@ -33,6 +35,14 @@ def hide_boundary_targets(labels_BS: torch.Tensor, input_ids_BS: torch.Tensor, e
     """labels with IGNORE_INDEX where the input is an EOS: its target is the next document's first token,
     which the EOS's own document cannot predict (Megatron's eod_mask_loss)."""
     return labels_BS.masked_fill(input_ids_BS == eos_id, IGNORE_INDEX)
+
+
+def document_ids_from_starts(starts_BS: torch.Tensor) -> torch.Tensor:
+    """[B, S] int32 from bool [B, S] document starts: the index of each token's document in its row (a
+    row's first token starts its first document, recorded or not)."""
+    starts = starts_BS.clone()
+    starts[:, 0] = True
+    return (starts.to(torch.int32).cumsum(-1) - 1).to(torch.int32)
 
 
 def positions_in_documents(doc_ids_BS: torch.Tensor) -> torch.Tensor:

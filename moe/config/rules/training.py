@@ -18,7 +18,7 @@ from moe.config.derived import precision_of
 from moe.config.rules.architecture import validate_model
 from moe.config.rules.entries import check_chat_template
 from moe.config.rules.refusals import check_seed, finite_number, need, one_of
-from moe.config.schema import MIXTURE_CHUNK, TOKENIZER_TEMPLATE, source_label
+from moe.config.schema import MIXTURE_CHUNK, source_label
 from moe.errors import ConfigError, did_you_mean
 
 
@@ -141,14 +141,9 @@ def check_sources(d) -> None:
 
 
 def check_document_mask(data, parallel) -> None:
-    """data.document_mask reads document ends from EOS tokens: a chat row rendered by the tokenizer's own
-    template may hold its EOS inside (a turn's end), and a pipeline carries input_ids and labels only."""
+    """data.document_mask: a pipeline carries input_ids and labels only."""
     if not getattr(data, "document_mask", False):
         return
-    need(not (data.format == "chat" and data.chat_template == TOKENIZER_TEMPLATE), "data.document_mask", True,
-         "set data.document_mask=false, or render the rows with a {prompt}/{completion} data.chat_template",
-         "cannot find where documents end in rows rendered by the tokenizer's own chat template: the "
-         "template may close each turn with the EOS token, which marks a document's end")
     need(parallel.pp == 1, "data.document_mask", True,
          "set data.document_mask=false with parallel.pp > 1, or train with parallel.pp=1",
          "is not carried through pipeline stages (they pass input_ids and labels only)")
