@@ -29,6 +29,9 @@ RUN ?= last
 eval: $(STAMP) ## lm-evaluation-harness on a run (RUN=runs/<name>, a checkpoint or a sharded one; default: the newest): the bundled offline tasks, a table, <run>/eval.json; ARGS='perplexity_file=F tasks=[...] task_dirs=[...]' (docs/EVALUATION.md)
 	$(PY) -m moe.eval ckpt=$(RUN) $(ARGS)
 
+# one intra-op thread a process unless the environment says otherwise: two workers and the processes their
+# tests start share 2 cores, and at 2 threads each the tiny ops' spin-waits cost 4.8x (docs/TESTING.md)
+test: export OMP_NUM_THREADS ?= 1
 test: $(STAMP) ## fast test suite (about 5 minutes on 2 cores with TEST_WORKERS=2 pytest-xdist workers, 0: one process; CI runs it, then test-slurm beside test-multinode, test-slow, test-floor and test-neuron; docs/TESTING.md)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
