@@ -32,7 +32,7 @@ eval: $(STAMP) ## lm-evaluation-harness on a run (RUN=runs/<name>, a checkpoint 
 # one intra-op thread a process unless the environment says otherwise: two workers and the processes their
 # tests start share 2 cores, and at 2 threads each the tiny ops' spin-waits cost 4.8x (docs/TESTING.md)
 test: export OMP_NUM_THREADS ?= 1
-test: $(STAMP) ## fast test suite (about 5 minutes on 2 cores with TEST_WORKERS=2 pytest-xdist workers, 0: one process; CI runs it, then test-slurm beside test-multinode, test-slow, test-floor and test-neuron; docs/TESTING.md)
+test: $(STAMP) ## fast test suite (about 3.5 minutes on 2 cores with TEST_WORKERS=2 pytest-xdist workers, 0: one process; one thread a process unless OMP_NUM_THREADS is set; CI runs it, then test-slurm beside test-multinode, test-slow, test-floor and test-neuron; docs/TESTING.md)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # a launch's ranks start one after another (rank 0 imports and composes, then starts the rest), so one slow
