@@ -11,11 +11,12 @@ import torch
 
 from moe.config import DataConfig, ModelConfig, MoEOptConfig
 from moe.data import MoEDataModule
-from moe.data.packing import ConcatPacker
+from moe.data.datamodule import block_batch
+from moe.data.packing import ConcatPacker, starts_after_eos
 from moe.data.sample_corpus import chat_rows
 from moe.data.tokenizer import read_tokenizer
 from moe.model import MoETransformer
-from moe.model.documents import Documents, document_ids, hide_boundary_targets, positions_in_documents
+from moe.model.documents import Documents, document_ids_from_starts, positions_in_documents
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_TOK = str(REPO / "data" / "sample")
@@ -41,6 +42,14 @@ def tiny(**kw) -> MoETransformer:
     return model
 
 
+def read_as_the_loader_does(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, labels, document ids) of blocks of L + 1 whose rows end in EOS, as the data loader makes them
+    (moe.data.datamodule.block_batch on the starts after each EOS)."""
+    blocks = block.numpy()
+    batch = block_batch(blocks, None, starts_after_eos(blocks, EOS))
+    return batch["input_ids"], batch["labels"], batch["document_ids"]
+
+
 def packed_pair(seed=0):
     """A = 6 tokens ending in EOS, B = 9 tokens: the block [A | B] (16 = seq_len 15 + 1)."""
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +65,7 @@ def test_a_packed_block_gives_each_document_what_it_gets_alone(path):
     model = tiny(**PATHS[path])
     a, b = packed_pair()
     block = torch.cat([a, b])[None]
-    ids, labels = block[:, :-1], hide_boundary_targets(block[:, 1:], block[:, :-1], EOS)
+    ids, labels, doc_ids = read_as_the_loader_does(block)
     alone = torch.cat([model(a[None]).logits_BSV, model(b[None, :-1]).logits_BSV], dim=1)
     loss_a = model(a[None, :-1], labels_BS=a[None, 1:]).lm_loss * (len(a) - 1)
     loss_b = model(b[None, :-1], labels_BS=b[None, 1:]).lm_loss * (len(b) - 1)
@@ -64,7 +73,7 @@ def test_a_packed_block_gives_each_document_what_it_gets_alone(path):
     assert int((labels != -100).sum()) == targets  # the label after A's EOS carries none
     results = {}
     for flex in (False, True):
-        docs = Documents(document_ids(ids, EOS), use_flex=flex)
+        docs = Documents(doc_ids, use_flex=flex)
         logits = model(ids, documents=docs).logits_BSV
         torch.testing.assert_close(logits, alone, rtol=0, atol=1e-6)
         loss = model(ids, labels_BS=labels, documents=docs).lm_loss  # the mean over both documents' targets
@@ -84,22 +93,21 @@ def test_multi_token_prediction_on_a_packed_block_gives_each_document_its_own_lo
     model = tiny(mtp_layers=1)
     a, b = packed_pair()
     block = torch.cat([a, b])[None]
-    ids, labels = block[:, :-1], hide_boundary_targets(block[:, 1:], block[:, :-1], EOS)
+    ids, labels, doc_ids = read_as_the_loader_does(block)
     loss_a = model(a[None, :-1], labels_BS=a[None, 1:]).mtp_loss * (len(a) - 2)
     loss_b = model(b[None, :-1], labels_BS=b[None, 1:]).mtp_loss * (len(b) - 2)
-    packed = model(ids, labels_BS=labels, documents=Documents(document_ids(ids, EOS), use_flex=False))
+    packed = model(ids, labels_BS=labels, documents=Documents(doc_ids, use_flex=False))
     want = (loss_a + loss_b) / (len(a) - 2 + len(b) - 2)
     torch.testing.assert_close(packed.mtp_loss, want, rtol=0, atol=1e-6)
 
 
 def test_boundaries_and_positions_come_from_eos():
-    ids = torch.tensor([[3, 4, EOS, 5, EOS, EOS, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
-    docs = document_ids(ids, EOS)
+    block = torch.tensor([[3, 4, EOS, 5, EOS, EOS, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    _, labels, docs = read_as_the_loader_does(block)
     assert docs.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0] * 8]
     assert positions_in_documents(docs).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
-    labels = torch.arange(8).expand(2, 8)
-    assert hide_boundary_targets(labels, ids, EOS).tolist() == [[0, 1, -100, 3, -100, -100, 6, 7],
-                                                                list(range(8))]
+    hidden = [[False, False, True, False, True, True, False, False], [False] * 8]
+    assert (labels == -100).tolist() == hidden  # the target after each EOS
     allowed = Documents(docs).allowed(window=None)[0, 0]
     assert allowed[3].tolist() == [False, False, False, True, False, False, False, False]
     assert allowed[7].tolist() == [False] * 6 + [True, True]
@@ -114,7 +122,8 @@ def test_documents_from_eos_equal_the_rows_concat_packing_joined():
     packer = ConcatPacker(block_len=17, with_mask=False)
     blocks, _, _ = packer.add(np.concatenate(rows), None, lengths)
     stream = torch.from_numpy(blocks.reshape(-1).astype(np.int64))[None]
-    derived = np.bincount(document_ids(stream, EOS)[0].numpy())
+    starts = torch.from_numpy(starts_after_eos(stream.numpy(), EOS))
+    derived = np.bincount(document_ids_from_starts(starts)[0].numpy())
     recorded = lengths[:len(derived)].copy()
     recorded[-1] = derived[-1]  # the last document is cut where the blocks end
     assert derived.tolist() == recorded.tolist()
@@ -152,7 +161,8 @@ def test_batches_carry_documents_only_when_asked(tmp_path, monkeypatch):
     after_eos = off["input_ids"] == eos
     assert after_eos.any()
     assert torch.equal(on["labels"], off["labels"].masked_fill(after_eos, -100))
-    assert torch.equal(on["document_ids"], document_ids(on["input_ids"], eos))
+    starts = torch.from_numpy(starts_after_eos(on["input_ids"].numpy(), eos))
+    assert torch.equal(on["document_ids"], document_ids_from_starts(starts))
 
 
 def _sequence_parallel_logits(rank: int, kw: dict, ids: torch.Tensor, docs_BS: torch.Tensor):
@@ -184,7 +194,7 @@ def test_sequence_parallel_ranks_see_the_whole_sequence_documents():
     kw = {}
     a, b = packed_pair()
     ids = torch.cat([a, b])[None].repeat(2, 1)  # 16 tokens: 8 a rank
-    docs = document_ids(ids, EOS)
+    docs = document_ids_from_starts(torch.from_numpy(starts_after_eos(ids.numpy(), EOS)))
     one = MoETransformer(ModelConfig(**(TINY | kw)), DROPLESS, init_seed=7).eval()
     with torch.no_grad():
         want = one(ids, documents=Documents(docs)).logits_BSV

@@ -10,10 +10,10 @@ run alone.
 
 A document is a packed row. The data loader reads where each starts in a block: the starts the packer
 recorded (rows rendered by the tokenizer's own chat template, which may hold EOS tokens inside), else the
-token after each EOS (a row's only EOS is its last token). It turns them into `document_ids` [B, S]
-(`document_ids_from_starts`; `document_ids` reads the same from EOS tokens), the model turns those into
-`Documents` (positions and masks), and each attention layer asks it for its mask: a boolean
-[B, 1, S, S] for SDPA, or a flex_attention BlockMask (CUDA, where flex_attention exists).
+token after each EOS (a row's only EOS is its last token; moe.data.packing.starts_after_eos). It turns
+them into `document_ids` [B, S] (`document_ids_from_starts`), the model turns those into `Documents`
+(positions and masks), and each attention layer asks it for its mask: a boolean [B, 1, S, S] for SDPA,
+or a flex_attention BlockMask (CUDA, where flex_attention exists).
 """
 from __future__ import annotations
 
@@ -22,19 +22,6 @@ from dataclasses import dataclass, field
 import torch
 
 IGNORE_INDEX = -100
-
-
-def document_ids(input_ids_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[B, S] int32: the index of each token's document in its row; an EOS belongs to the document it ends,
-    the token after it starts the next one."""
-    ends = (input_ids_BS == eos_id).to(torch.int32)
-    return (ends.cumsum(-1) - ends).to(torch.int32)
-
-
-def hide_boundary_targets(labels_BS: torch.Tensor, input_ids_BS: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """labels with IGNORE_INDEX where the input is an EOS: its target is the next document's first token,
-    which the EOS's own document cannot predict (Megatron's eod_mask_loss)."""
-    return labels_BS.masked_fill(input_ids_BS == eos_id, IGNORE_INDEX)
 
 
 def document_ids_from_starts(starts_BS: torch.Tensor) -> torch.Tensor:
