@@ -69,7 +69,8 @@ def attention_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: i
 
 # ----------------------------------------------------------------------------- attention
 
-# the last no-grad RoPE tables (CausalSelfAttention.rope): key -> (the config they were computed for, (cos, sin))
+# the last no-grad RoPE tables (CausalSelfAttention.rope):
+# key -> (the config they were computed for, (cos, sin))
 _SHARED_ROPE: dict = {}
 
 

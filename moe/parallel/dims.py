@@ -320,9 +320,9 @@ class ParallelDims:
         return self._built["checkpoint_mesh"]
 
     def forget_world(self) -> None:
-        """Drop the process groups and meshes made so far: their world has ended (destroy_process_group), and a
-        later world in this process (a multirun of simulations; settle returns one ParallelDims per config)
-        must build its own, not name groups that world never registered."""
+        """Drop the process groups and meshes made so far: their world has ended (destroy_process_group), and
+        a later world in this process (a multirun of simulations; settle returns one ParallelDims per
+        config) must build its own, not name groups that world never registered."""
         self._built.clear()
 
     def _flattened_meshes(self, device_type: str) -> Meshes:

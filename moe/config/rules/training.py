@@ -198,7 +198,8 @@ def check_guard(trainer) -> None:
 def check_in_run_eval(trainer, parallel, hardware) -> None:
     """trainer.eval_*: in-run evaluation (moe/eval/in_run.py) runs the whole model on each rank, so only where
     each rank holds all of it: the ddp strategy (one process, or DDP) without tensor, pipeline or expert
-    parallelism (BackendSpec.whole_model_per_rank). Elsewhere the run's checkpoints are evaluated with python -m moe.eval."""
+    parallelism (BackendSpec.whole_model_per_rank). Elsewhere the run's checkpoints are evaluated with
+    python -m moe.eval."""
     t = trainer
     need(t.eval_every_n_steps >= 0, "trainer.eval_every_n_steps", t.eval_every_n_steps,
          "use 0 (no evaluation in the run) or a step count such as 100", "must not be negative")
