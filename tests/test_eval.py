@@ -199,3 +199,24 @@ def test_a_local_task_dir_reads_its_data_beside_its_yaml_from_any_working_direct
     got = run(ecfg(ckpt=str(ckpt), tasks=["echo_local"], task_dirs=[str(local)]))
     assert got["tasks"]["echo_local"]["exact_match"] == 0.25 and got["tasks"]["echo_local"]["samples"] == 4
     assert json.loads((tmp_path / "runs" / "a" / "eval.json").read_text())["tasks"] == got["tasks"]
+
+
+@pytest.mark.parametrize("arrange", [True, False], ids=["standalone", "in_run"])
+def test_only_a_standalone_evaluation_rearranges_the_experts_for_generation(arrange):
+    """bf16 on the CPU: generate_until arranges the experts into [E, out, in] memory (moe.infer.generate)
+    where `python -m moe.eval` owns the model; in-run evaluation (arrange_experts=False) leaves a training
+    model's parameters in the memory its optimizer and DDP hold them in. The texts are the same."""
+    from lm_eval.api.instance import Instance
+    from transformers import AutoTokenizer
+
+    from moe.eval.lm import MoELM
+    from moe.model.expert_layout import IN_OUT, OUT_IN, memory_order
+
+    tok = AutoTokenizer.from_pretrained(SAMPLE_TOK)
+    model = tiny_model(seed=4, intermediate_size=24).to(torch.bfloat16)  # widths of 16-byte multiples
+    experts = model.layers[0].ffn.experts
+    request = Instance("generate_until", doc={}, arguments=("Once upon a time", {"until": ["\n"],
+                       "max_gen_toks": 4, "do_sample": False}), idx=0)
+    text = MoELM(model, tok, arrange_experts=arrange).generate_until([request])
+    assert memory_order(experts.gate_up, IN_OUT) == (OUT_IN if arrange else IN_OUT)
+    assert text == MoELM(model, tok).generate_until([request])  # arranged or not, the same tokens

@@ -120,7 +120,8 @@ class InRunEval:
         with rng_kept(), model_kept(model), quiet(), results_on_every_rank(), torch.no_grad(), \
                 trainer.precision_plugin.forward_context():
             eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-            lm = MoELM(model, self.tokenizer, batch_size=self.batch_size, eos_ids=eos, seed=self.seed)
+            lm = MoELM(model, self.tokenizer, batch_size=self.batch_size, eos_ids=eos, seed=self.seed,
+                       arrange_experts=False)  # the training model's parameters stay as training holds them
             results = evaluate_tasks(lm, self.manager, self.tasks, num_fewshot=None, limit=self.limit,
                                      seed=self.seed)
         values = {metric_key(task, metric): float(value)

@@ -38,7 +38,10 @@ class MoELM(TemplateLM):
     """A MoETransformer (eval mode, on its device) and its tokenizer as an lm_eval LM."""
 
     def __init__(self, model: MoETransformer, tokenizer, *, batch_size: int = 8,
-                 max_length: int | None = None, eos_ids: list[int] | None = None, seed: int = 1234):
+                 max_length: int | None = None, eos_ids: list[int] | None = None, seed: int = 1234,
+                 arrange_experts: bool = True):
+        """arrange_experts=False leaves the experts' memory order as it is (moe.infer.generate): a model
+        evaluated in the middle of its training keeps the layout its optimizer and DDP hold it in."""
         super().__init__()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -48,6 +51,7 @@ class MoELM(TemplateLM):
         self.eos_ids = eos_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self._device = next(model.parameters()).device
         self.generator = torch.Generator(self._device).manual_seed(seed)  # do_sample=true tasks only
+        self.arrange_experts = arrange_experts
 
     @property
     def eot_token_id(self) -> int:
@@ -192,7 +196,8 @@ class MoELM(TemplateLM):
                            temperature=float(kwargs.get("temperature", 0.0)) if sampled else 0.0,
                            top_k=int(kwargs.get("top_k") or 0), top_p=float(kwargs.get("top_p") or 1.0),
                            eos_token_id=self.eos_ids, pad_token_id=pad_id, generator=self.generator,
-                           vocab_limit=len(tok), stopped=self._holds_any([s for s in until if s != eos_text]))
+                           vocab_limit=len(tok), stopped=self._holds_any([s for s in until if s != eos_text]),
+                           arrange_experts=self.arrange_experts)
             for context, setting, new in zip(contexts, settings, out.tokens, strict=True):
                 text = postprocess_generated_text(tok.decode(new, skip_special_tokens=True), until, None)
                 results.append(text)
