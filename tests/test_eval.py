@@ -119,8 +119,9 @@ def _save_sharded(rank, path, ckpt_file):
     from torch.distributed.device_mesh import init_device_mesh
 
     from moe.checkpoint.sharded import save_sharded
+    from moe.checkpoint.trust import load_trusted
 
-    saved = torch.load(ckpt_file, weights_only=False)
+    saved = load_trusted(ckpt_file)  # weights-only, as the product reads its own checkpoints
     holder = torch.nn.Module()  # LitMoE's `model.` prefix
     holder.model = tiny_model()
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("expert_dp", "ep"))
