@@ -119,7 +119,7 @@ OUT_IN = ExpertLayout(("expert", "out", "in"))
 
 # The product's default: the one place the stored order is chosen (docs/BENCHMARKS.md, "Expert weight
 # layout (issue T)", says why [E, in, out]).
-EXPERT_LAYOUT = IN_OUT
+EXPERT_LAYOUT = OUT_IN
 UNRECORDED = IN_OUT  # what a checkpoint without LAYOUT_KEY holds: every one written before it existed
 LAYOUT_KEY = "expert_layout"
 
