@@ -72,6 +72,14 @@ def attention_mask(q_start: int, q_len: int, k_start: int, k_len: int, window: i
 # the last no-grad RoPE tables (CausalSelfAttention.rope):
 # key -> (the config they were computed for, (cos, sin))
 _SHARED_ROPE: dict = {}
+# the last no-grad padding masks (CausalSelfAttention.visible): (the attention_mask_BS they hide, {key: mask})
+_SHARED_PADDING: list = [None, {}]
+
+
+def forget_shared_padding() -> None:
+    """Let the last forward's shared padding masks go (a prefill's are [B, 1, S, S]): the model's forward
+    calls it after its layers."""
+    _SHARED_PADDING[:] = [None, {}]
 
 
 class SumGradOver(torch.autograd.Function):
@@ -210,11 +218,28 @@ class CausalSelfAttention(nn.Module):
                 attention_mask_BS: torch.Tensor | None, dtype, device):
         """(attn_mask, is_causal) for SDPA: which keys each query sees (causal, this layer's window, ALiBi's
         bias) with left padding's pad keys hidden; (None, True/False) where SDPA's own fast path does."""
+        if attention_mask_BS is not None and self.position_encoding == "rope" and not torch.is_grad_enabled():
+            return self._shared_padding_mask(q_start, q_len, k_start, k_len, attention_mask_BS, dtype, device)
         mask, is_causal = self._mask(q_start, q_len, k_start, k_len, dtype, device)
         if attention_mask_BS is not None:
             mask = self._hide_padding(mask, attention_mask_BS, q_start, q_len, k_start, k_len)
             is_causal = False
         return mask, is_causal
+
+    def _shared_padding_mask(self, q_start, q_len, k_start, k_len, attention_mask_BS, dtype, device):
+        """RoPE layers' padded mask without autograd (generation's every step), built once per forward for all
+        layers with the same window: it depends on the positions, the window and `attention_mask_BS` only
+        (ALiBi's adds each layer's slopes). Kept while the same attention_mask_BS object comes back (a
+        forward's layers); a new one (the next step's) starts over. Saves about ten small ops a layer."""
+        if _SHARED_PADDING[0] is not attention_mask_BS or torch.compiler.is_compiling():
+            _SHARED_PADDING[:] = [attention_mask_BS, {}]
+        key = (q_start, q_len, k_start, k_len, self.sliding_window, dtype, device)
+        kept = _SHARED_PADDING[1].get(key)
+        if kept is None:
+            mask, _ = self._mask(q_start, q_len, k_start, k_len, dtype, device)
+            kept = self._hide_padding(mask, attention_mask_BS, q_start, q_len, k_start, k_len)
+            _SHARED_PADDING[1][key] = kept
+        return kept, False
 
     def _attend_documents(self, q, k, v, kv_cache, position_offset, attention_mask_BS, enable_gqa,
                           documents: Documents) -> torch.Tensor:

@@ -29,6 +29,7 @@ from moe.model.attention import (  # noqa: F401 (re-exported: moe.model.model's 
     alibi_slopes,
     apply_rope,
     attention_mask,
+    forget_shared_padding,
     rope_cos_sin,
     rotate_half,
 )
@@ -245,6 +246,8 @@ class MoETransformer(nn.Module):
             x_BSH, stats = block(x_BSH, cache, position_offset, attention_mask_BS, generating, documents)
             if stats is not None:
                 routing.append(stats)
+        if attention_mask_BS is not None:
+            forget_shared_padding()
         hidden_BSH = self.norm(x_BSH)
         logits_BSV = lm = None
         if labels_BS is None:
