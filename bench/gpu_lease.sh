@@ -40,6 +40,14 @@ stage layer_fine 80 python3 bench/vs_torchtitan.py --device cuda --repeats 10 --
   --hidden 2048 --width 1408 --experts 64 --top-k 6 --tokens 16384
 stage stack 90 python3 bench/gpu_moe_stack.py --profile "$OUT/prof_stack.txt"
 stage stack_accumulate 90 python3 bench/gpu_moe_stack.py --accumulate 8 --steps 4 --warmup 2
+# 2b. the expert layout and generation on the card: the stored [E, out, in] beside [E, in, out] in training and
+#     decoding (bf16, FP8), then generate beside transformers (bf16, fp16, fp32; batch 1 and 8, time to first
+#     token) and MLA's latent cache beside the expanded one
+stage expert_layout 100 python3 bench/expert_layout.py --device cuda --dtype bf16 fp8 --hidden 4096 \
+  --width 14336 --train-tokens 16384 --decode-tokens 1 8 64 --repeats 5
+stage generate 150 python3 bench/generate.py --device cuda --dtype bf16 fp16 fp32 --batch 1 8 \
+  --new-tokens 32 --hidden 1024 --layers 8 --vocab 32000 --repeats 5
+stage mla_cache 60 python3 bench/mla_cache.py --device cuda --dtype bf16 --new-tokens 32
 # 3. the stack compiled as model.compile=true compiles it (the MoE layers' regions too)
 stage stack_compile 120 python3 bench/gpu_moe_stack.py --compile
 # 4. the other paths: do they train? two at a time on the card (their tokens/s are not timings)

@@ -17,6 +17,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from moe.config.schema import DataConfig
 from moe.data import MoEDataModule, load_prepared, prepare
 from moe.errors import UserError
+from moe.model.expert_layout import recorded
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
@@ -206,9 +207,9 @@ def test_infer_prompts_a_model_as_training_rendered_its_first_turn(tmp_path):
                          "chat_template": "tokenizer"})
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"  # as train.py writes one (test_infer.save_ckpt)
     ckpt.parent.mkdir(parents=True)
-    torch.save({"epoch": 0, "global_step": 1, "pytorch-lightning_version": "2.6.6",
-                "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
-                "hyper_parameters": {"cfg": OmegaConf.to_container(cfg, resolve=True)}}, ckpt)
+    torch.save(recorded({"epoch": 0, "global_step": 1, "pytorch-lightning_version": "2.6.6",
+                         "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
+                         "hyper_parameters": {"cfg": OmegaConf.to_container(cfg, resolve=True)}}), ckpt)
     result = run(icfg(ckpt=str(ckpt), prompt="Capital of France?", chat=True, max_new_tokens=1))
     assert result[0]["prompt"] == untrained == ("<|begin_of_text|>" + LLAMA_SYSTEM + LLAMA_DATE + "<|eot_id|>"
                                                  + USER + "Capital of France?<|eot_id|>" + ASSISTANT)

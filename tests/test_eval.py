@@ -14,6 +14,7 @@ from test_infer import SAMPLE_TOK, save_ckpt, tiny_model
 from moe.config.eval import EvalConfig
 from moe.eval.command import run
 from moe.eval.tasks import BUNDLED_TASKS, stay_offline
+from moe.model.expert_layout import recorded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,7 +126,7 @@ def _save_sharded(rank, path, ckpt_file):
     holder = torch.nn.Module()  # LitMoE's `model.` prefix
     holder.model = tiny_model()
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("expert_dp", "ep"))
-    state = {"global_step": 7, "state_dict": {}, "hyper_parameters": saved["hyper_parameters"]}
+    state = recorded({"global_step": 7, "state_dict": {}, "hyper_parameters": saved["hyper_parameters"]})
     save_sharded(path, holder, [], mesh, state, is_global_zero=True)
 
 
@@ -204,20 +205,24 @@ def test_a_local_task_dir_reads_its_data_beside_its_yaml_from_any_working_direct
 
 @pytest.mark.parametrize("arrange", [True, False], ids=["standalone", "in_run"])
 def test_only_a_standalone_evaluation_rearranges_the_experts_for_generation(arrange):
-    """bf16 on the CPU: generate_until arranges the experts into [E, out, in] memory (moe.infer.generate)
-    where `python -m moe.eval` owns the model; in-run evaluation (arrange_experts=False) leaves a training
-    model's parameters in the memory its optimizer and DDP hold them in. The texts are the same."""
+    """In a dtype whose CPU kernels want the experts in another memory order than the stored one (fp32 under
+    the stored [E, out, in]), generate_until arranges them (moe.infer.generate) where `python -m moe.eval`
+    owns the model; in-run evaluation (arrange_experts=False) leaves a training model's parameters in the
+    memory its optimizer and DDP hold them in. The texts are the same."""
     from lm_eval.api.instance import Instance
     from transformers import AutoTokenizer
 
     from moe.eval.lm import MoELM
-    from moe.model.expert_layout import IN_OUT, OUT_IN, memory_order
+    from moe.model.expert_layout import kernel_order, memory_order, stored
 
+    cpu = torch.device("cpu")
+    dtype = next(d for d in (torch.float32, torch.bfloat16) if kernel_order(cpu, d) != stored())
     tok = AutoTokenizer.from_pretrained(SAMPLE_TOK)
-    model = tiny_model(seed=4, intermediate_size=24).to(torch.bfloat16)  # widths of 16-byte multiples
+    model = tiny_model(seed=4, intermediate_size=24).to(dtype)  # widths of 16-byte multiples
     experts = model.layers[0].ffn.experts
     request = Instance("generate_until", doc={}, arguments=("Once upon a time", {"until": ["\n"],
                        "max_gen_toks": 4, "do_sample": False}), idx=0)
     text = MoELM(model, tok, arrange_experts=arrange).generate_until([request])
-    assert memory_order(experts.gate_up, IN_OUT) == (OUT_IN if arrange else IN_OUT)
+    want = kernel_order(cpu, dtype) if arrange else experts.layout
+    assert memory_order(experts.gate_up, experts.layout) == want
     assert text == MoELM(model, tok).generate_until([request])  # arranged or not, the same tokens

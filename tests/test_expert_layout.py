@@ -101,12 +101,15 @@ def test_hf_round_trip_gives_the_same_tensors_under_either_layout():
 
 
 @pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "written-before-the-record"])
-def test_a_checkpoint_in_todays_layout_loads_into_the_other(tmp_path, recorded):
+def test_an_in_out_checkpoint_loads_into_out_in(tmp_path, recorded):
+    """A checkpoint written while [E, in, out] was stored (recorded, or written before the record existed:
+    every one of those is [E, in, out]) loads where [E, out, in] is stored, the same logits."""
     today = tiny(IN_OUT).eval()
     ckpt = {"state_dict": {f"model.{k}": v for k, v in today.state_dict().items()}, "global_step": 3}
     path = tmp_path / "step-3.ckpt"
     if recorded:
-        PORTABLE.write(ckpt, path)
+        with storing(IN_OUT):
+            PORTABLE.write(ckpt, path)
         assert torch.load(path, weights_only=True)[LAYOUT_KEY] == ["expert", "in", "out"]
     else:
         atomic_torch_save(ckpt, path)
@@ -144,27 +147,29 @@ def test_upgrading_turns_expert_tensors_and_their_moments_only():
     torch.testing.assert_close(up[moments + "exp_avg"], OUT_IN.from_in_out(w), rtol=0, atol=0)
     assert up[moments + "step"] is state[moments + "step"]
     assert up["model.norm.weight"] is state["model.norm.weight"]
-    assert upgraded_state(state, IN_OUT) is state  # the stored layout already
+    with storing(IN_OUT):
+        assert upgraded_state(state, IN_OUT) is state  # the stored layout already
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_generation_arranges_the_experts_once_and_changes_no_token_nor_checkpoint(dtype):
     """On the CPU, bf16 experts run from [E, out, in] memory while generating (kernel_order), fp32 from
-    [E, in, out]; the arrangement is one copy per model, and the tokens, the logits and the state dict (its
-    shapes and values) are the stored layout's as before. (Widths of 16-byte multiples both ways, as
-    torch._grouped_mm wants its strides.)"""
+    [E, in, out]; the arrangement is at most one copy per model (none where the stored layout is the
+    kernel's), and the tokens, the logits and the state dict (its shapes and values) are the stored
+    layout's as before. (Widths of 16-byte multiples both ways, as torch._grouped_mm wants its strides.)"""
     torch.manual_seed(0)
     model = MoETransformer(dataclasses.replace(CFG, intermediate_size=24), OPT).to(dtype).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plain = generate(model, IDS, max_new_tokens=6, arrange_experts=False).tokens
     experts = model.layers[0].ffn.experts
-    assert memory_order(experts.gate_up, IN_OUT) == IN_OUT
+    layout = experts.layout
+    assert memory_order(experts.gate_up, layout) == layout
     with torch.no_grad():
         logits = model(IDS).logits_BSV
     assert generate(model, IDS, max_new_tokens=6).tokens == plain
     want = kernel_order(torch.device("cpu"), dtype)
     assert want == (OUT_IN if dtype == torch.bfloat16 else IN_OUT)
-    assert memory_order(experts.gate_up, IN_OUT) == want and memory_order(experts.down, IN_OUT) == want
+    assert memory_order(experts.gate_up, layout) == want and memory_order(experts.down, layout) == want
     weights = experts.gate_up.data_ptr()
     arrange_for_generation(model)  # already arranged: no copy
     assert experts.gate_up.data_ptr() == weights

@@ -16,6 +16,7 @@ from moe.infer.command import load, run
 from moe.infer.generate import generate
 from moe.infer.load import model_from_checkpoint
 from moe.model import MoETransformer
+from moe.model.expert_layout import recorded
 
 SAMPLE_TOK = "data/sample"  # bundled tokenizer, 512 ids
 ARCH = dict(vocab_size=512, hidden_size=32, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -36,10 +37,10 @@ def save_ckpt(path, model: MoETransformer, extra=None, **data):
     for k, v in data.items():
         cfg.data[k] = v
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"epoch": 0, "global_step": 7, "pytorch-lightning_version": "2.6.6",
-                "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
-                "hyper_parameters": {"cfg": OmegaConf.to_container(cfg, resolve=True)}, **(extra or {})},
-               path)
+    checkpoint = {"epoch": 0, "global_step": 7, "pytorch-lightning_version": "2.6.6",
+                  "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
+                  "hyper_parameters": {"cfg": OmegaConf.to_container(cfg, resolve=True)}, **(extra or {})}
+    torch.save(recorded(checkpoint), path)  # with the expert layout it holds, as train.py records it
     return path
 
 

@@ -117,8 +117,10 @@ class ExpertLayout:
 IN_OUT = ExpertLayout(("expert", "in", "out"))
 OUT_IN = ExpertLayout(("expert", "out", "in"))
 
-# The product's default: the one place the stored order is chosen (docs/BENCHMARKS.md, "Expert weight
-# layout (issue T)", says why [E, in, out]).
+# The product's default: the one place the stored order is chosen. [E, out, in], as transformers and
+# torchtitan store them: a training step is as fast or faster from it on every CPU measured (fp32 and bf16
+# with bf16 instructions 1.1x, half precision without them 2.6-3.3x); generation arranges the memory per
+# kernel either way (kernel_order). Figures: docs/BENCHMARKS.md, "Expert weight layout".
 EXPERT_LAYOUT = OUT_IN
 UNRECORDED = IN_OUT  # what a checkpoint without LAYOUT_KEY holds: every one written before it existed
 LAYOUT_KEY = "expert_layout"
@@ -157,13 +159,15 @@ def arranged(w: torch.Tensor, layout: ExpertLayout, order: ExpertLayout) -> torc
     return layout.from_in_out(order.as_in_out(in_order))
 
 
-def kernel_order(device: torch.device, dtype: torch.dtype) -> ExpertLayout:
-    """The memory order the experts' no-grad matmuls run fastest from on `device` in `dtype`: on the CPU in
-    bf16 and fp16, [E, out, in] (the right operand column-major: 15-25x faster where the CPU lacks bf16
-    instructions, a few percent with them); [E, in, out] otherwise (fp32 on the CPU: up to 1.4x faster
-    than column-major at a few rows per expert). Figures: docs/BENCHMARKS.md, "Expert weight layout"."""
-    half = dtype in (torch.bfloat16, torch.float16)
-    return OUT_IN if device.type == "cpu" and half else IN_OUT
+def kernel_order(device: torch.device, dtype: torch.dtype) -> ExpertLayout | None:
+    """The memory order the experts' decoding matmuls (a few rows per expert) run fastest from on `device` in
+    `dtype`, where it was measured: on the CPU in bf16 and fp16, [E, out, in] (the right operand
+    column-major: 15-25x faster where the CPU lacks bf16 instructions, equal with them); in fp32,
+    [E, in, out] (MKL's sgemm 3-11% faster at 2-3 rows, 6% at 8). None elsewhere (a GPU: not measured, the
+    stored order stays). Figures: docs/BENCHMARKS.md, "Expert weight layout"."""
+    if device.type != "cpu":
+        return None
+    return OUT_IN if dtype in (torch.bfloat16, torch.float16) else IN_OUT
 
 
 def recorded(checkpoint: dict) -> dict:

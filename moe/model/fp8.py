@@ -16,8 +16,9 @@ numerics of the card's kernel up to the order of its sums. The FP8 kernel wants 
 at a multiple of 16, so the rows are padded into a buffer of M + 16 E rows, rounded up to 16 (a static size:
 no host sync), and read back after.
 
-The layout: ours is `[E, in, out]` (moe.model.expert_layout); the kernel's right operand is column-major, so
-the quantised weight is written column-major (the cast copies anyway), and its transpose for dx is a view.
+The layout: the kernel's right operand is column-major, as the stored `[E, out, in]` already runs
+(moe.model.expert_layout); the quantised weight is written column-major whatever the stored layout (the cast
+copies anyway), and its transpose for dx is a view.
 """
 from __future__ import annotations
 

@@ -310,7 +310,9 @@ def arrange_for_generation(model: nn.Module) -> None:
     (moe.model.expert_layout.kernel_order): one copy the first time, none after (moe.infer.generate)."""
     for m in model.modules():
         if isinstance(m, Experts):
-            m.arrange(kernel_order(m.gate_up.device, m.gate_up.dtype))
+            order = kernel_order(m.gate_up.device, m.gate_up.dtype)
+            if order is not None:
+                m.arrange(order)
 
 
 def expert_kernel(model: nn.Module) -> str | None:
