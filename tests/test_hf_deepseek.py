@@ -123,8 +123,9 @@ def test_round_trip_through_save_pretrained_and_lazy_reads(tmp_path):
     for name, value in back.state_dict().items():
         torch.testing.assert_close(lazy.state_dict()[name], value, rtol=0, atol=0, msg=name)
     source = tensor_source(tmp_path / "ds", back.model_config)
-    torch.testing.assert_close(source("layers.2.ffn.experts.down", (3, 12, 32), 5),
-                               back.layers[2].ffn.experts.down[5:8], rtol=0, atol=0)
+    experts = back.layers[2].ffn.experts  # down: 3 experts from the 5th, 12 inputs -> 32 outputs
+    torch.testing.assert_close(source("layers.2.ffn.experts.down", experts.layout.shape(3, 12, 32), 5),
+                               experts.down[5:8], rtol=0, atol=0)
 
 
 def test_groups_are_scored_by_their_best_2_whatever_top_k_and_topk_group():

@@ -36,14 +36,16 @@ def reference(layer, x_BSH):
     keep = apply_capacity(idx, w, E, cap, layer.drop_policy)
     if layer.normalize_after_drop and cap is not None:  # the kept weights of each token sum to 1
         w = (w * keep) / (w * keep).sum(-1, keepdim=True).clamp(min=1e-12)
+    experts = layer.experts
+    gate_up, down = experts.layout.as_in_out(experts.gate_up), experts.layout.as_in_out(experts.down)
     rows = []
     for t in range(x_TH.shape[0]):
         y = x_TH.new_zeros(H)
         for j in range(layer.top_k):
             if keep[t, j]:
                 e = idx[t, j]
-                gate, up = (x_TH[t] @ layer.experts.gate_up[e]).chunk(2)
-                y = y + w[t, j] * ((F.silu(gate) * up) @ layer.experts.down[e])
+                gate, up = (x_TH[t] @ gate_up[e]).chunk(2)
+                y = y + w[t, j] * ((F.silu(gate) * up) @ down[e])
         rows.append(y)
     return torch.stack(rows).view_as(x_BSH), keep
 
@@ -83,17 +85,20 @@ def test_matches_transformers_mixtral_block():
     layer = make(2, None)
     cfg = MixtralConfig(hidden_size=H, intermediate_size=FF, num_local_experts=E, num_experts_per_tok=2)
     hf = MixtralSparseMoeBlock(cfg)
+    layout = layer.experts.layout
     with torch.no_grad():
         hf.gate.weight.copy_(layer.router.weight)
+        # [E, out, in], nn.Linear's order, as transformers stacks them
+        gate_up, down = layout.to_out_in(layer.experts.gate_up), layout.to_out_in(layer.experts.down)
         if hasattr(hf.experts, "gate_up_proj"):  # transformers 5: stacked experts
-            hf.experts.gate_up_proj.copy_(layer.experts.gate_up.transpose(1, 2))
-            hf.experts.down_proj.copy_(layer.experts.down.transpose(1, 2))
+            hf.experts.gate_up_proj.copy_(gate_up)
+            hf.experts.down_proj.copy_(down)
         else:  # 4.x: one module per expert, w1 gate, w3 up, w2 down
             for j, expert in enumerate(hf.experts):
-                gate, up = layer.experts.gate_up[j].chunk(2, dim=-1)
-                expert.w1.weight.copy_(gate.T)
-                expert.w3.weight.copy_(up.T)
-                expert.w2.weight.copy_(layer.experts.down[j].T)
+                gate, up = gate_up[j].chunk(2, dim=0)
+                expert.w1.weight.copy_(gate)
+                expert.w3.weight.copy_(up)
+                expert.w2.weight.copy_(down[j])
     x, _ = inputs()
     out = hf(x)
     torch.testing.assert_close(layer(x)[0], out[0] if isinstance(out, tuple) else out, atol=1e-5, rtol=1e-5)
@@ -255,7 +260,9 @@ def test_jitter_only_in_training():
 def test_parameters_shapes_marks_and_init():
     torch.manual_seed(0)
     layer = MoELayer(64, 128, 8, 2, MoEOptConfig(), init_range=0.02, out_init_std=0.005)
-    assert layer.experts.gate_up.shape == (8, 64, 256) and layer.experts.down.shape == (8, 128, 64)
+    layout = layer.experts.layout
+    assert layer.experts.gate_up.shape == layout.shape(8, 64, 256)
+    assert layer.experts.down.shape == layout.shape(8, 128, 64)
     assert layer.router.weight.shape == (8, 64)
     assert all(getattr(p, "is_expert", False) for p in layer.experts.parameters())
     assert not getattr(layer.router.weight, "is_expert", False)

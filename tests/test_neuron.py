@@ -115,6 +115,15 @@ def filled_model(cfg, sequence_parallel: bool):
     return model
 
 
+def our_state(nxd_state: dict) -> dict:
+    """NxD's tensors (NxDCausalLM's names, experts in NXD_LAYOUT) under our names, experts in the stored
+    layout, as read_checkpoint turns them: comparable with our model's state_dict."""
+    from moe.backends.neuron.nxd_checkpoint import NXD_LAYOUT, our_name
+    from moe.model.expert_layout import upgraded_state
+
+    return upgraded_state({our_name(k): v for k, v in nxd_state.items()}, NXD_LAYOUT)
+
+
 def module_routing(cfg) -> list[str]:
     """The overrides giving another backend the routing `cfg` runs."""
     return [f"moe_opt.{k}={'null' if v is None else v}" for k, v in dataclasses.asdict(cfg.moe_opt).items()]
@@ -331,9 +340,10 @@ def test_the_hf_pieces_are_nxds_parameters_under_our_names_and_train_as_litmoe_a
     pieces = {n for n in ours if n.endswith(suffixes)}
     assert all(any(n.endswith(suffix) for n in pieces) for suffix in suffixes)
     g = torch.Generator().manual_seed(3)
+    theirs_as_ours = our_state(theirs)
     with torch.no_grad():
         for name, param in theirs.items():
-            assert torch.equal(param, ours[our_name(name)]), name
+            assert torch.equal(theirs_as_ours[our_name(name)], ours[our_name(name)]), name
             if our_name(name) in pieces:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.1)
                 ours[our_name(name)].copy_(param)
@@ -476,12 +486,11 @@ def test_mixtral_8x7b_is_built_on_the_meta_device(nxd):
 
 def test_each_parameter_gets_the_values_every_backend_starts_from(nxd):
     """param_init_fn fills NxD's model with moe.model.init's values: the same numbers as LitMoE's."""
-    from moe.backends.neuron.nxd_checkpoint import our_name
     from tests.conftest import single_process_module
 
     module = neuron_module()
     ours = single_process_module(compose_cfg("trainer.devices=2")).model.state_dict()
-    theirs = {our_name(k): v for k, v in module.model.state_dict().items()}
+    theirs = our_state(module.model.state_dict())
     assert set(theirs) == set(ours)
     for name, value in ours.items():
         assert torch.equal(theirs[name], value), name
@@ -507,7 +516,6 @@ def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_p
     """model.init_from_hf on trn1: each rank's param_init_fn reads its shard from DIR's safetensors
     (moe.hf.tensor_source), so the model NxD trains holds DIR's weights; a resumed run does not."""
     from moe.backends.neuron.backend import NeuronBackend
-    from moe.backends.neuron.nxd_checkpoint import our_name
     from moe.hf import from_hf, to_hf
     from moe.model.model import MoETransformer
     from moe.train.run import settled_of
@@ -521,7 +529,7 @@ def test_init_from_hf_fills_nxds_model_not_a_twin_that_setup_replaces(nxd, tmp_p
     for resuming, same in ((False, True), (True, False)):
         backend = NeuronBackend(settled.config, settled.dims)
         module = attached(backend, backend.build_module(resuming=resuming))
-        got = {our_name(k): v for k, v in module.model.state_dict().items()}
+        got = our_state(module.model.state_dict())
         assert all(torch.equal(got[k], v) for k, v in expected.items()) is same
 
 
@@ -820,13 +828,16 @@ def create_local_weight(
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_shards_are_nxds_local_weights_and_join_back(tp):
-    from moe.backends.neuron.nxd_checkpoint import full_tensor, local_shard, split_of
+    from moe.backends.neuron.nxd_checkpoint import NXD_LAYOUT, full_tensor, local_shard, split_of
+    from moe.model.expert_layout import EXPERT_LAYOUT, stored
     from moe.model.model import MoETransformer
 
     cfg = compose_cfg("model=tiny_dense_every2", "model.num_heads=8", "model.num_kv_heads=8", *HF_PIECES)
     state = MoETransformer(cfg.model, cfg.moe_opt, init_seed=0).state_dict()
     checked_with_nxd = set()
-    for name, full in state.items():
+    for name, ours in state.items():
+        # splits are of NxD's tensors: the experts in its layout, as the trn1 initialisation turns ours
+        full = stored().convert(ours, NXD_LAYOUT) if EXPERT_LAYOUT.is_expert_tensor(name) else ours
         split = split_of(name, cfg.model)
         shards = [local_shard(full, split, rank, tp) for rank in range(tp)]
         assert torch.equal(full_tensor(shards, split), full), name
