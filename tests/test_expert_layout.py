@@ -1,4 +1,4 @@
-"""The routed experts' weight layout is declared once (moe.model.expert_layout): switching it to
+"""The routed experts' weight layout is declared once (moe.model.expert_layout): storing [E, in, out] or
 [E, out, in] changes nothing a user sees (losses, gradients, HF exports, old checkpoints), and no other
 file restates it."""
 from __future__ import annotations
@@ -44,18 +44,19 @@ def tiny(layout, seed=0) -> MoETransformer:
         return MoETransformer(CFG, OPT)
 
 
-def as_today(state: dict) -> dict:
-    """A state dict of an OUT_IN model in IN_OUT order, to compare with today's."""
+def as_in_out_order(state: dict) -> dict:
+    """A state dict of an OUT_IN model in IN_OUT order, to compare the two."""
     return {k: OUT_IN.as_in_out(v) if EXPERT_LAYOUT.is_expert_tensor(k) else v for k, v in state.items()}
 
 
 def test_models_store_the_layout_they_were_built_under_and_start_from_the_same_values():
-    today, other = tiny(IN_OUT), tiny(OUT_IN)
-    experts = other.layers[0].ffn.experts
+    in_out, out_in = tiny(IN_OUT), tiny(OUT_IN)
+    experts = out_in.layers[0].ffn.experts
     assert experts.layout == OUT_IN
     assert experts.gate_up.shape == (4, 40, 32) and experts.down.shape == (4, 32, 20)
-    assert today.layers[0].ffn.experts.gate_up.shape == (4, 32, 40)
-    for (name, a), b in zip(today.state_dict().items(), as_today(other.state_dict()).values(), strict=True):
+    assert in_out.layers[0].ffn.experts.gate_up.shape == (4, 32, 40)
+    pairs = zip(in_out.state_dict().items(), as_in_out_order(out_in.state_dict()).values(), strict=True)
+    for (name, a), b in pairs:
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
@@ -80,7 +81,7 @@ def test_loss_and_gradients_do_not_depend_on_the_layout(grouped_mm):
     kernel = "grouped_mm" if grouped_mm else "loop"
     assert {m.kernel for m in b.modules() if isinstance(m, Experts)} == {kernel}
     torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-6)
-    for name, grad in as_today(grads_b).items():
+    for name, grad in as_in_out_order(grads_b).items():
         torch.testing.assert_close(grad, grads_a[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -93,8 +94,8 @@ def test_hf_round_trip_gives_the_same_tensors_under_either_layout():
     with storing(OUT_IN):
         back = from_hf(hf)
     assert back.layers[0].ffn.experts.layout == OUT_IN
-    today = tiny(IN_OUT).state_dict()
-    for (name, a), b in zip(today.items(), as_today(back.state_dict()).values(), strict=True):
+    in_out = tiny(IN_OUT).state_dict()
+    for (name, a), b in zip(in_out.items(), as_in_out_order(back.state_dict()).values(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
     for key, value in to_hf(back).state_dict().items():
         torch.testing.assert_close(value, exports[0][key], rtol=0, atol=0, msg=key)
@@ -104,8 +105,8 @@ def test_hf_round_trip_gives_the_same_tensors_under_either_layout():
 def test_an_in_out_checkpoint_loads_into_out_in(tmp_path, recorded):
     """A checkpoint written while [E, in, out] was stored (recorded, or written before the record existed:
     every one of those is [E, in, out]) loads where [E, out, in] is stored, the same logits."""
-    today = tiny(IN_OUT).eval()
-    ckpt = {"state_dict": {f"model.{k}": v for k, v in today.state_dict().items()}, "global_step": 3}
+    in_out = tiny(IN_OUT).eval()
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in in_out.state_dict().items()}, "global_step": 3}
     path = tmp_path / "step-3.ckpt"
     if recorded:
         with storing(IN_OUT):
@@ -115,11 +116,11 @@ def test_an_in_out_checkpoint_loads_into_out_in(tmp_path, recorded):
         atomic_torch_save(ckpt, path)
     with storing(OUT_IN):
         read = PORTABLE.read(path)
-        other = tiny(OUT_IN, seed=1).eval()
+        out_in = tiny(OUT_IN, seed=1).eval()
     assert read[LAYOUT_KEY] == ["expert", "out", "in"]
-    other.load_state_dict({k.removeprefix("model."): v for k, v in read["state_dict"].items()})
+    out_in.load_state_dict({k.removeprefix("model."): v for k, v in read["state_dict"].items()})
     with torch.no_grad():
-        torch.testing.assert_close(other(IDS).logits_BSV, today(IDS).logits_BSV, rtol=0, atol=1e-6)
+        torch.testing.assert_close(out_in(IDS).logits_BSV, in_out(IDS).logits_BSV, rtol=0, atol=1e-6)
 
 
 def test_a_portable_checkpoints_adam_moments_turn_with_its_experts():
