@@ -8,8 +8,8 @@ Both sides run greedy on identical left-padded prompts with EOS disabled, so the
 same number of tokens (the script checks the tokens are identical too). Tokens/s counts new
 tokens only, prefill included; the figure is the median of --repeats runs after a warm-up.
 Time to first token is a one-token run of each side (prefill and the first pick), median too.
---expert-layout stores our experts in the other layout; --no-arrange keeps them in the stored
-memory order while generating (moe.model.moe.arrange_for_generation), to measure what it buys.
+--expert-layout stores our experts in a layout other than the product's default; --no-arrange keeps them
+in the stored memory order while generating (moe.model.moe.arrange_for_generation), to measure what it buys.
 """
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ from moe.config import ModelConfig, MoEOptConfig  # noqa: E402
 from moe.hf import to_hf  # noqa: E402
 from moe.infer.generate import generate, left_pad  # noqa: E402
 from moe.model import MoETransformer  # noqa: E402
-from moe.model.expert_layout import IN_OUT, OUT_IN, storing  # noqa: E402
+from moe.model.expert_layout import EXPERT_LAYOUT, IN_OUT, OUT_IN, storing  # noqa: E402
+
+LAYOUTS = {"in_out": IN_OUT, "out_in": OUT_IN}
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,8 +50,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["fp32"])
-    p.add_argument("--expert-layout", choices=["in_out", "out_in"], default="in_out",
-                   help="the layout our experts are stored in (moe.model.expert_layout.storing)")
+    p.add_argument("--expert-layout", choices=list(LAYOUTS), default=None,
+                   help="the layout our experts are stored in (default: the product's, EXPERT_LAYOUT)")
     p.add_argument("--no-arrange", action="store_true",
                    help="generate from the stored memory order (generate(arrange_experts=False))")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
@@ -94,13 +96,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    with storing(IN_OUT if args.expert_layout == "in_out" else OUT_IN):
+    layout = LAYOUTS[args.expert_layout] if args.expert_layout else EXPERT_LAYOUT
+    with storing(layout):
         built = build(args)
     hf_fp32 = to_hf(built).eval()
     params = sum(p.numel() for p in built.parameters()) / 1e6
     print(f"# model: hidden {args.hidden}, layers {args.layers}, experts {args.experts} top-{args.top_k}, "
           f"vocab {args.vocab}, heads {built.model_config.num_heads}/{built.model_config.num_kv_heads} kv, "
-          f"window {args.window}; {params:.1f}M params; experts stored {args.expert_layout}, "
+          f"window {args.window}; {params:.1f}M params; experts stored {list(layout.dims)}, "
           f"{'not ' if args.no_arrange else ''}arranged for generation")
     import transformers
 

@@ -205,24 +205,23 @@ def test_a_local_task_dir_reads_its_data_beside_its_yaml_from_any_working_direct
 
 @pytest.mark.parametrize("arrange", [True, False], ids=["standalone", "in_run"])
 def test_only_a_standalone_evaluation_rearranges_the_experts_for_generation(arrange):
-    """In a dtype whose CPU kernels want the experts in another memory order than the stored one (fp32 under
-    the stored [E, out, in]), generate_until arranges them (moe.infer.generate) where `python -m moe.eval`
-    owns the model; in-run evaluation (arrange_experts=False) leaves a training model's parameters in the
-    memory its optimizer and DDP hold them in. The texts are the same."""
+    """A model stored [E, in, out] on the CPU, where the decoding kernels want [E, out, in]: generate_until
+    arranges its experts (moe.infer.generate) where `python -m moe.eval` owns the model; in-run evaluation
+    (arrange_experts=False) leaves a training model's parameters in the memory its optimizer and DDP hold
+    them in. The texts are the same."""
     from lm_eval.api.instance import Instance
     from transformers import AutoTokenizer
 
     from moe.eval.lm import MoELM
-    from moe.model.expert_layout import kernel_order, memory_order, stored
+    from moe.model.expert_layout import IN_OUT, kernel_order, memory_order, storing
 
-    cpu = torch.device("cpu")
-    dtype = next(d for d in (torch.float32, torch.bfloat16) if kernel_order(cpu, d) != stored())
     tok = AutoTokenizer.from_pretrained(SAMPLE_TOK)
-    model = tiny_model(seed=4, intermediate_size=24).to(dtype)  # widths of 16-byte multiples
+    with storing(IN_OUT):
+        model = tiny_model(seed=4, intermediate_size=24).to(torch.bfloat16)  # widths of 16-byte multiples
     experts = model.layers[0].ffn.experts
     request = Instance("generate_until", doc={}, arguments=("Once upon a time", {"until": ["\n"],
                        "max_gen_toks": 4, "do_sample": False}), idx=0)
     text = MoELM(model, tok, arrange_experts=arrange).generate_until([request])
-    want = kernel_order(cpu, dtype) if arrange else experts.layout
+    want = kernel_order(torch.device("cpu"), torch.bfloat16) if arrange else IN_OUT
     assert memory_order(experts.gate_up, experts.layout) == want
     assert text == MoELM(model, tok).generate_until([request])  # arranged or not, the same tokens

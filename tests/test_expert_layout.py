@@ -154,12 +154,18 @@ def test_upgrading_turns_expert_tensors_and_their_moments_only():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_generation_arranges_the_experts_once_and_changes_no_token_nor_checkpoint(dtype):
-    """On the CPU, bf16 experts run from [E, out, in] memory while generating (kernel_order), fp32 from
-    [E, in, out]; the arrangement is at most one copy per model (none where the stored layout is the
-    kernel's), and the tokens, the logits and the state dict (its shapes and values) are the stored
-    layout's as before. (Widths of 16-byte multiples both ways, as torch._grouped_mm wants its strides.)"""
+    """On the CPU the experts run from [E, out, in] memory while generating (kernel_order): a model stored
+    [E, in, out] is arranged so, one copy per model, and its tokens, logits and state dict (shapes and
+    values) stay the stored layout's; the default ([E, out, in]) is not copied. (Widths of 16-byte
+    multiples both ways, as torch._grouped_mm wants its strides.)"""
     torch.manual_seed(0)
-    model = MoETransformer(dataclasses.replace(CFG, intermediate_size=24), OPT).to(dtype).eval()
+    cfg = dataclasses.replace(CFG, intermediate_size=24)
+    default = MoETransformer(cfg, OPT).to(dtype).eval()
+    weights = default.layers[0].ffn.experts.gate_up.data_ptr()
+    arrange_for_generation(default)
+    assert default.layers[0].ffn.experts.gate_up.data_ptr() == weights
+    with storing(IN_OUT):
+        model = MoETransformer(cfg, OPT).to(dtype).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plain = generate(model, IDS, max_new_tokens=6, arrange_experts=False).tokens
     experts = model.layers[0].ffn.experts
@@ -169,7 +175,7 @@ def test_generation_arranges_the_experts_once_and_changes_no_token_nor_checkpoin
         logits = model(IDS).logits_BSV
     assert generate(model, IDS, max_new_tokens=6).tokens == plain
     want = kernel_order(torch.device("cpu"), dtype)
-    assert want == (OUT_IN if dtype == torch.bfloat16 else IN_OUT)
+    assert want == OUT_IN
     assert memory_order(experts.gate_up, layout) == want and memory_order(experts.down, layout) == want
     weights = experts.gate_up.data_ptr()
     arrange_for_generation(model)  # already arranged: no copy

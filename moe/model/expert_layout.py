@@ -161,13 +161,11 @@ def arranged(w: torch.Tensor, layout: ExpertLayout, order: ExpertLayout) -> torc
 
 def kernel_order(device: torch.device, dtype: torch.dtype) -> ExpertLayout | None:
     """The memory order the experts' decoding matmuls (a few rows per expert) run fastest from on `device` in
-    `dtype`, where it was measured: on the CPU in bf16 and fp16, [E, out, in] (the right operand
-    column-major: 15-25x faster where the CPU lacks bf16 instructions, equal with them); in fp32,
-    [E, in, out] (MKL's sgemm 3-11% faster at 2-3 rows, 6% at 8). None elsewhere (a GPU: not measured, the
-    stored order stays). Figures: docs/BENCHMARKS.md, "Expert weight layout"."""
-    if device.type != "cpu":
-        return None
-    return OUT_IN if dtype in (torch.bfloat16, torch.float16) else IN_OUT
+    `dtype`, where it was measured: on the CPU [E, out, in] in every dtype (the right operand column-major:
+    bf16 and fp16 15-25x faster where the CPU lacks bf16 instructions, equal with them; fp32's sgemm 3-11%
+    faster at 2-3 rows, the rows a decode step gives an expert). None elsewhere (a GPU: not measured, the
+    stored order stays; it may answer by dtype). Figures: docs/BENCHMARKS.md, "Expert weight layout"."""
+    return OUT_IN if device.type == "cpu" else None
 
 
 def recorded(checkpoint: dict) -> dict:
