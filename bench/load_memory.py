@@ -88,11 +88,12 @@ def checkpoint(directory: Path, path: Path) -> None:
     import torch
 
     from moe.hf import from_hf
+    from moe.model.expert_layout import recorded
 
     model = from_hf(directory)
     cfg = {"model": asdict(model.model_config), "moe_opt": asdict(model.moe_opt)}
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "hyper_parameters": {"cfg": cfg}, "global_step": 0}, path)
+    torch.save(recorded({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                         "hyper_parameters": {"cfg": cfg}, "global_step": 0}), path)  # as train.py records it
 
 
 def measured(command: list[str], cwd: Path, env: dict) -> tuple[float, float, float]:
