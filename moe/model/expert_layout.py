@@ -118,9 +118,9 @@ IN_OUT = ExpertLayout(("expert", "in", "out"))
 OUT_IN = ExpertLayout(("expert", "out", "in"))
 
 # The product's default: the one place the stored order is chosen. [E, out, in], as transformers and
-# torchtitan store them: a training step is as fast or faster from it on every CPU measured (fp32 and bf16
-# with bf16 instructions 1.1x, half precision without them 2.6-3.3x); generation arranges the memory per
-# kernel either way (kernel_order). Figures: docs/BENCHMARKS.md, "Expert weight layout".
+# torchtitan store them: a training step is as fast from it (within 2%) on every CPU measured, and 2.6-3.3x
+# faster in half precision where the CPU lacks bf16 instructions; decoding runs from it too (kernel_order).
+# Figures: docs/BENCHMARKS.md, "Expert weight layout".
 EXPERT_LAYOUT = OUT_IN
 UNRECORDED = IN_OUT  # what a checkpoint without LAYOUT_KEY holds: every one written before it existed
 LAYOUT_KEY = "expert_layout"

@@ -307,7 +307,8 @@ def _group_ends(counts_E: torch.Tensor | list[int], device) -> torch.Tensor:
 
 def arrange_for_generation(model: nn.Module) -> None:
     """Every expert's weights in the memory order its no-grad matmuls want for its device and dtype
-    (moe.model.expert_layout.kernel_order): one copy the first time, none after (moe.infer.generate)."""
+    (moe.model.expert_layout.kernel_order): one copy the first time where the stored memory differs (a
+    model stored [E, in, out] on the CPU), none after or for the default (moe.infer.generate)."""
     for m in model.modules():
         if isinstance(m, Experts):
             order = kernel_order(m.gate_up.device, m.gate_up.dtype)
