@@ -141,7 +141,8 @@ def main(overrides: list[str]) -> int:
 
     from moe.backends.ddp.backend import DDPBackend
     from moe.backends.neuron.backend import NeuronBackend
-    from moe.backends.neuron.nxd_checkpoint import EXPERT_TENSORS, local_shard, our_name, split_of
+    from moe.backends.neuron.nxd_checkpoint import EXPERT_TENSORS, NXD_LAYOUT, local_shard, our_name, split_of
+    from moe.model.expert_layout import stored
     from moe.module import LitMoE
 
     dist.init_process_group("gloo")  # Lightning's strategy does this in a run
@@ -174,9 +175,10 @@ def main(overrides: list[str]) -> int:
     reference = dict(ref.model.named_parameters())
 
     def mine(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a full reference tensor: its experts, its tensor-parallel shard."""
+        """This rank's piece of a full reference tensor: its experts (in NxD's layout, as the trn1
+        initialisation turns ours), its tensor-parallel shard."""
         if name.endswith(EXPERT_TENSORS):
-            tensor = tensor.chunk(ep)[ep_rank]
+            tensor = stored().convert(tensor.chunk(ep)[ep_rank], NXD_LAYOUT)
         return local_shard(tensor, split_of(name, cfg.model), tp_rank, tp)
 
     for step in range(STEPS):
