@@ -218,7 +218,8 @@ class CausalSelfAttention(nn.Module):
                 attention_mask_BS: torch.Tensor | None, dtype, device):
         """(attn_mask, is_causal) for SDPA: which keys each query sees (causal, this layer's window, ALiBi's
         bias) with left padding's pad keys hidden; (None, True/False) where SDPA's own fast path does."""
-        if attention_mask_BS is not None and self.position_encoding == "rope" and not torch.is_grad_enabled():
+        shareable = not (torch.is_grad_enabled() or torch.compiler.is_compiling())  # as `rope`'s tables
+        if attention_mask_BS is not None and self.position_encoding == "rope" and shareable:
             return self._shared_padding_mask(q_start, q_len, k_start, k_len, attention_mask_BS, dtype, device)
         mask, is_causal = self._mask(q_start, q_len, k_start, k_len, dtype, device)
         if attention_mask_BS is not None:
@@ -231,7 +232,7 @@ class CausalSelfAttention(nn.Module):
         layers with the same window: it depends on the positions, the window and `attention_mask_BS` only
         (ALiBi's adds each layer's slopes). Kept while the same attention_mask_BS object comes back (a
         forward's layers); a new one (the next step's) starts over. Saves about ten small ops a layer."""
-        if _SHARED_PADDING[0] is not attention_mask_BS or torch.compiler.is_compiling():
+        if _SHARED_PADDING[0] is not attention_mask_BS:
             _SHARED_PADDING[:] = [attention_mask_BS, {}]
         key = (q_start, q_len, k_start, k_len, self.sliding_window, dtype, device)
         kept = _SHARED_PADDING[1].get(key)
